@@ -1,0 +1,84 @@
+"""The daily feature refresh: compute snapshots for a day (or a range) and materialize them.
+
+Idempotent per day: re-running a day replaces that day's parquet and writes the same
+values to Redis. Feast's Redis writer keeps the newest snapshot per entity, so
+backfilling an old day never overwrites a newer online value.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import date, timedelta
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from batch_jobs.daily_features import compute_day, snapshot_time, write_day
+from fraud_scoring.feast_store import apply_definitions, open_store
+from fraud_scoring.features import VIEWS
+from fraud_scoring.storage import partition_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchReport:
+    days: int
+    rows_written: int
+    compute_s: float
+    materialized_rows: int
+    materialize_s: float
+
+    @property
+    def materialize_rows_per_s(self) -> float:
+        return self.materialized_rows / self.materialize_s if self.materialize_s else 0.0
+
+
+def day_range(first: date, last: date) -> list[date]:
+    if last < first:
+        raise ValueError(f"--to {last} is before --from {first}")
+    return [first + timedelta(days=i) for i in range((last - first).days + 1)]
+
+
+def run_batch(
+    data_dir: Path,
+    days: list[date],
+    redis_url: str,
+    feature_store_yaml: Path | None = None,
+    materialize: bool = True,
+) -> BatchReport:
+    """Compute, write and (optionally) materialize the snapshots of ``days``."""
+    raw, feats = data_dir / "raw", data_dir / "features"
+    t0 = time.perf_counter()
+    rows = 0
+    for day in tqdm(days, desc="daily features", unit="day", disable=None):
+        tables = compute_day(raw, day)
+        write_day(feats, day, tables)
+        rows += sum(t.num_rows for t in tables.values())
+        log.info("features for %s: %s", day,
+                 {k: v.num_rows for k, v in tables.items()})
+    compute_s = time.perf_counter() - t0
+    if not materialize:
+        return BatchReport(len(days), rows, compute_s, 0, 0.0)
+
+    store = open_store(data_dir, redis_url, feature_store_yaml)
+    apply_definitions(store)
+    t1 = time.perf_counter()
+    # Materialize exactly the snapshots of these days: [first snapshot, last snapshot].
+    start, end = snapshot_time(min(days)), snapshot_time(max(days)) + timedelta(seconds=1)
+    store.materialize(start_date=start, end_date=end)
+    mat_s = time.perf_counter() - t1
+    # Feast writes the newest row per entity in the window: count those.
+    latest = set()
+    for view in VIEWS:
+        for day in days:
+            p = partition_dir(feats, view.name, day) / "part-0.parquet"
+            latest.update((view.name, k) for k in
+                          pq.read_table(p, columns=[view.join_key]).column(0).to_pylist())
+    report = BatchReport(len(days), rows, compute_s, len(latest), mat_s)
+    log.info("materialized %d entity rows in %.2fs (%.0f rows/s)", report.materialized_rows,
+             mat_s, report.materialize_rows_per_s)
+    return report

@@ -1,0 +1,184 @@
+"""Training job: point-in-time training set through Feast, LightGBM, ONNX export.
+
+The training set joins each transaction with the batch snapshots that existed at its
+own event time (Feast ``get_historical_features``: snapshot ``event_timestamp <= t``
+and within the view's TTL), then computes request features with the same function the
+scoring service uses. Labels are the chargebacks that have arrived by the time the job
+runs (a transaction without one is taken as legitimate). The last ``holdout_days`` are held out by time, never shuffled in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+
+import duckdb
+import lightgbm as lgb
+import numpy as np
+import pandas as pd
+from sklearn.metrics import average_precision_score, roc_auc_score
+
+from batch_jobs.daily_features import snapshot_time
+from fraud_scoring import features as F
+from fraud_scoring.feast_store import apply_definitions, open_store
+from fraud_scoring.model_repo import (
+    FeatureSpec,
+    ModelMetadata,
+    Thresholds,
+    next_version,
+    publish,
+)
+from fraud_scoring.storage import DataError, partition_days
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    holdout_days: int = 5
+    warmup_days: int = 7  # first days have no batch history: skip them
+    max_train_negatives: int = 60_000
+    max_holdout_negatives: int = 60_000  # sampled, then weighted back in the metrics
+    seed: int = 7
+    model_name: str = "fraud"
+
+
+def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
+    days = [d for d in partition_days(raw, "transactions") if first <= d <= last]
+    if not days:
+        raise DataError(f"no raw transactions under {raw / 'transactions'} in {first}..{last}")
+    files = [str(raw / "transactions" / f"date={d}" / "part-0.parquet") for d in days]
+    label_days = partition_days(raw, "labels")
+    cutoff = datetime.now(UTC)  # every chargeback that has arrived by now
+    con = duckdb.connect()
+    try:
+        con.execute("SET TimeZone='UTC'")
+        txns = con.sql(
+            "SELECT transaction_id, card_id, merchant_id, amount, event_time, country, channel,"
+            " device_id FROM read_parquet($f) ORDER BY event_time", params={"f": files}
+        ).df()
+        if label_days:
+            lf = [str(raw / "labels" / f"date={d}" / "part-0.parquet") for d in label_days]
+            known = con.sql(
+                "SELECT DISTINCT transaction_id FROM read_parquet($f) WHERE label_time < $c",
+                params={"f": lf, "c": cutoff},
+            ).df()
+        else:
+            known = pd.DataFrame({"transaction_id": pd.Series([], dtype=str)})
+    except duckdb.Error as exc:
+        raise DataError(f"reading raw history: {exc}") from exc
+    finally:
+        con.close()
+    txns["label"] = txns["transaction_id"].isin(set(known["transaction_id"])).astype(np.int8)
+    return txns
+
+
+def feature_columns(joined: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Batch (with defaults) and request feature columns for a joined frame."""
+    batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
+    ts = pd.to_datetime(joined["event_timestamp"], utc=True).astype("int64").to_numpy() / 1e9
+    req = F.request_features(
+        joined["amount"].to_numpy(), ts, joined["country"].to_numpy(object),
+        joined["channel"].to_numpy(object), joined["device_id"].notna().to_numpy(), batch,
+    )
+    return {**batch, **req}
+
+
+def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:
+    """decline: the lowest score whose (weighted) holdout precision is still >= 90%;
+    review: the lowest whose precision is >= 30%. Fallbacks: the top 0.2% / 2% of scores."""
+    order = np.argsort(-score, kind="stable")
+    tp = np.cumsum((y * weight)[order])
+    precision = tp / np.cumsum(weight[order])
+    enough = np.cumsum(y[order]) >= 5  # ignore the first few, noisy points
+
+    def lowest(p: float, q: float) -> float:
+        ok = np.flatnonzero((precision >= p) & enough)
+        return float(score[order][ok[-1]]) if len(ok) else float(np.quantile(score, q))
+
+    decline, review = lowest(0.9, 0.998), lowest(0.3, 0.98)
+    return Thresholds(review=min(review, decline), decline=decline)
+
+
+def train(data_dir: Path, redis_url: str, model_repo: Path, cfg: TrainConfig,
+          feature_store_yaml: Path | None = None) -> ModelMetadata:
+    raw = data_dir / "raw"
+    days = partition_days(raw, "transactions")
+    if len(days) < cfg.warmup_days + cfg.holdout_days + 1:
+        raise DataError(f"need at least {cfg.warmup_days + cfg.holdout_days + 1} days of raw "
+                        f"history under {raw}, found {len(days)}")
+    first, last = days[cfg.warmup_days], days[-1]
+    holdout_start = last - timedelta(days=cfg.holdout_days - 1)
+    txns = load_transactions(raw, first, last)
+    hold_ts = pd.Timestamp(datetime.combine(holdout_start, datetime.min.time(), UTC))
+    is_hold = txns["event_time"] >= hold_ts
+    rng = np.random.default_rng(cfg.seed)
+    neg = np.flatnonzero(~is_hold & (txns["label"] == 0))
+    if len(neg) > cfg.max_train_negatives:
+        neg = rng.choice(neg, cfg.max_train_negatives, replace=False)
+    hneg = np.flatnonzero(is_hold & (txns["label"] == 0))
+    hold_neg_weight = len(hneg) / max(min(len(hneg), cfg.max_holdout_negatives), 1)
+    if len(hneg) > cfg.max_holdout_negatives:
+        hneg = rng.choice(hneg, cfg.max_holdout_negatives, replace=False)
+    keep = np.sort(np.concatenate([neg, hneg, np.flatnonzero(txns["label"] == 1)]))
+    sample = txns.iloc[keep].rename(columns={"event_time": "event_timestamp"})
+
+    store = open_store(data_dir, redis_url, feature_store_yaml)
+    apply_definitions(store)
+    log.info("point-in-time join of %d transactions with Feast", len(sample))
+    joined = store.get_historical_features(
+        entity_df=sample, features=store.get_feature_service("fraud_model")
+    ).to_df()
+    joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
+    cols = feature_columns(joined)
+    names = F.default_model_features()
+    X = F.assemble(names, cols)
+    y = joined["label"].to_numpy()
+    hold = (pd.to_datetime(joined["event_timestamp"], utc=True) >= hold_ts).to_numpy()
+    # Negatives are down-sampled for training and not weighted back: scores rank
+    # correctly but are not calibrated probabilities (thresholds come from the holdout).
+    hw = np.where(y[hold] == 1, 1.0, hold_neg_weight)
+    model = lgb.LGBMClassifier(
+        n_estimators=300, learning_rate=0.05, num_leaves=31, min_child_samples=20,
+        subsample=0.8, subsample_freq=1, colsample_bytree=0.8, random_state=cfg.seed,
+        n_jobs=2, verbose=-1,
+    )
+    model.fit(X[~hold], y[~hold])
+    score = model.predict_proba(X[hold])[:, 1]
+    metrics = {
+        "holdout_pr_auc": float(average_precision_score(y[hold], score, sample_weight=hw)),
+        "holdout_roc_auc": float(roc_auc_score(y[hold], score, sample_weight=hw)),
+        "holdout_rows": float(hw.sum()),
+        "holdout_fraud_rate": float((y[hold] * hw).sum() / hw.sum()),
+        "train_rows": float((~hold).sum()),
+        "train_positives": float(y[~hold].sum()),
+    }
+    onnx_bytes = export_onnx(model, len(names))
+    meta = ModelMetadata(
+        name=cfg.model_name,
+        version=next_version(model_repo, cfg.model_name),
+        created_at=datetime.now(UTC),
+        framework=f"lightgbm {lgb.__version__}",
+        features=[FeatureSpec(name=n, dtype="float32") for n in names],
+        training_window=(datetime.combine(first, datetime.min.time(), UTC), hold_ts),
+        holdout_window=(hold_ts, snapshot_time(last)),
+        thresholds=choose_thresholds(y[hold], score, hw),
+        metrics=metrics,
+    )
+    path = publish(model_repo, cfg.model_name, {"model.onnx": onnx_bytes}, meta)
+    log.info("published %s", path)
+    return meta
+
+
+def export_onnx(model: lgb.LGBMClassifier, n_features: int) -> bytes:
+    """LightGBM → ONNX with one float input ``input`` [N, F] and ``probabilities`` [N, 2]."""
+    from onnxmltools import convert_lightgbm
+    from onnxmltools.convert.common.data_types import FloatTensorType
+
+    onx = convert_lightgbm(
+        model, initial_types=[("input", FloatTensorType([None, n_features]))],
+        zipmap=False, target_opset=15,
+    )
+    return bytes(onx.SerializeToString())

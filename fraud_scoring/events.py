@@ -1,0 +1,77 @@
+"""The transaction event: the one schema shared by HTTP requests, stream events and raw files.
+
+See ``shared/design.md`` (Transaction event). Validation errors name the field.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from functools import cache
+from typing import Annotated, Literal
+
+import pycountry
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
+
+CHANNELS = ("pos", "ecom", "atm")
+
+
+@cache
+def _currencies() -> frozenset[str]:
+    return frozenset(c.alpha_3 for c in pycountry.currencies)
+
+
+@cache
+def _countries() -> frozenset[str]:
+    return frozenset(c.alpha_2 for c in pycountry.countries)
+
+
+def _currency(v: str) -> str:
+    if v not in _currencies():
+        raise ValueError(f"unknown ISO 4217 currency code {v!r}")
+    return v
+
+
+def _country(v: str) -> str:
+    if v not in _countries():
+        raise ValueError(f"unknown ISO 3166-1 alpha-2 country code {v!r}")
+    return v
+
+
+def _epoch_or_aware(v: object) -> object:
+    # Epoch numbers are seconds (or milliseconds when > 1e11) since 1970 UTC.
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        secs = v / 1000.0 if abs(v) > 1e11 else float(v)
+        return datetime.fromtimestamp(secs, tz=UTC)
+    return v
+
+
+class Transaction(BaseModel):
+    """One card transaction. ``event_time`` must carry a time zone (or be epoch seconds/ms)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, str_strip_whitespace=True)
+
+    transaction_id: str = Field(min_length=1, max_length=128)
+    card_id: str = Field(min_length=1, max_length=128)
+    merchant_id: str = Field(min_length=1, max_length=128)
+    amount: float = Field(gt=0, lt=1e9, allow_inf_nan=False)
+    currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$"), AfterValidator(_currency)]
+    event_time: AwareDatetime
+    country: Annotated[str, Field(pattern=r"^[A-Z]{2}$"), AfterValidator(_country)]
+    channel: Literal["pos", "ecom", "atm"]
+    mcc: str = Field(pattern=r"^[0-9]{4}$")
+    device_id: str | None = Field(default=None, max_length=128)
+
+    @classmethod
+    def model_validate_event(cls, raw: dict[str, object]) -> Transaction:
+        """Validate a dict whose ``event_time`` may also be epoch seconds or milliseconds."""
+        if "event_time" in raw:
+            raw = {**raw, "event_time": _epoch_or_aware(raw["event_time"])}
+        return cls.model_validate(raw)
+
+    @property
+    def event_ts(self) -> float:
+        """Event time as epoch seconds (UTC)."""
+        return self.event_time.timestamp()
+
+
+Transaction.model_rebuild()

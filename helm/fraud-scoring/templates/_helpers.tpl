@@ -1,0 +1,266 @@
+{{/* Names ------------------------------------------------------------------- */}}
+
+{{- define "fraud-scoring.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name, at most 52 characters so that suffixes such as
+"-streaming" and CronJob's 11-character job suffix still fit in 63. */}}
+{{- define "fraud-scoring.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "fraud-scoring.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels ------------------------------------------------------------------ */}}
+
+{{- define "fraud-scoring.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "fraud-scoring.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "fraud-scoring.labels" -}}
+helm.sh/chart: {{ include "fraud-scoring.chart" . }}
+{{ include "fraud-scoring.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: fraud-scoring
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels for one component: include with (dict "ctx" $ "component" "scoring"). */}}
+{{- define "fraud-scoring.componentLabels" -}}
+{{ include "fraud-scoring.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "fraud-scoring.componentSelectorLabels" -}}
+{{ include "fraud-scoring.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "fraud-scoring.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "fraud-scoring.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Images ------------------------------------------------------------------ */}}
+
+{{- define "fraud-scoring.imageRef" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository (default .defaultTag .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "fraud-scoring.image" -}}
+{{- include "fraud-scoring.imageRef" (dict "image" .Values.image "defaultTag" .Chart.AppVersion) }}
+{{- end }}
+
+{{- define "fraud-scoring.gpuImage" -}}
+{{- include "fraud-scoring.imageRef" (dict "image" .Values.gpu.image "defaultTag" (printf "%s-gpu" .Chart.AppVersion)) }}
+{{- end }}
+
+{{/* Redis ------------------------------------------------------------------- */}}
+
+{{- define "fraud-scoring.redisFullname" -}}
+{{- printf "%s-redis" (include "fraud-scoring.fullname" .) }}
+{{- end }}
+
+{{- define "fraud-scoring.redisHost" -}}
+{{- if .Values.redis.inChart.enabled }}
+{{- include "fraud-scoring.redisFullname" . }}
+{{- else }}
+{{- required "redis.host is required when redis.inChart.enabled is false" .Values.redis.host }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the pods authenticate to Redis with a password from a Secret. */}}
+{{- define "fraud-scoring.redisAuth" -}}
+{{- if or .Values.redis.existingSecret .Values.redis.password .Values.redis.inChart.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "fraud-scoring.redisSecretName" -}}
+{{- default (printf "%s-redis-auth" (include "fraud-scoring.fullname" .)) .Values.redis.existingSecret }}
+{{- end }}
+
+{{- define "fraud-scoring.redisSecretKey" -}}
+{{- if .Values.redis.existingSecret }}
+{{- .Values.redis.existingSecretPasswordKey }}
+{{- else -}}
+redis-password
+{{- end }}
+{{- end }}
+
+{{/* REDIS_PASSWORD (from the Secret) then REDIS_URL built from it with Kubernetes'
+dependent variable expansion; REDIS_PASSWORD must come first. */}}
+{{- define "fraud-scoring.redisEnv" -}}
+{{- $scheme := ternary "rediss" "redis" .Values.redis.tls }}
+{{- $inChart := .Values.redis.inChart.enabled }}
+{{- $hostPort := printf "%s:%d" (include "fraud-scoring.redisHost" .) (ternary 6379 (int .Values.redis.port) $inChart) }}
+{{- $user := ternary "" .Values.redis.username $inChart }}
+{{- if include "fraud-scoring.redisAuth" . }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fraud-scoring.redisSecretName" . }}
+      key: {{ include "fraud-scoring.redisSecretKey" . }}
+- name: REDIS_URL
+  value: {{ printf "%s://%s:$(REDIS_PASSWORD)@%s/%d" $scheme $user $hostPort (int .Values.redis.db) | quote }}
+{{- else }}
+- name: REDIS_URL
+  value: {{ printf "%s://%s/%d" $scheme $hostPort (int .Values.redis.db) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Shared pod pieces ------------------------------------------------------- */}}
+
+{{- define "fraud-scoring.configMountPath" -}}/etc/fraud-scoring{{- end }}
+
+{{/* Environment every fraud-scoring container gets. Pass (dict "ctx" $ "component" "x"). */}}
+{{- define "fraud-scoring.commonEnv" -}}
+{{- $ := .ctx }}
+{{ include "fraud-scoring.redisEnv" $ | trim }}
+- name: FRAUD_DATA_DIR
+  value: {{ printf "%s/data" $.Values.storage.mountPath | quote }}
+- name: FRAUD_MODEL_REPO
+  value: {{ printf "%s/models" $.Values.storage.mountPath | quote }}
+- name: FRAUD_MODEL_NAME
+  value: {{ $.Values.model.name | quote }}
+- name: FRAUD_MODEL_VERSION
+  value: {{ $.Values.model.version | quote }}
+- name: FRAUD_FEATURE_STORE_YAML
+  value: {{ printf "%s/feature_store.yaml" (include "fraud-scoring.configMountPath" $) | quote }}
+- name: FRAUD_STREAM_SOURCE
+  value: {{ $.Values.streaming.source | quote }}
+- name: FRAUD_STREAM_NAME
+  value: {{ $.Values.streaming.streamName | quote }}
+{{- with $.Values.streaming.kafka.bootstrapServers }}
+- name: FRAUD_KAFKA_BOOTSTRAP
+  value: {{ . | quote }}
+{{- end }}
+- name: HOME
+  value: /tmp
+- name: K8S_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "fraud-scoring-%s" .component | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ list (printf "k8s.namespace.name=%s" $.Release.Namespace) "k8s.pod.name=$(K8S_POD_NAME)" (printf "service.instance.id=$(K8S_POD_NAME)") $.Values.otel.resourceAttributes | compact | join "," | quote }}
+{{- with $.Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $.Values.otel.protocol | quote }}
+{{- end }}
+{{- with $.Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "fraud-scoring.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: config
+  mountPath: {{ include "fraud-scoring.configMountPath" . }}
+  readOnly: true
+- name: storage
+  mountPath: {{ .Values.storage.mountPath }}
+{{- end }}
+
+{{- define "fraud-scoring.storageClaimName" -}}
+{{- default (printf "%s-storage" (include "fraud-scoring.fullname" .)) .Values.storage.pvc.existingClaim }}
+{{- end }}
+
+{{- define "fraud-scoring.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+- name: config
+  configMap:
+    name: {{ include "fraud-scoring.fullname" . }}-config
+- name: storage
+{{- if eq .Values.storage.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ include "fraud-scoring.storageClaimName" . }}
+{{- else }}
+{{- if not .Values.storage.volume }}
+{{- fail "storage.volume must be set when storage.type is volume" }}
+{{- end }}
+  {{- toYaml .Values.storage.volume | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every fraud-scoring pod. */}}
+{{- define "fraud-scoring.podCommon" -}}
+serviceAccountName: {{ include "fraud-scoring.serviceAccountName" . }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automount }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* A fraud-scoring container running one subcommand, for Jobs. The image's
+entrypoint (tini -- fraud-scoring) runs it: only args are set, for every component.
+(dict "ctx" $ "name" "x" "args" (list ...) "resources" {...} "component" "x") */}}
+{{- define "fraud-scoring.jobContainer" -}}
+- name: {{ .name }}
+  image: {{ include "fraud-scoring.image" .ctx }}
+  imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+  args:
+    {{- toYaml .args | nindent 4 }}
+  env:
+    {{- include "fraud-scoring.commonEnv" (dict "ctx" .ctx "component" .component) | trim | nindent 4 }}
+  {{- with .ctx.Values.extraEnvFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .ctx.Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml .resources | nindent 4 }}
+  volumeMounts:
+    {{- include "fraud-scoring.volumeMounts" .ctx | nindent 4 }}
+{{- end }}
+
+{{/* Egress rules for every release pod when networkPolicy.restrictEgress is on. */}}
+{{- define "fraud-scoring.egressRules" -}}
+{{- if .Values.networkPolicy.restrictEgress }}
+egress:
+  # DNS
+  - ports:
+      - port: 53
+        protocol: UDP
+      - port: 53
+        protocol: TCP
+  # Redis (in-chart or external)
+  - ports:
+      - port: {{ ternary 6379 (int .Values.redis.port) .Values.redis.inChart.enabled }}
+        protocol: TCP
+  {{- with .Values.networkPolicy.egressTo }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- end }}

