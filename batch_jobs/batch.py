@@ -58,8 +58,7 @@ def run_batch(
         tables = compute_day(raw, day)
         write_day(feats, day, tables)
         rows += sum(t.num_rows for t in tables.values())
-        log.info("features for %s: %s", day,
-                 {k: v.num_rows for k, v in tables.items()})
+        log.info("features for %s: %s", day, {k: v.num_rows for k, v in tables.items()})
     compute_s = time.perf_counter() - t0
     if not materialize:
         return BatchReport(len(days), rows, compute_s, 0, 0.0)
@@ -76,9 +75,15 @@ def run_batch(
     for view in VIEWS:
         for day in days:
             p = partition_dir(feats, view.name, day) / "part-0.parquet"
-            latest.update((view.name, k) for k in
-                          pq.read_table(p, columns=[view.join_key]).column(0).to_pylist())
+            latest.update(
+                (view.name, k)
+                for k in pq.read_table(p, columns=[view.join_key]).column(0).to_pylist()
+            )
     report = BatchReport(len(days), rows, compute_s, len(latest), mat_s)
-    log.info("materialized %d entity rows in %.2fs (%.0f rows/s)", report.materialized_rows,
-             mat_s, report.materialize_rows_per_s)
+    log.info(
+        "materialized %d entity rows in %.2fs (%.0f rows/s)",
+        report.materialized_rows,
+        mat_s,
+        report.materialize_rows_per_s,
+    )
     return report

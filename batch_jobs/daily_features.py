@@ -20,7 +20,7 @@ import duckdb
 import pyarrow as pa
 
 from fraud_scoring.features import CARD_VIEW, MERCHANT_VIEW, BatchView, view_features
-from fraud_scoring.storage import DataError, partition_dir, partition_days, write_partition
+from fraud_scoring.storage import DataError, partition_days, partition_dir, write_partition
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,12 @@ def compute_day(raw: Path, day: date) -> dict[str, pa.Table]:
         if label_files:
             merchant = con.sql(MERCHANT_SQL, params={**params, "label_files": label_files})
         else:  # no chargeback has arrived yet: every rate is 0
-            sql = MERCHANT_SQL.replace("read_parquet($label_files)", "(SELECT NULL::VARCHAR AS "
-                                       "transaction_id, NULL::TIMESTAMPTZ AS label_time, "
-                                       "NULL::BOOLEAN AS is_fraud)")
+            sql = MERCHANT_SQL.replace(
+                "read_parquet($label_files)",
+                "(SELECT NULL::VARCHAR AS "
+                "transaction_id, NULL::TIMESTAMPTZ AS label_time, "
+                "NULL::BOOLEAN AS is_fraud)",
+            )
             merchant = con.sql(sql, params=params)
         merchant_t = merchant.to_arrow_table()
     except duckdb.Error as exc:

@@ -32,12 +32,26 @@ log = logging.getLogger(__name__)
 
 COUNTRIES = np.array(["US", "GB", "DE", "FR", "CA", "MX", "BR", "JP", "IN", "NG", "RU", "CN"])
 HOME_P = np.array([0.55, 0.1, 0.08, 0.07, 0.06, 0.04, 0.03, 0.03, 0.02, 0.01, 0.005, 0.005])
-CURRENCY = {"US": "USD", "GB": "GBP", "DE": "EUR", "FR": "EUR", "CA": "CAD", "MX": "MXN",
-            "BR": "BRL", "JP": "JPY", "IN": "INR", "NG": "NGN", "RU": "RUB", "CN": "CNY"}
+CURRENCY = {
+    "US": "USD",
+    "GB": "GBP",
+    "DE": "EUR",
+    "FR": "EUR",
+    "CA": "CAD",
+    "MX": "MXN",
+    "BR": "BRL",
+    "JP": "JPY",
+    "IN": "INR",
+    "NG": "NGN",
+    "RU": "RUB",
+    "CN": "CNY",
+}
 CHANNELS = np.array(["pos", "ecom", "atm"])
 MCCS = np.array(["5411", "5812", "5541", "5999", "5732", "4111", "7011", "5311", "6011", "5967"])
 # Hour-of-day weights for normal spending (UTC, for simplicity: see README).
-HOUR_W = np.array([1, 0.5, 0.3, 0.3, 0.3, 0.5, 1, 2, 3, 4, 5, 5, 6, 6, 5, 5, 5, 6, 7, 7, 6, 4, 3, 2])
+HOUR_W = np.array(
+    [1, 0.5, 0.3, 0.3, 0.3, 0.5, 1, 2, 3, 4, 5, 5, 6, 6, 5, 5, 5, 6, 7, 7, 6, 4, 3, 2]
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,6 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     rate = rng.gamma(2.0, cfg.txns_per_card_day / 2.0, size=C)
     first_day = np.where(rng.random(C) < 0.8, 0, rng.integers(0, max(D, 1), size=C))
     favs = rng.integers(0, M, size=(C, 8))
-    m_country = np.where(rng.random(M) < 0.7, 0, rng.choice(len(COUNTRIES), size=M, p=HOME_P))
     m_channel = rng.choice(3, size=M, p=[0.6, 0.3, 0.1])
     m_mcc = rng.integers(0, len(MCCS), size=M)
     m_scale = rng.lognormal(3.3, 0.6, size=M)  # ~27 typical ticket
@@ -126,16 +139,21 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     idx = np.concatenate([np.arange(k) for k in tot])
     small = idx < np.repeat(sizes, tot)
     t1 = np.repeat(ct_start, tot) + np.where(
-        small, idx * rng.integers(5_000_000, 40_000_000, size=len(c1)),
+        small,
+        idx * rng.integers(5_000_000, 40_000_000, size=len(c1)),
         np.repeat(sizes, tot) * 30_000_000 + rng.integers(60_000_000, 3_600_000_000, size=len(c1)),
     )
-    a1 = np.where(small, np.round(rng.uniform(0.5, 5.0, size=len(c1)), 2),
-                  np.round(rng.uniform(300, 2500, size=len(c1)), 2))
+    a1 = np.where(
+        small,
+        np.round(rng.uniform(0.5, 5.0, size=len(c1)), 2),
+        np.round(rng.uniform(300, 2500, size=len(c1)), 2),
+    )
     m1 = sinks[rng.integers(0, n_sink, size=n_ct)][np.repeat(np.arange(n_ct), tot)]
     dev1 = n_dev + np.repeat(np.arange(n_ct), tot)
     n_dev += n_ct
-    parts.append((c1, m1, t1, a1, home[c1], np.ones(len(c1), int), dev1,
-                  np.full(len(c1), 1, np.int8)))
+    parts.append(
+        (c1, m1, t1, a1, home[c1], np.ones(len(c1), int), dev1, np.full(len(c1), 1, np.int8))
+    )
 
     # --- account takeover ---------------------------------------------------------------
     n_ato = max(1, int(C * D * 0.0002))
@@ -149,8 +167,18 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     m2 = rng.integers(0, M, size=len(c2))
     dev2 = n_dev + np.repeat(np.arange(n_ato), k)
     n_dev += n_ato
-    parts.append((c2, m2, t2, a2, np.repeat(foreign, k), np.ones(len(c2), int), dev2,
-                  np.full(len(c2), 2, np.int8)))
+    parts.append(
+        (
+            c2,
+            m2,
+            t2,
+            a2,
+            np.repeat(foreign, k),
+            np.ones(len(c2), int),
+            dev2,
+            np.full(len(c2), 2, np.int8),
+        )
+    )
 
     # --- compromised merchant -------------------------------------------------------------
     n_breach = max(1, M // 50)
@@ -173,8 +201,7 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     ctry3 = np.where(rng.random(len(c3)) < 0.5, home[c3], rng.integers(0, len(COUNTRIES), len(c3)))
     dev3 = n_dev + np.arange(len(c3))
     n_dev += len(c3)
-    parts.append((c3, m3, t3, a3, ctry3, np.ones(len(c3), int), dev3,
-                  np.full(len(c3), 3, np.int8)))
+    parts.append((c3, m3, t3, a3, ctry3, np.ones(len(c3), int), dev3, np.full(len(c3), 3, np.int8)))
 
     card, merch, t, amt, ctry, chan, device, pattern = (
         np.concatenate([p[i] for p in parts]) for i in range(8)
@@ -204,8 +231,9 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
         "mcc": MCCS.astype(object)[m_mcc[merch]],
         "device_id": dev_names[device],
         "is_fraud": is_fraud,
-        "fraud_pattern": np.array(["", "card_testing", "account_takeover",
-                                   "compromised_merchant"], dtype=object)[pattern],
+        "fraud_pattern": np.array(
+            ["", "card_testing", "account_takeover", "compromised_merchant"], dtype=object
+        )[pattern],
         "label_time": label_time.astype(np.int64),
     }
 
@@ -219,7 +247,9 @@ def write(cols: dict[str, np.ndarray], raw_dir: Path, cfg: SimConfig) -> int:
     for d in tqdm(range(cfg.days), desc="write days", unit="day", disable=None):
         sl = slice(bounds[d], bounds[d + 1])
         write_partition(
-            raw_dir, "transactions", cfg.start + timedelta(days=d),
+            raw_dir,
+            "transactions",
+            cfg.start + timedelta(days=d),
             _table({k: v[sl] for k, v in cols.items() if k != "label_time"}),
         )
     fraud = np.flatnonzero(cols["is_fraud"])
@@ -228,15 +258,19 @@ def write(cols: dict[str, np.ndarray], raw_dir: Path, cfg: SimConfig) -> int:
     for d in np.unique(lday):
         sel = fraud[lday == d]
         write_partition(
-            raw_dir, "labels", cfg.start + timedelta(days=int(d)),
-            pa.table({
-                "transaction_id": pa.array(cols["transaction_id"][sel], pa.string()),
-                "card_id": pa.array(cols["card_id"][sel], pa.string()),
-                "merchant_id": pa.array(cols["merchant_id"][sel], pa.string()),
-                "event_time": pa.array(cols["event_time"][sel], pa.timestamp("us", tz="UTC")),
-                "label_time": pa.array(cols["label_time"][sel], pa.timestamp("us", tz="UTC")),
-                "is_fraud": pa.array(np.ones(len(sel), bool), pa.bool_()),
-            }),
+            raw_dir,
+            "labels",
+            cfg.start + timedelta(days=int(d)),
+            pa.table(
+                {
+                    "transaction_id": pa.array(cols["transaction_id"][sel], pa.string()),
+                    "card_id": pa.array(cols["card_id"][sel], pa.string()),
+                    "merchant_id": pa.array(cols["merchant_id"][sel], pa.string()),
+                    "event_time": pa.array(cols["event_time"][sel], pa.timestamp("us", tz="UTC")),
+                    "label_time": pa.array(cols["label_time"][sel], pa.timestamp("us", tz="UTC")),
+                    "is_fraud": pa.array(np.ones(len(sel), bool), pa.bool_()),
+                }
+            ),
         )
     return len(cols["event_time"])
 
@@ -245,5 +279,7 @@ def simulate(cfg: SimConfig, raw_dir: Path) -> int:
     """Generate and write the simulation; returns the number of transactions."""
     cols = generate(cfg)
     n = write(cols, raw_dir, cfg)
-    log.info("simulated %d transactions (%d fraud) into %s", n, int(cols["is_fraud"].sum()), raw_dir)
+    log.info(
+        "simulated %d transactions (%d fraud) into %s", n, int(cols["is_fraud"].sum()), raw_dir
+    )
     return n

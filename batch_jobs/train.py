@@ -4,7 +4,8 @@ The training set joins each transaction with the batch snapshots that existed at
 own event time (Feast ``get_historical_features``: snapshot ``event_timestamp <= t``
 and within the view's TTL), then computes request features with the same function the
 scoring service uses. Labels are the chargebacks that have arrived by the time the job
-runs (a transaction without one is taken as legitimate). The last ``holdout_days`` are held out by time, never shuffled in.
+runs (a transaction without one is taken as legitimate). The last ``holdout_days`` are
+held out by time, never shuffled in.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
         con.execute("SET TimeZone='UTC'")
         txns = con.sql(
             "SELECT transaction_id, card_id, merchant_id, amount, event_time, country, channel,"
-            " device_id FROM read_parquet($f) ORDER BY event_time", params={"f": files}
+            " device_id FROM read_parquet($f) ORDER BY event_time",
+            params={"f": files},
         ).df()
         if label_days:
             lf = [str(raw / "labels" / f"date={d}" / "part-0.parquet") for d in label_days]
@@ -80,8 +82,12 @@ def feature_columns(joined: pd.DataFrame) -> dict[str, np.ndarray]:
     batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
     ts = pd.to_datetime(joined["event_timestamp"], utc=True).astype("int64").to_numpy() / 1e9
     req = F.request_features(
-        joined["amount"].to_numpy(), ts, joined["country"].to_numpy(object),
-        joined["channel"].to_numpy(object), joined["device_id"].notna().to_numpy(), batch,
+        joined["amount"].to_numpy(),
+        ts,
+        joined["country"].to_numpy(object),
+        joined["channel"].to_numpy(object),
+        joined["device_id"].notna().to_numpy(),
+        batch,
     )
     return {**batch, **req}
 
@@ -102,13 +108,20 @@ def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> T
     return Thresholds(review=min(review, decline), decline=decline)
 
 
-def train(data_dir: Path, redis_url: str, model_repo: Path, cfg: TrainConfig,
-          feature_store_yaml: Path | None = None) -> ModelMetadata:
+def train(
+    data_dir: Path,
+    redis_url: str,
+    model_repo: Path,
+    cfg: TrainConfig,
+    feature_store_yaml: Path | None = None,
+) -> ModelMetadata:
     raw = data_dir / "raw"
     days = partition_days(raw, "transactions")
     if len(days) < cfg.warmup_days + cfg.holdout_days + 1:
-        raise DataError(f"need at least {cfg.warmup_days + cfg.holdout_days + 1} days of raw "
-                        f"history under {raw}, found {len(days)}")
+        raise DataError(
+            f"need at least {cfg.warmup_days + cfg.holdout_days + 1} days of raw "
+            f"history under {raw}, found {len(days)}"
+        )
     first, last = days[cfg.warmup_days], days[-1]
     holdout_start = last - timedelta(days=cfg.holdout_days - 1)
     txns = load_transactions(raw, first, last)
@@ -141,9 +154,16 @@ def train(data_dir: Path, redis_url: str, model_repo: Path, cfg: TrainConfig,
     # correctly but are not calibrated probabilities (thresholds come from the holdout).
     hw = np.where(y[hold] == 1, 1.0, hold_neg_weight)
     model = lgb.LGBMClassifier(
-        n_estimators=300, learning_rate=0.05, num_leaves=31, min_child_samples=20,
-        subsample=0.8, subsample_freq=1, colsample_bytree=0.8, random_state=cfg.seed,
-        n_jobs=2, verbose=-1,
+        n_estimators=300,
+        learning_rate=0.05,
+        num_leaves=31,
+        min_child_samples=20,
+        subsample=0.8,
+        subsample_freq=1,
+        colsample_bytree=0.8,
+        random_state=cfg.seed,
+        n_jobs=2,
+        verbose=-1,
     )
     model.fit(X[~hold], y[~hold])
     score = model.predict_proba(X[hold])[:, 1]
@@ -166,10 +186,17 @@ def train(data_dir: Path, redis_url: str, model_repo: Path, cfg: TrainConfig,
         holdout_window=(hold_ts, snapshot_time(last)),
         thresholds=choose_thresholds(y[hold], score, hw),
         metrics=metrics,
+        feature_importance=importance(model, names),
     )
     path = publish(model_repo, cfg.model_name, {"model.onnx": onnx_bytes}, meta)
     log.info("published %s", path)
     return meta
+
+
+def importance(model: lgb.LGBMClassifier, names: list[str]) -> dict[str, float]:
+    gain = model.booster_.feature_importance(importance_type="gain")
+    total = float(gain.sum()) or 1.0
+    return {n: round(float(g) / total, 6) for n, g in zip(names, gain, strict=True)}
 
 
 def export_onnx(model: lgb.LGBMClassifier, n_features: int) -> bytes:
@@ -178,7 +205,9 @@ def export_onnx(model: lgb.LGBMClassifier, n_features: int) -> bytes:
     from onnxmltools.convert.common.data_types import FloatTensorType
 
     onx = convert_lightgbm(
-        model, initial_types=[("input", FloatTensorType([None, n_features]))],
-        zipmap=False, target_opset=15,
+        model,
+        initial_types=[("input", FloatTensorType([None, n_features]))],
+        zipmap=False,
+        target_opset=15,
     )
     return bytes(onx.SerializeToString())

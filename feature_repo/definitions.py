@@ -22,10 +22,18 @@ def features_dir() -> Path:
     return Path(os.environ.get("FRAUD_DATA_DIR", "data")).resolve() / "features"
 
 
-card = Entity(name="card", join_keys=["card_id"], value_type=ValueType.STRING,
-              description="A payment card (PAN token).")
-merchant = Entity(name="merchant", join_keys=["merchant_id"], value_type=ValueType.STRING,
-                  description="A merchant account.")
+card = Entity(
+    name="card",
+    join_keys=["card_id"],
+    value_type=ValueType.STRING,
+    description="A payment card (PAN token).",
+)
+merchant = Entity(
+    name="merchant",
+    join_keys=["merchant_id"],
+    value_type=ValueType.STRING,
+    description="A merchant account.",
+)
 _ENTITIES = {"card": card, "merchant": merchant}
 
 
@@ -34,8 +42,10 @@ def _view(v: BatchView) -> FeatureView:
         name=v.name,
         entities=[_ENTITIES[v.entity]],
         ttl=v.ttl,
-        schema=[Field(name=f.name, dtype=_TYPES[f.dtype], description=f.description)
-                for f in view_features(v)],
+        schema=[
+            Field(name=f.name, dtype=_TYPES[f.dtype], description=f.description)
+            for f in view_features(v)
+        ],
         source=FileSource(
             name=f"{v.name}_daily",
             path=str(features_dir() / v.name),

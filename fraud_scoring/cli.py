@@ -13,7 +13,6 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
-from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -46,12 +45,20 @@ def cmd_simulate(args: argparse.Namespace, settings: Settings) -> None:
 
     from batch_jobs.simulate import SimConfig, simulate
 
-    cfg = SimConfig(cards=args.cards, merchants=args.merchants, days=args.days,
-                    start=args.start, txns_per_card_day=args.rate, seed=args.seed)
+    cfg = SimConfig(
+        cards=args.cards,
+        merchants=args.merchants,
+        days=args.days,
+        start=args.start,
+        txns_per_card_day=args.rate,
+        seed=args.seed,
+    )
     t0 = time.perf_counter()
     n = simulate(cfg, settings.data_dir / "raw")
-    print(f"simulated {n:,} transactions over {cfg.days} days into "
-          f"{settings.data_dir / 'raw'} in {time.perf_counter() - t0:.1f}s")
+    print(
+        f"simulated {n:,} transactions over {cfg.days} days into "
+        f"{settings.data_dir / 'raw'} in {time.perf_counter() - t0:.1f}s"
+    )
 
 
 def cmd_batch(args: argparse.Namespace, settings: Settings) -> None:
@@ -66,11 +73,18 @@ def cmd_batch(args: argparse.Namespace, settings: Settings) -> None:
     else:
         days = [args.date or (datetime.now(UTC).date() - timedelta(days=1))]
     with _redis(settings) as url:
-        r = run_batch(settings.data_dir, days, url, settings.feature_store_yaml,
-                      materialize=not args.no_materialize)
-    print(f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "
-          f"materialized {r.materialized_rows:,} rows in {r.materialize_s:.1f}s "
-          f"({r.materialize_rows_per_s:,.0f} rows/s)")
+        r = run_batch(
+            settings.data_dir,
+            days,
+            url,
+            settings.feature_store_yaml,
+            materialize=not args.no_materialize,
+        )
+    print(
+        f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "
+        f"materialized {r.materialized_rows:,} rows in {r.materialize_s:.1f}s "
+        f"({r.materialize_rows_per_s:,.0f} rows/s)"
+    )
 
 
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
@@ -78,12 +92,15 @@ def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
 
     cfg = TrainConfig(holdout_days=args.holdout_days, model_name=settings.model_name)
     with _redis(settings) as url:
-        meta = train(settings.data_dir, url, settings.model_repo, cfg,
-                     settings.feature_store_yaml)
-    print(f"model {meta.name} version {meta.version}: " + ", ".join(
-        f"{k}={v:.4f}" for k, v in meta.metrics.items()))
-    print(f"thresholds: review >= {meta.thresholds.review:.4g}, "
-          f"decline >= {meta.thresholds.decline:.4g}")
+        meta = train(settings.data_dir, url, settings.model_repo, cfg, settings.feature_store_yaml)
+    print(
+        f"model {meta.name} version {meta.version}: "
+        + ", ".join(f"{k}={v:.4f}" for k, v in meta.metrics.items())
+    )
+    print(
+        f"thresholds: review >= {meta.thresholds.review:.4g}, "
+        f"decline >= {meta.thresholds.decline:.4g}"
+    )
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
@@ -111,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fraud-scoring", description=__doc__.split("\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    parsers = {name: sub.add_parser(name, help=h, description=h)
-               for name, (_, h) in COMMANDS.items()}
+    parsers = {
+        name: sub.add_parser(name, help=h, description=h) for name, (_, h) in COMMANDS.items()
+    }
 
     s = parsers["simulate"]
     s.add_argument("--cards", type=int, default=5000, help="number of cards (default 5000)")
@@ -142,8 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _extra_commands() -> dict[str, tuple[Callable[[argparse.Namespace, Settings], None], str,
-                                          Callable[[argparse.ArgumentParser], None]]]:
+def _extra_commands() -> dict[
+    str,
+    tuple[
+        Callable[[argparse.Namespace, Settings], None],
+        str,
+        Callable[[argparse.ArgumentParser], None],
+    ],
+]:
     """Subcommands contributed by other packages (the streaming updater)."""
     try:
         from streaming.cli import COMMANDS as streaming_commands
@@ -180,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         _positive(args)
         COMMANDS[args.command][0](args, settings)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
-                         for e in exc.errors())
+        errs = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
         log.error("invalid configuration: %s", errs)
         return 2
     except (UsageError, ValueError) as exc:

@@ -5,7 +5,6 @@ See ``shared/design.md`` (Transaction event). Validation errors name the field.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from functools import cache
 from typing import Annotated, Literal
 
@@ -37,14 +36,6 @@ def _country(v: str) -> str:
     return v
 
 
-def _epoch_or_aware(v: object) -> object:
-    # Epoch numbers are seconds (or milliseconds when > 1e11) since 1970 UTC.
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        secs = v / 1000.0 if abs(v) > 1e11 else float(v)
-        return datetime.fromtimestamp(secs, tz=UTC)
-    return v
-
-
 class Transaction(BaseModel):
     """One card transaction. ``event_time`` must carry a time zone (or be epoch seconds/ms)."""
 
@@ -62,10 +53,12 @@ class Transaction(BaseModel):
     device_id: str | None = Field(default=None, max_length=128)
 
     @classmethod
-    def model_validate_event(cls, raw: dict[str, object]) -> Transaction:
-        """Validate a dict whose ``event_time`` may also be epoch seconds or milliseconds."""
-        if "event_time" in raw:
-            raw = {**raw, "event_time": _epoch_or_aware(raw["event_time"])}
+    def model_validate_event(cls, raw: object) -> Transaction:
+        """Validate one event from a stream or file (same rules as the HTTP body).
+
+        ``event_time`` may be RFC 3339 with an offset, or epoch seconds / milliseconds
+        (pydantic reads numbers above 2e10 as milliseconds), always UTC.
+        """
         return cls.model_validate(raw)
 
     @property

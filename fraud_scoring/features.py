@@ -67,13 +67,21 @@ BATCH_FEATURES: tuple[Feature, ...] = (
     Feature("card_distinct_countries_30d", _B, "int64", 0, "distinct countries, 30d", "card"),
     Feature("card_days_since_first_seen", _B, "float32", 0.0, "days from first txn", "card"),
     Feature(
-        "card_top_country_30d", _B, "string", "", "most frequent country, 30d", "card",
+        "card_top_country_30d",
+        _B,
+        "string",
+        "",
+        "most frequent country, 30d",
+        "card",
         model_input=False,
     ),
     Feature("merchant_txn_count_30d", _B, "int64", 0, "merchant transactions, 30d", "merchant"),
     Feature("merchant_amount_sum_30d", _B, "float32", 0.0, "merchant volume, 30d", "merchant"),
     Feature(
-        "merchant_fraud_rate_90d", _B, "float32", 0.0,
+        "merchant_fraud_rate_90d",
+        _B,
+        "float32",
+        0.0,
         "share of the merchant's 90-day transactions labelled fraud, counting only labels "
         "that had arrived by the snapshot time",
         "merchant",
@@ -151,15 +159,19 @@ def request_features(
     return {k: v.astype(np.float32) for k, v in out.items()}
 
 
-def apply_defaults(batch: Mapping[str, npt.ArrayLike], present: npt.ArrayLike | None = None
-                   ) -> dict[str, np.ndarray]:
+def apply_defaults(
+    batch: Mapping[str, npt.ArrayLike], present: npt.ArrayLike | None = None
+) -> dict[str, np.ndarray]:
     """Batch columns with missing values (None/NaN) replaced by each feature's default.
 
-    ``present`` (bool per row), when given, also replaces whole rows that are missing or
-    stale. Returns float64 columns for numbers and object columns for strings.
+    Only the batch features present in ``batch`` are returned. ``present`` (bool per
+    row), when given, also replaces whole rows that are missing or stale. Returns float64
+    columns for numbers and object columns for strings.
     """
     out: dict[str, np.ndarray] = {}
     for f in BATCH_FEATURES:
+        if f.name not in batch:
+            continue
         col = np.asarray(batch[f.name], dtype=object)
         missing = np.asarray(pd.isna(col), dtype=bool)
         if present is not None:

@@ -21,6 +21,10 @@ class ModelError(RuntimeError):
     """A model cannot be found, read or used; the message says which and why."""
 
 
+class ModelNotFound(ModelError):
+    """No (complete) version of the model exists yet."""
+
+
 class FeatureSpec(BaseModel):
     name: str
     dtype: str = "float32"
@@ -45,6 +49,8 @@ class ModelMetadata(BaseModel):
     holdout_window: tuple[datetime, datetime]
     thresholds: Thresholds
     metrics: dict[str, float]
+    # Relative importance (gain share) per feature, used to order reason codes.
+    feature_importance: dict[str, float] = Field(default_factory=dict)
     # Optional variants: e.g. {"tensor": "model_tensor.onnx"}, an all-tensor-op export
     # whose every node can run on a GPU.
     variants: dict[str, str] = Field(default_factory=dict)
@@ -59,7 +65,8 @@ def versions(repo: Path, name: str) -> list[int]:
     if not base.is_dir():
         return []
     return sorted(
-        int(p.name) for p in base.iterdir()
+        int(p.name)
+        for p in base.iterdir()
         if p.name.isdigit() and (p / "metadata.json").exists() and (p / "model.onnx").exists()
     )
 
@@ -69,11 +76,13 @@ def resolve(repo: Path, name: str, version: str = "latest") -> Path:
     if version == "latest":
         found = versions(repo, name)
         if not found:
-            raise ModelError(f"no model versions under {repo / name} (run `fraud-scoring train`)")
+            raise ModelNotFound(
+                f"no model versions under {repo / name} (run `fraud-scoring train`)"
+            )
         return repo / name / str(found[-1])
     path = repo / name / version
     if not (path / "model.onnx").exists() or not (path / "metadata.json").exists():
-        raise ModelError(f"model {name} version {version} not found under {repo / name}")
+        raise ModelNotFound(f"model {name} version {version} not found under {repo / name}")
     return path
 
 

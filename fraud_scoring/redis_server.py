@@ -58,12 +58,18 @@ def embedded_redis(timeout_s: float = 10.0) -> Iterator[str]:
     workdir = Path(tempfile.mkdtemp(prefix="fraud-redis-"))
     cmd = [
         server_binary(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(workdir),
-        "--protected-mode", "yes",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        "--protected-mode",
+        "yes",
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True

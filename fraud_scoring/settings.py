@@ -62,6 +62,14 @@ class Settings(BaseSettings):
     )
 
     # --- dynamic batching at the model boundary ----------------------------------
+    batching: bool = Field(
+        default=True,
+        description="Dynamic batching at the model boundary; false: one feature read and "
+        "one ONNX call per request (the naive path, kept as the benchmark baseline).",
+    )
+    model_poll_s: float = Field(
+        default=5.0, gt=0, description="While no model exists yet, look for one this often."
+    )
     max_batch_size: int = Field(default=64, ge=1, description="Largest batch sent to the model.")
     max_queue_delay_ms: float = Field(
         default=2.0, ge=0, description="Longest a request waits for a batch to fill."

@@ -1,0 +1,345 @@
+"""The scoring API: POST /v1/score, /v1/score/batch, model reload, health and metrics.
+
+Resources (Redis pool, Feast store, model sessions, the batcher) are created in the
+lifespan and kept on ``app.state``; nothing connects at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any
+
+import prometheus_client
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+from pydantic import BaseModel, Field
+
+from fraud_scoring.events import Transaction
+from fraud_scoring.feast_store import open_store
+from fraud_scoring.features import all_features
+from fraud_scoring.model_repo import ModelError, ModelNotFound
+from fraud_scoring.redis_server import redis_url
+from fraud_scoring.settings import Settings, get_settings
+from service import telemetry
+from service.batching import Batcher, BatchStats, DeadlineExceeded, QueueFull
+from service.features import OnlineFeatureReader
+from service.model import LoadedModel, ModelHolder, load_model
+from service.scoring import Scorer, ScoreResult
+
+log = logging.getLogger(__name__)
+
+
+# --- response schema -------------------------------------------------------------------
+class ReasonOut(BaseModel):
+    code: str
+    message: str
+
+
+class FeatureStatus(BaseModel):
+    missing: list[str] = Field(description="features with no value; defaults were used")
+    stale: list[str] = Field(
+        description="features older than their TTL (or newer than the "
+        "transaction); defaults were used"
+    )
+
+
+class Timing(BaseModel):
+    queue_ms: float
+    feature_read_ms: float
+    inference_ms: float
+    decision_ms: float
+    total_ms: float
+    batch_size: int
+
+
+class ScoreOut(BaseModel):
+    transaction_id: str
+    decision: str
+    score: float
+    reasons: list[ReasonOut]
+    model_version: str
+    features: FeatureStatus
+    timing: Timing
+
+
+class BatchIn(BaseModel):
+    transactions: list[Transaction]
+
+
+class BatchOut(BaseModel):
+    results: list[ScoreOut]
+
+
+class ServiceUnavailable(Exception):
+    def __init__(self, reason: str, retry_after_s: int = 1) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+class PayloadTooLarge(Exception):
+    pass
+
+
+# --- app -------------------------------------------------------------------------------
+def _load(settings: Settings) -> LoadedModel:
+    return load_model(
+        settings.model_repo,
+        settings.model_name,
+        settings.model_version,
+        producible=set(all_features()),
+        provider_setting=settings.execution_provider,
+        instances=settings.model_instances,
+        intra_op_threads=settings.intra_op_threads,
+    )
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    instruments = telemetry.setup()
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(redis_url(settings.redis_url))
+        store = open_store(settings.data_dir, url, settings.feature_store_yaml)
+        models = ModelHolder()
+        try:
+            models.current = _load(settings)  # refuses a model it cannot feed: no start
+        except ModelNotFound as exc:
+            log.warning("%s; not ready until a model appears", exc)
+            stack.callback(_poll_for_model(models, settings).cancel)
+        client = aioredis.Redis.from_url(url, max_connections=64)
+        pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
+        reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
+        scorer = Scorer(client, reader, models, settings, pool)
+
+        def version() -> str:
+            return models.current.version if models.current else "none"
+
+        def on_batch(size: int, compute_s: float, waits: list[float]) -> None:
+            attrs = {"model_version": version()}
+            instruments.batch_size.record(size, attrs)
+            instruments.compute_time.record(compute_s, attrs)
+            for w in waits:
+                instruments.queue_time.record(w, attrs)
+
+        def on_reject(reason: str) -> None:
+            instruments.rejections.add(1, {"reason": reason, "model_version": version()})
+
+        batcher: Batcher[Transaction, ScoreResult] | None = None
+        if settings.batching:
+            batcher = Batcher(
+                scorer.score_batch,
+                max_batch_size=settings.max_batch_size,
+                max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
+                max_queue_size=settings.max_queue_size,
+                preferred_batch_sizes=settings.preferred_batch_sizes,
+                concurrency=settings.model_instances,
+                stats=BatchStats(on_batch=on_batch, on_reject=on_reject),
+            )
+            batcher.start()
+        app.state.redis = client
+        app.state.models = models
+        app.state.scorer = scorer
+        app.state.batcher = batcher
+        app.state.instruments = instruments
+        app.state.on_reject = on_reject
+        try:
+            yield
+        finally:
+            if batcher:
+                await batcher.stop(drain_s=settings.drain_seconds)
+            await client.aclose()
+            pool.shutdown(wait=True)
+
+
+def _poll_for_model(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
+    """Until a first model exists (e.g. the training job has not run yet), look for one."""
+
+    async def poll() -> None:
+        while models.current is None:
+            await asyncio.sleep(settings.model_poll_s)
+            try:
+                models.current = await asyncio.to_thread(_load, settings)
+            except ModelNotFound:
+                continue
+            except ModelError:
+                log.exception("found a model but cannot serve it; still not ready")
+
+    return asyncio.get_running_loop().create_task(poll(), name="model-poll")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    app = FastAPI(title="fraud-scoring", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings or get_settings()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for e in exc.errors():
+            loc = [str(p) for p in e["loc"] if p != "body"]
+            problem = e["msg"]
+            if e["type"] == "json_invalid":
+                problem = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+            errors.append({"field": ".".join(loc) or "body", "problem": problem})
+        return JSONResponse(status_code=422, content={"detail": errors})
+
+    @app.exception_handler(ServiceUnavailable)
+    async def _unavailable(request: Request, exc: ServiceUnavailable) -> JSONResponse:
+        return JSONResponse(
+            status_code=503,
+            content={"detail": str(exc)},
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+
+    @app.exception_handler(PayloadTooLarge)
+    async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
+        return JSONResponse(
+            status_code=413, content={"detail": [{"field": "transactions", "problem": str(exc)}]}
+        )
+
+    app.post("/v1/score", response_model=ScoreOut)(score)
+    app.post("/v1/score/batch", response_model=BatchOut)(score_batch)
+    app.post("/v1/models/reload")(reload_model)
+    app.get("/healthz")(healthz)
+    app.get("/readyz")(readyz)
+    app.get("/metrics")(metrics)
+    return app
+
+
+def _deadline(request: Request, timeout_ms: float | None) -> float:
+    settings: Settings = request.app.state.settings
+    ms = settings.request_timeout_ms if timeout_ms is None else timeout_ms
+    return time.monotonic() + ms / 1e3
+
+
+TimeoutHeader = Annotated[float | None, Header(alias="X-Request-Timeout-Ms", gt=0, le=60_000)]
+
+
+async def _score_one(request: Request, txn: Transaction, deadline: float) -> ScoreOut:
+    state = request.app.state
+    if state.models.current is None:
+        raise ServiceUnavailable("no model loaded yet", retry_after_s=5)
+    start = time.perf_counter()
+    tracer = telemetry.tracer()
+    with tracer.start_as_current_span("score", attributes={"transaction_id": txn.transaction_id}):
+        try:
+            if state.batcher is not None:
+                res = await asyncio.wait_for(
+                    state.batcher.submit(txn, deadline), timeout=max(deadline - time.monotonic(), 0)
+                )
+            else:
+                if deadline <= time.monotonic():
+                    state.on_reject("deadline")
+                    raise DeadlineExceeded("deadline passed")
+                res = (await state.scorer.score_batch([txn]))[0]
+        except QueueFull as exc:
+            raise ServiceUnavailable(f"overloaded: {exc}") from exc
+        except (DeadlineExceeded, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                state.on_reject("timeout")
+            raise ServiceUnavailable(f"deadline exceeded: {exc or 'timed out'}") from exc
+        for name, (s, e) in res.spans_ns.items():
+            tracer.start_span(name, start_time=s).end(end_time=e)
+        total_ms = (time.perf_counter() - start) * 1e3
+        tm = res.timing_ms
+        queue_ms = max(total_ms - tm["feature_read"] - tm["inference"] - tm["decision"], 0.0)
+        trace.get_current_span().set_attribute("decision", res.decision)
+    state.instruments.decisions.add(
+        1, {"decision": res.decision, "model_version": res.model_version}
+    )
+    state.instruments.request_duration.record(total_ms / 1e3, {"model_version": res.model_version})
+    return ScoreOut(
+        transaction_id=res.transaction_id,
+        decision=res.decision,
+        score=res.score,
+        reasons=[ReasonOut(code=r.code, message=r.message) for r in res.reasons],
+        model_version=res.model_version,
+        features=FeatureStatus(missing=res.missing, stale=res.stale),
+        timing=Timing(
+            queue_ms=queue_ms,
+            feature_read_ms=tm["feature_read"],
+            inference_ms=tm["inference"],
+            decision_ms=tm["decision"],
+            total_ms=total_ms,
+            batch_size=int(tm["batch_size"]),
+        ),
+    )
+
+
+async def score(
+    request: Request, txn: Transaction, x_request_timeout_ms: TimeoutHeader = None
+) -> ScoreOut:
+    """Score one transaction: approve, review or decline, with reasons."""
+    return await _score_one(request, txn, _deadline(request, x_request_timeout_ms))
+
+
+async def score_batch(
+    request: Request, body: BatchIn, x_request_timeout_ms: TimeoutHeader = None
+) -> BatchOut:
+    """Score up to ``FRAUD_MAX_BATCH_REQUEST`` transactions; results keep the input order."""
+    limit = request.app.state.settings.max_batch_request
+    if len(body.transactions) > limit:
+        raise PayloadTooLarge(f"{len(body.transactions)} transactions; at most {limit} per call")
+    if not body.transactions:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", "transactions"),
+                    "type": "too_short",
+                    "msg": "at least one transaction is required",
+                }
+            ]
+        )
+    deadline = _deadline(request, x_request_timeout_ms)
+    results = await asyncio.gather(*(_score_one(request, t, deadline) for t in body.transactions))
+    return BatchOut(results=list(results))
+
+
+async def reload_model(request: Request) -> JSONResponse:
+    """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure."""
+    state = request.app.state
+    old = state.models.current.version if state.models.current else None
+    try:
+        new = await asyncio.get_running_loop().run_in_executor(
+            None, state.models.swap, lambda: _load(state.settings)
+        )
+    except ModelError as exc:
+        return JSONResponse(status_code=409, content={"detail": str(exc), "serving_version": old})
+    return JSONResponse({"previous_version": old, "serving_version": new.version})
+
+
+async def healthz() -> dict[str, str]:
+    return {"status": "alive"}
+
+
+async def readyz(request: Request) -> JSONResponse:
+    state = request.app.state
+    problems: dict[str, Any] = {}
+    if state.models.current is None:
+        problems["model"] = "not loaded"
+    try:
+        await asyncio.wait_for(state.redis.ping(), timeout=1.0)
+    except Exception as exc:  # any failure to reach Redis means not ready
+        problems["redis"] = f"unreachable: {exc!r}"
+    if problems:
+        return JSONResponse(status_code=503, content={"status": "not ready", **problems})
+    return JSONResponse(
+        {
+            "status": "ready",
+            "model_version": state.models.current.version,
+            "providers": state.models.current.providers,
+        }
+    )
+
+
+async def metrics() -> Response:
+    return Response(
+        prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST
+    )

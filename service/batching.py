@@ -1,0 +1,229 @@
+"""Dynamic batching at the model boundary (one module owns it).
+
+Request handlers ``submit`` an item with a deadline and await its result. One worker
+task forms batches and hands each to ``run_batch`` (feature read + inference for the
+whole batch). Bounds, all from settings:
+
+* ``max_batch_size``: a batch never holds more items;
+* ``max_queue_delay``: the oldest item waits at most this long for the batch to fill
+  (with ``preferred_batch_sizes`` the worker flushes early when the batch reaches one);
+* ``max_queue_size``: a submit beyond it fails at once with :class:`QueueFull`;
+* deadlines: a batch never waits past the earliest deadline it holds minus the
+  measured batch time, and an item that can no longer make its deadline is failed with
+  :class:`DeadlineExceeded` before it reaches the model.
+
+Cancellation: a caller that goes away (its awaiting task is cancelled, e.g. the client
+timed out) cancels its future; the worker drops cancelled items when it forms the batch,
+so they never run, never hang the queue and never hold a slot. Order is FIFO.
+Up to ``concurrency`` batches run at once (one per model instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class QueueFull(Exception):
+    """The queue is at max_queue_size; answer 503 with Retry-After."""
+
+
+class DeadlineExceeded(Exception):
+    """The item's deadline passed (or cannot be met) before it reached the model."""
+
+
+@dataclass
+class _Item(Generic[T, R]):
+    payload: T
+    deadline: float  # time.monotonic()
+    enqueued: float
+    future: asyncio.Future[R]
+
+
+@dataclass
+class BatchStats:
+    """Observations for metrics; ``observe`` is called once per batch that ran."""
+
+    on_batch: Callable[[int, float, list[float]], None] | None = None  # size, compute_s, waits
+    on_reject: Callable[[str], None] | None = None
+    ewma_batch_s: float = 0.0
+    batches: int = 0
+
+
+class Batcher(Generic[T, R]):
+    def __init__(
+        self,
+        run_batch: Callable[[Sequence[T]], Awaitable[Sequence[R]]],
+        *,
+        max_batch_size: int,
+        max_queue_delay_s: float,
+        max_queue_size: int,
+        preferred_batch_sizes: Sequence[int] = (),
+        concurrency: int = 1,
+        stats: BatchStats | None = None,
+    ) -> None:
+        if max_batch_size < 1 or max_queue_size < 1 or concurrency < 1:
+            raise ValueError("max_batch_size, max_queue_size and concurrency must be >= 1")
+        self._run = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_queue_size = max_queue_size
+        self.preferred = sorted(s for s in preferred_batch_sizes if 0 < s <= max_batch_size)
+        self._queue: deque[_Item[T, R]] = deque()
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._running: set[asyncio.Task[None]] = set()
+        self._worker: asyncio.Task[None] | None = None
+        self.stats = stats or BatchStats()
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Stop taking batches; wait up to ``drain_s`` for queued and running ones."""
+        end = time.monotonic() + drain_s
+        while (self._queue or self._running) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        if self._worker:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(DeadlineExceeded("service shutting down"))
+        self._queue.clear()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    # -- request side --------------------------------------------------------------
+    async def submit(self, payload: T, deadline: float) -> R:
+        """Queue ``payload`` and wait for its result (or QueueFull / DeadlineExceeded)."""
+        now = time.monotonic()
+        if len(self._queue) >= self.max_queue_size:
+            self._reject("queue_full")
+            raise QueueFull(f"queue holds {len(self._queue)} requests (max_queue_size)")
+        if deadline - now < self.stats.ewma_batch_s:
+            self._reject("deadline")
+            raise DeadlineExceeded("deadline shorter than the measured batch time")
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Item(payload, deadline, now, fut))
+        self._wakeup.set()
+        # The caller's own timeout cancels ``fut`` through this await; the worker then
+        # drops the item before the batch runs.
+        return await fut
+
+    def _reject(self, reason: str) -> None:
+        if self.stats.on_reject:
+            self.stats.on_reject(reason)
+
+    # -- worker side ---------------------------------------------------------------
+    def _live_head(self) -> _Item[T, R] | None:
+        """Drop cancelled and expired items from the front; return the first live one."""
+        now = time.monotonic()
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():  # cancelled by its caller
+                self._queue.popleft()
+            elif head.deadline - now < self.stats.ewma_batch_s:
+                self._queue.popleft()
+                head.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
+                self._reject("deadline")
+            else:
+                return head
+        return None
+
+    def _ready_size(self) -> int:
+        return sum(1 for it in self._queue if not it.future.done())
+
+    async def _loop(self) -> None:
+        while True:
+            if self._live_head() is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._slots.acquire()
+            try:
+                batch = await self._collect()
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._execute(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _collect(self) -> list[_Item[T, R]]:
+        """Wait until the batch is full, a preferred size is reached, the oldest item
+        has waited max_queue_delay, or the earliest deadline forces a flush."""
+        while True:
+            head = self._live_head()
+            if head is None:
+                return []
+            ready = self._ready_size()
+            if ready >= self.max_batch_size or (self.preferred and ready in self.preferred):
+                break
+            earliest = min(it.deadline for it in self._queue if not it.future.done())
+            flush_at = min(
+                head.enqueued + self.max_queue_delay_s, earliest - self.stats.ewma_batch_s
+            )
+            wait = flush_at - time.monotonic()
+            if wait <= 0:
+                break
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+            except TimeoutError:
+                break
+        batch: list[_Item[T, R]] = []
+        now = time.monotonic()
+        while self._queue and len(batch) < self.max_batch_size:
+            item = self._queue.popleft()
+            if item.future.done():
+                continue
+            if item.deadline - now < self.stats.ewma_batch_s:
+                item.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
+                self._reject("deadline")
+                continue
+            batch.append(item)
+        return batch
+
+    async def _execute(self, batch: list[_Item[T, R]]) -> None:
+        start = time.monotonic()
+        try:
+            results = await self._run([it.payload for it in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
+        except Exception as exc:  # one failed batch fails its own items, not the queue
+            log.exception("batch of %d failed", len(batch))
+            for it in batch:
+                if not it.future.done():
+                    it.future.set_exception(exc)
+            return
+        finally:
+            self._slots.release()
+        elapsed = time.monotonic() - start
+        s = self.stats
+        s.ewma_batch_s = elapsed if s.batches == 0 else 0.8 * s.ewma_batch_s + 0.2 * elapsed
+        s.batches += 1
+        if s.on_batch:
+            s.on_batch(len(batch), elapsed, [start - it.enqueued for it in batch])
+        for it, res in zip(batch, results, strict=True):
+            if not it.future.done():
+                it.future.set_result(res)

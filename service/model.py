@@ -1,0 +1,159 @@
+"""The model executor: ONNX Runtime sessions for one model version, swapped atomically.
+
+CUDA is used when ``onnxruntime-gpu`` is installed and a GPU is visible (setting
+``execution_provider``: auto | cuda | cpu). On CUDA, inputs are padded to a few fixed
+batch-size buckets and bound with IOBinding so each bucket keeps one shape (the
+precondition for CUDA graphs, enabled per bucket session). On CPU the batch runs as is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from fraud_scoring.model_repo import ModelError, ModelMetadata, load_metadata, resolve
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def choose_providers(setting: str) -> list[str]:
+    """ONNX Runtime providers for ``setting`` (auto | cuda | cpu)."""
+    available = ort.get_available_providers()
+    if setting not in ("auto", "cuda", "cpu"):
+        raise ModelError(f"FRAUD_EXECUTION_PROVIDER must be auto, cuda or cpu, got {setting!r}")
+    if setting == "cuda" and "CUDAExecutionProvider" not in available:
+        raise ModelError(
+            "execution_provider=cuda but CUDAExecutionProvider is not available "
+            f"(have {available}); install onnxruntime-gpu instead of onnxruntime"
+        )
+    if setting != "cpu" and "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def bucket_for(n: int) -> int:
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return n
+
+
+@dataclass
+class LoadedModel:
+    meta: ModelMetadata
+    path: Path
+    sessions: list[ort.InferenceSession]
+    providers: list[str]
+    variant: str
+
+    def __post_init__(self) -> None:
+        self._rr = itertools.cycle(range(len(self.sessions)))
+        self._lock = threading.Lock()
+        self.on_gpu = self.providers[0] == "CUDAExecutionProvider"
+
+    @property
+    def version(self) -> str:
+        return self.meta.version
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Fraud probability per row of ``x`` (float32, shape (n, n_features)).
+
+        Safe to call from several threads: sessions are used round-robin and an ONNX
+        Runtime session's ``run`` is thread-safe.
+        """
+        with self._lock:
+            sess = self.sessions[next(self._rr)]
+        n = x.shape[0]
+        if self.on_gpu:
+            return self._predict_cuda(sess, x)[:n]
+        out = sess.run([self.meta.output_name], {self.meta.input_name: x})[0]
+        return np.asarray(out)[:, 1]
+
+    def _predict_cuda(self, sess: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
+        b = bucket_for(x.shape[0])
+        if b != x.shape[0]:
+            x = np.concatenate([x, np.zeros((b - x.shape[0], x.shape[1]), np.float32)])
+        binding = sess.io_binding()
+        binding.bind_cpu_input(self.meta.input_name, np.ascontiguousarray(x))
+        binding.bind_output(self.meta.output_name, "cpu")
+        sess.run_with_iobinding(binding)
+        return np.asarray(binding.copy_outputs_to_cpu()[0])[:, 1]
+
+
+def load_model(
+    repo: Path,
+    name: str,
+    version: str,
+    producible: set[str],
+    *,
+    provider_setting: str = "auto",
+    instances: int = 1,
+    intra_op_threads: int = 1,
+) -> LoadedModel:
+    """Load and validate a model version; raises ModelError with the reason.
+
+    The model is refused when it needs a feature the service cannot produce, when its
+    ONNX input does not match the metadata, or when a warm-up run fails.
+    """
+    path = resolve(repo, name, version)
+    meta = load_metadata(path)
+    unknown = [f for f in meta.feature_names if f not in producible]
+    if unknown:
+        raise ModelError(
+            f"model {name} v{meta.version} needs features the service cannot produce: "
+            f"{', '.join(unknown)}"
+        )
+    providers = choose_providers(provider_setting)
+    on_gpu = providers[0] == "CUDAExecutionProvider"
+    # Tree ensembles run only on CPU in ONNX Runtime: on a GPU prefer the tensor variant.
+    variant = "tensor" if on_gpu and "tensor" in meta.variants else "default"
+    onnx_file = path / (meta.variants[variant] if variant != "default" else "model.onnx")
+    sessions = []
+    for _ in range(instances):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = intra_op_threads
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            sess = ort.InferenceSession(str(onnx_file), sess_options=so, providers=providers)
+        except Exception as exc:  # ORT raises its own exception types for bad files
+            raise ModelError(f"{onnx_file}: ONNX Runtime cannot load it: {exc}") from exc
+        sessions.append(sess)
+    inp = sessions[0].get_inputs()[0]
+    if inp.name != meta.input_name or inp.shape[-1] != len(meta.features):
+        raise ModelError(
+            f"{onnx_file}: input {inp.name}{inp.shape} does not match metadata "
+            f"({meta.input_name}, {len(meta.features)} features)"
+        )
+    model = LoadedModel(meta, path, sessions, providers, variant)
+    try:
+        probe = model.predict(np.zeros((2, len(meta.features)), np.float32))
+    except Exception as exc:
+        raise ModelError(f"{onnx_file}: warm-up inference failed: {exc}") from exc
+    if probe.shape != (2,) or not np.all(np.isfinite(probe)):
+        raise ModelError(f"{onnx_file}: warm-up output is not one finite score per row")
+    log.info("loaded model %s v%s (%s) on %s", name, meta.version, variant, providers[0])
+    return model
+
+
+class ModelHolder:
+    """Holds the serving model; ``swap`` replaces it atomically or keeps the old one."""
+
+    def __init__(self, model: LoadedModel | None = None) -> None:
+        self.current = model
+
+    def swap(self, load: Callable[[], LoadedModel]) -> LoadedModel:
+        """Load a new model with ``load()`` and serve it; if ``load`` raises (ModelError),
+        nothing changes and the old model keeps serving."""
+        new = load()
+        self.current = new  # one reference assignment: in-flight batches keep the old one
+        return new
