@@ -17,10 +17,12 @@ WORKDIR /src
 COPY . .
 # Our own wheel first, then every dependency as a prebuilt wheel: --only-binary makes
 # a dependency without a wheel for this platform fail the build here instead of
-# silently needing a compiler.
+# silently needing a compiler. The OTLP/HTTP exporter lets OTEL_TRACES_EXPORTER=otlp
+# (set by the chart's otel.endpoint) export traces.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/venv/bin/pip install --only-binary=:all: "$(ls /wheels/fraud_scoring-*.whl)[cpu]" \
+ && /opt/venv/bin/pip install --only-binary=:all: \
+      "$(ls /wheels/fraud_scoring-*.whl)[cpu]" opentelemetry-exporter-otlp-proto-http \
  && /opt/venv/bin/pip uninstall --yes pip setuptools wheel \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} + \
  && /opt/venv/bin/python -m compileall -q -j 0 /opt/venv/lib

@@ -167,10 +167,12 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ list (printf "k8s.namespace.name=%s" $.Release.Namespace) "k8s.pod.name=$(K8S_POD_NAME)" (printf "service.instance.id=$(K8S_POD_NAME)") $.Values.otel.resourceAttributes | compact | join "," | quote }}
 {{- with $.Values.otel.endpoint }}
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
 - name: OTEL_EXPORTER_OTLP_PROTOCOL
-  value: {{ $.Values.otel.protocol | quote }}
+  value: http/protobuf
 {{- end }}
 {{- with $.Values.extraEnv }}
 {{ toYaml . }}
