@@ -71,7 +71,7 @@ def run_batch(
     store.materialize(start_date=start, end_date=end)
     mat_s = time.perf_counter() - t1
     # Feast writes the newest row per entity in the window: count those.
-    latest = set()
+    latest: set[tuple[str, str]] = set()
     for view in VIEWS:
         for day in days:
             p = partition_dir(feats, view.name, day) / "part-0.parquet"

@@ -203,14 +203,11 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     n_dev += len(c3)
     parts.append((c3, m3, t3, a3, ctry3, np.ones(len(c3), int), dev3, np.full(len(c3), 3, np.int8)))
 
-    card, merch, t, amt, ctry, chan, device, pattern = (
-        np.concatenate([p[i] for p in parts]) for i in range(8)
-    )
+    merged: list[np.ndarray] = [np.concatenate([p[i] for p in parts]) for i in range(8)]
+    t = merged[2]
     keep = (t >= t0) & (t < t0 + D * day_us)
     order = np.argsort(t[keep], kind="stable")
-    card, merch, t, amt, ctry, chan, device, pattern = (
-        a[keep][order] for a in (card, merch, t, amt, ctry, chan, device, pattern)
-    )
+    card, merch, t, amt, ctry, chan, device, pattern = (a[keep][order] for a in merged)
     n = len(t)
     is_fraud = pattern > 0
     label_time = np.where(is_fraud, t + rng.integers(2, 21, size=n) * day_us, -1)
@@ -283,3 +280,55 @@ def simulate(cfg: SimConfig, raw_dir: Path) -> int:
         "simulated %d transactions (%d fraud) into %s", n, int(cols["is_fraud"].sum()), raw_dir
     )
     return n
+
+
+def live_events(
+    cfg: SimConfig,
+    *,
+    late_fraction: float = 0.05,
+    max_lateness_s: float = 60.0,
+    duplicate_rate: float = 0.02,
+) -> list[dict[str, object]]:
+    """The simulation as a live feed: JSON-ready event dicts in *arrival* order.
+
+    Arrival follows event time, except that ``late_fraction`` of the events arrive up
+    to ``max_lateness_s`` late (so out of order) and ``duplicate_rate`` of them arrive a
+    second time, up to ``max_lateness_s`` after the first. ``event_time`` is RFC 3339
+    with microseconds and offset. Same arguments, same feed.
+    """
+    cols = generate(cfg)
+    rng = np.random.default_rng(cfg.seed + 1)
+    n = len(cols["event_time"])
+    t_us = cols["event_time"]
+    delay = np.where(
+        rng.random(n) < late_fraction, rng.uniform(0, max_lateness_s * 1e6, size=n), 0
+    ).astype(np.int64)
+    dup = np.flatnonzero(rng.random(n) < duplicate_rate)
+    idx = np.concatenate([np.arange(n), dup])
+    arrival = np.concatenate(
+        [
+            t_us + delay,
+            t_us[dup]
+            + delay[dup]
+            + rng.uniform(0, max_lateness_s * 1e6, size=len(dup)).astype(np.int64),
+        ]
+    )
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    events = []
+    for i in idx[np.argsort(arrival, kind="stable")]:
+        dev = cols["device_id"][i]
+        ev: dict[str, object] = {
+            "transaction_id": cols["transaction_id"][i],
+            "card_id": cols["card_id"][i],
+            "merchant_id": cols["merchant_id"][i],
+            "amount": float(cols["amount"][i]),
+            "currency": cols["currency"][i],
+            "event_time": (epoch + timedelta(microseconds=int(t_us[i]))).isoformat(),
+            "country": cols["country"][i],
+            "channel": cols["channel"][i],
+            "mcc": cols["mcc"][i],
+        }
+        if dev is not None:
+            ev["device_id"] = dev
+        events.append(ev)
+    return events

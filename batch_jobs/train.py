@@ -23,6 +23,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 
 from batch_jobs.daily_features import snapshot_time
 from fraud_scoring import features as F
+from fraud_scoring import session
 from fraud_scoring.feast_store import apply_definitions, open_store
 from fraud_scoring.model_repo import (
     FeatureSpec,
@@ -77,8 +78,16 @@ def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
     return txns
 
 
-def feature_columns(joined: pd.DataFrame) -> dict[str, np.ndarray]:
-    """Batch (with defaults) and request feature columns for a joined frame."""
+def feature_columns(
+    joined: pd.DataFrame, history: pd.DataFrame | None = None
+) -> dict[str, np.ndarray]:
+    """Batch (with defaults), request and session feature columns for a joined frame.
+
+    Session features are computed as of each row's own event time by the same function
+    the updater and the scorer use (``fraud_scoring.session``), counting events from
+    ``history``: pass the full raw history (negatives in ``joined`` are sampled, so
+    ``joined`` alone would undercount). Default: ``joined`` itself.
+    """
     batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
     ts = pd.to_datetime(joined["event_timestamp"], utc=True).astype("int64").to_numpy() / 1e9
     req = F.request_features(
@@ -89,7 +98,7 @@ def feature_columns(joined: pd.DataFrame) -> dict[str, np.ndarray]:
         joined["device_id"].notna().to_numpy(),
         batch,
     )
-    return {**batch, **req}
+    return {**batch, **req, **session.offline_session_features(joined, history=history)}
 
 
 def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:
@@ -124,7 +133,10 @@ def train(
         )
     first, last = days[cfg.warmup_days], days[-1]
     holdout_start = last - timedelta(days=cfg.holdout_days - 1)
-    txns = load_transactions(raw, first, last)
+    # A day before the first training day so that 24-hour session windows are full.
+    history = load_transactions(raw, first - timedelta(days=1), last)
+    txns = history[history["event_time"] >= pd.Timestamp(
+        datetime.combine(first, datetime.min.time(), UTC))].reset_index(drop=True)
     hold_ts = pd.Timestamp(datetime.combine(holdout_start, datetime.min.time(), UTC))
     is_hold = txns["event_time"] >= hold_ts
     rng = np.random.default_rng(cfg.seed)
@@ -145,7 +157,7 @@ def train(
         entity_df=sample, features=store.get_feature_service("fraud_model")
     ).to_df()
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
-    cols = feature_columns(joined)
+    cols = feature_columns(joined, history)
     names = F.default_model_features()
     X = F.assemble(names, cols)
     y = joined["label"].to_numpy()
@@ -166,7 +178,7 @@ def train(
         verbose=-1,
     )
     model.fit(X[~hold], y[~hold])
-    score = model.predict_proba(X[hold])[:, 1]
+    score = np.asarray(model.predict_proba(X[hold]))[:, 1]
     metrics = {
         "holdout_pr_auc": float(average_precision_score(y[hold], score, sample_weight=hw)),
         "holdout_roc_auc": float(roc_auc_score(y[hold], score, sample_weight=hw)),

@@ -112,7 +112,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     from service.demo import run_demo
 
-    run_demo(settings, cards=args.cards, days=args.days)
+    run_demo(settings, cards=args.cards, days=args.days, keep_serving=args.keep_serving)
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace, Settings], None], str]] = {
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = parsers["demo"]
     d.add_argument("--cards", type=int, default=3000, help="cards to simulate")
-    d.add_argument("--days", type=int, default=21, help="days to simulate")
+    d.add_argument("--days", type=int, default=21, help="days to simulate (at least 12)")
+    d.add_argument("--keep-serving", action="store_true", help="leave the API running")
 
     extra = _extra_commands()
     for name, (fn, h, configure) in extra.items():
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("feast", "dask", "distributed"):
+    for noisy in ("feast", "dask", "distributed", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from fraud_scoring.model_repo import ModelError
     from fraud_scoring.redis_server import RedisStartError

@@ -57,7 +57,7 @@ CARD_VIEW = BatchView("card_30d", "card", "card_id", ttl=timedelta(days=2))
 MERCHANT_VIEW = BatchView("merchant_90d", "merchant", "merchant_id", ttl=timedelta(days=2))
 VIEWS = (CARD_VIEW, MERCHANT_VIEW)
 
-_B = "batch"
+_B: Kind = "batch"
 BATCH_FEATURES: tuple[Feature, ...] = (
     Feature("card_txn_count_30d", _B, "int64", 0, "card transactions in the 30 days", "card"),
     Feature("card_amount_sum_30d", _B, "float32", 0.0, "sum of amounts, 30 days", "card"),
@@ -88,7 +88,7 @@ BATCH_FEATURES: tuple[Feature, ...] = (
     ),
 )
 
-_R = "request"
+_R: Kind = "request"
 REQUEST_FEATURES: tuple[Feature, ...] = (
     Feature("amount", _R, "float32", 0.0, "transaction amount (as sent, no FX conversion)"),
     Feature("amount_log", _R, "float32", 0.0, "log1p(amount)"),

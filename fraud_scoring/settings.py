@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -68,7 +68,10 @@ class Settings(BaseSettings):
         "one ONNX call per request (the naive path, kept as the benchmark baseline).",
     )
     model_poll_s: float = Field(
-        default=5.0, gt=0, description="While no model exists yet, look for one this often."
+        default=5.0,
+        gt=0,
+        description="Look for a first model, and with version 'latest' for newer ones, this "
+        "often; new versions are swapped in atomically.",
     )
     max_batch_size: int = Field(default=64, ge=1, description="Largest batch sent to the model.")
     max_queue_delay_ms: float = Field(
@@ -97,6 +100,24 @@ class Settings(BaseSettings):
     consumer_group: str = Field(default="session-updater")
     kafka_bootstrap: str = Field(default="127.0.0.1:9092")
     allowed_lateness_s: float = Field(default=300.0, ge=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://")):
+            raise ValueError(f"REDIS_URL must start with redis:// or rediss://, got {v!r}")
+        return v or None
+
+    @field_validator("execution_provider", "stream_source")
+    @classmethod
+    def _choice(cls, v: str, info: object) -> str:
+        allowed = {
+            "execution_provider": ("auto", "cuda", "cpu"),
+            "stream_source": ("redis", "kafka"),
+        }[info.field_name]  # type: ignore[attr-defined]
+        if v not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, got {v!r}")
+        return v
 
 
 @lru_cache(maxsize=1)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import all_features
-from fraud_scoring.model_repo import ModelError, ModelNotFound
+from fraud_scoring.model_repo import ModelError, ModelNotFound, versions
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
@@ -113,7 +113,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             models.current = _load(settings)  # refuses a model it cannot feed: no start
         except ModelNotFound as exc:
             log.warning("%s; not ready until a model appears", exc)
-            stack.callback(_poll_for_model(models, settings).cancel)
+        stack.callback(_watch_models(models, settings).cancel)
         client = aioredis.Redis.from_url(url, max_connections=64)
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
@@ -159,20 +159,38 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             pool.shutdown(wait=True)
 
 
-def _poll_for_model(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
-    """Until a first model exists (e.g. the training job has not run yet), look for one."""
+def _watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
+    """Look for a model every ``model_poll_s``: until the first one exists (the training
+    job has not run yet) and, with version 'latest', for newer versions, which are
+    swapped in atomically. A version that fails to load or validate is logged once and
+    skipped; the serving model stays."""
 
-    async def poll() -> None:
-        while models.current is None:
+    async def watch() -> None:
+        failed: set[int] = set()
+        while True:
             await asyncio.sleep(settings.model_poll_s)
+            found = versions(settings.model_repo, settings.model_name)
+            current = models.current
+            if current is not None and (
+                settings.model_version != "latest"
+                or not found
+                or found[-1] <= int(current.version)
+                or found[-1] in failed
+            ):
+                continue
+            if current is None and settings.model_version == "latest" and not found:
+                continue
             try:
-                models.current = await asyncio.to_thread(_load, settings)
+                new = await asyncio.to_thread(models.swap, lambda: _load(settings))
+                log.info("now serving model %s v%s", new.meta.name, new.version)
             except ModelNotFound:
                 continue
             except ModelError:
-                log.exception("found a model but cannot serve it; still not ready")
+                log.exception("cannot serve the new model; keeping the current one")
+                if found:
+                    failed.add(found[-1])
 
-    return asyncio.get_running_loop().create_task(poll(), name="model-poll")
+    return asyncio.get_running_loop().create_task(watch(), name="model-watch")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -30,6 +30,9 @@ from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
+# Flush this long before the earliest deadline's last useful moment: timers overshoot.
+FLUSH_SLACK_S = 0.005
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -181,7 +184,8 @@ class Batcher(Generic[T, R]):
                 break
             earliest = min(it.deadline for it in self._queue if not it.future.done())
             flush_at = min(
-                head.enqueued + self.max_queue_delay_s, earliest - self.stats.ewma_batch_s
+                head.enqueued + self.max_queue_delay_s,
+                earliest - self.stats.ewma_batch_s - FLUSH_SLACK_S,
             )
             wait = flush_at - time.monotonic()
             if wait <= 0:

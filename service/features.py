@@ -107,6 +107,7 @@ class OnlineFeatureReader:
                 [t.card_id for t in txns],
                 [t.event_ts for t in txns],
                 [t.transaction_id for t in txns],
+                [t.country for t in txns],
             )
         )
         return FeatureRows(cols, missing, stale)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ class Scorer:
         self.pool = pool
 
     async def read_features(
-        self, txns: list[Transaction]
+        self, txns: Sequence[Transaction]
     ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]]]:
         """All feature columns (batch, session, request) for ``txns``, one round trip."""
         pipe = self.redis.pipeline(transaction=False)
@@ -86,7 +87,7 @@ class Scorer:
         )
         return {**rows.columns, **req}, rows.missing, rows.stale
 
-    async def score_batch(self, txns: list[Transaction]) -> list[ScoreResult]:
+    async def score_batch(self, txns: Sequence[Transaction]) -> list[ScoreResult]:
         wall0, t0 = time.time_ns(), time.perf_counter()
         cols, missing, stale = await self.read_features(txns)
         wall1, t1 = time.time_ns(), time.perf_counter()

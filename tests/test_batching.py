@@ -1,0 +1,237 @@
+"""The dynamic batcher: size and time bounds, queue limit, deadlines, cancellation, and
+exact equality with the unbatched path on the real model and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from service.batching import Batcher, DeadlineExceeded, QueueFull
+from tests.conftest import World, start_server, stop_server
+from tests.test_service import TXN, held_out_day
+
+
+class Recorder:
+    """A batch function that records what reached 'the model'."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.batches: list[list[int]] = []
+        self.delay_s = delay_s
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, items: Sequence[int]) -> list[int]:
+        self.batches.append(list(items))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return [i * 10 for i in items]
+
+    @property
+    def seen(self) -> list[int]:
+        return [i for b in self.batches for i in b]
+
+
+def far() -> float:
+    return time.monotonic() + 30
+
+
+async def test_batches_fill_to_the_size_bound_under_load() -> None:
+    rec = Recorder(delay_s=0.01)
+    b = Batcher(rec, max_batch_size=8, max_queue_delay_s=0.05, max_queue_size=1000)
+    b.start()
+    results = await asyncio.gather(*(b.submit(i, far()) for i in range(40)))
+    await b.stop()
+    assert results == [i * 10 for i in range(40)]
+    assert max(len(x) for x in rec.batches) == 8
+    assert sum(len(x) == 8 for x in rec.batches) >= 4
+    assert rec.seen == list(range(40))  # FIFO
+
+
+async def test_light_load_flushes_at_the_time_bound() -> None:
+    rec = Recorder()
+    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.03, max_queue_size=10)
+    b.start()
+    t0 = time.monotonic()
+    assert await b.submit(7, far()) == 70
+    waited = time.monotonic() - t0
+    await b.stop()
+    assert rec.batches == [[7]]
+    assert waited >= 0.03
+
+
+async def test_preferred_size_flushes_early() -> None:
+    rec = Recorder()
+    b = Batcher(
+        rec, max_batch_size=64, max_queue_delay_s=5.0, max_queue_size=100, preferred_batch_sizes=[4]
+    )
+    b.start()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(b.submit(i, far()) for i in range(4))), timeout=2
+    )
+    await b.stop()
+    assert results == [0, 10, 20, 30] and rec.batches == [[0, 1, 2, 3]]
+
+
+async def test_batch_never_waits_past_the_earliest_deadline() -> None:
+    rec = Recorder()
+    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=5.0, max_queue_size=100)
+    b.start()
+    t0 = time.monotonic()
+    # Flushed just before its deadline; on a badly stalled loop it may instead be refused
+    # as expired, but it never waits for the 5 s queue delay.
+    with contextlib.suppress(DeadlineExceeded):
+        assert await b.submit(1, time.monotonic() + 0.2) == 10
+    assert time.monotonic() - t0 < 1.0
+    await b.stop()
+
+
+async def test_full_queue_rejects_at_once() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(rec, max_batch_size=1, max_queue_delay_s=0, max_queue_size=2)
+    b.start()
+    first = asyncio.create_task(b.submit(0, far()))
+    await asyncio.sleep(0)
+    while not rec.batches:  # the first item is now inside the (blocked) model
+        await asyncio.sleep(0.001)
+    queued = [asyncio.create_task(b.submit(i, far())) for i in (1, 2)]
+    await asyncio.sleep(0)
+    t0 = time.monotonic()
+    with pytest.raises(QueueFull):
+        await b.submit(3, far())
+    assert time.monotonic() - t0 < 0.05
+    rec.gate.set()
+    assert await asyncio.gather(first, *queued) == [0, 10, 20]
+    await b.stop()
+
+
+async def test_expired_deadline_never_reaches_the_model() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(rec, max_batch_size=1, max_queue_delay_s=0, max_queue_size=10)
+    b.start()
+    blocker = asyncio.create_task(b.submit(0, far()))
+    while not rec.batches:
+        await asyncio.sleep(0.001)
+    doomed = asyncio.create_task(b.submit(1, time.monotonic() + 0.02))
+    with pytest.raises(DeadlineExceeded):
+        await b.submit(2, time.monotonic() - 1)  # already expired
+    await asyncio.sleep(0.05)  # let item 1's deadline pass while the model is busy
+    rec.gate.set()
+    with pytest.raises(DeadlineExceeded):
+        await doomed
+    await blocker
+    await b.stop()
+    assert rec.seen == [0]
+
+
+async def test_cancelled_requests_are_dropped_and_do_not_leak() -> None:
+    rec = Recorder()
+    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.05, max_queue_size=3)
+    b.start()
+    tasks = [asyncio.create_task(b.submit(i, far())) for i in range(3)]
+    await asyncio.sleep(0.005)
+    tasks[1].cancel()  # client went away
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert done[0] == 0 and done[2] == 20
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert rec.seen == [0, 2]
+    assert b.depth == 0
+    # the slot came back: the queue takes 3 again
+    assert await asyncio.gather(*(b.submit(i, far()) for i in range(3))) == [0, 10, 20]
+    # a caller timing out (wait_for) cancels the same way
+    rec.gate = asyncio.Event()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(b.submit(9, far()), timeout=0.1)
+    rec.gate.set()
+    assert await b.submit(5, far()) == 50
+    await b.stop()
+
+
+async def test_a_failing_batch_fails_only_its_items() -> None:
+    calls = 0
+
+    async def flaky(items: Sequence[int]) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("model crashed")
+        return list(items)
+
+    b = Batcher(flaky, max_batch_size=4, max_queue_delay_s=0.01, max_queue_size=10)
+    b.start()
+    with pytest.raises(RuntimeError):
+        await b.submit(1, far())
+    assert await b.submit(2, far()) == 2
+    await b.stop()
+
+
+async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
+    from fraud_scoring.events import Transaction
+    from fraud_scoring.feast_store import open_store
+    from fraud_scoring.features import all_features
+    from fraud_scoring.settings import Settings
+    from service.features import OnlineFeatureReader
+    from service.model import ModelHolder, load_model
+    from service.scoring import Scorer
+
+    settings = Settings(
+        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    model = load_model(world.model_repo, "fraud", "latest", set(all_features()))
+    client = aioredis.Redis.from_url(world.redis_url)
+    pool = ThreadPoolExecutor(1)
+    scorer = Scorer(client, OnlineFeatureReader(store.project), ModelHolder(model), settings, pool)
+    txns = [Transaction.model_validate(r) for r in held_out_day(world)[:64]]
+    one_by_one = [(await scorer.score_batch([t]))[0] for t in txns]
+    b = Batcher(scorer.score_batch, max_batch_size=16, max_queue_delay_s=0.01, max_queue_size=100)
+    b.start()
+    batched = await asyncio.gather(*(b.submit(t, far()) for t in txns))
+    await b.stop()
+    await client.aclose()
+    pool.shutdown()
+    assert [r.score for r in batched] == [r.score for r in one_by_one]
+    assert [r.decision for r in batched] == [r.decision for r in one_by_one]
+    assert [r.missing for r in batched] == [r.missing for r in one_by_one]
+    assert max(r.timing_ms["batch_size"] for r in batched) > 1
+
+
+def test_http_full_queue_gives_503_with_retry_after(world: World, tmp_path) -> None:
+    srv = start_server(
+        world,
+        tmp_path,
+        FRAUD_MAX_QUEUE_SIZE="1",
+        FRAUD_MAX_QUEUE_DELAY_MS="300",
+        FRAUD_MAX_BATCH_SIZE="64",
+    )
+    try:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=10) as c:
+                return await asyncio.gather(
+                    *(
+                        c.post("/v1/score", json={**TXN, "transaction_id": f"q{i}"})
+                        for i in range(6)
+                    )
+                )
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert 200 in codes and 503 in codes, codes
+        shed = [r for r in responses if r.status_code == 503]
+        assert all(r.headers.get("Retry-After") for r in shed)
+        assert "overloaded" in shed[0].json()["detail"]
+        with httpx.Client(base_url=srv.url) as c:  # an impossible deadline is refused
+            r = c.post("/v1/score", json=TXN, headers={"X-Request-Timeout-Ms": "0.001"})
+            assert r.status_code == 503 and "deadline" in r.json()["detail"]
+    finally:
+        stop_server(srv)

@@ -1,0 +1,229 @@
+"""Simulator, daily batch job, Feast materialization, training set and model file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from batch_jobs.batch import run_batch
+from batch_jobs.daily_features import compute_day, expected_columns, snapshot_time
+from batch_jobs.simulate import SimConfig, generate, simulate
+from fraud_scoring.feast_store import open_store
+from fraud_scoring.features import VIEWS, default_model_features
+from fraud_scoring.model_repo import load_metadata, resolve
+from fraud_scoring.storage import DataError, partition_dir
+from tests.conftest import World
+
+
+def test_simulator_is_deterministic_and_has_fraud_patterns() -> None:
+    cfg = SimConfig(cards=300, merchants=40, days=10, seed=3)
+    a, b = generate(cfg), generate(cfg)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    assert set(a["fraud_pattern"]) >= {
+        "",
+        "card_testing",
+        "account_takeover",
+        "compromised_merchant",
+    }
+    assert np.all(np.diff(a["event_time"]) >= 0)
+    assert np.all(a["amount"] > 0)
+    fraud = a["is_fraud"]
+    assert np.all(a["label_time"][fraud] > a["event_time"][fraud])  # labels arrive later
+    ct = a["fraud_pattern"] == "card_testing"
+    assert np.median(a["amount"][ct]) < 10  # bursts of small amounts
+
+
+def test_simulator_writes_one_partition_a_day(tmp_path: Path) -> None:
+    cfg = SimConfig(cards=200, merchants=30, days=4, seed=5)
+    simulate(cfg, tmp_path)
+    days = sorted(p.name for p in (tmp_path / "transactions").iterdir())
+    assert days == [f"date={cfg.start + timedelta(days=i)}" for i in range(4)]
+    t = pq.read_table(partition_dir(tmp_path, "transactions", cfg.start) / "part-0.parquet")
+    for col in (
+        "transaction_id",
+        "card_id",
+        "merchant_id",
+        "amount",
+        "currency",
+        "event_time",
+        "country",
+        "channel",
+        "mcc",
+        "device_id",
+    ):
+        assert col in t.column_names
+    assert (tmp_path / "labels").is_dir()
+
+
+def test_batch_columns_match_declared_features(world: World) -> None:
+    tables = compute_day(world.data_dir / "raw", world.start + timedelta(days=3))
+    for view in VIEWS:
+        assert tables[view.name].column_names == expected_columns(view)
+
+
+def test_online_features_equal_job_output(world: World) -> None:
+    """simulate → batch → materialize → get_online_features returns the job's values."""
+    store = open_store(world.data_dir, world.redis_url)
+    day = world.last_day - timedelta(days=1)  # the newest materialized snapshot
+    card = pq.read_table(
+        partition_dir(world.data_dir / "features", "card_30d", day) / "part-0.parquet"
+    ).to_pandas()
+    sample = card.sample(25, random_state=1)
+    online = store.get_online_features(
+        features=[
+            f"card_30d:{c}" for c in card.columns if c.startswith("card_") and c != "card_id"
+        ],
+        entity_rows=[{"card_id": c} for c in sample["card_id"]],
+    ).to_df()
+    for col in online.columns:
+        if col == "card_id":
+            continue
+        if online[col].dtype == object:
+            assert list(online[col]) == list(sample[col]), col
+        else:
+            np.testing.assert_allclose(
+                online[col].to_numpy(float), sample[col].to_numpy(float), rtol=1e-6, err_msg=col
+            )
+
+
+def test_training_join_never_uses_a_later_snapshot(world: World) -> None:
+    """A card whose features change on a known day: just before the snapshot instant the
+    old values are joined, at and after it the new ones."""
+    feats = world.data_dir / "features"
+    d1 = world.start + timedelta(days=8)
+    d2 = d1 + timedelta(days=1)
+    a = pq.read_table(partition_dir(feats, "card_30d", d1) / "part-0.parquet").to_pandas()
+    b = pq.read_table(partition_dir(feats, "card_30d", d2) / "part-0.parquet").to_pandas()
+    m = a.merge(b, on="card_id", suffixes=("_a", "_b"))
+    changed = m[m.card_txn_count_30d_a != m.card_txn_count_30d_b].iloc[0]
+    snap2 = pd.Timestamp(snapshot_time(d2))
+    ts = [snap2 - pd.Timedelta(microseconds=1), snap2, snap2 + pd.Timedelta(hours=1)]
+    entity = pd.DataFrame(
+        {"card_id": [changed.card_id] * 3, "merchant_id": ["m00001"] * 3, "event_timestamp": ts}
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    out = (
+        store.get_historical_features(
+            entity_df=entity, features=store.get_feature_service("fraud_model")
+        )
+        .to_df()
+        .sort_values("event_timestamp")
+    )
+    got = out["card_txn_count_30d"].tolist()
+    assert got == [
+        changed.card_txn_count_30d_a,
+        changed.card_txn_count_30d_b,
+        changed.card_txn_count_30d_b,
+    ]
+
+
+def test_rerunning_a_day_is_idempotent(world: World, redis_server: str) -> None:
+    day = world.start + timedelta(days=6)
+    path = partition_dir(world.data_dir / "features", "card_30d", day) / "part-0.parquet"
+    before = pq.read_table(path)
+    store = open_store(world.data_dir, redis_server)
+    probe = [{"card_id": c} for c in before.column("card_id").to_pylist()[:10]]
+    online_before = store.get_online_features(
+        features=["card_30d:card_txn_count_30d"], entity_rows=probe
+    ).to_dict()
+    run_batch(world.data_dir, [day], redis_server)
+    after = pq.read_table(path)
+    assert after.equals(before)
+    assert len(list(path.parent.parent.glob(f"date={day}*"))) == 1  # no duplicates
+    assert not list(path.parent.parent.glob(".tmp-*"))
+    # Backfilling an old day never overwrites the newer online snapshot.
+    assert (
+        store.get_online_features(
+            features=["card_30d:card_txn_count_30d"], entity_rows=probe
+        ).to_dict()
+        == online_before
+    )
+
+
+def test_model_loads_and_metadata_lists_features_in_order(world: World) -> None:
+    path = resolve(world.model_repo, "fraud")
+    meta = load_metadata(path)
+    assert meta.feature_names == default_model_features()
+    assert 0 <= meta.thresholds.review <= meta.thresholds.decline <= 1
+    assert {"holdout_pr_auc", "holdout_roc_auc"} <= set(meta.metrics)
+    sess = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    x = np.zeros((3, len(meta.features)), np.float32)
+    probs = sess.run([meta.output_name], {meta.input_name: x})[0]
+    assert probs.shape == (3, 2)
+    assert meta.holdout_window[0] >= meta.training_window[1]
+
+
+def test_missing_and_corrupt_partitions_are_named(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"date=2026-03-01"):
+        compute_day(tmp_path, date(2026, 3, 1))
+    bad = partition_dir(tmp_path, "transactions", date(2026, 3, 2))
+    bad.mkdir(parents=True)
+    (bad / "part-0.parquet").write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match="date=2026-03-02"):
+        compute_day(tmp_path, date(2026, 3, 2))
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fraud_scoring.cli", *args],
+        text=True,
+        capture_output=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_cli_reports_bad_input_clearly(tmp_path: Path, redis_server: str) -> None:
+    env = {"FRAUD_DATA_DIR": str(tmp_path), "REDIS_URL": redis_server}
+    r = _cli(["batch", "--date", "2026-02-01"], env)
+    assert r.returncode == 1 and "missing raw partition" in r.stderr
+    assert "date=2026-02-01" in r.stderr
+    r = _cli(["batch", "--date", "yesterday"], env)
+    assert r.returncode == 2 and "not a date" in r.stderr
+    r = _cli(["batch", "--from", "2026-02-03", "--to", "2026-02-01"], env)
+    assert r.returncode == 2 and "before" in r.stderr
+    r = _cli(["simulate", "--cards", "0"], env)
+    assert r.returncode == 2 and "--cards must be positive" in r.stderr
+    r = _cli(["simulate"], {**env, "FRAUD_PORT": "not-a-port"})
+    assert r.returncode == 2 and "port" in r.stderr
+    r = _cli(["batch", "--date", "2026-02-01"], {**env, "REDIS_URL": "http://nope"})
+    assert r.returncode != 0 and "REDIS_URL" in r.stderr
+
+
+def test_feast_apply_cli_works_on_the_repo(tmp_path: Path, redis_server: str) -> None:
+    from fraud_scoring.feast_store import REPO_DIR
+    from fraud_scoring.redis_server import feast_connection_string
+
+    env = {
+        **os.environ,
+        "FRAUD_DATA_DIR": str(tmp_path),
+        "FRAUD_FEAST_REDIS": feast_connection_string(redis_server),
+    }
+    (tmp_path / "feast").mkdir()
+    feast = Path(sys.executable).parent / "feast"
+    r = subprocess.run(
+        [str(feast), "-c", str(REPO_DIR), "apply"],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "feast" / "registry.db").exists()
+
+
+def test_metadata_is_plain_json(world: World) -> None:
+    raw = json.loads((resolve(world.model_repo, "fraud") / "metadata.json").read_text())
+    assert raw["features"][0]["name"] == default_model_features()[0]
+    assert datetime.fromisoformat(raw["created_at"]) <= datetime.now(UTC)

@@ -1,0 +1,271 @@
+"""The scoring service over real HTTP (uvicorn subprocess), real Redis and a real model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from fraud_scoring.model_repo import load_metadata, resolve
+from fraud_scoring.storage import partition_dir
+from tests.conftest import Server, World, start_server, stop_server
+
+TXN = {
+    "transaction_id": "t-1",
+    "card_id": "c0000001",
+    "merchant_id": "m00001",
+    "amount": 42.5,
+    "currency": "USD",
+    "event_time": "2026-01-16T12:00:00+00:00",
+    "country": "US",
+    "channel": "pos",
+    "mcc": "5411",
+}
+
+
+def held_out_day(world: World) -> list[dict]:
+    t = pq.read_table(
+        partition_dir(world.data_dir / "raw", "transactions", world.last_day) / "part-0.parquet"
+    ).to_pylist()
+    for r in t:
+        r["event_time"] = r["event_time"].isoformat()
+        if r["device_id"] is None:
+            del r["device_id"]
+    return t
+
+
+def test_score_answers_with_decision_reasons_timing(server: Server) -> None:
+    with server.client() as c:
+        r = c.post("/v1/score", json=TXN)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["transaction_id"] == "t-1"
+    assert body["decision"] in ("approve", "review", "decline")
+    assert 0 <= body["score"] <= 1
+    assert body["model_version"] == "1"
+    assert set(body["features"]) == {"missing", "stale"}
+    for k in ("feature_read_ms", "inference_ms", "total_ms", "queue_ms"):
+        assert body["timing"][k] >= 0
+    assert isinstance(body["reasons"], list)
+
+
+def test_fraud_scores_higher_than_normal_on_held_out_day(server: Server, world: World) -> None:
+    rows = held_out_day(world)
+    rng = np.random.default_rng(0)
+    fraud = [r for r in rows if r["is_fraud"]]
+    normal = [rows[i] for i in rng.choice(len(rows), 400, replace=False) if not rows[i]["is_fraud"]]
+    assert {r["fraud_pattern"] for r in fraud} == {
+        "card_testing",
+        "account_takeover",
+        "compromised_merchant",
+    }
+    scored: list[tuple[dict, dict]] = []
+    with server.client() as c:
+        group = fraud + normal
+        for i in range(0, len(group), 100):
+            r = c.post("/v1/score/batch", json={"transactions": group[i : i + 100]})
+            assert r.status_code == 200, r.text
+            for res, sent in zip(r.json()["results"], group[i : i + 100], strict=True):
+                assert res["transaction_id"] == sent["transaction_id"]  # order kept
+                scored.append((sent, res))
+    normal_scores = np.array([res["score"] for s, res in scored if not s["is_fraud"]])
+    for pattern in ("card_testing", "account_takeover", "compromised_merchant"):
+        scores = [res["score"] for s, res in scored if s["fraud_pattern"] == pattern]
+        assert np.median(scores) > np.quantile(normal_scores, 0.9), pattern
+    flagged_fraud = np.mean([res["decision"] != "approve" for s, res in scored if s["is_fraud"]])
+    flagged_normal = np.mean(
+        [res["decision"] != "approve" for s, res in scored if not s["is_fraud"]]
+    )
+    assert flagged_fraud > 0.5 > 0.05 > flagged_normal, (flagged_fraud, flagged_normal)
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "fragment"),
+    [
+        ({"amount": None}, "amount", "number"),
+        ({"amount": "abc"}, "amount", "number"),
+        ({"amount": -5}, "amount", "greater than 0"),
+        ({"currency": "XYZ"}, "currency", "ISO 4217"),
+        ({"country": "ZZ"}, "country", "ISO 3166"),
+        ({"event_time": "2026-01-16T12:00:00"}, "event_time", "timezone"),
+        ({"channel": "fax"}, "channel", "pos"),
+        ({"mcc": "54"}, "mcc", "pattern"),
+        ({"transaction_id": ""}, "transaction_id", "at least 1"),
+    ],
+)
+def test_bad_fields_get_422_naming_the_field(
+    server: Server, patch: dict, field: str, fragment: str
+) -> None:
+    body = {**TXN, **patch}
+    with server.client() as c:
+        r = c.post("/v1/score", json=body)
+    assert r.status_code == 422, r.text
+    errors = r.json()["detail"]
+    assert any(e["field"] == field and fragment in e["problem"] for e in errors), errors
+
+
+def test_missing_field_and_non_json_body(server: Server) -> None:
+    with server.client() as c:
+        body = {k: v for k, v in TXN.items() if k != "card_id"}
+        r = c.post("/v1/score", json=body)
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["field"] == "card_id"
+        r = c.post("/v1/score", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 422
+        assert "JSON" in r.json()["detail"][0]["problem"]
+        r = c.post("/v1/score", headers={"X-Request-Timeout-Ms": "-3"}, json=TXN)
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["field"] == "header.X-Request-Timeout-Ms"
+
+
+def test_batch_limits(server: Server) -> None:
+    with server.client() as c:
+        many = [{**TXN, "transaction_id": f"t-{i}"} for i in range(257)]
+        r = c.post("/v1/score/batch", json={"transactions": many})
+        assert r.status_code == 413
+        assert r.json()["detail"][0]["field"] == "transactions"
+        r = c.post("/v1/score/batch", json={"transactions": []})
+        assert r.status_code == 422
+        bad = [TXN, {**TXN, "amount": -1}]
+        r = c.post("/v1/score/batch", json={"transactions": bad})
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["field"] == "transactions.1.amount"
+
+
+def test_unknown_card_and_merchant_are_not_errors(server: Server) -> None:
+    with server.client() as c:
+        r = c.post("/v1/score", json={**TXN, "card_id": "never-seen", "merchant_id": "nope"})
+    assert r.status_code == 200
+    body = r.json()
+    assert "card_txn_count_30d" in body["features"]["missing"]
+    assert "merchant_fraud_rate_90d" in body["features"]["missing"]
+    assert any(x["code"] == "NO_CARD_HISTORY" for x in body["reasons"])
+
+
+def test_stale_snapshot_is_flagged_not_used(server: Server, world: World) -> None:
+    card = held_out_day(world)[0]["card_id"]
+    late = (world.last_day + timedelta(days=5)).isoformat() + "T12:00:00+00:00"
+    early = world.start.isoformat() + "T12:00:00+00:00"  # snapshot newer than the txn
+    with server.client() as c:
+        for when in (late, early):
+            r = c.post("/v1/score", json={**TXN, "card_id": card, "event_time": when})
+            assert r.status_code == 200
+            assert "card_txn_count_30d" in r.json()["features"]["stale"], when
+        fresh = held_out_day(world)[0]
+        r = c.post("/v1/score", json=fresh)
+        assert r.json()["features"]["stale"] == []
+        assert "card_txn_count_30d" not in r.json()["features"]["missing"]
+
+
+def test_health_ready_and_metrics(server: Server) -> None:
+    with server.client() as c:
+        assert c.get("/healthz").status_code == 200
+        ready = c.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["model_version"] == "1"
+        c.post("/v1/score", json=TXN)
+        text = c.get("/metrics").text
+    for name in (
+        "fraud_batch_size_bucket",
+        "fraud_batch_queue_time_seconds_bucket",
+        "fraud_batch_compute_time_seconds_bucket",
+        "fraud_decisions_total",
+        "fraud_request_duration_seconds_bucket",
+    ):
+        assert name in text, name
+    assert 'model_version="1"' in text
+
+
+def _copy_model(world: World, dest: Path, edit) -> Path:
+    src = resolve(world.model_repo, "fraud")
+    target = dest / "fraud" / "1"
+    shutil.copytree(src, target)
+    meta = json.loads((target / "metadata.json").read_text())
+    edit(meta, target)
+    (target / "metadata.json").write_text(json.dumps(meta))
+    return dest
+
+
+def test_model_with_unknown_feature_is_refused_at_start(world: World, tmp_path: Path) -> None:
+    def add_unknown(meta: dict, _: Path) -> None:
+        meta["features"][-1]["name"] = "card_shoe_size"
+
+    repo = _copy_model(world, tmp_path / "models", add_unknown)
+    with pytest.raises(AssertionError, match="card_shoe_size"):
+        start_server(
+            World(world.data_dir, repo, world.redis_url, world.start, world.days), tmp_path
+        )
+
+
+def test_reload_keeps_old_model_when_new_one_is_broken(world: World, tmp_path: Path) -> None:
+    repo = _copy_model(world, tmp_path / "models", lambda m, p: None)
+    srv = start_server(
+        World(world.data_dir, repo, world.redis_url, world.start, world.days),
+        tmp_path,
+        FRAUD_MODEL_POLL_S="600",
+    )
+    try:
+        broken = repo / "fraud" / "2"
+        shutil.copytree(repo / "fraud" / "1", broken)
+        (broken / "model.onnx").write_bytes(b"garbage")
+        with srv.client() as c:
+            r = c.post("/v1/models/reload")
+            assert r.status_code == 409 and "model.onnx" in r.json()["detail"]
+            assert c.post("/v1/score", json=TXN).json()["model_version"] == "1"
+            shutil.rmtree(broken)
+            good = repo / "fraud" / "3"
+            shutil.copytree(repo / "fraud" / "1", good)
+            meta = load_metadata(good)
+            (good / "metadata.json").write_text(
+                meta.model_copy(update={"version": "3"}).model_dump_json()
+            )
+            r = c.post("/v1/models/reload")
+            assert r.status_code == 200 and r.json()["serving_version"] == "3"
+            assert c.post("/v1/score", json=TXN).json()["model_version"] == "3"
+    finally:
+        stop_server(srv)
+
+
+def test_not_ready_until_a_model_exists(world: World, tmp_path: Path) -> None:
+    empty = World(world.data_dir, tmp_path / "none", world.redis_url, world.start, world.days)
+    srv = start_server(empty, tmp_path, wait_for="/healthz")
+    try:
+        with srv.client() as c:
+            ready = c.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["model"] == "not loaded"
+            r = c.post("/v1/score", json=TXN)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+    finally:
+        stop_server(srv)
+
+
+def test_new_versions_are_picked_up_while_serving(world: World, tmp_path: Path) -> None:
+    from tests.conftest import wait_until
+
+    repo = _copy_model(world, tmp_path / "models", lambda m, p: None)
+    srv = start_server(
+        World(world.data_dir, repo, world.redis_url, world.start, world.days),
+        tmp_path,
+        FRAUD_MODEL_POLL_S="0.2",
+    )
+    try:
+        tmp = repo / "fraud" / ".incoming"
+        shutil.copytree(repo / "fraud" / "1", tmp)
+        meta = load_metadata(tmp)
+        (tmp / "metadata.json").write_text(
+            meta.model_copy(update={"version": "2"}).model_dump_json()
+        )
+        tmp.rename(repo / "fraud" / "2")  # published atomically, as the training job does
+        with srv.client() as c:
+            wait_until(
+                lambda: c.get("/readyz").json()["model_version"] == "2",
+                timeout=20,
+                what="model v2 to be served",
+            )
+            assert c.post("/v1/score", json=TXN).json()["model_version"] == "2"
+    finally:
+        stop_server(srv)
