@@ -1,12 +1,319 @@
 """Per-card session (second- to hour-level) features, declared once.
 
-Filled in by the streaming work (issue 5): the updater, the scorer and the
-training-set builder all use the declarations and pure functions in this module.
-Until then no session feature is declared and the model uses none.
+The streaming updater (``streaming/``), the scoring service and the training-set builder
+all use the declarations, the Redis layout and the one pure function in this module:
+
+* :func:`session_features` is the feature math: plain events in, one row of floats out.
+* :func:`queue_session_reads` / :func:`parse_session_results` are the serving edge: the
+  scorer queues the reads for a whole batch on the same pipeline as its batch (Feast)
+  reads, then hands the replies back here.
+* :func:`offline_session_features` is the training edge: the same function, called as
+  of each row's own event time over the raw history.
+
+**Point in time.** "As of t" means events with event time strictly before ``t`` and at
+or after ``t - window``. The transaction being scored never counts in its own features:
+it is excluded by time (its own event time is ``t``, not before it) *and* by
+``transaction_id`` (in case the updater stored it under a slightly different time).
+
+**Time unit.** Event times are integer microseconds since the epoch (UTC) everywhere in
+this module, so the online path (Redis scores are doubles, exact for integers below
+2**53) and the offline path (pandas nanoseconds // 1000) compare exactly.
+
+**Redis layout** (see :func:`events_key`, :func:`ids_key`). Per card, two keys that share
+the hash tag ``{card:<id>}`` so a card's state lives on one Redis Cluster slot:
+
+* ``{card:<id>}:ev`` - sorted set, score = event time (µs), member =
+  ``transaction_id \\x1f amount \\x1f merchant_id \\x1f country``;
+* ``{card:<id>}:ids`` - hash transaction_id -> event time, which makes applying an
+  event idempotent on ``transaction_id``.
+
+Both are trimmed to :data:`RETENTION_US` behind the card's newest event (the longest
+window plus the allowed lateness), so state per card is bounded; the updater
+(``streaming/state.py``) owns the writes and documents the late-event rule.
+
+**Spanning features** (a 30-day count = batch snapshot + stream since the snapshot) are
+not declared yet: every session feature here lies entirely inside the stream's
+retention and is exact.
 """
 
 from __future__ import annotations
 
-from fraud_scoring.features import Feature
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-SESSION_FEATURES: tuple[Feature, ...] = ()
+import numpy as np
+import pandas as pd
+
+from fraud_scoring.features import Feature, Kind
+
+US = 1_000_000
+MINUTE_US, HOUR_US, DAY_US = 60 * US, 3600 * US, 86_400 * US
+WINDOWS: tuple[tuple[str, int], ...] = (
+    ("1m", MINUTE_US),
+    ("10m", 10 * MINUTE_US),
+    ("1h", HOUR_US),
+    ("24h", DAY_US),
+)
+LONGEST_WINDOW_US = DAY_US
+# A card with no earlier transaction inside the longest window gets this many seconds.
+NO_PREVIOUS_S = LONGEST_WINDOW_US / US
+
+_S: Kind = "session"
+SESSION_FEATURES: tuple[Feature, ...] = (
+    *(
+        Feature(
+            f"card_txn_count_{w}",
+            _S,
+            "int64",
+            0,
+            f"card transactions in the {w} before the event (exclusive of it)",
+        )
+        for w, _ in WINDOWS
+    ),
+    *(
+        Feature(
+            f"card_amount_sum_{w}",
+            _S,
+            "float32",
+            0.0,
+            f"sum of the card's amounts in the {w} before the event",
+        )
+        for w, _ in WINDOWS
+    ),
+    Feature("card_distinct_merchants_1h", _S, "int64", 0, "distinct merchants, last hour"),
+    Feature("card_distinct_countries_1h", _S, "int64", 0, "distinct countries, last hour"),
+    Feature(
+        "card_seconds_since_prev_txn",
+        _S,
+        "float32",
+        NO_PREVIOUS_S,
+        "seconds since the card's previous transaction, capped at 86400 (also when none)",
+    ),
+    Feature(
+        "card_country_changed",
+        _S,
+        "float32",
+        0.0,
+        "1 when the event's country differs from the card's previous transaction's "
+        "(previous within 24h; 0 when none)",
+    ),
+)
+SESSION_NAMES: tuple[str, ...] = tuple(f.name for f in SESSION_FEATURES)
+N_SESSION = len(SESSION_NAMES)
+DEFAULT_ROW: tuple[float, ...] = tuple(float(f.default) for f in SESSION_FEATURES)
+
+SEP = "\x1f"  # unit separator: cannot occur in validated ids or country codes
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEvent:
+    """The part of a transaction that session features read."""
+
+    ts_us: int
+    transaction_id: str
+    amount: float
+    merchant_id: str
+    country: str
+
+
+# --- the feature math ---------------------------------------------------------------------
+
+
+def session_features(
+    events: Sequence[SessionEvent],
+    as_of_us: int,
+    exclude_id: str | None = None,
+    country: str | None = None,
+) -> tuple[float, ...]:
+    """One row of session features (in :data:`SESSION_NAMES` order) as of ``as_of_us``.
+
+    ``events`` may be any superset of the card's events in the longest window, in any
+    order; events at or after ``as_of_us``, older than the window, or with
+    ``transaction_id == exclude_id`` are ignored. ``country`` is the scored
+    transaction's country (None: ``card_country_changed`` is its default, 0). Amount
+    sums add events in (time, transaction_id) order so every caller gets the same bits.
+    """
+    lo = as_of_us - LONGEST_WINDOW_US
+    evs = sorted(
+        (e for e in events if lo <= e.ts_us < as_of_us and e.transaction_id != exclude_id),
+        key=lambda e: (e.ts_us, e.transaction_id),
+    )
+    counts, sums = [], []
+    for _, w in WINDOWS:
+        start = as_of_us - w
+        n, s = 0, 0.0
+        for e in evs:
+            if e.ts_us >= start:
+                n += 1
+                s += e.amount
+        counts.append(float(n))
+        sums.append(s)
+    hour = as_of_us - HOUR_US
+    recent = [e for e in evs if e.ts_us >= hour]
+    merchants = float(len({e.merchant_id for e in recent}))
+    countries = float(len({e.country for e in recent}))
+    if evs:
+        prev = evs[-1]
+        since = (as_of_us - prev.ts_us) / US
+        changed = 1.0 if country is not None and prev.country != country else 0.0
+    else:
+        since, changed = NO_PREVIOUS_S, 0.0
+    return (*counts, *sums, merchants, countries, since, changed)
+
+
+def to_us(ts_seconds: float) -> int:
+    """Epoch seconds (float) -> integer microseconds, rounded to the nearest."""
+    return round(ts_seconds * US)
+
+
+# --- Redis layout -------------------------------------------------------------------------
+
+
+def card_tag(card_id: str) -> str:
+    return "{card:" + card_id + "}"
+
+
+def events_key(card_id: str) -> str:
+    return card_tag(card_id) + ":ev"
+
+
+def ids_key(card_id: str) -> str:
+    return card_tag(card_id) + ":ids"
+
+
+def encode_member(e: SessionEvent) -> str:
+    """The sorted-set member of one event (its score is ``e.ts_us``)."""
+    return SEP.join((e.transaction_id, repr(float(e.amount)), e.merchant_id, e.country))
+
+
+def decode_member(member: bytes | str, score: float) -> SessionEvent:
+    s = member.decode() if isinstance(member, bytes) else member
+    tid, amount, merchant, country = s.split(SEP)
+    return SessionEvent(int(score), tid, float(amount), merchant, country)
+
+
+# --- the serving edge ---------------------------------------------------------------------
+
+REPLIES_PER_CARD = 1
+
+
+def queue_session_reads(pipe: Any, card_ids: Sequence[str], as_of_ts: Sequence[float]) -> None:
+    """Queue the session reads for ``len(card_ids)`` transactions on a redis-py pipeline.
+
+    Queues exactly :data:`REPLIES_PER_CARD` (= 1) command per transaction, in order: a
+    ``ZRANGEBYSCORE {card:<id>}:ev [t-24h, t) WITHSCORES``. ``as_of_ts`` are the
+    transactions' event times in epoch seconds (UTC). Works on ``redis.client.Pipeline``
+    and ``redis.asyncio`` pipelines alike (commands are only queued here). The same card
+    may appear several times; each occurrence gets its own read.
+    """
+    for card, ts in zip(card_ids, as_of_ts, strict=True):
+        t = to_us(ts)
+        pipe.zrangebyscore(events_key(card), t - LONGEST_WINDOW_US, f"({t}", withscores=True)
+
+
+def parse_session_results(
+    replies: Sequence[Any],
+    card_ids: Sequence[str],
+    as_of_ts: Sequence[float],
+    txn_ids: Sequence[str | None],
+    countries: Sequence[str | None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Session feature columns (float64, one per name in :data:`SESSION_NAMES`).
+
+    ``replies`` are exactly the ``len(card_ids) * REPLIES_PER_CARD`` replies that
+    :func:`queue_session_reads` queued, in order (slice them out of the pipeline's
+    result list). ``txn_ids`` are the scored transactions' ids (excluded from their own
+    features); ``countries`` their countries (needed for ``card_country_changed``;
+    None leaves that feature at its default 0). A card without state gets the
+    defaults, which are the true values for "no recent transactions", not a stand-in.
+    """
+    n = len(card_ids)
+    if len(replies) != n * REPLIES_PER_CARD:
+        raise ValueError(f"expected {n * REPLIES_PER_CARD} replies, got {len(replies)}")
+    out = np.empty((n, N_SESSION), dtype=np.float64)
+    for i in range(n):
+        events = [decode_member(m, s) for m, s in replies[i]]
+        out[i] = session_features(
+            events, to_us(as_of_ts[i]), txn_ids[i], countries[i] if countries is not None else None
+        )
+    return {name: out[:, j] for j, name in enumerate(SESSION_NAMES)}
+
+
+# --- the training edge --------------------------------------------------------------------
+
+
+def _epoch_us(df: pd.DataFrame) -> np.ndarray:
+    col = "event_timestamp" if "event_timestamp" in df.columns else "event_time"
+    s = df[col]
+    if pd.api.types.is_numeric_dtype(s):  # epoch seconds
+        return np.rint(s.to_numpy(np.float64) * US).astype(np.int64)
+    ts = pd.to_datetime(s, utc=True)
+    return np.asarray(
+        ts.dt.tz_convert("UTC").astype("datetime64[ns, UTC]").astype("int64").to_numpy() // 1000,
+        dtype=np.int64,
+    )
+
+
+def offline_session_features(
+    df: pd.DataFrame, history: pd.DataFrame | None = None
+) -> dict[str, np.ndarray]:
+    """Session features for every row of ``df`` as of its own event time (float64 columns,
+    in ``df``'s row order).
+
+    ``df`` needs transaction_id, card_id, merchant_id, amount, country and
+    event_timestamp or event_time (tz-aware datetimes, or epoch seconds). The events
+    counted come from ``history`` (same columns; default ``df`` itself), deduplicated
+    on transaction_id exactly as the updater does; pass the full raw history when
+    ``df`` is a sample. Each row excludes its own transaction_id, like the scorer.
+    """
+    hist = df if history is None else history
+    h_ts = _epoch_us(hist)
+    h = (
+        pd.DataFrame(
+            {
+                "card": hist["card_id"].to_numpy(object),
+                "ts": h_ts,
+                "tid": hist["transaction_id"].to_numpy(object),
+                "amount": hist["amount"].to_numpy(np.float64),
+                "merchant": hist["merchant_id"].to_numpy(object),
+                "country": hist["country"].to_numpy(object),
+            }
+        )
+        .drop_duplicates("tid", keep="first")
+        .sort_values(["card", "ts", "tid"], kind="stable")
+    )
+    cards = h["card"].to_numpy(object)
+    h_ts_sorted = h["ts"].to_numpy(np.int64)
+    events = [
+        SessionEvent(int(t), tid, float(a), m, c)
+        for t, tid, a, m, c in zip(
+            h_ts_sorted, h["tid"], h["amount"], h["merchant"], h["country"], strict=True
+        )
+    ]
+    # Per card: the slice [start, end) of the sorted history.
+    uniq, first = np.unique(cards.astype(str), return_index=True)
+    bounds = dict(
+        zip(
+            uniq.tolist(),
+            zip(first.tolist(), [*first[1:].tolist(), len(cards)], strict=True),
+            strict=True,
+        )
+    )
+
+    q_ts = _epoch_us(df)
+    q_card = df["card_id"].to_numpy(object)
+    q_tid = df["transaction_id"].to_numpy(object)
+    q_ctry = df["country"].to_numpy(object)
+    out = np.empty((len(df), N_SESSION), dtype=np.float64)
+    for i in range(len(df)):
+        b = bounds.get(str(q_card[i]))
+        if b is None:
+            out[i] = session_features((), int(q_ts[i]), q_tid[i], q_ctry[i])
+            continue
+        s, e = b
+        t = int(q_ts[i])
+        lo = s + int(np.searchsorted(h_ts_sorted[s:e], t - LONGEST_WINDOW_US, "left"))
+        hi = s + int(np.searchsorted(h_ts_sorted[s:e], t, "left"))
+        out[i] = session_features(events[lo:hi], t, q_tid[i], q_ctry[i])
+    return {name: out[:, j] for j, name in enumerate(SESSION_NAMES)}

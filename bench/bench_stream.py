@@ -1,0 +1,202 @@
+"""Benchmark of the streaming updater (Redis Streams source, embedded Redis-protocol server).
+
+Two figures, each beside a baseline:
+
+1. **Throughput**: events/s that one updater process applies from a pre-filled stream
+   (poll -> validate -> apply -> ack), with the batched, pipelined apply (one round
+   trip per batch) against the same loop applying one event per round trip. Also the
+   updater's CPU seconds, since the target is "on one core" (Redis runs in its own
+   process).
+2. **Event-to-servable lag** at a fixed rate: ``fraud-scoring emit`` (a separate process)
+   appends events at ``--rate`` events/s while the updater runs; lag is the time from
+   the stream entry's id (the server's append time, millisecond resolution, so up to
+   1 ms too high) to the moment the batch's effect is in Redis. Baseline: the same
+   loop on a fixed 100 ms trigger (micro-batches) instead of a blocking read.
+
+Usage: ``python bench/bench_stream.py [--events 60000] [--rate 2000] [--seconds 10]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import redis
+
+from batch_jobs.simulate import SimConfig, live_events
+from fraud_scoring.redis_server import embedded_redis
+from streaming.metrics import UpdaterMetrics
+from streaming.sources import Message, RedisStreamSource
+from streaming.state import ApplyResult, CardEvent, SessionWriter
+from streaming.updater import Updater
+
+STREAM = "bench"
+
+
+class LagRecorder:
+    """Stands in for the lag histogram and keeps every observation."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def observe(self, v: float) -> None:
+        self.values.append(v)
+
+
+class UnpipelinedWriter(SessionWriter):
+    """Baseline: one round trip per event."""
+
+    def apply(self, events: Sequence[CardEvent]) -> ApplyResult:
+        return self.apply_unpipelined(events)
+
+
+class SleepingSource(RedisStreamSource):
+    """Baseline: a fixed 100 ms trigger (micro-batch interval) instead of a blocking read."""
+
+    def poll(self, max_messages: int, timeout_s: float) -> list[Message]:
+        time.sleep(0.1)
+        return super().poll(max_messages, 0.001)
+
+
+def fill(client: Any, payloads: Sequence[bytes]) -> None:
+    client.delete(STREAM)
+    for s in range(0, len(payloads), 5000):
+        pipe = client.pipeline(transaction=False)
+        for p in payloads[s : s + 5000]:
+            pipe.xadd(STREAM, {"data": p})
+        pipe.execute()
+
+
+def throughput(url: str, payloads: Sequence[bytes], writer_cls: type[SessionWriter]) -> dict:
+    client: Any = redis.Redis.from_url(url, socket_timeout=10)
+    client.flushdb()
+    fill(client, payloads)
+    updater = Updater(
+        RedisStreamSource(client, STREAM, "g", "bench"),
+        writer_cls(client, allowed_lateness_s=300),
+        UpdaterMetrics.create(),
+        batch_size=1000,
+    )
+    wall, cpu = time.perf_counter(), time.process_time()
+    updater.run(max_messages=len(payloads))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    n = updater.totals.messages
+    return {
+        "events": n,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "events_per_s": n / wall,
+        "events_per_cpu_s": n / cpu,
+    }
+
+
+def lag_at_rate(url: str, rate: float, seconds: float, sleeping: bool) -> dict:
+    client: Any = redis.Redis.from_url(url, socket_timeout=10)
+    client.flushdb()
+    client.xgroup_create(STREAM, "g", id="$", mkstream=True)
+    rec = LagRecorder()
+    metrics = dataclasses.replace(UpdaterMetrics.create(), lag=rec)  # type: ignore[arg-type]
+    source_cls = SleepingSource if sleeping else RedisStreamSource
+    updater = Updater(
+        source_cls(client, STREAM, "g", "bench"),
+        SessionWriter(client, allowed_lateness_s=300),
+        metrics,
+        batch_size=1000,
+    )
+    n_events = int(rate * seconds)
+    # ~3 transactions per card-day; size the simulation to about n_events.
+    cards = max(100, n_events // 3)
+    env = {**os.environ, "REDIS_URL": url}
+    thread = threading.Thread(target=updater.run, daemon=True)
+    thread.start()
+    emitter = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fraud_scoring.cli",
+            "emit",
+            "--stream",
+            STREAM,
+            "--cards",
+            str(cards),
+            "--events-per-s",
+            str(rate),
+            "--seed",
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    sent = int(emitter.stdout.split()[1].replace(",", ""))
+    deadline = time.monotonic() + 30
+    while updater.totals.messages < sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    updater.stop()
+    thread.join()
+    lag = np.array(rec.values) * 1000
+    return {
+        "events": len(lag),
+        "p50_ms": float(np.percentile(lag, 50)),
+        "p99_ms": float(np.percentile(lag, 99)),
+        "max_ms": float(lag.max()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--events", type=int, default=60_000, help="events for the throughput run")
+    ap.add_argument("--baseline-events", type=int, default=10_000)
+    ap.add_argument("--rate", type=float, default=2000.0, help="events/s for the lag run")
+    ap.add_argument("--seconds", type=float, default=10.0, help="length of the lag run")
+    args = ap.parse_args()
+
+    feed = live_events(
+        SimConfig(
+            cards=max(100, args.events // 3), merchants=500, days=1, txns_per_card_day=3.0, seed=1
+        )
+    )
+    payloads = [json.dumps(e).encode() for e in feed][: args.events]
+    with embedded_redis() as url:
+        fast = throughput(url, payloads, SessionWriter)
+        slow = throughput(url, payloads[: args.baseline_events], UnpipelinedWriter)
+        lag = lag_at_rate(url, args.rate, args.seconds, sleeping=False)
+        lag_base = lag_at_rate(url, args.rate, args.seconds, sleeping=True)
+
+    print(f"\nthroughput, one updater process ({os.cpu_count()} CPUs on this machine)")
+    print(f"{'':34}{'batched apply':>16}{'per-event apply':>18}")
+    for key, label in (
+        ("events", "events"),
+        ("events_per_s", "events/s (wall)"),
+        ("events_per_cpu_s", "events per updater CPU-second"),
+    ):
+        print(f"{label:34}{fast[key]:>16,.0f}{slow[key]:>18,.0f}")
+    print(f"\nevent-to-servable lag at {args.rate:,.0f} events/s for {args.seconds:.0f}s")
+    print(f"{'':34}{'blocking read':>16}{'100 ms trigger':>18}")
+    for key, label in (
+        ("events", "events"),
+        ("p50_ms", "p50 ms"),
+        ("p99_ms", "p99 ms"),
+        ("max_ms", "max ms"),
+    ):
+        fmt = ",.0f" if key == "events" else ",.1f"
+        print(f"{label:34}{lag[key]:>16{fmt}}{lag_base[key]:>18{fmt}}")
+    print(
+        json.dumps(
+            {"throughput": fast, "throughput_baseline": slow, "lag": lag, "lag_baseline": lag_base}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Event sources behind one interface: Redis Streams (local default) and Kafka.
+
+A source hands out batches of raw messages and is told when their effect is in Redis
+(:meth:`Source.ack`); only then does it acknowledge them (XACK / offset commit), so a
+crash replays the unacknowledged tail and nothing is lost. Malformed messages go to a
+dead-letter stream/topic (:meth:`Source.dead_letter`) before they are acknowledged.
+
+A source raises :class:`SourceUnavailable` (or ``redis.ConnectionError``) for failures
+worth retrying; the updater backs off and retries the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTER_SUFFIX = ":dead-letter"  # Redis: <stream>:dead-letter
+KAFKA_DEAD_LETTER_SUFFIX = ".dead-letter"  # Kafka: <topic>.dead-letter
+
+
+class SourceUnavailable(RuntimeError):
+    """The event log cannot be reached right now; retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    raw: bytes
+    append_ts: float  # epoch seconds the log stored it (for event-to-servable lag)
+    ref: Any  # stream entry id, or (topic, partition, offset)
+
+
+class Source(Protocol):
+    def poll(self, max_messages: int, timeout_s: float) -> list[Message]: ...
+
+    def ack(self, messages: Sequence[Message]) -> None: ...
+
+    def dead_letter(self, items: Sequence[tuple[Message, str]]) -> None: ...
+
+    def lag(self) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+# --- Redis Streams ----------------------------------------------------------------------
+
+
+class RedisStreamSource:
+    """A consumer in a Redis Streams consumer group.
+
+    On start it first re-reads its own pending entries (delivered before a crash, never
+    acknowledged); every ``claim_interval_s`` it claims entries that another consumer
+    has held for longer than ``claim_idle_ms`` (XAUTOCLAIM), so a consumer that died
+    and never came back under the same name loses nothing either. Entries carry the
+    event JSON in the field ``data``.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        claim_idle_ms: int = 30_000,
+        claim_interval_s: float = 5.0,
+        dead_letter_maxlen: int = 1_000_000,
+    ) -> None:
+        self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.dead_stream = stream + DEAD_LETTER_SUFFIX
+        self.claim_idle_ms = claim_idle_ms
+        self.claim_interval_s = claim_interval_s
+        self.dead_letter_maxlen = dead_letter_maxlen
+        self._own_pending = True  # drain our own PEL first
+        self._next_claim = 0.0
+        self._group_ready = False
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            # "0": a group created after events were written still reads them all.
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    @staticmethod
+    def _messages(entries: list[Any]) -> list[Message]:
+        out = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted while pending
+                continue
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            raw = fields.get(b"data", b"")
+            out.append(Message(raw, int(eid.split("-", 1)[0]) / 1000.0, eid))
+        return out
+
+    def poll(self, max_messages: int, timeout_s: float) -> list[Message]:
+        try:
+            return self._poll(max_messages, timeout_s)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # A read that timed out here may still have been delivered by the server:
+            # those entries sit in our PEL, so read it again before anything new.
+            self._own_pending = True
+            raise
+
+    def _poll(self, max_messages: int, timeout_s: float) -> list[Message]:
+        self._ensure_group()
+        if self._own_pending:
+            reply: Any = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: "0"}, count=max_messages
+            )
+            msgs = self._messages(reply[0][1]) if reply else []
+            if msgs:
+                return msgs
+            self._own_pending = False
+        now = time.monotonic()
+        if now >= self._next_claim:
+            self._next_claim = now + self.claim_interval_s
+            claimed: Any = self.client.xautoclaim(
+                self.stream,
+                self.group,
+                self.consumer,
+                self.claim_idle_ms,
+                "0-0",
+                count=max_messages,
+            )
+            msgs = self._messages(claimed[1])
+            if msgs:
+                log.info("claimed %d pending entries of other consumers", len(msgs))
+                self._next_claim = now  # there may be more
+                return msgs
+        reply_new: Any = self.client.xreadgroup(
+            self.group,
+            self.consumer,
+            {self.stream: ">"},
+            count=max_messages,
+            block=max(1, int(timeout_s * 1000)),
+        )
+        return self._messages(reply_new[0][1]) if reply_new else []
+
+    def ack(self, messages: Sequence[Message]) -> None:
+        if messages:
+            self.client.xack(self.stream, self.group, *[m.ref for m in messages])
+
+    def dead_letter(self, items: Sequence[tuple[Message, str]]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for m, reason in items:
+            pipe.xadd(
+                self.dead_stream,
+                {"data": m.raw, "reason": reason, "source_id": str(m.ref)},
+                maxlen=self.dead_letter_maxlen,
+                approximate=True,
+            )
+        pipe.execute()
+
+    def lag(self) -> int | None:
+        """Entries not yet acknowledged by the group: never delivered plus pending."""
+        groups: Any = self.client.xinfo_groups(self.stream)
+        for g in groups:
+            if g["name"] in (self.group, self.group.encode()):
+                lag = g.get("lag")
+                return None if lag is None else int(lag) + int(g["pending"])
+        return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# --- Kafka ------------------------------------------------------------------------------
+
+
+class KafkaSource:
+    """A member of a Kafka consumer group (confluent-kafka).
+
+    Events are keyed by card_id, so one card's events stay in one partition and one
+    updater. Offsets are committed synchronously after the batch's effect is in Redis;
+    after a rebalance or crash, the new owner re-reads from the last commit and the
+    idempotent apply absorbs the replay. Dead letters go to ``<topic>.dead-letter`` with
+    the reason in a ``reason`` header and are flushed before the offsets are committed.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        group: str,
+        *,
+        client_id: str = "session-updater",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        from confluent_kafka import Consumer, Producer
+
+        self.topic = topic
+        self.dead_topic = topic + KAFKA_DEAD_LETTER_SUFFIX
+        conf = {
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "client.id": client_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+            "fetch.wait.max.ms": 50,
+            **(extra or {}),
+        }
+        self.consumer = Consumer(conf)
+        self.consumer.subscribe([topic])
+        self.producer = Producer(
+            {"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": False}
+        )
+        ensure_topic(bootstrap, self.dead_topic, partitions=1)
+
+    def poll(self, max_messages: int, timeout_s: float) -> list[Message]:
+        from confluent_kafka import KafkaError
+
+        out = []
+        for m in self.consumer.consume(num_messages=max_messages, timeout=timeout_s):
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise SourceUnavailable(f"kafka: {err}")
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("kafka consumer: %s", err)
+                continue
+            _, ts_ms = m.timestamp()
+            out.append(
+                Message(
+                    m.value() or b"", (ts_ms or 0) / 1000.0, (m.topic(), m.partition(), m.offset())
+                )
+            )
+        return out
+
+    def ack(self, messages: Sequence[Message]) -> None:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        nxt: dict[tuple[str, int], int] = {}
+        for m in messages:
+            topic, part, off = m.ref
+            nxt[(topic, part)] = max(nxt.get((topic, part), 0), off + 1)
+        if not nxt:
+            return
+        try:
+            self.consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in nxt.items()], asynchronous=False
+            )
+        except KafkaException as exc:
+            # Typically a rebalance took the partition away: its new owner replays from
+            # the last commit, and replays are harmless.
+            log.warning("offset commit failed (%s); the events will be re-applied", exc)
+
+    def dead_letter(self, items: Sequence[tuple[Message, str]]) -> None:
+        failed: list[str] = []
+
+        def report(err: Any, _msg: Any) -> None:
+            if err is not None:
+                failed.append(str(err))
+
+        for m, reason in items:
+            topic, part, off = m.ref
+            self.producer.produce(
+                self.dead_topic,
+                value=m.raw,
+                on_delivery=report,
+                headers=[("reason", reason.encode()), ("source", f"{topic}/{part}/{off}".encode())],
+            )
+        if self.producer.flush(10.0) or failed:
+            raise SourceUnavailable(f"dead-letter produce failed: {failed or 'timeout'}")
+
+    def lag(self) -> int | None:
+        """Messages behind the high watermark over the assigned partitions."""
+        from confluent_kafka import KafkaException
+
+        total = 0
+        try:
+            parts = self.consumer.assignment()
+            if not parts:
+                return None
+            for tp in self.consumer.position(parts):
+                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                if high is None or high < 0 or tp.offset < 0:
+                    continue
+                total += max(0, high - tp.offset)
+        except KafkaException as exc:  # lag is a metric: never let it stop the updater
+            log.debug("kafka lag unavailable: %s", exc)
+            return None
+        return total
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.flush(5.0)
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """Create ``topic`` unless it exists."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics([NewTopic(topic, partitions, 1)], operation_timeout=10)
+    for fut in futures.values():
+        try:
+            fut.result(timeout=15)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise SourceUnavailable(f"creating topic {topic}: {exc}") from exc

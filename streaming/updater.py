@@ -1,0 +1,188 @@
+"""The streaming updater: poll -> validate -> dead-letter -> apply -> acknowledge.
+
+One loop, one batch at a time, read top to bottom in :meth:`Updater.step`:
+
+1. **poll** a batch of raw messages from the source (Redis Streams or Kafka);
+2. **validate** each with ``Transaction.model_validate_event``; a malformed one goes to
+   the dead letter with the reason (and is counted), never stopping the loop;
+3. **apply** the valid ones to Redis in one pipelined round trip (idempotent);
+4. **acknowledge** the whole batch, only now that its effect is in Redis.
+
+When Redis (or the log) is unavailable, the step pauses and retries the same batch
+with exponential backoff: nothing is acknowledged that was not applied, so nothing is
+lost, and whatever was applied before the failure is applied again harmlessly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import redis
+from pydantic import ValidationError
+
+from fraud_scoring.events import Transaction
+from streaming.metrics import UpdaterMetrics
+from streaming.sources import Message, Source, SourceUnavailable
+from streaming.state import ApplyResult, CardEvent, SessionWriter, card_event
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRYABLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    SourceUnavailable,
+)
+
+
+def decode(msg: Message) -> CardEvent | str:
+    """The (card_id, event) of a message, or the reason it is malformed."""
+    try:
+        raw = json.loads(msg.raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"invalid JSON: {exc}"
+    if not isinstance(raw, dict):
+        return f"event must be a JSON object, got {type(raw).__name__}"
+    try:
+        return card_event(Transaction.model_validate_event(raw))
+    except ValidationError as exc:
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg']}" for e in exc.errors()
+        )
+    except (OverflowError, OSError, ValueError) as exc:  # e.g. an epoch out of range
+        return f"invalid event: {exc}"
+
+
+@dataclass
+class Totals:
+    messages: int = 0
+    dead_letters: int = 0
+    applied: ApplyResult = field(default_factory=ApplyResult)
+
+
+class Updater:
+    def __init__(
+        self,
+        source: Source,
+        writer: SessionWriter,
+        metrics: UpdaterMetrics,
+        batch_size: int = 1000,
+        poll_timeout_s: float = 0.2,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        lag_interval_s: float = 1.0,
+    ) -> None:
+        self.source, self.writer, self.metrics = source, writer, metrics
+        self.batch_size, self.poll_timeout_s = batch_size, poll_timeout_s
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.lag_interval_s = lag_interval_s
+        self.totals = Totals()
+        self.stopping = threading.Event()
+        self._next_lag = 0.0
+        self._newest_event_s = 0.0
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Call ``fn`` until it succeeds, backing off on retryable errors (or until stop)."""
+        delay = self.backoff_initial_s
+        while True:
+            try:
+                return fn()
+            except RETRYABLE as exc:
+                self.metrics.retries.labels(what).inc()
+                log.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
+                if self.stopping.wait(delay * (0.5 + random.random() / 2)):
+                    raise
+                delay = min(delay * 2, self.backoff_max_s)
+
+    def step(self) -> int:
+        """Process one batch; return the number of messages it held (0: nothing new)."""
+        msgs = self._retry("poll", lambda: self.source.poll(self.batch_size, self.poll_timeout_s))
+        self._observe_lag()
+        if not msgs:
+            return 0
+        good: list[CardEvent] = []
+        bad: list[tuple[Message, str]] = []
+        for m in msgs:
+            d = decode(m)
+            if isinstance(d, str):
+                bad.append((m, d))
+            else:
+                good.append(d)
+        if bad:
+            self._retry("dead_letter", lambda: self.source.dead_letter(bad))
+            self.metrics.events.labels("dead_letter").inc(len(bad))
+            for m, reason in bad:
+                log.warning("dead-lettered %s: %s", m.ref, reason)
+        result = self._retry("apply", lambda: self.writer.apply(good))
+        servable = time.time()
+        self._retry("ack", lambda: self.source.ack(msgs))
+
+        met = self.metrics
+        met.events.labels("applied").inc(result.added)
+        met.events.labels("duplicate").inc(result.duplicates)
+        met.events.labels("dropped_too_late").inc(result.dropped)
+        met.late.inc(result.late)
+        for msg in msgs:
+            met.lag.observe(max(0.0, servable - msg.append_ts))
+        if good:
+            self._newest_event_s = max(self._newest_event_s, max(e.ts_us for _, e in good) / 1e6)
+            met.newest_event_time.set(self._newest_event_s)
+        self.totals.messages += len(msgs)
+        self.totals.dead_letters += len(bad)
+        self.totals.applied += result
+        return len(msgs)
+
+    def _observe_lag(self) -> None:
+        now = time.monotonic()
+        if now < self._next_lag:
+            return
+        self._next_lag = now + self.lag_interval_s
+        try:
+            lag = self.source.lag()
+        except RETRYABLE as exc:
+            log.debug("consumer lag unavailable: %s", exc)
+            return
+        if lag is not None:
+            self.metrics.consumer_lag.set(lag)
+
+    def run(self, max_messages: int | None = None, idle_exit_s: float | None = None) -> Totals:
+        """Loop until :meth:`stop`, ``max_messages`` processed, or ``idle_exit_s`` of quiet."""
+        last_busy = time.monotonic()
+        try:
+            while not self.stopping.is_set():
+                try:
+                    n = self.step()
+                except RETRYABLE:  # only raised once stopping
+                    break
+                now = time.monotonic()
+                if n:
+                    last_busy = now
+                elif idle_exit_s is not None and now - last_busy >= idle_exit_s:
+                    break
+                if max_messages is not None and self.totals.messages >= max_messages:
+                    break
+        finally:
+            t = self.totals
+            log.info(
+                "updater stopping: %d messages, %d applied, %d duplicates, %d late, "
+                "%d dropped, %d dead letters",
+                t.messages,
+                t.applied.added,
+                t.applied.duplicates,
+                t.applied.late,
+                t.applied.dropped,
+                t.dead_letters,
+            )
+        return self.totals
+
+    def stop(self) -> None:
+        """Finish the current batch, acknowledge it, and leave :meth:`run`."""
+        self.stopping.set()

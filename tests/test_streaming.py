@@ -1,0 +1,379 @@
+"""The streaming updater against a real Redis-protocol server and a real Kafka broker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fraud_scoring.events import Transaction
+from fraud_scoring.session import (
+    SESSION_NAMES,
+    offline_session_features,
+    parse_session_results,
+    queue_session_reads,
+)
+from streaming.metrics import UpdaterMetrics
+from streaming.sources import KafkaSource, Message, RedisStreamSource
+from streaming.state import CardEvent, SessionWriter, card_event
+from streaming.updater import Updater, decode
+from tests.conftest_streaming import (
+    connect,
+    dump_state,
+    encode,
+    feed,
+    history_frame,
+    kafka_bootstrap,
+    sigkill,
+    start_updater,
+    stream_redis,
+    wait_for,
+    xadd_all,
+)
+
+__all__ = ["kafka_bootstrap", "stream_redis"]
+
+STREAM = "transactions"
+
+
+def run_updater_in_process(url: str, n_messages: int, batch_size: int = 500) -> Updater:
+    client = connect(url, socket_timeout=10)
+    source = RedisStreamSource(client, STREAM, "g", "inproc")
+    updater = Updater(
+        source,
+        SessionWriter(client, allowed_lateness_s=300),
+        UpdaterMetrics.create(),
+        batch_size=batch_size,
+    )
+    updater.run(max_messages=n_messages)
+    return updater
+
+
+def clean_run(url: str, events: list[dict[str, object]]) -> None:
+    """The reference state: every event applied once, in arrival order, no crash."""
+    writer = SessionWriter(connect(url), allowed_lateness_s=300)
+    msgs = [card_event_of(e) for e in events]
+    for start in range(0, len(msgs), 1000):
+        writer.apply(msgs[start : start + 1000])
+
+
+def card_event_of(e: dict[str, object]) -> CardEvent:
+    return card_event(Transaction.model_validate_event(e))
+
+
+def test_online_equals_offline_for_sampled_card_times(stream_redis: str) -> None:
+    events = feed(cards=600, late_fraction=0.15, max_lateness_s=120, duplicate_rate=0.05)
+    client = connect(stream_redis)
+    xadd_all(client, STREAM, encode(events))
+    updater = run_updater_in_process(stream_redis, len(events))
+    t = updater.totals
+    assert t.messages == len(events) and t.dead_letters == 0
+    assert t.applied.duplicates > 0 and t.applied.added == len(
+        {e["transaction_id"] for e in events}
+    )
+
+    hist = history_frame(events)
+    unique = hist.drop_duplicates("transaction_id").reset_index(drop=True)
+    rng = np.random.default_rng(1)
+    # Replays: transactions the updater has already applied, scored again (the hardest
+    # case for "never counts in its own features"). Fresh: new transactions at random
+    # times. Near: new transactions seconds after a real one, so short windows fill.
+    replay = unique.iloc[rng.choice(len(unique), 600, replace=False)]
+    t_lo, t_hi = unique["event_time"].min(), unique["event_time"].max()
+    span_us = int((t_hi - t_lo).total_seconds() * 1e6)
+    near_of = unique.iloc[rng.choice(len(unique), 600, replace=False)]
+
+    def new_txns(cards: np.ndarray, times: pd.Series | pd.DatetimeIndex) -> pd.DataFrame:
+        return pd.DataFrame(
+            {
+                "transaction_id": [f"new-{i}" for i in range(len(cards))],
+                "card_id": cards,
+                "merchant_id": "m-new",
+                "amount": 1.0,
+                "country": rng.choice(["US", "FR", "GB"], len(cards)),
+                "event_time": times,
+            }
+        )
+
+    fresh = new_txns(
+        unique["card_id"].to_numpy()[rng.integers(0, len(unique), 400)],
+        t_lo + pd.to_timedelta(rng.integers(0, span_us, 400), unit="us"),
+    )
+    near = new_txns(
+        near_of["card_id"].to_numpy(),
+        pd.DatetimeIndex(near_of["event_time"])
+        + pd.to_timedelta(rng.integers(0, 90_000_000, 600), unit="us"),
+    )
+    cols = list(fresh.columns)
+    q = pd.concat([replay[cols], fresh, near], ignore_index=True)
+    q["event_time"] = pd.to_datetime(q["event_time"], utc=True)
+    ts = (q["event_time"].astype("datetime64[ns, UTC]").astype("int64") / 1e9).tolist()
+    cards = q["card_id"].tolist()
+
+    pipe = client.pipeline(transaction=False)
+    queue_session_reads(pipe, cards, ts)
+    online = parse_session_results(
+        pipe.execute(), cards, ts, q["transaction_id"].tolist(), q["country"].tolist()
+    )
+    offline = offline_session_features(q, history=hist)
+
+    assert len(q) >= 1000
+    assert (online["card_txn_count_1h"] > 0).sum() > 300  # not a test of empty windows
+    assert (online["card_txn_count_1m"] > 0).sum() > 300
+    for name in SESSION_NAMES:
+        if "count" in name or "distinct" in name or "changed" in name:
+            np.testing.assert_array_equal(online[name], offline[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(online[name], offline[name], rtol=1e-12, err_msg=name)
+
+
+def test_malformed_events_go_to_the_dead_letter(stream_redis: str) -> None:
+    good = feed(cards=50)[:100]
+    base = dict(good[0])
+    bad_events: list[bytes] = [
+        json.dumps({k: v for k, v in base.items() if k != "card_id"}).encode(),
+        json.dumps({**base, "amount": "lots"}).encode(),
+        json.dumps({**base, "amount": -5}).encode(),
+        json.dumps({**base, "event_time": "yesterday-ish"}).encode(),
+        b"{not json",
+        b"[1, 2, 3]",
+    ]
+    payloads = encode(good[:50]) + bad_events + encode(good[50:])
+    client = connect(stream_redis)
+    xadd_all(client, STREAM, payloads)
+    updater = run_updater_in_process(stream_redis, len(payloads), batch_size=40)
+    assert updater.totals.dead_letters == len(bad_events)
+    assert updater.totals.applied.added == len({e["transaction_id"] for e in good})
+    dead = client.xrange(STREAM + ":dead-letter")
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert [fields[b"data"] for _, fields in dead] == bad_events
+    assert "card_id" in reasons[0] and "amount" in reasons[1] and "amount" in reasons[2]
+    assert "event_time" in reasons[3] and "JSON" in reasons[4] and "object" in reasons[5]
+    group = client.xinfo_groups(STREAM)[0]
+    assert group["pending"] == 0 and group["lag"] == 0
+    assert decode_reason(b'{"amount": 1}').startswith("transaction_id")
+
+
+def decode_reason(raw: bytes) -> str:
+    reason = decode(Message(raw, 0.0, "x"))
+    assert isinstance(reason, str)
+    return reason
+
+
+def test_sigkill_mid_stream_then_restart_equals_clean_run(
+    stream_redis: str, tmp_path: Path
+) -> None:
+    events = feed(cards=5000, seed=9, late_fraction=0.1, duplicate_rate=0.05)
+    n = len(events)
+    client = connect(stream_redis)
+    xadd_all(client, STREAM, encode(events))
+    log = tmp_path / "updater.log"
+    common = ("--source", "redis", "--stream", STREAM, "--group", "g", "--batch-size", "1500")
+
+    def pending() -> int:
+        return int(client.xpending(STREAM, "g")["pending"])
+
+    def read() -> int:
+        groups = client.xinfo_groups(STREAM)
+        return int(groups[0]["entries-read"] or 0) if groups else 0
+
+    # 1st crash: u1 dies holding pending entries; u2 (a new name) claims them.
+    p = start_updater(stream_redis, log, *common, "--consumer", "u1")
+    # Kill while a batch is in flight (read, not yet acknowledged): a large batch spends
+    # tens of milliseconds there, far longer than the gap between the check and the kill.
+    wait_for(lambda: read() >= n // 5 and pending() > 0, 60, "u1 to be mid-batch")
+    sigkill(p)
+    first_read, first_pending = read(), pending()
+    # 2nd crash: u2 dies too; it comes back under its own name and re-reads its PEL.
+    p = start_updater(stream_redis, log, *common, "--consumer", "u2", "--claim-idle-ms", "1")
+    wait_for(lambda: read() >= first_read + n // 5 and pending() > 0, 60, "u2 to be mid-batch")
+    sigkill(p)
+    second_pending = pending()
+    assert read() < n, f"the stream was finished before the kill; see {log}"
+    p = start_updater(
+        stream_redis,
+        log,
+        *common,
+        "--consumer",
+        "u2",
+        "--claim-idle-ms",
+        "1",
+        "--idle-exit-s",
+        "0.5",
+    )
+
+    def drained() -> bool:
+        g = client.xinfo_groups(STREAM)[0]
+        return g["lag"] == 0 and g["pending"] == 0
+
+    wait_for(drained, 90, "the group to drain")
+    assert p.wait(timeout=30) == 0, log.read_text()[-3000:]
+    assert first_pending + second_pending > 0, "the kills left nothing to replay"
+
+    reference = connect(stream_redis.rsplit("/", 1)[0] + "/1")
+    clean_run(stream_redis.rsplit("/", 1)[0] + "/1", events)
+    got, want = dump_state(client), dump_state(reference)
+    assert len(want) > 1000
+    assert got == want
+
+
+def test_kafka_sigkill_mid_stream_then_restart_equals_clean_run(
+    kafka_bootstrap: str, stream_redis: str, tmp_path: Path
+) -> None:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+    from streaming.sources import ensure_topic
+
+    topic = "txns"
+    events = feed(cards=2000, seed=13, late_fraction=0.1, duplicate_rate=0.05)
+    bad = [b'{"transaction_id": "x"}', b"\xff\xfe"]
+    ensure_topic(kafka_bootstrap, topic, partitions=3)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
+    for e, payload in zip(events, encode(events), strict=True):
+        producer.produce(topic, value=payload, key=str(e["card_id"]).encode())
+    for b in bad:
+        producer.produce(topic, value=b, key=b"bad")
+    assert producer.flush(30) == 0
+    total = len(events) + len(bad)
+
+    watcher = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "g"})
+    parts = [TopicPartition(topic, i) for i in range(3)]
+
+    def committed() -> int:
+        return sum(max(tp.offset, 0) for tp in watcher.committed(parts, timeout=5))
+
+    log = tmp_path / "updater.log"
+    common = (
+        "--source",
+        "kafka",
+        "--kafka-bootstrap",
+        kafka_bootstrap,
+        "--stream",
+        topic,
+        "--group",
+        "g",
+        "--batch-size",
+        "200",
+        "--kafka-session-timeout-ms",
+        "6000",
+    )
+    p = start_updater(stream_redis, log, *common, "--consumer", "k1")
+    wait_for(lambda: committed() > 0, 60, "the first commit")
+    sigkill(p)
+    assert committed() < total, f"the topic was finished before the kill; see {log}"
+    p = start_updater(stream_redis, log, *common, "--consumer", "k2")
+    try:
+        wait_for(lambda: committed() == total, 90, "every offset to be committed")
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    watcher.close()
+
+    client = connect(stream_redis)
+    reference_url = stream_redis.rsplit("/", 1)[0] + "/1"
+    clean_run(reference_url, events)
+    got, want = dump_state(client), dump_state(connect(reference_url))
+    assert len(want) > 1000
+    assert got == want
+
+    dead = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "dlq-reader"})
+    dead.assign([TopicPartition(topic + ".dead-letter", 0, OFFSET_BEGINNING)])
+    seen: list[tuple[Any, Any]] = []
+
+    def all_dead() -> bool:
+        for m in dead.consume(10, 0.5):
+            if m.error() is None:
+                seen.append((m.value(), dict(m.headers() or [])["reason"]))
+        return len({v for v, _ in seen}) >= len(bad)
+
+    wait_for(all_dead, 30, "the dead letters")
+    dead.close()
+    assert {v for v, _ in seen} == set(bad)
+    assert all(r for _, r in seen)
+
+
+def test_kafka_source_keys_one_card_to_one_partition(kafka_bootstrap: str) -> None:
+    """Several updaters share a topic safely because a card never spans partitions."""
+    from confluent_kafka import Producer
+
+    from streaming.sources import ensure_topic
+
+    topic = "keyed"
+    ensure_topic(kafka_bootstrap, topic, partitions=3)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    events = feed(cards=40)[:400]
+    for e, payload in zip(events, encode(events), strict=True):
+        producer.produce(topic, value=payload, key=str(e["card_id"]).encode())
+    assert producer.flush(30) == 0
+    source = KafkaSource(kafka_bootstrap, topic, "keyed-g", extra={"session.timeout.ms": 6000})
+    got: list[Message] = []
+
+    def all_polled() -> bool:
+        got.extend(source.poll(500, 0.5))
+        return len(got) >= len(events)
+
+    try:
+        wait_for(all_polled, 60, "all messages")
+    finally:
+        source.close()
+    parts: dict[str, set[int]] = {}
+    for m in got:
+        parts.setdefault(json.loads(m.raw)["card_id"], set()).add(m.ref[1])
+    assert all(len(p) == 1 for p in parts.values())
+    assert len({p for ps in parts.values() for p in ps}) > 1
+
+
+def test_redis_outage_pauses_retries_and_loses_nothing(stream_redis: str) -> None:
+    import os
+    import signal
+    import threading
+
+    events = feed(cards=2000, seed=21, duplicate_rate=0.05)
+    client = connect(stream_redis)
+    xadd_all(client, STREAM, encode(events))
+    pid = int(client.info("server")["process_id"])
+    # A short socket timeout so that the stopped server looks unavailable quickly.
+    uclient = connect(stream_redis, socket_timeout=0.5)
+    metrics = UpdaterMetrics.create()
+    updater = Updater(
+        RedisStreamSource(uclient, STREAM, "g", "u"),
+        SessionWriter(uclient, allowed_lateness_s=300),
+        metrics,
+        batch_size=100,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
+    thread = threading.Thread(target=updater.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: updater.totals.messages >= 200, 30, "the first batches")
+        os.kill(pid, signal.SIGSTOP)  # the server stops answering mid-stream
+        try:
+            assert updater.totals.messages < len(events)
+            wait_for(
+                lambda: (
+                    sum(
+                        s.value
+                        for m in metrics.retries.collect()
+                        for s in m.samples
+                        if s.name.endswith("_total")
+                    )
+                    >= 2
+                ),
+                30,
+                "the updater to back off",
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: updater.totals.messages >= len(events), 60, "the updater to resume")
+    finally:
+        updater.stop()
+        thread.join(timeout=10)
+    group = client.xinfo_groups(STREAM)[0]
+    assert group["pending"] == 0 and group["lag"] == 0
+    reference_url = stream_redis.rsplit("/", 1)[0] + "/1"
+    clean_run(reference_url, events)
+    assert dump_state(client) == dump_state(connect(reference_url))
