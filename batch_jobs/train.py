@@ -20,6 +20,9 @@ import lightgbm as lgb
 import numpy as np
 import pandas as pd
 from sklearn.metrics import average_precision_score, roc_auc_score
+from sklearn.neural_network import MLPClassifier
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import StandardScaler
 
 from batch_jobs.daily_features import snapshot_time
 from fraud_scoring import features as F
@@ -188,6 +191,13 @@ def train(
         "train_positives": float(y[~hold].sum()),
     }
     onnx_bytes = export_onnx(model, len(names))
+    # The tensor-op variant: every node runs on a GPU (tree ensembles run only on CPU).
+    mlp = train_tensor_model(X[~hold], y[~hold], cfg.seed)
+    tensor_score = np.asarray(mlp.predict_proba(X[hold]))[:, 1]
+    metrics["tensor_holdout_pr_auc"] = float(
+        average_precision_score(y[hold], tensor_score, sample_weight=hw))
+    metrics["tensor_holdout_roc_auc"] = float(
+        roc_auc_score(y[hold], tensor_score, sample_weight=hw))
     meta = ModelMetadata(
         name=cfg.model_name,
         version=next_version(model_repo, cfg.model_name),
@@ -199,8 +209,10 @@ def train(
         thresholds=choose_thresholds(y[hold], score, hw),
         metrics=metrics,
         feature_importance=importance(model, names),
+        variants={"tensor": TENSOR_FILE},
     )
-    path = publish(model_repo, cfg.model_name, {"model.onnx": onnx_bytes}, meta)
+    files = {"model.onnx": onnx_bytes, TENSOR_FILE: export_tensor_onnx(mlp, len(names))}
+    path = publish(model_repo, cfg.model_name, files, meta)
     log.info("published %s", path)
     return meta
 
@@ -209,6 +221,59 @@ def importance(model: lgb.LGBMClassifier, names: list[str]) -> dict[str, float]:
     gain = model.booster_.feature_importance(importance_type="gain")
     total = float(gain.sum()) or 1.0
     return {n: round(float(g) / total, 6) for n, g in zip(names, gain, strict=True)}
+
+
+TENSOR_FILE = "model_tensor.onnx"
+
+
+def train_tensor_model(x: np.ndarray, y: np.ndarray, seed: int) -> Pipeline:
+    """A small MLP on standardized inputs: Sub/Div/MatMul/Add/Relu/Sigmoid only."""
+    mlp = Pipeline([
+        ("scale", StandardScaler()),
+        ("mlp", MLPClassifier(hidden_layer_sizes=(64, 32), max_iter=60, early_stopping=True,
+                              random_state=seed)),
+    ])
+    mlp.fit(x, y)
+    return mlp
+
+
+def export_tensor_onnx(model: Pipeline, n_features: int) -> bytes:
+    """The MLP as a plain ONNX graph of standard ops (Sub, Div, MatMul, Add, Relu, Sigmoid,
+    Concat) that the CUDA execution provider runs in full. skl2onnx would emit
+    ai.onnx.ml Scaler/ArrayFeatureExtractor nodes, which run only on CPU."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    scaler: StandardScaler = model.named_steps["scale"]
+    mlp: MLPClassifier = model.named_steps["mlp"]
+    f32 = np.float32
+    inits = [numpy_helper.from_array(np.asarray(scaler.mean_, f32), "mean"),
+             numpy_helper.from_array(np.asarray(scaler.scale_, f32), "scale"),
+             numpy_helper.from_array(np.ones((1, 1), f32), "one")]
+    nodes = [helper.make_node("Sub", ["input", "mean"], ["centered"]),
+             helper.make_node("Div", ["centered", "scale"], ["h0"])]
+    h = "h0"
+    layers = list(zip(mlp.coefs_, mlp.intercepts_, strict=True))
+    for k, (w, b) in enumerate(layers):
+        inits += [numpy_helper.from_array(np.asarray(w, f32), f"w{k}"),
+                  numpy_helper.from_array(np.asarray(b, f32), f"b{k}")]
+        nodes += [helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]),
+                  helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"])]
+        last = k == len(layers) - 1
+        h = "p1" if last else f"h{k + 1}"
+        nodes.append(helper.make_node("Sigmoid" if last else "Relu", [f"a{k}"], [h]))
+    nodes += [helper.make_node("Sub", ["one", "p1"], ["p0"]),
+              helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1)]
+    graph = helper.make_graph(
+        nodes, "fraud_mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 2])],
+        inits,
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    return bytes(m.SerializeToString())
 
 
 def export_onnx(model: lgb.LGBMClassifier, n_features: int) -> bytes:

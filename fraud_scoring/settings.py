@@ -85,6 +85,13 @@ class Settings(BaseSettings):
     max_queue_size: int = Field(
         default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
     )
+    max_inflight: int = Field(
+        default=48,
+        ge=1,
+        description="Scoring requests admitted at once (parsed, queued or running); beyond "
+        "it a request is answered 503 before its body is even parsed, so an overloaded "
+        "process sheds cheaply instead of letting every request wait.",
+    )
     model_instances: int = Field(default=1, ge=1, description="ONNX Runtime sessions.")
     intra_op_threads: int = Field(default=1, ge=1, description="Threads per session.")
     request_timeout_ms: float = Field(

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
@@ -193,9 +194,45 @@ def _watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]
     return asyncio.get_running_loop().create_task(watch(), name="model-watch")
 
 
+class AdmissionLimit:
+    """Pure ASGI middleware: at most ``limit`` scoring requests in the process at once.
+
+    Past that, 503 + Retry-After at once, before the body is read or validated: under
+    overload the time goes to the requests that can still meet their deadlines."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit, self.inflight = app, limit, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/score"):
+            await self.app(scope, receive, send)
+            return
+        if self.inflight >= self.limit:
+            on_reject = getattr(scope["app"].state, "on_reject", None)
+            if on_reject:
+                on_reject("inflight")
+            more = True  # drain the unread body so the keep-alive connection stays usable
+            while more:
+                message = await receive()
+                more = message["type"] == "http.request" and message.get("more_body", False)
+            overloaded = JSONResponse(
+                {"detail": "overloaded: too many requests in flight"},
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
+            await overloaded(scope, receive, send)
+            return
+        self.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inflight -= 1
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="fraud-scoring", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings or get_settings()
+    app.add_middleware(AdmissionLimit, limit=app.state.settings.max_inflight)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -249,9 +286,10 @@ async def _score_one(request: Request, txn: Transaction, deadline: float) -> Sco
     with tracer.start_as_current_span("score", attributes={"transaction_id": txn.transaction_id}):
         try:
             if state.batcher is not None:
-                res = await asyncio.wait_for(
-                    state.batcher.submit(txn, deadline), timeout=max(deadline - time.monotonic(), 0)
-                )
+                # asyncio.timeout cancels the await (and so the queued item) at the
+                # deadline without wrapping it in a task as wait_for would.
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    res = await state.batcher.submit(txn, deadline)
             else:
                 if deadline <= time.monotonic():
                     state.on_reject("deadline")
@@ -293,9 +331,15 @@ async def _score_one(request: Request, txn: Transaction, deadline: float) -> Sco
 
 async def score(
     request: Request, txn: Transaction, x_request_timeout_ms: TimeoutHeader = None
-) -> ScoreOut:
+) -> Response:
     """Score one transaction: approve, review or decline, with reasons."""
-    return await _score_one(request, txn, _deadline(request, x_request_timeout_ms))
+    return _json(await _score_one(request, txn, _deadline(request, x_request_timeout_ms)))
+
+
+def _json(body: BaseModel) -> Response:
+    # Serialized once here; returning a Response skips FastAPI's second validation pass
+    # (the route's response_model still documents the schema).
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def score_batch(
@@ -317,7 +361,7 @@ async def score_batch(
         )
     deadline = _deadline(request, x_request_timeout_ms)
     results = await asyncio.gather(*(_score_one(request, t, deadline) for t in body.transactions))
-    return BatchOut(results=list(results))
+    return _json(BatchOut(results=list(results)))
 
 
 async def reload_model(request: Request) -> JSONResponse:

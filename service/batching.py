@@ -61,6 +61,13 @@ class BatchStats:
     on_reject: Callable[[str], None] | None = None
     ewma_batch_s: float = 0.0
     batches: int = 0
+    last_batch_at: float = 0.0  # time.monotonic() when the last batch finished
+
+    def expected_batch_s(self, now: float) -> float:
+        """The measured batch time, trusted only while it is fresh (batches ran in the
+        last second): otherwise one slow batch could refuse every later request, no batch
+        would run, and the estimate would never recover."""
+        return self.ewma_batch_s if now - self.last_batch_at < 1.0 else 0.0
 
 
 class Batcher(Generic[T, R]):
@@ -120,7 +127,7 @@ class Batcher(Generic[T, R]):
         if len(self._queue) >= self.max_queue_size:
             self._reject("queue_full")
             raise QueueFull(f"queue holds {len(self._queue)} requests (max_queue_size)")
-        if deadline - now < self.stats.ewma_batch_s:
+        if deadline - now < self.stats.expected_batch_s(now):
             self._reject("deadline")
             raise DeadlineExceeded("deadline shorter than the measured batch time")
         fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
@@ -142,7 +149,7 @@ class Batcher(Generic[T, R]):
             head = self._queue[0]
             if head.future.done():  # cancelled by its caller
                 self._queue.popleft()
-            elif head.deadline - now < self.stats.ewma_batch_s:
+            elif head.deadline - now < self.stats.expected_batch_s(now):
                 self._queue.popleft()
                 head.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
                 self._reject("deadline")
@@ -185,7 +192,7 @@ class Batcher(Generic[T, R]):
             earliest = min(it.deadline for it in self._queue if not it.future.done())
             flush_at = min(
                 head.enqueued + self.max_queue_delay_s,
-                earliest - self.stats.ewma_batch_s - FLUSH_SLACK_S,
+                earliest - self.stats.expected_batch_s(time.monotonic()) - FLUSH_SLACK_S,
             )
             wait = flush_at - time.monotonic()
             if wait <= 0:
@@ -201,7 +208,7 @@ class Batcher(Generic[T, R]):
             item = self._queue.popleft()
             if item.future.done():
                 continue
-            if item.deadline - now < self.stats.ewma_batch_s:
+            if item.deadline - now < self.stats.expected_batch_s(now):
                 item.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
                 self._reject("deadline")
                 continue
@@ -225,6 +232,7 @@ class Batcher(Generic[T, R]):
         elapsed = time.monotonic() - start
         s = self.stats
         s.ewma_batch_s = elapsed if s.batches == 0 else 0.8 * s.ewma_batch_s + 0.2 * elapsed
+        s.last_batch_at = time.monotonic()
         s.batches += 1
         if s.on_batch:
             s.on_batch(len(batch), elapsed, [start - it.enqueued for it in batch])

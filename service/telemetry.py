@@ -48,9 +48,9 @@ def setup() -> Instruments:
         MeterProvider(resource=resource, metric_readers=[PrometheusMetricReader()])
     )
     exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-    provider = TracerProvider(resource=resource)
+    exporter = None
     if exporter_name == "console":
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        exporter = ConsoleSpanExporter()
     elif exporter_name == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore
@@ -58,14 +58,17 @@ def setup() -> Instruments:
             )
         except ImportError:
             log.warning(
-                "OTEL_TRACES_EXPORTER=otlp but opentelemetry-exporter-otlp is not "
-                "installed; traces are off"
+                "OTEL_TRACES_EXPORTER=otlp but opentelemetry-exporter-otlp-proto-http "
+                "is not installed; traces are off"
             )
         else:
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            exporter = OTLPSpanExporter()
     elif exporter_name not in ("none", ""):
         log.warning("unknown OTEL_TRACES_EXPORTER %r; traces are off", exporter_name)
-    trace.set_tracer_provider(provider)
+    if exporter is not None:  # else the API's no-op tracer: spans cost nothing
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
 
     m = metrics.get_meter("fraud_scoring.service")
     return Instruments(

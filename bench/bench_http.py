@@ -1,0 +1,231 @@
+"""Open-loop load against the real HTTP service: naive path vs the batching executor.
+
+Requests are sent on a fixed schedule (constant arrival rate), whether or not earlier
+ones have answered, and latency is measured from the *scheduled* send time, so slow
+responses cannot hide queueing (no coordinated omission). For each offered load and
+each service mode it prints achieved throughput, p50/p99/p99.9 of answered requests,
+the share shed with 503 and the share of other errors. The load generator runs in this
+process; the service runs in a subprocess (one uvicorn worker) on the same 2 cores.
+
+    python -m bench.bench_http [--rates 250,500,1000,1500,2000] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from bench.world import BenchWorld, bench_world
+from fraud_scoring.redis_server import free_port
+
+
+@dataclass
+class Result:
+    mode: str
+    offered: float
+    achieved: float
+    p50: float
+    p99: float
+    p999: float
+    shed: float
+    errors: float
+
+    def line(self) -> str:
+        return (
+            f"{self.mode:<9} {self.offered:>8,.0f} {self.achieved:>9,.0f} "
+            f"{self.p50:>8.2f} {self.p99:>8.2f} {self.p999:>8.2f} {self.shed:>7.1%} "
+            f"{self.errors:>7.1%}"
+        )
+
+
+HEADER = (
+    f"{'mode':<9} {'offered':>8} {'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} "
+    f"{'p99.9 ms':>8} {'shed':>7} {'errors':>7}"
+)
+
+
+def start(world: BenchWorld, batching: bool, extra: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "REDIS_URL": world.redis_url,
+        "FRAUD_DATA_DIR": str(world.data_dir),
+        "FRAUD_MODEL_REPO": str(world.model_repo),
+        "FRAUD_PORT": str(port),
+        "FRAUD_BATCHING": str(batching).lower(),
+        "FRAUD_REQUEST_TIMEOUT_MS": "50",
+        **extra,
+    }
+    cmd = [sys.executable, "-m", "fraud_scoring.cli", "serve"]
+    if os.environ.get("BENCH_PYSPY"):  # profile the service: BENCH_PYSPY=out.svg
+        cmd = [
+            "py-spy",
+            "record",
+            "-o",
+            f"{os.environ['BENCH_PYSPY']}-{batching}.svg",
+            "--format",
+            "speedscope",
+            "--",
+            *cmd,
+        ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("service did not become ready")
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection speaking just enough of the protocol: far
+    cheaper per request than a general client, so the generator is not the bottleneck."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def post(self, request: bytes) -> int:
+        self.writer.write(request)
+        status_line = await self.reader.readline()
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        await self.reader.readexactly(length)
+        return int(status_line.split()[1])
+
+
+async def open_loop(
+    url: str, bodies: list[bytes], rate: float, seconds: float, mode: str, max_conns: int = 256
+) -> Result:
+    host, port = url.removeprefix("http://").split(":")
+    requests = [
+        (
+            f"POST /v1/score HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(b)}\r\n\r\n"
+        ).encode()
+        + b
+        for b in bodies
+    ]
+    n = int(rate * seconds)
+    lat = np.full(n, np.nan)
+    status = np.zeros(n, dtype=int)
+    idle: list[Conn] = []
+    opened = 0
+    free = asyncio.Condition()
+
+    async def acquire() -> Conn:
+        nonlocal opened
+        async with free:
+            while not idle and opened >= max_conns:
+                await free.wait()
+            if idle:
+                return idle.pop()
+            opened += 1
+        return Conn(*await asyncio.open_connection(host, int(port)))
+
+    async def release(c: Conn) -> None:
+        async with free:
+            idle.append(c)
+            free.notify()
+
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        nonlocal opened
+        sched = t0 + i / rate
+        conn = await acquire()  # waiting for a connection counts as latency
+        try:
+            status[i] = await conn.post(requests[i % len(requests)])
+            await release(conn)
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+            status[i] = -1
+            async with free:
+                opened -= 1
+                free.notify()
+        lat[i] = (time.perf_counter() - sched) * 1e3
+
+    tasks = []
+    for i in range(n):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    for c in idle:
+        c.writer.close()
+    ok = status == 200
+    ok_lat = lat[ok] if ok.any() else np.array([np.nan])
+    return Result(
+        mode,
+        rate,
+        ok.sum() / elapsed,
+        float(np.median(ok_lat)),
+        float(np.quantile(ok_lat, 0.99)),
+        float(np.quantile(ok_lat, 0.999)),
+        float((status == 503).mean()),
+        float(((status != 200) & (status != 503)).mean()),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rates", default="250,500,1000,1500,2000,3000")
+    p.add_argument("--seconds", type=float, default=5.0)
+    a = p.parse_args()
+    rates = [float(r) for r in a.rates.split(",")]
+    import json
+
+    results: list[Result] = []
+    with bench_world() as world:
+        bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
+        for mode, batching in (("naive", False), ("batched", True)):
+            proc, url = start(world, batching, {})
+            try:
+                asyncio.run(open_loop(url, bodies, 200, 2, mode))  # warm-up
+                for rate in rates:
+                    res = asyncio.run(open_loop(url, bodies, rate, a.seconds, mode))
+                    results.append(res)
+                    print(res.line(), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    print("\n" + HEADER)
+    for r in results:
+        print(r.line())
+    print()
+    for mode in ("naive", "batched"):
+        held = [
+            r.offered
+            for r in results
+            if r.mode == mode
+            and r.p99 < 10
+            and r.shed < 0.01
+            and r.errors == 0
+            and r.achieved >= 0.95 * r.offered
+        ]
+        print(
+            f"{mode}: highest offered load held with p99 < 10 ms: "
+            f"{max(held) if held else 0:,.0f} req/s"
+        )
+
+
+if __name__ == "__main__":
+    main()
