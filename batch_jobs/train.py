@@ -138,8 +138,9 @@ def train(
     holdout_start = last - timedelta(days=cfg.holdout_days - 1)
     # A day before the first training day so that 24-hour session windows are full.
     history = load_transactions(raw, first - timedelta(days=1), last)
-    txns = history[history["event_time"] >= pd.Timestamp(
-        datetime.combine(first, datetime.min.time(), UTC))].reset_index(drop=True)
+    txns = history[
+        history["event_time"] >= pd.Timestamp(datetime.combine(first, datetime.min.time(), UTC))
+    ].reset_index(drop=True)
     hold_ts = pd.Timestamp(datetime.combine(holdout_start, datetime.min.time(), UTC))
     is_hold = txns["event_time"] >= hold_ts
     rng = np.random.default_rng(cfg.seed)
@@ -195,9 +196,11 @@ def train(
     mlp = train_tensor_model(X[~hold], y[~hold], cfg.seed)
     tensor_score = np.asarray(mlp.predict_proba(X[hold]))[:, 1]
     metrics["tensor_holdout_pr_auc"] = float(
-        average_precision_score(y[hold], tensor_score, sample_weight=hw))
+        average_precision_score(y[hold], tensor_score, sample_weight=hw)
+    )
     metrics["tensor_holdout_roc_auc"] = float(
-        roc_auc_score(y[hold], tensor_score, sample_weight=hw))
+        roc_auc_score(y[hold], tensor_score, sample_weight=hw)
+    )
     meta = ModelMetadata(
         name=cfg.model_name,
         version=next_version(model_repo, cfg.model_name),
@@ -228,11 +231,17 @@ TENSOR_FILE = "model_tensor.onnx"
 
 def train_tensor_model(x: np.ndarray, y: np.ndarray, seed: int) -> Pipeline:
     """A small MLP on standardized inputs: Sub/Div/MatMul/Add/Relu/Sigmoid only."""
-    mlp = Pipeline([
-        ("scale", StandardScaler()),
-        ("mlp", MLPClassifier(hidden_layer_sizes=(64, 32), max_iter=60, early_stopping=True,
-                              random_state=seed)),
-    ])
+    mlp = Pipeline(
+        [
+            ("scale", StandardScaler()),
+            (
+                "mlp",
+                MLPClassifier(
+                    hidden_layer_sizes=(64, 32), max_iter=60, early_stopping=True, random_state=seed
+                ),
+            ),
+        ]
+    )
     mlp.fit(x, y)
     return mlp
 
@@ -247,25 +256,36 @@ def export_tensor_onnx(model: Pipeline, n_features: int) -> bytes:
     scaler: StandardScaler = model.named_steps["scale"]
     mlp: MLPClassifier = model.named_steps["mlp"]
     f32 = np.float32
-    inits = [numpy_helper.from_array(np.asarray(scaler.mean_, f32), "mean"),
-             numpy_helper.from_array(np.asarray(scaler.scale_, f32), "scale"),
-             numpy_helper.from_array(np.ones((1, 1), f32), "one")]
-    nodes = [helper.make_node("Sub", ["input", "mean"], ["centered"]),
-             helper.make_node("Div", ["centered", "scale"], ["h0"])]
+    inits = [
+        numpy_helper.from_array(np.asarray(scaler.mean_, f32), "mean"),
+        numpy_helper.from_array(np.asarray(scaler.scale_, f32), "scale"),
+        numpy_helper.from_array(np.ones((1, 1), f32), "one"),
+    ]
+    nodes = [
+        helper.make_node("Sub", ["input", "mean"], ["centered"]),
+        helper.make_node("Div", ["centered", "scale"], ["h0"]),
+    ]
     h = "h0"
     layers = list(zip(mlp.coefs_, mlp.intercepts_, strict=True))
     for k, (w, b) in enumerate(layers):
-        inits += [numpy_helper.from_array(np.asarray(w, f32), f"w{k}"),
-                  numpy_helper.from_array(np.asarray(b, f32), f"b{k}")]
-        nodes += [helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]),
-                  helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"])]
+        inits += [
+            numpy_helper.from_array(np.asarray(w, f32), f"w{k}"),
+            numpy_helper.from_array(np.asarray(b, f32), f"b{k}"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]),
+            helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"]),
+        ]
         last = k == len(layers) - 1
         h = "p1" if last else f"h{k + 1}"
         nodes.append(helper.make_node("Sigmoid" if last else "Relu", [f"a{k}"], [h]))
-    nodes += [helper.make_node("Sub", ["one", "p1"], ["p0"]),
-              helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1)]
+    nodes += [
+        helper.make_node("Sub", ["one", "p1"], ["p0"]),
+        helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1),
+    ]
     graph = helper.make_graph(
-        nodes, "fraud_mlp",
+        nodes,
+        "fraud_mlp",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
         [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 2])],
         inits,

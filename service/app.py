@@ -344,7 +344,7 @@ def _json(body: BaseModel) -> Response:
 
 async def score_batch(
     request: Request, body: BatchIn, x_request_timeout_ms: TimeoutHeader = None
-) -> BatchOut:
+) -> Response:
     """Score up to ``FRAUD_MAX_BATCH_REQUEST`` transactions; results keep the input order."""
     limit = request.app.state.settings.max_batch_request
     if len(body.transactions) > limit:

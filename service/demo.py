@@ -16,13 +16,16 @@ from datetime import timedelta
 
 import httpx
 import pyarrow.parquet as pq
+import redis
 
 from batch_jobs.batch import day_range, run_batch
 from batch_jobs.simulate import SimConfig, simulate
 from batch_jobs.train import TrainConfig, train
+from fraud_scoring.events import Transaction
 from fraud_scoring.redis_server import free_port, redis_url
 from fraud_scoring.settings import Settings
 from fraud_scoring.storage import partition_dir
+from streaming.state import SessionWriter, card_event
 
 
 def _step(msg: str) -> None:
@@ -31,7 +34,9 @@ def _step(msg: str) -> None:
 
 def _pick(rows: list[dict], n_fraud: int = 4, n_normal: int = 4) -> list[dict]:
     chosen: list[dict] = []
-    for pattern in ("card_testing", "account_takeover", "compromised_merchant"):
+    testing = [r for r in rows if r["fraud_pattern"] == "card_testing" and r["amount"] < 10]
+    chosen += testing[len(testing) // 2 :][:1]  # mid-burst: velocity is what gives it away
+    for pattern in ("account_takeover", "compromised_merchant"):
         chosen += [r for r in rows if r["fraud_pattern"] == pattern][-1:]
     chosen += [r for r in rows if r["is_fraud"] and r not in chosen][: n_fraud - len(chosen)]
     chosen += [r for r in rows[:: max(len(rows) // 50, 1)] if not r["is_fraud"]][:n_normal]
@@ -100,11 +105,26 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                 if time.monotonic() > deadline:
                     raise RuntimeError("scoring service did not become ready in 60 s")
                 time.sleep(0.2)
-            rows = pq.read_table(
-                partition_dir(settings.data_dir / "raw", "transactions", last) / "part-0.parquet"
-            ).to_pylist()
+            # The streaming updater's job, done inline: before each scored transaction,
+            # every earlier event of the last two days is applied to the session state.
+            rows = [
+                r
+                for d in (last - timedelta(days=1), last)
+                for r in pq.read_table(
+                    partition_dir(settings.data_dir / "raw", "transactions", d) / "part-0.parquet"
+                ).to_pylist()
+            ]
+            rows.sort(key=lambda r: r["event_time"])
+            writer = SessionWriter(redis.Redis.from_url(url), settings.allowed_lateness_s)
+            events = [card_event(Transaction.model_validate(r)) for r in rows]
+            applied = 0
+            todays = [r for r in rows if r["event_time"].date() == last]
             with httpx.Client(base_url=base, timeout=10) as client:
-                for row in _pick(rows):
+                for row in sorted(_pick(todays), key=lambda r: r["event_time"]):
+                    start = applied
+                    while applied < len(rows) and rows[applied]["event_time"] < row["event_time"]:
+                        applied += 1
+                    writer.apply(events[start:applied])
                     truth = row.pop("fraud_pattern") or "legit"
                     row.pop("is_fraud")
                     row["event_time"] = row["event_time"].isoformat()
