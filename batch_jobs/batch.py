@@ -58,7 +58,7 @@ def run_batch(
         tables = compute_day(raw, day)
         write_day(feats, day, tables)
         rows += sum(t.num_rows for t in tables.values())
-        log.info("features for %s: %s", day, {k: v.num_rows for k, v in tables.items()})
+        log.debug("features for %s: %s", day, {k: v.num_rows for k, v in tables.items()})
     compute_s = time.perf_counter() - t0
     if not materialize:
         return BatchReport(len(days), rows, compute_s, 0, 0.0)

@@ -56,7 +56,7 @@ INDICATORS: tuple[Indicator, ...] = (
     Indicator(
         "VELOCITY_10M",
         "card_txn_count_10m",
-        lambda f: f.get("card_txn_count_10m", 0) >= 4,
+        lambda f: f.get("card_txn_count_10m", 0) >= 3,
         lambda f: (
             f"{f.get('card_txn_count_10m', 0):.0f} transactions on this card in "
             "the last 10 minutes."

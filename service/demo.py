@@ -125,6 +125,7 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                     while applied < len(rows) and rows[applied]["event_time"] < row["event_time"]:
                         applied += 1
                     writer.apply(events[start:applied])
+                    row = dict(row)  # the copy in ``rows`` keeps its datetime
                     truth = row.pop("fraud_pattern") or "legit"
                     row.pop("is_fraud")
                     row["event_time"] = row["event_time"].isoformat()
