@@ -63,6 +63,23 @@ class SimConfig:
     txns_per_card_day: float = 2.0
     seed: int = 7
 
+    @classmethod
+    def from_args(cls, args: object) -> SimConfig:
+        """From parsed CLI flags named cards, merchants, days, start, rate and seed."""
+        return cls(
+            **{
+                f: getattr(args, a)
+                for f, a in (
+                    ("cards", "cards"),
+                    ("merchants", "merchants"),
+                    ("days", "days"),
+                    ("start", "start"),
+                    ("txns_per_card_day", "rate"),
+                    ("seed", "seed"),
+                )
+            }
+        )
+
 
 def _table(cols: dict[str, np.ndarray]) -> pa.Table:
     return pa.table(

@@ -45,14 +45,7 @@ def cmd_simulate(args: argparse.Namespace, settings: Settings) -> None:
 
     from batch_jobs.simulate import SimConfig, simulate
 
-    cfg = SimConfig(
-        cards=args.cards,
-        merchants=args.merchants,
-        days=args.days,
-        start=args.start,
-        txns_per_card_day=args.rate,
-        seed=args.seed,
-    )
+    cfg = SimConfig.from_args(args)
     t0 = time.perf_counter()
     n = simulate(cfg, settings.data_dir / "raw")
     print(

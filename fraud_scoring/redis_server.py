@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import redis
 
@@ -52,8 +53,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def embedded_redis(timeout_s: float = 10.0) -> Iterator[str]:
-    """Start a private server on a free port; yield its redis:// URL; stop it on exit."""
+def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iterator[str]:
+    """Start a private server on a free port; yield its redis:// URL; stop it on exit.
+
+    With ``password`` the server requires it (``requirepass``) and the URL carries it.
+    """
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="fraud-redis-"))
     cmd = [
@@ -70,11 +74,13 @@ def embedded_redis(timeout_s: float = 10.0) -> Iterator[str]:
         str(workdir),
         "--protected-mode",
         "yes",
+        *(["--requirepass", password] if password else []),
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
-    url = f"redis://127.0.0.1:{port}/0"
+    auth = f":{quote(password, safe='')}@" if password else ""
+    url = f"redis://{auth}127.0.0.1:{port}/0"
     try:
         client = redis.Redis.from_url(url)
         deadline = time.monotonic() + timeout_s
@@ -121,7 +127,7 @@ def feast_connection_string(url: str) -> str:
         raise ValueError(f"REDIS_URL: scheme must be redis:// or rediss://, got {url!r}")
     parts = [f"{u.hostname or '127.0.0.1'}:{u.port or 6379}"]
     if u.password:
-        parts.append(f"password={u.password}")
+        parts.append(f"password={unquote(u.password)}")
     db = (u.path or "/0").lstrip("/") or "0"
     if not db.isdigit():
         raise ValueError(f"REDIS_URL: database must be a number, got {db!r}")

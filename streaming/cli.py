@@ -99,14 +99,7 @@ def cmd_stream(args: argparse.Namespace, settings: Settings) -> None:
 def cmd_emit(args: argparse.Namespace, settings: Settings) -> None:
     from batch_jobs.simulate import SimConfig, live_events
 
-    cfg = SimConfig(
-        cards=args.cards,
-        merchants=args.merchants,
-        days=args.days,
-        start=args.start,
-        txns_per_card_day=args.rate,
-        seed=args.seed,
-    )
+    cfg = SimConfig.from_args(args)
     events = live_events(
         cfg,
         late_fraction=args.late_fraction,

