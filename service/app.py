@@ -194,6 +194,9 @@ def _watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]
     return asyncio.get_running_loop().create_task(watch(), name="model-watch")
 
 
+RECEIVED_NS = "fraud_scoring.received_ns"
+
+
 class AdmissionLimit:
     """Pure ASGI middleware: at most ``limit`` scoring requests in the process at once.
 
@@ -223,6 +226,7 @@ class AdmissionLimit:
             await overloaded(scope, receive, send)
             return
         self.inflight += 1
+        scope[RECEIVED_NS] = time.time_ns()  # start of the request's trace
         try:
             await self.app(scope, receive, send)
         finally:
@@ -283,7 +287,12 @@ async def _score_one(request: Request, txn: Transaction, deadline: float) -> Sco
         raise ServiceUnavailable("no model loaded yet", retry_after_s=5)
     start = time.perf_counter()
     tracer = telemetry.tracer()
-    with tracer.start_as_current_span("score", attributes={"transaction_id": txn.transaction_id}):
+    received = request.scope.get(RECEIVED_NS, time.time_ns())
+    with tracer.start_as_current_span(
+        "score", start_time=received, attributes={"transaction_id": txn.transaction_id}
+    ):
+        # Body parsing and validation ran before this handler, since ``received``.
+        tracer.start_span("validation", start_time=received).end()
         try:
             if state.batcher is not None:
                 # asyncio.timeout cancels the await (and so the queued item) at the

@@ -269,3 +269,37 @@ def test_new_versions_are_picked_up_while_serving(world: World, tmp_path: Path) 
             assert c.post("/v1/score", json=TXN).json()["model_version"] == "2"
     finally:
         stop_server(srv)
+
+
+def test_one_trace_per_request_with_its_stages(world: World, tmp_path: Path) -> None:
+    from tests.conftest import wait_until
+
+    srv = start_server(
+        world, tmp_path, OTEL_TRACES_EXPORTER="console", OTEL_BSP_SCHEDULE_DELAY="50"
+    )
+    try:
+        with srv.client() as c:
+            assert c.post("/v1/score", json={**TXN, "transaction_id": "traced"}).status_code == 200
+
+        def spans() -> list[dict]:
+            # The console exporter prints one JSON object per span, between log lines.
+            text, decoder, found, at = srv.log.read_text(), json.JSONDecoder(), [], 0
+            while (at := text.find("{", at)) != -1:
+                try:
+                    obj, at = decoder.raw_decode(text, at)
+                    found.append(obj)
+                except json.JSONDecodeError:
+                    at += 1
+            return [s for s in found if "context" in s]
+
+        got = wait_until(
+            lambda: (lambda ss: ss if len(ss) >= 5 else None)(spans()),
+            timeout=20,
+            what="five exported spans",
+        )
+        root = next(s for s in got if s["name"] == "score")
+        trace_id = root["context"]["trace_id"]
+        names = {s["name"] for s in got if s["context"]["trace_id"] == trace_id}
+        assert names >= {"score", "validation", "feature_read", "inference", "decision"}
+    finally:
+        stop_server(srv)
