@@ -138,11 +138,36 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     ctry = np.where(travel, rng.choice(len(COUNTRIES), size=n), home[card])
     chan = m_channel[merch]
     amt = np.round(rng.lognormal(np.log(m_scale[merch] * scale[card]), 0.7), 2) + 0.01
+    # Legitimate look-alikes of fraud signals: rare big-ticket purchases ...
+    big = rng.random(n) < 0.004
+    amt = np.where(big, np.round(amt * rng.uniform(8, 40, size=n), 2), amt)
     amt = np.where(chan == 2, np.round(amt / 20 + 1) * 20, amt)  # ATM: round twenties
     device = np.where(chan == 1, card, -1)  # home device for ecom, none otherwise
     pattern = np.zeros(n, dtype=np.int8)
 
     parts = [(card, merch, t, amt, ctry, chan, device, pattern)]
+
+    # ... and bursts of small in-person purchases within minutes (transit, vending).
+    n_lb = max(1, int(C * D * 0.0015))
+    lb_card = rng.integers(0, C, size=n_lb)
+    lb_k = rng.integers(3, 7, size=n_lb)
+    cb = np.repeat(lb_card, lb_k)
+    tb = np.repeat(t0 + rng.integers(0, D * day_us, size=n_lb), lb_k) + rng.integers(
+        0, 600_000_000, size=len(cb)
+    )
+    mb = np.repeat(favs[lb_card, 0], lb_k)
+    parts.append(
+        (
+            cb,
+            mb,
+            tb,
+            np.round(rng.uniform(1.0, 6.0, size=len(cb)), 2),
+            home[cb],
+            np.zeros(len(cb), int),
+            np.full(len(cb), -1),
+            np.zeros(len(cb), np.int8),
+        )
+    )
     n_dev = C  # fresh fraudster device ids start after the cards' own
 
     # --- card testing -------------------------------------------------------------------
@@ -165,7 +190,13 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
         np.round(rng.uniform(0.5, 5.0, size=len(c1)), 2),
         np.round(rng.uniform(300, 2500, size=len(c1)), 2),
     )
-    m1 = sinks[rng.integers(0, n_sink, size=n_ct)][np.repeat(np.arange(n_ct), tot)]
+    # Most testers use a fraud-sink merchant; some a random ordinary one.
+    tester = np.where(
+        rng.random(n_ct) < 0.7,
+        sinks[rng.integers(0, n_sink, size=n_ct)],
+        rng.integers(0, M, size=n_ct),
+    )
+    m1 = tester[np.repeat(np.arange(n_ct), tot)]
     dev1 = n_dev + np.repeat(np.arange(n_ct), tot)
     n_dev += n_ct
     parts.append(
@@ -179,8 +210,13 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     k = rng.integers(3, 9, size=n_ato)
     c2 = np.repeat(ato_card, k)
     t2 = np.repeat(ato_start, k) + rng.integers(0, 6 * 3_600_000_000, size=len(c2))
-    foreign = (home[ato_card] + rng.integers(1, len(COUNTRIES), size=n_ato)) % len(COUNTRIES)
-    a2 = np.round(scale[c2] * rng.uniform(400, 3000, size=len(c2)), 2)
+    # A new device always; a new country for most (some takeovers stay domestic).
+    foreign = np.where(
+        rng.random(n_ato) < 0.6,
+        (home[ato_card] + rng.integers(1, len(COUNTRIES), size=n_ato)) % len(COUNTRIES),
+        home[ato_card],
+    )
+    a2 = np.round(scale[c2] * rng.uniform(100, 1500, size=len(c2)), 2)
     m2 = rng.integers(0, M, size=len(c2))
     dev2 = n_dev + np.repeat(np.arange(n_ato), k)
     n_dev += n_ato
@@ -213,8 +249,12 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     t3 = np.repeat(base + rng.integers(3, 15, size=len(victims)) * day_us, k3) + rng.integers(
         0, 12 * 3_600_000_000, size=len(c3)
     )
-    a3 = np.round(rng.uniform(200, 1500, size=len(c3)), 2)
-    m3 = sinks[rng.integers(0, n_sink, size=len(c3))]
+    a3 = np.round(rng.uniform(50, 1200, size=len(c3)), 2)
+    m3 = np.where(
+        rng.random(len(c3)) < 0.6,
+        sinks[rng.integers(0, n_sink, size=len(c3))],
+        rng.integers(0, M, size=len(c3)),
+    )
     ctry3 = np.where(rng.random(len(c3)) < 0.5, home[c3], rng.integers(0, len(COUNTRIES), len(c3)))
     dev3 = n_dev + np.arange(len(c3))
     n_dev += len(c3)

@@ -105,18 +105,29 @@ def feature_columns(
 
 
 def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:
-    """decline: the lowest score whose (weighted) holdout precision is still >= 90%;
-    review: the lowest whose precision is >= 30%. Fallbacks: the top 0.2% / 2% of scores."""
+    """Thresholds from the (weighted) holdout.
+
+    decline: the lowest score at which holdout precision is still >= 90%, but never so
+    low that more than 0.1% of legitimate transactions would be declined;
+    review: likewise with precision >= 30% and at most 1% of legitimate ones reviewed.
+    """
     order = np.argsort(-score, kind="stable")
-    tp = np.cumsum((y * weight)[order])
-    precision = tp / np.cumsum(weight[order])
+    precision = np.cumsum((y * weight)[order]) / np.cumsum(weight[order])
     enough = np.cumsum(y[order]) >= 5  # ignore the first few, noisy points
+    legit = y == 0
 
-    def lowest(p: float, q: float) -> float:
+    def weighted_quantile(q: float) -> float:
+        s, w = score[legit], weight[legit]
+        o = np.argsort(s)
+        cum = np.cumsum(w[o]) / w.sum()
+        return float(s[o][min(np.searchsorted(cum, q), len(s) - 1)])
+
+    def lowest(p: float, legit_pass: float) -> float:
         ok = np.flatnonzero((precision >= p) & enough)
-        return float(score[order][ok[-1]]) if len(ok) else float(np.quantile(score, q))
+        by_precision = float(score[order][ok[-1]]) if len(ok) else 1.0
+        return max(by_precision, weighted_quantile(1 - legit_pass))
 
-    decline, review = lowest(0.9, 0.998), lowest(0.3, 0.98)
+    decline, review = lowest(0.9, 0.001), lowest(0.3, 0.01)
     return Thresholds(review=min(review, decline), decline=decline)
 
 
@@ -177,6 +188,9 @@ def train(
         subsample=0.8,
         subsample_freq=1,
         colsample_bytree=0.8,
+        # Balanced classes: fraud scores spread over 0..1 instead of crowding near 0, so
+        # thresholds and scores read naturally (they rank, they are not probabilities).
+        scale_pos_weight=float((y[~hold] == 0).sum()) / max(float(y[~hold].sum()), 1.0),
         random_state=cfg.seed,
         n_jobs=2,
         verbose=-1,
