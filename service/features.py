@@ -64,9 +64,9 @@ class OnlineFeatureReader:
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
         """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline)."""
-        for t in txns:
-            pipe.hmget(self.key(VIEWS[0], t.card_id), self._fields[VIEWS[0].name])
-            pipe.hmget(self.key(VIEWS[1], t.merchant_id), self._fields[VIEWS[1].name])
+        for t in txns:  # per transaction: one HMGET per view, in VIEWS order
+            for view in VIEWS:
+                pipe.hmget(self.key(view, getattr(t, view.join_key)), self._fields[view.name])
         session.queue_session_reads(pipe, [t.card_id for t in txns], [t.event_ts for t in txns])
 
     def parse(self, replies: Sequence[Any], txns: Sequence[Transaction]) -> FeatureRows:
@@ -82,7 +82,7 @@ class OnlineFeatureReader:
             ttl = view.ttl.total_seconds()
             names = [f.name for f in feats]
             for i, t in enumerate(txns):
-                vals = replies[2 * i + vi]
+                vals = replies[len(VIEWS) * i + vi]
                 ts_raw = vals[-1]
                 if not ts_raw:
                     ok[i] = False
@@ -103,7 +103,7 @@ class OnlineFeatureReader:
             cols.update(apply_defaults(sub, present=per_view_present[view.name]))
         cols.update(
             session.parse_session_results(
-                list(replies[2 * n :]),
+                list(replies[len(VIEWS) * n :]),
                 [t.card_id for t in txns],
                 [t.event_ts for t in txns],
                 [t.transaction_id for t in txns],
