@@ -139,8 +139,8 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     chan = m_channel[merch]
     amt = np.round(rng.lognormal(np.log(m_scale[merch] * scale[card]), 0.7), 2) + 0.01
     # Legitimate look-alikes of fraud signals: rare big-ticket purchases ...
-    big = rng.random(n) < 0.004
-    amt = np.where(big, np.round(amt * rng.uniform(8, 40, size=n), 2), amt)
+    big_ticket = rng.random(n) < 0.004
+    amt = np.where(big_ticket, np.round(amt * rng.uniform(8, 40, size=n), 2), amt)
     amt = np.where(chan == 2, np.round(amt / 20 + 1) * 20, amt)  # ATM: round twenties
     device = np.where(chan == 1, card, -1)  # home device for ecom, none otherwise
     pattern = np.zeros(n, dtype=np.int8)
