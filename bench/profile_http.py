@@ -2,8 +2,8 @@
 
     python -m bench.profile_http [--rate 1500] [--seconds 6]
 
-Prints the functions with the most samples (self time, and inclusive time for the
-service's own stages). Needs py-spy (``pip install py-spy``) and ptrace rights.
+Prints where the samples' leaf frames are, grouped by package (self time). Needs py-spy
+(``pip install py-spy``) and ptrace rights.
 """
 
 from __future__ import annotations
@@ -57,37 +57,27 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=30)
     print(res.line())
-    keys = (
-        "httptools_impl.py",
-        "fastapi/routing.py",
-        "_score_one",
-        "score_batch",
-        "read_features",
-        "predict",
-        "decide",
-        "serialize",
-        "_json",
-        "solve_dependencies",
-        "_collect",
-        "record",
-    )
-    self_t: collections.Counter[str] = collections.Counter()
-    incl: collections.Counter[str] = collections.Counter()
+    by_package: collections.Counter[str] = collections.Counter()
     total = 0
     for line in out.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        frames = stack.split(";")
+        leaf = stack.split(";")[-1]
         total += int(n)
-        self_t[frames[-1]] += int(n)
-        for key in keys:  # each stack counts once per stage
-            if any(key in f for f in frames):
-                incl[key] += int(n)
-    print(f"\n{total} samples; top self time:")
-    for f, n in self_t.most_common(15):
-        print(f"{n / total:6.1%}  {f[:110]}")
-    print("\ninclusive, selected stages:")
-    for key in keys:
-        print(f"{incl[key] / total:6.1%}  {key}")
+        by_package[package_of(leaf)] += int(n)
+    print(f"\n{total} samples of the service's threads; self time by package:")
+    for pkg, n in by_package.most_common(16):
+        print(f"{n / total:6.1%}  {pkg}")
+
+
+def package_of(frame: str) -> str:
+    """'func (path:line)' -> the top-level package (or stdlib module) of the code."""
+    path = frame.rpartition("(")[2].rpartition(":")[0]
+    if "site-packages/" in path:
+        path = path.split("site-packages/")[1]
+    elif "/lib/python3" in path:
+        path = path.split("/lib/python3")[1].split("/", 1)[-1]
+    top = path.lstrip("/").split("/")[0]
+    return top.removesuffix(".py") or frame
 
 
 if __name__ == "__main__":
