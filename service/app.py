@@ -11,7 +11,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
@@ -382,7 +382,8 @@ async def score(request: Request) -> Response:
                     }
                 ]
             )
-    return _json(await _score_one(request, txn, _deadline(request, timeout_ms)))
+    deadline = _deadline(request, timeout_ms)
+    return await _unless_client_leaves(request, _score_one(request, txn, deadline))
 
 
 def _json(body: BaseModel) -> Response:
@@ -409,8 +410,45 @@ async def score_batch(
             ]
         )
     deadline = _deadline(request, x_request_timeout_ms)
-    results = await asyncio.gather(*(_score_one(request, t, deadline) for t in body.transactions))
-    return _json(BatchOut(results=list(results)))
+
+    async def all_of_them() -> BatchOut:
+        results = await asyncio.gather(
+            *(_score_one(request, t, deadline) for t in body.transactions)
+        )
+        return BatchOut(results=list(results))
+
+    return await _unless_client_leaves(request, all_of_them())
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[BaseModel]) -> Response:
+    """Run ``work`` unless the client disconnects first.
+
+    The body has been read, so the next ASGI message is ``http.disconnect``: a watcher
+    waits for it and cancels this handler, which cancels its queued batch items; the
+    batcher drops them before their batch runs (they never reach the model).
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        handler.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return _json(await work)
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        handler.uncancel()
+        request.app.state.on_reject("disconnected")
+        return Response(status_code=499)  # nobody is listening; for the access log only
+    finally:
+        watcher.cancel()
 
 
 async def reload_model(request: Request) -> JSONResponse:

@@ -8,19 +8,19 @@ touch a shared database.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from fraud_scoring.redis_server import embedded_redis
+from fraud_scoring.redis_server import embedded_redis, free_port
 
 SIM_START = date(2026, 1, 1)
 SIM_DAYS = 16
@@ -72,17 +72,20 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> World:
     return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(cond, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
-    """Poll ``cond`` until it returns a truthy value; fail after ``timeout`` seconds."""
+def wait_until(
+    cond: Callable[[], Any],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "condition",
+    proc: subprocess.Popen[bytes] | None = None,
+) -> Any:
+    """Poll ``cond`` until it returns a truthy value; fail after ``timeout`` seconds, or at
+    once if ``proc`` (the process being waited on) exits."""
     end = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
         try:
             v = cond()
             if v:
@@ -90,7 +93,9 @@ def wait_until(cond, timeout: float = 30.0, interval: float = 0.05, what: str = 
         except Exception as exc:  # keep polling; report the last error on timeout
             last_exc = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}" + (f": {last_exc!r}" if last_exc else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f": {last_exc!r}" if last_exc else "")
+    )
 
 
 @dataclass

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ import redis
 
 from batch_jobs.simulate import SimConfig, live_events
 from fraud_scoring.redis_server import embedded_redis, free_port
+from tests.conftest import wait_until
 
 T = TypeVar("T")
 
@@ -32,14 +32,8 @@ def wait_for(
     cond: Callable[[], T], timeout: float = 30.0, what: str = "condition", interval: float = 0.01
 ) -> T:
     """Poll ``cond`` until truthy; fail after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    result: T = wait_until(cond, timeout=timeout, interval=interval, what=what)
+    return result
 
 
 def connect(url: str, **kw: Any) -> Any:

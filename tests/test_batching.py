@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -41,6 +41,14 @@ class Recorder:
 
 def far() -> float:
     return time.monotonic() + 30
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Yield to the event loop until ``cond()`` holds (fail after ``timeout`` s)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.001)
 
 
 async def test_batches_fill_to_the_size_bound_under_load() -> None:
@@ -99,11 +107,9 @@ async def test_full_queue_rejects_at_once() -> None:
     b = Batcher(rec, max_batch_size=1, max_queue_delay_s=0, max_queue_size=2)
     b.start()
     first = asyncio.create_task(b.submit(0, far()))
-    await asyncio.sleep(0)
-    while not rec.batches:  # the first item is now inside the (blocked) model
-        await asyncio.sleep(0.001)
+    await eventually(lambda: bool(rec.batches))  # item 0 is inside the (blocked) model
     queued = [asyncio.create_task(b.submit(i, far())) for i in (1, 2)]
-    await asyncio.sleep(0)
+    await eventually(lambda: b.depth == 2)
     t0 = time.monotonic()
     with pytest.raises(QueueFull):
         await b.submit(3, far())
@@ -119,12 +125,12 @@ async def test_expired_deadline_never_reaches_the_model() -> None:
     b = Batcher(rec, max_batch_size=1, max_queue_delay_s=0, max_queue_size=10)
     b.start()
     blocker = asyncio.create_task(b.submit(0, far()))
-    while not rec.batches:
-        await asyncio.sleep(0.001)
-    doomed = asyncio.create_task(b.submit(1, time.monotonic() + 0.02))
+    await eventually(lambda: bool(rec.batches))
+    deadline_1 = time.monotonic() + 0.02
+    doomed = asyncio.create_task(b.submit(1, deadline_1))
     with pytest.raises(DeadlineExceeded):
         await b.submit(2, time.monotonic() - 1)  # already expired
-    await asyncio.sleep(0.05)  # let item 1's deadline pass while the model is busy
+    await eventually(lambda: time.monotonic() > deadline_1)  # passes while the model is busy
     rec.gate.set()
     with pytest.raises(DeadlineExceeded):
         await doomed
@@ -138,7 +144,7 @@ async def test_cancelled_requests_are_dropped_and_do_not_leak() -> None:
     b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.05, max_queue_size=3)
     b.start()
     tasks = [asyncio.create_task(b.submit(i, far())) for i in range(3)]
-    await asyncio.sleep(0.005)
+    await eventually(lambda: b.depth == 3)
     tasks[1].cancel()  # client went away
     done = await asyncio.gather(*tasks, return_exceptions=True)
     assert done[0] == 0 and done[2] == 20
@@ -233,5 +239,51 @@ def test_http_full_queue_gives_503_with_retry_after(world: World, tmp_path) -> N
         with httpx.Client(base_url=srv.url) as c:  # an impossible deadline is refused
             r = c.post("/v1/score", json=TXN, headers={"X-Request-Timeout-Ms": "0.001"})
             assert r.status_code == 503 and "deadline" in r.json()["detail"]
+    finally:
+        stop_server(srv)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_client_that_disconnects_is_dropped_before_the_model(world: World, tmp_path) -> None:
+    import json
+    import socket
+
+    from tests.conftest import wait_until
+
+    srv = start_server(
+        world, tmp_path, FRAUD_MAX_QUEUE_DELAY_MS="500", FRAUD_REQUEST_TIMEOUT_MS="5000"
+    )
+    try:
+        with httpx.Client(base_url=srv.url) as c:
+            before = _metric(c.get("/metrics").text, "fraud_batch_size_count")
+        host, port = srv.url.removeprefix("http://").split(":")
+        body = json.dumps({**TXN, "transaction_id": "walks-away"}).encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(
+                b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            time.sleep(0.05)  # queued: the batch waits up to 500 ms to fill
+        # the socket is closed here, long before the batch would flush
+        with httpx.Client(base_url=srv.url) as c:
+            wait_until(
+                lambda: (
+                    _metric(c.get("/metrics").text, "fraud_rejections_total", reason="disconnected")
+                    >= 1
+                ),
+                timeout=10,
+                what="the disconnect to be noticed",
+            )
+            time.sleep(0.6)  # past the flush time the request would have had
+            after = _metric(c.get("/metrics").text, "fraud_batch_size_count")
+            assert after == before  # no batch ran: it never reached the model
+            assert c.post("/v1/score", json=TXN).status_code == 200  # queue still fine
     finally:
         stop_server(srv)

@@ -18,11 +18,9 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 import urllib.error
 import urllib.parse
@@ -36,6 +34,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from helm_python import _native
+
+from fraud_scoring.redis_server import free_port
+from tests.conftest import wait_until as shared_wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "fraud-scoring"
@@ -608,26 +609,8 @@ def test_rendered_command_exists(args: list[str]) -> None:
 # --- starting the rendered scoring command ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_until(check: Any, timeout: float, what: str, proc: subprocess.Popen | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: process exited with {proc.returncode}")
-        try:
-            result = check()
-            if result:
-                return result
-        except OSError as exc:  # refused, reset: not up yet
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last})")
+    return shared_wait_until(check, timeout=timeout, what=what, proc=proc)
 
 
 @contextlib.contextmanager
