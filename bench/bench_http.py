@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
 import psutil
 
 from bench.world import BenchWorld, bench_world
-from fraud_scoring.redis_server import free_port
+from service.server import ServiceProcess, spawn
 
 
 @dataclass
@@ -57,31 +54,18 @@ HEADER = (
 )
 
 
-def start(world: BenchWorld, batching: bool, extra: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "REDIS_URL": world.redis_url,
-        "FRAUD_DATA_DIR": str(world.data_dir),
-        "FRAUD_MODEL_REPO": str(world.model_repo),
-        "FRAUD_PORT": str(port),
-        "FRAUD_BATCHING": str(batching).lower(),
-        "FRAUD_REQUEST_TIMEOUT_MS": "50",
-        **extra,
-    }
-    cmd = [sys.executable, "-m", "fraud_scoring.cli", "serve"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("service did not become ready")
+def start(world: BenchWorld, batching: bool, extra: dict[str, str]) -> ServiceProcess:
+    return spawn(
+        {
+            "REDIS_URL": world.redis_url,
+            "FRAUD_DATA_DIR": str(world.data_dir),
+            "FRAUD_MODEL_REPO": str(world.model_repo),
+            "FRAUD_BATCHING": str(batching).lower(),
+            "FRAUD_REQUEST_TIMEOUT_MS": "50",
+            **extra,
+        },
+        output=subprocess.DEVNULL,
+    )
 
 
 class Conn:
@@ -194,7 +178,8 @@ def main() -> None:
     with bench_world() as world:
         bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
         for mode, batching in (("naive", False), ("batched", True)):
-            proc, url = start(world, batching, {})
+            service = start(world, batching, {})
+            proc, url = service.proc, service.url
             try:
                 asyncio.run(open_loop(url, bodies, 200, 2, mode))  # warm-up
                 server = psutil.Process(proc.pid)
@@ -205,8 +190,7 @@ def main() -> None:
                     results.append(res)
                     print(res.line(), flush=True)
             finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+                service.stop()
     print("\n" + HEADER)
     for r in results:
         print(r.line())

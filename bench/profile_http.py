@@ -31,7 +31,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp()) / "stacks.txt"
     with bench_world() as world:
         bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
-        proc, url = start(world, True, {})
+        service = start(world, True, {})
+        proc, url = service.proc, service.url
         try:
             asyncio.run(open_loop(url, bodies, 200, 1, "warm"))
             rec = subprocess.Popen(
@@ -54,8 +55,7 @@ def main() -> None:
             res = asyncio.run(open_loop(url, bodies, a.rate, a.seconds, "batched"))
             rec.wait(timeout=60)
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            service.stop()
     print(res.line())
     by_package: collections.Counter[str] = collections.Counter()
     total = 0

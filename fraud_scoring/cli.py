@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from fraud_scoring.model_repo import ModelError
     from fraud_scoring.redis_server import RedisStartError
     from fraud_scoring.storage import DataError
+    from service.server import ServiceStartError
 
     try:
         settings = get_settings()
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    except (DataError, ModelError, RedisStartError, FileNotFoundError) as exc:
+    except (DataError, ModelError, RedisStartError, ServiceStartError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 1
     except KeyboardInterrupt:

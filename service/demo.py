@@ -8,9 +8,6 @@ store holds snapshots only up to the day before, as it would in production.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from datetime import timedelta
 
@@ -22,9 +19,10 @@ from batch_jobs.batch import day_range, run_batch
 from batch_jobs.simulate import SimConfig, simulate
 from batch_jobs.train import TrainConfig, train
 from fraud_scoring.events import Transaction
-from fraud_scoring.redis_server import free_port, redis_url
+from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from fraud_scoring.storage import partition_dir
+from service.server import spawn
 from streaming.state import SessionWriter, card_event
 
 
@@ -81,30 +79,15 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
         )
 
         _step("serve and score held-out transactions")
-        port = free_port()
-        env = {
-            **os.environ,
-            "REDIS_URL": url,
-            "FRAUD_PORT": str(port),
-            "FRAUD_HOST": "127.0.0.1",
-            "FRAUD_DATA_DIR": str(settings.data_dir),
-            "FRAUD_MODEL_REPO": str(settings.model_repo),
-        }
-        proc = subprocess.Popen([sys.executable, "-m", "fraud_scoring.cli", "serve"], env=env)
-        base = f"http://127.0.0.1:{port}"
+        service = spawn(
+            {
+                "REDIS_URL": url,
+                "FRAUD_DATA_DIR": str(settings.data_dir),
+                "FRAUD_MODEL_REPO": str(settings.model_repo),
+            }
+        )
+        base = service.url
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"scoring service exited with {proc.returncode}")
-                try:
-                    if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("scoring service did not become ready in 60 s")
-                time.sleep(0.2)
             # The streaming updater's job, done inline: before each scored transaction,
             # every earlier event of the last two days is applied to the session state.
             rows = [
@@ -147,7 +130,6 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                         )
             if keep_serving:
                 print(f"\nserving at {base} (Ctrl-C to stop)")
-                proc.wait()
+                service.proc.wait()
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            service.stop()

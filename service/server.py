@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO
+
+import httpx
 import uvicorn
 
+from fraud_scoring.redis_server import free_port
 from fraud_scoring.settings import Settings
 
 
@@ -25,3 +35,59 @@ def app_factory():  # type: ignore[no-untyped-def]
     from service.app import create_app
 
     return create_app()
+
+
+class ServiceStartError(RuntimeError):
+    """The service process exited or did not become ready in time."""
+
+
+@dataclass
+class ServiceProcess:
+    """``fraud-scoring serve`` running as a child process (demo, benchmarks, tests)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def spawn(
+    env: Mapping[str, str],
+    *,
+    wait_for: str = "/readyz",
+    timeout_s: float = 60.0,
+    output: int | IO[bytes] | None = None,
+) -> ServiceProcess:
+    """Start ``fraud-scoring serve`` on a free loopback port with ``env`` added to this
+    process's environment; return once ``wait_for`` answers 200.
+
+    Raises ServiceStartError at once if the process exits, or after ``timeout_s``.
+    """
+    port = free_port()
+    full_env = {**os.environ, **env, "FRAUD_HOST": "127.0.0.1", "FRAUD_PORT": str(port)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fraud_scoring.cli", "serve"],
+        env=full_env,
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
+    )
+    service = ServiceProcess(proc, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServiceStartError(f"the scoring service exited with {proc.returncode}")
+        try:
+            if httpx.get(service.url + wait_for, timeout=1).status_code == 200:
+                return service
+        except httpx.TransportError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            service.stop()
+            raise ServiceStartError(f"{wait_for} did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.05)

@@ -7,9 +7,7 @@ touch a shared database.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from fraud_scoring.redis_server import embedded_redis, free_port
+from fraud_scoring.redis_server import embedded_redis
+from service.server import ServiceProcess, ServiceStartError, spawn
 
 SIM_START = date(2026, 1, 1)
 SIM_DAYS = 16
@@ -101,7 +100,7 @@ def wait_until(
 @dataclass
 class Server:
     url: str
-    proc: subprocess.Popen[bytes]
+    process: ServiceProcess
     log: Path
 
     def client(self) -> httpx.Client:
@@ -109,48 +108,26 @@ class Server:
 
 
 def start_server(world: World, tmp: Path, wait_for: str = "/readyz", **env: str) -> Server:
-    """``fraud-scoring serve`` in a subprocess, waiting until ``wait_for`` answers 200."""
-    port = free_port()
-    full_env = {
-        **os.environ,
+    """``fraud-scoring serve`` in a subprocess, waiting until ``wait_for`` answers 200;
+    if it exits instead, fail at once with its log."""
+    log = tmp / f"server-{len(list(tmp.glob('server-*.log')))}.log"
+    env = {
         "REDIS_URL": world.redis_url,
         "FRAUD_DATA_DIR": str(world.data_dir),
         "FRAUD_MODEL_REPO": str(world.model_repo),
-        "FRAUD_PORT": str(port),
-        "FRAUD_HOST": "127.0.0.1",
         "FRAUD_REQUEST_TIMEOUT_MS": "2000",
         **env,
     }
-    log = tmp / f"server-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fraud_scoring.cli", "serve"],
-            env=full_env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    srv = Server(f"http://127.0.0.1:{port}", proc, log)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()}")
-        return httpx.get(f"{srv.url}{wait_for}", timeout=1).status_code == 200
-
-    try:
-        wait_until(ready, timeout=60, what="server readiness")
-    except BaseException:
-        stop_server(srv)
-        raise
-    return srv
+        try:
+            process = spawn(env, wait_for=wait_for, output=out)
+        except ServiceStartError as exc:
+            raise AssertionError(f"{exc}:\n{log.read_text()}") from None
+    return Server(process.url, process, log)
 
 
 def stop_server(srv: Server) -> None:
-    srv.proc.terminate()
-    try:
-        srv.proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait()
+    srv.process.stop(timeout_s=15)
 
 
 @pytest.fixture(scope="module")
