@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
 
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
 from fraud_scoring.feast_store import apply_definitions, open_store
 from fraud_scoring.features import VIEWS
-from fraud_scoring.storage import partition_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +52,13 @@ def run_batch(
     raw, feats = data_dir / "raw", data_dir / "features"
     t0 = time.perf_counter()
     rows = 0
+    entities: set[tuple[str, str]] = set()  # Feast writes the newest row per entity
     for day in tqdm(days, desc="daily features", unit="day", disable=None):
         tables = compute_day(raw, day)
         write_day(feats, day, tables)
         rows += sum(t.num_rows for t in tables.values())
+        for view in VIEWS:
+            entities.update((view.name, k) for k in tables[view.name][view.join_key].to_pylist())
         log.debug("features for %s: %s", day, {k: v.num_rows for k, v in tables.items()})
     compute_s = time.perf_counter() - t0
     if not materialize:
@@ -70,16 +71,7 @@ def run_batch(
     start, end = snapshot_time(min(days)), snapshot_time(max(days)) + timedelta(seconds=1)
     store.materialize(start_date=start, end_date=end)
     mat_s = time.perf_counter() - t1
-    # Feast writes the newest row per entity in the window: count those.
-    latest: set[tuple[str, str]] = set()
-    for view in VIEWS:
-        for day in days:
-            p = partition_dir(feats, view.name, day) / "part-0.parquet"
-            latest.update(
-                (view.name, k)
-                for k in pq.read_table(p, columns=[view.join_key]).column(0).to_pylist()
-            )
-    report = BatchReport(len(days), rows, compute_s, len(latest), mat_s)
+    report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(
         "materialized %d entity rows in %.2fs (%.0f rows/s)",
         report.materialized_rows,

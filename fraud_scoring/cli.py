@@ -65,7 +65,8 @@ def cmd_batch(args: argparse.Namespace, settings: Settings) -> None:
         days = day_range(args.from_, args.to)
     else:
         days = [args.date or (datetime.now(UTC).date() - timedelta(days=1))]
-    with _redis(settings) as url:
+    # Parquet only (--no-materialize) needs no Redis: start none.
+    with contextlib.nullcontext("") if args.no_materialize else _redis(settings) as url:
         r = run_batch(
             settings.data_dir,
             days,
