@@ -292,14 +292,18 @@ def test_one_trace_per_request_with_its_stages(world: World, tmp_path: Path) -> 
                     at += 1
             return [s for s in found if "context" in s]
 
-        got = wait_until(
-            lambda: (lambda ss: ss if len(ss) >= 5 else None)(spans()),
-            timeout=20,
-            what="five exported spans",
-        )
-        root = next(s for s in got if s["name"] == "score")
-        trace_id = root["context"]["trace_id"]
-        names = {s["name"] for s in got if s["context"]["trace_id"] == trace_id}
-        assert names >= {"score", "validation", "feature_read", "inference", "decision"}
+        def stages_of_scored_trace() -> set[str] | None:
+            # Children end (and may be exported) before their root: wait for the whole trace.
+            got = spans()
+            roots = [s for s in got if s["name"] == "score"]
+            if not roots:
+                return None
+            trace_id = roots[0]["context"]["trace_id"]
+            names = {s["name"] for s in got if s["context"]["trace_id"] == trace_id}
+            return names if names >= wanted else None
+
+        wanted = {"score", "validation", "feature_read", "inference", "decision"}
+        names = wait_until(stages_of_scored_trace, timeout=20, what="the whole exported trace")
+        assert names >= wanted
     finally:
         stop_server(srv)
