@@ -45,6 +45,7 @@ SELECT w.card_id,
   count(DISTINCT country)::BIGINT AS card_distinct_countries_30d,
   (epoch($snap::TIMESTAMPTZ) - epoch(any_value(seen.first_seen)))::FLOAT / 86400
     AS card_days_since_first_seen,
+  epoch($snap::TIMESTAMPTZ)::BIGINT AS card_snapshot_time,
   any_value(top.top_country) AS card_top_country_30d
 FROM w JOIN top USING (card_id) JOIN seen USING (card_id)
 GROUP BY w.card_id ORDER BY w.card_id

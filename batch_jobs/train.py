@@ -84,7 +84,8 @@ def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
 def feature_columns(
     joined: pd.DataFrame, history: pd.DataFrame | None = None
 ) -> dict[str, np.ndarray]:
-    """Batch (with defaults), request and session feature columns for a joined frame.
+    """Batch (with defaults), request, session and spanning feature columns for a joined
+    frame.
 
     Session features are computed as of each row's own event time by the same function
     the updater and the scorer use (``fraud_scoring.session``), counting events from
@@ -101,7 +102,8 @@ def feature_columns(
         joined["device_id"].notna().to_numpy(),
         batch,
     )
-    return {**batch, **req, **session.offline_session_features(joined, history=history)}
+    sess = session.offline_session_features(joined, history=history)
+    return {**batch, **req, **sess, **F.spanning_features({**batch, **sess})}
 
 
 def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:

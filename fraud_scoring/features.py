@@ -10,7 +10,9 @@ Three kinds of feature, one declaration each:
   :func:`request_features`, a pure function over columns that the scoring service and
   the training-set builder both call.
 * **session** features (per-card velocity over minutes) are declared in
-  ``fraud_scoring/session.py`` by the streaming work.
+  ``fraud_scoring/session.py`` with the streaming updater's Redis layout.
+* **spanning** features cover both: a batch snapshot plus the stream since it, summed
+  by :func:`spanning_features` (scoring service and training-set builder alike).
 
 ``default`` is what a missing or stale value becomes; the response lists such features.
 """
@@ -26,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-Kind = Literal["batch", "request", "session"]
+Kind = Literal["batch", "request", "session", "spanning"]
 Entity = Literal["card", "merchant"]
 
 
@@ -67,6 +69,15 @@ BATCH_FEATURES: tuple[Feature, ...] = (
     Feature("card_distinct_countries_30d", _B, "int64", 0, "distinct countries, 30d", "card"),
     Feature("card_days_since_first_seen", _B, "float32", 0.0, "days from first txn", "card"),
     Feature(
+        "card_snapshot_time",
+        _B,
+        "int64",
+        0,
+        "epoch seconds (UTC) the card's snapshot describes, for spanning features; 0: none",
+        "card",
+        model_input=False,
+    ),
+    Feature(
         "card_top_country_30d",
         _B,
         "string",
@@ -102,6 +113,51 @@ REQUEST_FEATURES: tuple[Feature, ...] = (
 )
 
 
+Columns = Mapping[str, npt.ArrayLike]
+
+_SP: Kind = "spanning"
+# Exactness, for both: the batch part counts [snapshot - 30 days, snapshot) and the
+# stream part [max(snapshot, t - 24 h), t), so the sum is the exact count over
+# [snapshot - 30 days, t) whenever the snapshot is at most 24 h old (the daily job ran
+# last night); with an older snapshot the events in [snapshot, t - 24 h) are missed (the
+# stream keeps 24 h). Without a usable snapshot (new card, or stale: flagged) it is the
+# stream's last 24 h alone. An event that arrives after its day's batch ran, with an
+# event time before the snapshot, is in neither part online; offline the backfilled
+# snapshot has it. Online and offline compute the same thing from the same inputs.
+SPANNING_FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "card_txn_count_30d_live",
+        _SP,
+        "int64",
+        0,
+        "card transactions from 30 days before the batch snapshot up to the event "
+        "(snapshot count + stream since the snapshot; exact when the snapshot is <= 24 h old)",
+    ),
+    Feature(
+        "card_amount_sum_30d_live",
+        _SP,
+        "float32",
+        0.0,
+        "sum of the card's amounts over the same span as card_txn_count_30d_live",
+    ),
+)
+
+
+def spanning_features(columns: Columns) -> dict[str, np.ndarray]:
+    """Batch snapshot + stream since the snapshot, for n transactions (float64 columns).
+
+    ``columns`` holds the batch columns after defaults (a missing or stale snapshot
+    counts 0) and the session columns ``card_*_since_snapshot``, which
+    :func:`fraud_scoring.session.session_features` computes from the snapshot time.
+    """
+    return {
+        "card_txn_count_30d_live": np.asarray(columns["card_txn_count_30d"], dtype=np.float64)
+        + np.asarray(columns["card_txn_count_since_snapshot"], dtype=np.float64),
+        "card_amount_sum_30d_live": np.asarray(columns["card_amount_sum_30d"], dtype=np.float64)
+        + np.asarray(columns["card_amount_sum_since_snapshot"], dtype=np.float64),
+    }
+
+
 def view_features(view: BatchView) -> tuple[Feature, ...]:
     return tuple(f for f in BATCH_FEATURES if f.entity == view.entity)
 
@@ -110,16 +166,13 @@ def all_features() -> dict[str, Feature]:
     """Every declared feature by name (batch, request and session)."""
     from fraud_scoring import session  # session features live with the streaming code
 
-    feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES)
+    feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES, *SPANNING_FEATURES)
     return {f.name: f for f in feats}
 
 
 def default_model_features() -> list[str]:
     """The ordered model inputs the training job uses by default."""
     return [f.name for f in all_features().values() if f.model_input]
-
-
-Columns = Mapping[str, npt.ArrayLike]
 
 
 def request_features(

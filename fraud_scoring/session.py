@@ -31,9 +31,11 @@ Both are trimmed to :data:`RETENTION_US` behind the card's newest event (the lon
 window plus the allowed lateness), so state per card is bounded; the updater
 (``streaming/state.py``) owns the writes and documents the late-event rule.
 
-**Spanning features** (a 30-day count = batch snapshot + stream since the snapshot) are
-not declared yet: every session feature here lies entirely inside the stream's
-retention and is exact.
+**Spanning features** (a 30-day count = batch snapshot + stream since the snapshot):
+the stream half is here (``card_*_since_snapshot``: events in
+``[max(snapshot, t - 24h), t)``, given the card's batch snapshot time), the sum is
+:func:`fraud_scoring.features.spanning_features`, whose declarations say how exact it is.
+Every other session feature lies entirely inside the stream's retention and is exact.
 """
 
 from __future__ import annotations
@@ -98,6 +100,23 @@ SESSION_FEATURES: tuple[Feature, ...] = (
         "1 when the event's country differs from the card's previous transaction's "
         "(previous within 24h; 0 when none)",
     ),
+    Feature(
+        "card_txn_count_since_snapshot",
+        _S,
+        "int64",
+        0,
+        "card transactions since its batch snapshot (at most the last 24h; without a "
+        "snapshot, the last 24h): the stream half of card_txn_count_30d_live",
+        model_input=False,
+    ),
+    Feature(
+        "card_amount_sum_since_snapshot",
+        _S,
+        "float32",
+        0.0,
+        "sum of amounts over the same span as card_txn_count_since_snapshot",
+        model_input=False,
+    ),
 )
 SESSION_NAMES: tuple[str, ...] = tuple(f.name for f in SESSION_FEATURES)
 N_SESSION = len(SESSION_NAMES)
@@ -125,14 +144,17 @@ def session_features(
     as_of_us: int,
     exclude_id: str | None = None,
     country: str | None = None,
+    snapshot_us: int = 0,
 ) -> tuple[float, ...]:
     """One row of session features (in :data:`SESSION_NAMES` order) as of ``as_of_us``.
 
     ``events`` may be any superset of the card's events in the longest window, in any
     order; events at or after ``as_of_us``, older than the window, or with
     ``transaction_id == exclude_id`` are ignored. ``country`` is the scored
-    transaction's country (None: ``card_country_changed`` is its default, 0). Amount
-    sums add events in (time, transaction_id) order so every caller gets the same bits.
+    transaction's country (None: ``card_country_changed`` is its default, 0).
+    ``snapshot_us`` is the card's usable batch snapshot time (0: none) for the
+    ``*_since_snapshot`` pair. Amount sums add events in (time, transaction_id) order so
+    every caller gets the same bits.
     """
     lo = as_of_us - LONGEST_WINDOW_US
     evs = sorted(
@@ -153,13 +175,14 @@ def session_features(
     recent = [e for e in evs if e.ts_us >= hour]
     merchants = float(len({e.merchant_id for e in recent}))
     countries = float(len({e.country for e in recent}))
+    since = [e.amount for e in evs if e.ts_us >= snapshot_us]
     if evs:
         prev = evs[-1]
-        since = (as_of_us - prev.ts_us) / US
+        gap = (as_of_us - prev.ts_us) / US
         changed = 1.0 if country is not None and prev.country != country else 0.0
     else:
-        since, changed = NO_PREVIOUS_S, 0.0
-    return (*counts, *sums, merchants, countries, since, changed)
+        gap, changed = NO_PREVIOUS_S, 0.0
+    return (*counts, *sums, merchants, countries, gap, changed, float(len(since)), sum(since))
 
 
 def to_us(ts_seconds: float) -> int:
@@ -218,6 +241,7 @@ def parse_session_results(
     as_of_ts: Sequence[float],
     txn_ids: Sequence[str | None],
     countries: Sequence[str | None] | None = None,
+    snapshot_ts: Sequence[float] | None = None,
 ) -> dict[str, np.ndarray]:
     """Session feature columns (float64, one per name in :data:`SESSION_NAMES`).
 
@@ -225,7 +249,8 @@ def parse_session_results(
     :func:`queue_session_reads` queued, in order (slice them out of the pipeline's
     result list). ``txn_ids`` are the scored transactions' ids (excluded from their own
     features); ``countries`` their countries (needed for ``card_country_changed``;
-    None leaves that feature at its default 0). A card without state gets the
+    None leaves that feature at its default 0); ``snapshot_ts`` the cards' usable batch
+    snapshot times in epoch seconds (0 or None: none). A card without state gets the
     defaults, which are the true values for "no recent transactions", not a stand-in.
     """
     n = len(card_ids)
@@ -235,7 +260,11 @@ def parse_session_results(
     for i in range(n):
         events = [decode_member(m, s) for m, s in replies[i]]
         out[i] = session_features(
-            events, to_us(as_of_ts[i]), txn_ids[i], countries[i] if countries is not None else None
+            events,
+            to_us(as_of_ts[i]),
+            txn_ids[i],
+            countries[i] if countries is not None else None,
+            to_us(snapshot_ts[i]) if snapshot_ts is not None else 0,
         )
     return {name: out[:, j] for j, name in enumerate(SESSION_NAMES)}
 
@@ -265,7 +294,9 @@ def offline_session_features(
     event_timestamp or event_time (tz-aware datetimes, or epoch seconds). The events
     counted come from ``history`` (same columns; default ``df`` itself), deduplicated
     on transaction_id exactly as the updater does; pass the full raw history when
-    ``df`` is a sample. Each row excludes its own transaction_id, like the scorer.
+    ``df`` is a sample. Each row excludes its own transaction_id, like the scorer. The
+    ``*_since_snapshot`` pair reads ``df["card_snapshot_time"]`` (epoch seconds, as the
+    point-in-time join left it: NaN or 0 for no usable snapshot) when present.
     """
     hist = df if history is None else history
     h_ts = _epoch_us(hist)
@@ -305,15 +336,22 @@ def offline_session_features(
     q_card = df["card_id"].to_numpy(object)
     q_tid = df["transaction_id"].to_numpy(object)
     q_ctry = df["country"].to_numpy(object)
+    q_snap = (
+        np.rint(pd.to_numeric(df["card_snapshot_time"]).fillna(0).to_numpy(np.float64) * US)
+        .astype(np.int64)
+        .tolist()
+        if "card_snapshot_time" in df.columns
+        else [0] * len(df)
+    )
     out = np.empty((len(df), N_SESSION), dtype=np.float64)
     for i in range(len(df)):
         b = bounds.get(str(q_card[i]))
         if b is None:
-            out[i] = session_features((), int(q_ts[i]), q_tid[i], q_ctry[i])
+            out[i] = session_features((), int(q_ts[i]), q_tid[i], q_ctry[i], q_snap[i])
             continue
         s, e = b
         t = int(q_ts[i])
         lo = s + int(np.searchsorted(h_ts_sorted[s:e], t - LONGEST_WINDOW_US, "left"))
         hi = s + int(np.searchsorted(h_ts_sorted[s:e], t, "left"))
-        out[i] = session_features(events[lo:hi], t, q_tid[i], q_ctry[i])
+        out[i] = session_features(events[lo:hi], t, q_tid[i], q_ctry[i], q_snap[i])
     return {name: out[:, j] for j, name in enumerate(SESSION_NAMES)}

@@ -108,6 +108,7 @@ class OnlineFeatureReader:
                 [t.event_ts for t in txns],
                 [t.transaction_id for t in txns],
                 [t.country for t in txns],
+                cols["card_snapshot_time"].tolist(),
             )
         )
         return FeatureRows(cols, missing, stale)

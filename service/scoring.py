@@ -72,7 +72,7 @@ class Scorer:
     async def read_features(
         self, txns: Sequence[Transaction]
     ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]]]:
-        """All feature columns (batch, session, request) for ``txns``, one round trip."""
+        """All feature columns (batch, session, request, spanning) for ``txns``, one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         self.reader.queue(pipe, txns)
         replies = await pipe.execute()
@@ -85,7 +85,8 @@ class Scorer:
             [t.device_id is not None for t in txns],
             rows.columns,
         )
-        return {**rows.columns, **req}, rows.missing, rows.stale
+        span = F.spanning_features(rows.columns)
+        return {**rows.columns, **req, **span}, rows.missing, rows.stale
 
     async def score_batch(self, txns: Sequence[Transaction]) -> list[ScoreResult]:
         wall0, t0 = time.time_ns(), time.perf_counter()

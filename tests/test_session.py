@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pytest
 import redis.asyncio as aioredis
 
 from fraud_scoring import features as F
@@ -52,10 +54,77 @@ def row(
 
 def test_session_features_are_declared_for_the_model() -> None:
     names = F.default_model_features()
-    for f in SESSION_FEATURES:
-        assert f.kind == "session"
+    for f in (*SESSION_FEATURES, *F.SPANNING_FEATURES):
+        assert f.kind in ("session", "spanning")
         assert f.name in F.all_features()
-        assert f.name in names
+        assert (f.name in names) == f.model_input
+    assert {f.name for f in F.SPANNING_FEATURES} <= set(names)
+
+
+def test_since_snapshot_counts_the_stream_after_the_snapshot() -> None:
+    evs = [ev(3599, "before", 1.0), ev(3600, "at", 2.0), ev(3700, "after", 4.0)]
+
+    def since(at_s: float, snapshot_us: int) -> tuple[float, float]:
+        r = dict(
+            zip(
+                SESSION_NAMES,
+                session_features(evs, T0 + round(at_s * US), None, None, snapshot_us),
+                strict=True,
+            )
+        )
+        return r["card_txn_count_since_snapshot"], r["card_amount_sum_since_snapshot"]
+
+    assert since(3800, T0 + 3600 * US) == (2, 6.0)  # [snapshot, t): "at" and "after"
+    assert since(3800, 0) == (3, 7.0)  # no usable snapshot: the last 24 h
+    # A snapshot more than 24 h old: only the stream's last 24 h (documented as inexact).
+    assert since(3650 + DAY_US / US, T0) == (1, 4.0)
+    cols = F.spanning_features(
+        {
+            "card_txn_count_30d": [10.0],
+            "card_amount_sum_30d": [100.0],
+            "card_txn_count_since_snapshot": [2.0],
+            "card_amount_sum_since_snapshot": [6.0],
+        }
+    )
+    assert cols["card_txn_count_30d_live"][0] == 12 and cols["card_amount_sum_30d_live"][0] == 106
+
+
+def test_spanning_count_is_exact_with_a_fresh_snapshot(world: Any) -> None:
+    """Snapshot of day D + stream since it == every transaction in [snapshot - 30 d, t)."""
+    import pyarrow.parquet as pq
+
+    from batch_jobs.daily_features import snapshot_time
+    from fraud_scoring.storage import partition_dir
+
+    day = world.last_day - timedelta(days=1)
+    snap = snapshot_time(day)
+    card = pq.read_table(
+        partition_dir(world.data_dir / "features", F.CARD_VIEW.name, day) / "part-0.parquet"
+    ).to_pandas()
+    raw = pd.read_parquet(world.data_dir / "raw" / "transactions")
+    raw["event_time"] = pd.to_datetime(raw["event_time"], utc=True)
+    today = raw[raw["event_time"] >= snap]
+    q = today.sample(300, random_state=3).merge(
+        card.drop(columns="event_timestamp"), on="card_id", how="left"
+    )
+    assert q["card_snapshot_time"].notna().sum() > 200  # most cards have a snapshot
+    assert (q["card_snapshot_time"].dropna() == snap.timestamp()).all()
+    batch = F.apply_defaults(
+        {f.name: q[f.name].to_numpy(object) for f in F.view_features(F.CARD_VIEW)}
+    )
+    sess = offline_session_features(q, history=raw)
+    live = F.spanning_features({**batch, **sess})
+
+    by_card = dict(tuple(raw.groupby("card_id")))
+    start = snap - timedelta(days=30)
+    for i, r in enumerate(q.itertuples()):
+        h = by_card[r.card_id]
+        inside = h[(h["event_time"] >= start) & (h["event_time"] < r.event_time)]
+        inside = inside[inside["transaction_id"] != r.transaction_id]
+        assert live["card_txn_count_30d_live"][i] == len(inside), r.transaction_id
+        assert live["card_amount_sum_30d_live"][i] == pytest.approx(
+            inside["amount"].sum(), rel=1e-5
+        )
 
 
 def test_windows_are_half_open_strictly_before_t() -> None:

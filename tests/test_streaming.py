@@ -112,17 +112,30 @@ def test_online_equals_offline_for_sampled_card_times(stream_redis: str) -> None
     q["event_time"] = pd.to_datetime(q["event_time"], utc=True)
     ts = (q["event_time"].astype("datetime64[ns, UTC]").astype("int64") / 1e9).tolist()
     cards = q["card_id"].tolist()
+    # Batch snapshot times for the "since snapshot" pair: some time before the event
+    # (whole seconds, as the daily job writes them), or none (NaN offline, 0 online).
+    back = np.floor(rng.uniform(0, span_us / 1e6, len(q)))
+    q["card_snapshot_time"] = np.where(
+        rng.random(len(q)) < 0.2, np.nan, np.floor(np.asarray(ts)) - back
+    )
 
     pipe = client.pipeline(transaction=False)
     queue_session_reads(pipe, cards, ts)
     online = parse_session_results(
-        pipe.execute(), cards, ts, q["transaction_id"].tolist(), q["country"].tolist()
+        pipe.execute(),
+        cards,
+        ts,
+        q["transaction_id"].tolist(),
+        q["country"].tolist(),
+        np.nan_to_num(q["card_snapshot_time"].to_numpy(), nan=0.0).tolist(),
     )
     offline = offline_session_features(q, history=hist)
 
     assert len(q) >= 1000
     assert (online["card_txn_count_1h"] > 0).sum() > 300  # not a test of empty windows
     assert (online["card_txn_count_1m"] > 0).sum() > 300
+    since = online["card_txn_count_since_snapshot"]
+    assert (since > 0).sum() > 300 and (since < online["card_txn_count_24h"]).sum() > 100
     for name in SESSION_NAMES:
         if "count" in name or "distinct" in name or "changed" in name:
             np.testing.assert_array_equal(online[name], offline[name], err_msg=name)
