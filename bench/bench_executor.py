@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -61,6 +62,9 @@ def row(name: str, rate: float, lat: np.ndarray, base: float | None) -> str:
     )
 
 
+BatchFn = Callable[[Sequence[Any]], Awaitable[Sequence[Any]]]
+
+
 async def run(world: BenchWorld, seconds: float, concurrency: int, batch: int) -> None:
     settings = Settings(
         redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
@@ -77,7 +81,7 @@ async def run(world: BenchWorld, seconds: float, concurrency: int, batch: int) -
     async def predict_one(i: int) -> object:
         return await loop.run_in_executor(pool, model.predict, x_all[i % len(x_all)][None, :])
 
-    async def predict_batch(rows: list[int]) -> list[float]:
+    async def predict_batch(rows: Sequence[int]) -> list[float]:
         return list(
             await loop.run_in_executor(pool, model.predict, x_all[[r % len(x_all) for r in rows]])
         )
@@ -93,10 +97,11 @@ async def run(world: BenchWorld, seconds: float, concurrency: int, batch: int) -
         f"concurrent callers, {seconds:.0f} s each, max_batch_size={batch}"
     )
     print(f"{'path':<28} {'rows/s':>10} {'ratio':>7}")
-    for title, single, batched_fn in (
+    paths: list[tuple[str, Callable[[int], Awaitable[object]], BatchFn]] = [
         ("model-only", predict_one, predict_batch),
         ("features+model", score_one, scorer.score_batch),
-    ):
+    ]
+    for title, single, batched_fn in paths:
         await closed_loop(single, concurrency, 0.5)  # warm-up
         base_rate, base_lat = await closed_loop(single, concurrency, seconds)
         print(row(f"{title} per-request", base_rate, base_lat, None))

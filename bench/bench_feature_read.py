@@ -11,6 +11,7 @@ batches of 1 and 64 transactions.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -84,7 +85,7 @@ def main() -> None:
                 ("feast get_online_features (batch)", feast_read),
                 ("service reader (batch + session)", own_read),
             ):
-                lat = timed(lambda fn=fn, batch=batch: fn(batch), a.seconds)
+                lat = timed(functools.partial(fn, batch), a.seconds)
                 rate = n / (np.median(lat) / 1e3)
                 ratio = "" if base is None else f"  {rate / base:.1f}x"
                 base = base or rate

@@ -7,7 +7,9 @@ each service mode it prints achieved throughput, p50/p99/p99.9 of answered reque
 the share shed with 503, the share of other errors, and the service's CPU time per
 request (user + system), which is the noise-robust figure on a shared machine. The load
 generator runs in this process; the service runs in a subprocess (one uvicorn worker)
-on the same 2 cores.
+on the same 2 cores, so under overload the generator itself falls behind: ``gen lag``
+(p99 of how late requests were started) says by how much, and ``p99 sent`` (latency
+from the moment a request was written) is the part the service is answerable for.
 
     python -m bench.bench_http [--rates 250,500,1000,1500,2000] [--seconds 5]
 """
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import subprocess
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import psutil
@@ -37,20 +41,26 @@ class Result:
     p999: float
     shed: float
     errors: float
+    p99_sent: float = float("nan")  # p99 from the moment the request was written
     cpu_ms: float = float("nan")  # service CPU time per answered request (any status)
     gen_lag_p99: float = float("nan")  # how late the generator itself started requests
+    # What the errors were: HTTP status, or "conn" for a connection the server dropped.
+    error_kinds: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
+        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.error_kinds.items()))
         return (
             f"{self.mode:<9} {self.offered:>8,.0f} {self.achieved:>9,.0f} "
-            f"{self.p50:>8.2f} {self.p99:>8.2f} {self.p999:>8.2f} {self.shed:>7.1%} "
+            f"{self.p50:>8.2f} {self.p99:>8.2f} {self.p999:>8.2f} {self.p99_sent:>8.2f} "
+            f"{self.shed:>7.1%} "
             f"{self.errors:>7.1%} {self.cpu_ms:>7.3f} {self.gen_lag_p99:>8.2f}"
+            + (f"  ({kinds})" if kinds else "")
         )
 
 
 HEADER = (
     f"{'mode':<9} {'offered':>8} {'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} "
-    f"{'p99.9 ms':>8} {'shed':>7} {'errors':>7} {'cpu ms':>7} {'gen lag':>8}"
+    f"{'p99.9 ms':>8} {'p99 sent':>8} {'shed':>7} {'errors':>7} {'cpu ms':>7} {'gen lag':>8}"
 )
 
 
@@ -92,6 +102,22 @@ class Conn:
 async def open_loop(
     url: str, bodies: list[bytes], rate: float, seconds: float, mode: str, max_conns: int = 256
 ) -> Result:
+    """One open-loop run. The generator's own garbage collector is off while it runs: a
+    full collection over the benchmark world's objects stalls the sender for 100-200 ms,
+    which showed up as late starts and a burst the service had to shed."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        return await _open_loop(url, bodies, rate, seconds, mode, max_conns)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+async def _open_loop(
+    url: str, bodies: list[bytes], rate: float, seconds: float, mode: str, max_conns: int
+) -> Result:
     host, port = url.removeprefix("http://").split(":")
     requests = [
         (
@@ -104,6 +130,7 @@ async def open_loop(
     n = int(rate * seconds)
     lat = np.full(n, np.nan)
     gen_lag = np.full(n, np.nan)
+    lat_sent = np.full(n, np.nan)
     status = np.zeros(n, dtype=int)
     idle: list[Conn] = []
     opened = 0
@@ -114,8 +141,14 @@ async def open_loop(
         async with free:
             while not idle and opened >= max_conns:
                 await free.wait()
-            if idle:
-                return idle.pop()
+            while idle:
+                c = idle.pop()
+                if not c.reader.at_eof():
+                    return c
+                # The server closed it while idle (keep-alive timeout): a real client
+                # reconnects too, so this is not counted as an error.
+                c.writer.close()
+                opened -= 1
             opened += 1
         return Conn(*await asyncio.open_connection(host, int(port)))
 
@@ -131,6 +164,7 @@ async def open_loop(
         sched = t0 + i / rate
         gen_lag[i] = (time.perf_counter() - sched) * 1e3
         conn = await acquire()  # waiting for a connection counts as latency
+        sent = time.perf_counter()
         try:
             status[i] = await conn.post(requests[i % len(requests)])
             await release(conn)
@@ -140,6 +174,7 @@ async def open_loop(
                 opened -= 1
                 free.notify()
         lat[i] = (time.perf_counter() - sched) * 1e3
+        lat_sent[i] = (time.perf_counter() - sent) * 1e3
 
     tasks = []
     for i in range(n):
@@ -162,7 +197,11 @@ async def open_loop(
         float(np.quantile(ok_lat, 0.999)),
         float((status == 503).mean()),
         float(((status != 200) & (status != 503)).mean()),
+        p99_sent=float(np.quantile(lat_sent[ok], 0.99)) if ok.any() else float("nan"),
         gen_lag_p99=float(np.quantile(gen_lag, 0.99)),
+        error_kinds=dict(
+            Counter("conn" if s == -1 else str(s) for s in status if s not in (200, 503))
+        ),
     )
 
 

@@ -60,10 +60,10 @@ def main() -> None:
     by_package: collections.Counter[str] = collections.Counter()
     total = 0
     for line in out.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
+        stack, _, count = line.rpartition(" ")
         leaf = stack.split(";")[-1]
-        total += int(n)
-        by_package[package_of(leaf)] += int(n)
+        total += int(count)
+        by_package[package_of(leaf)] += int(count)
     print(f"\n{total} samples of the service's threads; self time by package:")
     for pkg, n in by_package.most_common(16):
         print(f"{n / total:6.1%}  {pkg}")

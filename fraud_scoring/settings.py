@@ -106,7 +106,28 @@ class Settings(BaseSettings):
     stream_name: str = Field(default="transactions", description="Redis stream / Kafka topic.")
     consumer_group: str = Field(default="session-updater")
     kafka_bootstrap: str = Field(default="127.0.0.1:9092")
-    allowed_lateness_s: float = Field(default=300.0, ge=0)
+    allowed_lateness_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="An event older than the card's newest by more than this (and past "
+        "the 24 h windows) is dropped and counted as late.",
+    )
+    stream_batch_size: int = Field(
+        default=1000, ge=1, description="Most events the updater applies in one round trip."
+    )
+    claim_idle_ms: int = Field(
+        default=30_000,
+        ge=1,
+        description="Redis Streams: claim other consumers' entries pending this long.",
+    )
+    kafka_session_timeout_ms: int = Field(
+        default=10_000,
+        ge=1000,
+        description="Kafka: how soon a dead updater's partitions move to the others.",
+    )
+    updater_metrics_port: int = Field(
+        default=9108, ge=0, le=65535, description="Updater's Prometheus /metrics port (0: off)."
+    )
 
     @field_validator("redis_url")
     @classmethod

@@ -2,8 +2,10 @@
 
 Both read the shared settings (``FRAUD_STREAM_SOURCE``, ``FRAUD_STREAM_NAME``,
 ``FRAUD_CONSUMER_GROUP``, ``FRAUD_KAFKA_BOOTSTRAP``, ``FRAUD_ALLOWED_LATENESS_S``,
-``REDIS_URL``); flags override them. With ``REDIS_URL`` unset a private Redis-protocol
-server lives only as long as the command, which is only useful for a quick look.
+``FRAUD_STREAM_BATCH_SIZE``, ``FRAUD_CLAIM_IDLE_MS``, ``FRAUD_KAFKA_SESSION_TIMEOUT_MS``,
+``FRAUD_UPDATER_METRICS_PORT``, ``REDIS_URL``); flags override them. With ``REDIS_URL``
+unset a private Redis-protocol server lives only as long as the command, which is only
+useful for a quick look.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date
 from types import FrameType
+from typing import TypeVar
 
 import redis
 
 from fraud_scoring.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @contextmanager
@@ -50,19 +54,23 @@ def cmd_stream(args: argparse.Namespace, settings: Settings) -> None:
     source_kind = args.source or settings.stream_source
     stream = args.stream or settings.stream_name
     group = args.group or settings.consumer_group
-    lateness = (
-        settings.allowed_lateness_s if args.allowed_lateness_s is None else args.allowed_lateness_s
-    )
+    lateness = _or(args.allowed_lateness_s, settings.allowed_lateness_s)
+    session_timeout_ms = _or(args.kafka_session_timeout_ms, settings.kafka_session_timeout_ms)
     metrics = UpdaterMetrics.create()
-    if args.metrics_port:
+    metrics_port = _or(args.metrics_port, settings.updater_metrics_port)
+    if metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, registry=metrics.registry)
+        start_http_server(metrics_port, registry=metrics.registry)
     with _redis_client(settings) as client:
         source: Source
         if source_kind == "redis":
             source = RedisStreamSource(
-                client, stream, group, args.consumer, claim_idle_ms=args.claim_idle_ms
+                client,
+                stream,
+                group,
+                args.consumer,
+                claim_idle_ms=_or(args.claim_idle_ms, settings.claim_idle_ms),
             )
         elif source_kind == "kafka":
             source = KafkaSource(
@@ -71,14 +79,17 @@ def cmd_stream(args: argparse.Namespace, settings: Settings) -> None:
                 group,
                 client_id=args.consumer,
                 extra={
-                    "session.timeout.ms": args.kafka_session_timeout_ms,
-                    "heartbeat.interval.ms": max(100, args.kafka_session_timeout_ms // 5),
+                    "session.timeout.ms": session_timeout_ms,
+                    "heartbeat.interval.ms": max(100, session_timeout_ms // 5),
                 },
             )
         else:
             raise ValueError(f"--source must be 'redis' or 'kafka', got {source_kind!r}")
         updater = Updater(
-            source, SessionWriter(client, lateness), metrics, batch_size=args.batch_size
+            source,
+            SessionWriter(client, lateness),
+            metrics,
+            batch_size=_or(args.batch_size, settings.stream_batch_size),
         )
 
         def on_term(signum: int, _frame: FrameType | None) -> None:
@@ -161,6 +172,11 @@ def _paced(n: int, per_s: float, send: Callable[[list[int]], None]) -> None:
             time.sleep(min(0.001, (sent + 1) / per_s - (time.perf_counter() - t0)))
 
 
+def _or(flag: T | None, setting: T) -> T:
+    """A command-line flag when given, else the setting (from the environment)."""
+    return setting if flag is None else flag
+
+
 def _date(s: str) -> date:
     return date.fromisoformat(s)
 
@@ -184,21 +200,27 @@ def configure_stream(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kafka-session-timeout-ms",
         type=int,
-        default=10_000,
-        help="Kafka: how soon a dead updater's partitions move to the others",
+        help="Kafka: how soon a dead updater's partitions move to the others "
+        "(default FRAUD_KAFKA_SESSION_TIMEOUT_MS, 10000)",
     )
-    p.add_argument("--batch-size", type=int, default=1000, help="most events per batch")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="most events per batch (default FRAUD_STREAM_BATCH_SIZE, 1000)",
+    )
     p.add_argument(
         "--allowed-lateness-s", type=float, help="default FRAUD_ALLOWED_LATENESS_S (300)"
     )
     p.add_argument(
         "--claim-idle-ms",
         type=int,
-        default=30_000,
-        help="Redis: claim other consumers' entries pending this long",
+        help="Redis: claim other consumers' entries pending this long "
+        "(default FRAUD_CLAIM_IDLE_MS, 30000)",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=9108, help="Prometheus /metrics port (0: off)"
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics port, 0: off (default FRAUD_UPDATER_METRICS_PORT, 9108)",
     )
     p.add_argument("--max-messages", type=int, help="stop after this many messages")
     p.add_argument("--idle-exit-s", type=float, help="stop after this long without events")
