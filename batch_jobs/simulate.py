@@ -1,8 +1,10 @@
 """Deterministic transaction simulator with realistic fraud patterns.
 
 Normal traffic: each card has a home country, a spending scale, favourite merchants and
-a daily rate; times follow a day/night curve. Three fraud patterns are injected so that
-both 30-day aggregates and minute-level velocity carry signal:
+a daily rate; times follow a day/night curve in the local time of the transaction's
+country (one fixed UTC offset per country, kept in ``utc_offset_min``). Three fraud
+patterns are injected so that both 30-day aggregates and minute-level velocity carry
+signal:
 
 * **card testing**: a burst of 5-20 tiny ecom amounts within minutes at a fraud-sink
   merchant, then one to three large ones;
@@ -26,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from fraud_scoring.events import raw_row_to_event
 from fraud_scoring.storage import write_partition
 
 log = logging.getLogger(__name__)
@@ -46,9 +49,11 @@ CURRENCY = {
     "RU": "RUB",
     "CN": "CNY",
 }
+# Standard-time offsets (minutes east of UTC) of each country's main time zone.
+UTC_OFFSET_MIN = np.array([-300, 0, 60, 60, -300, -360, -180, 540, 330, 60, 180, 480])
 CHANNELS = np.array(["pos", "ecom", "atm"])
 MCCS = np.array(["5411", "5812", "5541", "5999", "5732", "4111", "7011", "5311", "6011", "5967"])
-# Hour-of-day weights for normal spending (UTC, for simplicity: see README).
+# Hour-of-day weights for normal spending, in local time.
 HOUR_W = np.array(
     [1, 0.5, 0.3, 0.3, 0.3, 0.5, 1, 2, 3, 4, 5, 5, 6, 6, 5, 5, 5, 6, 7, 7, 6, 4, 3, 2]
 )
@@ -90,6 +95,7 @@ def _table(cols: dict[str, np.ndarray]) -> pa.Table:
             "amount": pa.array(cols["amount"], pa.float64()),
             "currency": pa.array(cols["currency"], pa.string()),
             "event_time": pa.array(cols["event_time"], pa.timestamp("us", tz="UTC")),
+            "utc_offset_min": pa.array(cols["utc_offset_min"], pa.int16()),
             "country": pa.array(cols["country"], pa.string()),
             "channel": pa.array(cols["channel"], pa.string()),
             "mcc": pa.array(cols["mcc"], pa.string()),
@@ -136,6 +142,7 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     merch = favs[card, rng.choice(8, size=n, p=zipf)]
     travel = rng.random(n) < 0.03
     ctry = np.where(travel, rng.choice(len(COUNTRIES), size=n), home[card])
+    t = t - UTC_OFFSET_MIN[ctry].astype(np.int64) * 60_000_000  # local hours -> UTC
     chan = m_channel[merch]
     amt = np.round(rng.lognormal(np.log(m_scale[merch] * scale[card]), 0.7), 2) + 0.01
     # Legitimate look-alikes of fraud signals: rare big-ticket purchases ...
@@ -280,6 +287,7 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
         "amount": amt.astype(np.float64),
         "currency": cur[ctry],
         "event_time": t.astype(np.int64),
+        "utc_offset_min": UTC_OFFSET_MIN[ctry].astype(np.int16),
         "country": COUNTRIES.astype(object)[ctry],
         "channel": CHANNELS.astype(object)[chan],
         "mcc": MCCS.astype(object)[m_mcc[merch]],
@@ -373,19 +381,8 @@ def live_events(
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     events = []
     for i in idx[np.argsort(arrival, kind="stable")]:
-        dev = cols["device_id"][i]
-        ev: dict[str, object] = {
-            "transaction_id": cols["transaction_id"][i],
-            "card_id": cols["card_id"][i],
-            "merchant_id": cols["merchant_id"][i],
-            "amount": float(cols["amount"][i]),
-            "currency": cols["currency"][i],
-            "event_time": (epoch + timedelta(microseconds=int(t_us[i]))).isoformat(),
-            "country": cols["country"][i],
-            "channel": cols["channel"][i],
-            "mcc": cols["mcc"][i],
-        }
-        if dev is not None:
-            ev["device_id"] = dev
-        events.append(ev)
+        row = {k: v[i] for k, v in cols.items()}
+        row["amount"] = float(row["amount"])
+        row["event_time"] = epoch + timedelta(microseconds=int(t_us[i]))
+        events.append(raw_row_to_event(row))
     return events

@@ -61,8 +61,8 @@ def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
     try:
         con.execute("SET TimeZone='UTC'")
         txns = con.sql(
-            "SELECT transaction_id, card_id, merchant_id, amount, event_time, country, channel,"
-            " device_id FROM read_parquet($f) ORDER BY event_time",
+            "SELECT transaction_id, card_id, merchant_id, amount, event_time, utc_offset_min,"
+            " country, channel, device_id FROM read_parquet($f) ORDER BY event_time",
             params={"f": files},
         ).df()
         if label_days:
@@ -97,6 +97,7 @@ def feature_columns(
     req = F.request_features(
         joined["amount"].to_numpy(),
         ts,
+        joined["utc_offset_min"].to_numpy(np.float64) * 60,
         joined["country"].to_numpy(object),
         joined["channel"].to_numpy(object),
         joined["device_id"].notna().to_numpy(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +19,9 @@ import pyarrow.parquet as pq
 from batch_jobs.batch import day_range, run_batch
 from batch_jobs.simulate import SimConfig, simulate
 from batch_jobs.train import TrainConfig, train
-from fraud_scoring.model_repo import versions
+from fraud_scoring.events import raw_row_to_event
+from fraud_scoring.features import default_model_features
+from fraud_scoring.model_repo import load_metadata, resolve, versions
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.storage import partition_dir
 
@@ -37,13 +40,7 @@ class BenchWorld:
         rows = pq.read_table(
             partition_dir(self.data_dir / "raw", "transactions", last) / "part-0.parquet"
         ).to_pylist()[:limit]
-        for r in rows:
-            r["event_time"] = r["event_time"].isoformat()
-            for k in ("is_fraud", "fraud_pattern"):
-                r.pop(k)
-            if r["device_id"] is None:
-                del r["device_id"]
-        return rows
+        return [raw_row_to_event(r) for r in rows]
 
 
 @contextlib.contextmanager
@@ -51,6 +48,11 @@ def bench_world(configured_redis: str | None = None) -> Iterator[BenchWorld]:
     logging.getLogger("feast").setLevel(logging.WARNING)
     data, models = ROOT / "data", ROOT / "models"
     last = CFG.start + timedelta(days=CFG.days - 1)
+    if versions(models, "fraud") and (
+        load_metadata(resolve(models, "fraud", "latest")).feature_names
+        != default_model_features()
+    ):  # built by older code (other features, maybe another raw schema): start afresh
+        shutil.rmtree(ROOT)
     with redis_url(configured_redis) as url:
         if not (data / "raw").exists():
             simulate(CFG, data / "raw")

@@ -5,8 +5,10 @@ See ``shared/design.md`` (Transaction event). Validation errors name the field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
 from functools import cache
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pycountry
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
@@ -66,5 +68,26 @@ class Transaction(BaseModel):
         """Event time as epoch seconds (UTC)."""
         return self.event_time.timestamp()
 
+    @property
+    def utc_offset_s(self) -> float:
+        """The UTC offset the event time was sent with, in seconds: the local time of the
+        transaction. Epoch times carry none and count as UTC (0)."""
+        off = self.event_time.utcoffset()
+        return off.total_seconds() if off is not None else 0.0
+
 
 Transaction.model_rebuild()
+
+
+def local_iso(ts: datetime, utc_offset_min: int) -> str:
+    """An aware datetime as RFC 3339 in the given UTC offset (minutes east of UTC)."""
+    return ts.astimezone(timezone(timedelta(minutes=utc_offset_min))).isoformat()
+
+
+def raw_row_to_event(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of raw history (a dict, as pyarrow's ``to_pylist`` gives it) as an event
+    or request body: the schema's fields only, ``event_time`` in RFC 3339 with the row's
+    own UTC offset (``utc_offset_min``, 0 when absent), no null ``device_id``."""
+    ev = {k: row[k] for k in Transaction.model_fields if row.get(k) is not None}
+    ev["event_time"] = local_iso(row["event_time"], int(row.get("utc_offset_min") or 0))
+    return ev

@@ -105,7 +105,14 @@ REQUEST_FEATURES: tuple[Feature, ...] = (
     Feature("amount_log", _R, "float32", 0.0, "log1p(amount)"),
     Feature("amount_to_card_mean_30d", _R, "float32", 1.0, "amount / card 30d mean amount"),
     Feature("amount_zscore_30d", _R, "float32", 0.0, "(amount - mean) / std, 30d"),
-    Feature("hour_of_day_utc", _R, "float32", 0.0, "hour of event time in UTC (0-23)"),
+    Feature(
+        "hour_of_day_local",
+        _R,
+        "float32",
+        0.0,
+        "hour (0-23) of the event in its own UTC offset: the RFC 3339 offset it was sent "
+        "with (raw history: utc_offset_min); an epoch event time counts as UTC",
+    ),
     Feature("is_foreign_country", _R, "float32", 0.0, "country differs from card top country"),
     Feature("channel_ecom", _R, "float32", 0.0, "1 when channel is ecom"),
     Feature("channel_atm", _R, "float32", 0.0, "1 when channel is atm"),
@@ -178,6 +185,7 @@ def default_model_features() -> list[str]:
 def request_features(
     amount: npt.ArrayLike,
     event_ts: npt.ArrayLike,
+    utc_offset_s: npt.ArrayLike,
     country: npt.ArrayLike,
     channel: npt.ArrayLike,
     has_device: npt.ArrayLike,
@@ -185,7 +193,8 @@ def request_features(
 ) -> dict[str, np.ndarray]:
     """Request-time features for n transactions, as float32 columns.
 
-    ``event_ts`` is epoch seconds (UTC). ``batch`` holds the batch feature columns after
+    ``event_ts`` is epoch seconds (UTC), ``utc_offset_s`` the event's local UTC offset in
+    seconds (0 when unknown). ``batch`` holds the batch feature columns after
     defaults were applied (missing card: count 0, mean 0, top country ""), so a card
     with no history gets ratio 1, z-score 0 and is never "foreign".
     """
@@ -195,7 +204,7 @@ def request_features(
     top = np.asarray(batch["card_top_country_30d"], dtype=object)
     ctry = np.asarray(country, dtype=object)
     chan = np.asarray(channel, dtype=object)
-    ts = np.asarray(event_ts, dtype=np.float64)
+    local = np.asarray(event_ts, dtype=np.float64) + np.asarray(utc_offset_s, dtype=np.float64)
     ratio = np.where(mean > 0, amt / np.where(mean > 0, mean, 1.0), 1.0)
     z = np.where(std > 0, (amt - mean) / np.where(std > 0, std, 1.0), 0.0)
     out = {
@@ -203,7 +212,7 @@ def request_features(
         "amount_log": np.log1p(amt),
         "amount_to_card_mean_30d": ratio,
         "amount_zscore_30d": np.clip(z, -50, 50),
-        "hour_of_day_utc": np.floor((ts % 86400) / 3600),
+        "hour_of_day_local": np.floor((local % 86400) / 3600),
         "is_foreign_country": ((top != "") & (top != ctry)).astype(np.float64),
         "channel_ecom": (chan == "ecom").astype(np.float64),
         "channel_atm": (chan == "atm").astype(np.float64),

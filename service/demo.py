@@ -18,7 +18,7 @@ import redis
 from batch_jobs.batch import day_range, run_batch
 from batch_jobs.simulate import SimConfig, simulate
 from batch_jobs.train import TrainConfig, train
-from fraud_scoring.events import Transaction
+from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from fraud_scoring.storage import partition_dir
@@ -108,13 +108,9 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                     while applied < len(rows) and rows[applied]["event_time"] < row["event_time"]:
                         applied += 1
                     writer.apply(events[start:applied])
-                    row = dict(row)  # the copy in ``rows`` keeps its datetime
-                    truth = row.pop("fraud_pattern") or "legit"
-                    row.pop("is_fraud")
-                    row["event_time"] = row["event_time"].isoformat()
-                    if row["device_id"] is None:
-                        del row["device_id"]
-                    res = client.post("/v1/score", json=row).json()
+                    truth = row["fraud_pattern"] or "legit"
+                    body = raw_row_to_event(row)
+                    res = client.post("/v1/score", json=body).json()
                     print(
                         f"\n{row['transaction_id']}  {row['amount']:>9.2f} {row['currency']} "
                         f"{row['channel']:<4} {row['country']}  truth={truth:<20} -> "

@@ -80,6 +80,7 @@ class Scorer:
         req = F.request_features(
             [t.amount for t in txns],
             [t.event_ts for t in txns],
+            [t.utc_offset_s for t in txns],
             [t.country for t in txns],
             [t.channel for t in txns],
             [t.device_id is not None for t in txns],

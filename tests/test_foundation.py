@@ -57,6 +57,7 @@ def test_simulator_writes_one_partition_a_day(tmp_path: Path) -> None:
         "amount",
         "currency",
         "event_time",
+        "utc_offset_min",
         "country",
         "channel",
         "mcc",
@@ -227,3 +228,51 @@ def test_metadata_is_plain_json(world: World) -> None:
     raw = json.loads((resolve(world.model_repo, "fraud") / "metadata.json").read_text())
     assert raw["features"][0]["name"] == default_model_features()[0]
     assert datetime.fromisoformat(raw["created_at"]) <= datetime.now(UTC)
+
+
+def test_hour_of_day_is_local_to_the_event() -> None:
+    from fraud_scoring.events import Transaction, raw_row_to_event
+    from fraud_scoring.features import request_features
+
+    base = {
+        "transaction_id": "t1",
+        "card_id": "c1",
+        "merchant_id": "m1",
+        "amount": 10.0,
+        "currency": "USD",
+        "country": "US",
+        "channel": "pos",
+        "mcc": "5411",
+    }
+    late_evening = Transaction.model_validate({**base, "event_time": "2026-01-16T23:30:00-05:00"})
+    epoch = Transaction.model_validate({**base, "event_time": late_evening.event_ts})
+    assert (late_evening.utc_offset_s, epoch.utc_offset_s) == (-5 * 3600, 0)
+    txns = [late_evening, epoch]
+    cols = request_features(
+        [t.amount for t in txns],
+        [t.event_ts for t in txns],
+        [t.utc_offset_s for t in txns],
+        [t.country for t in txns],
+        [t.channel for t in txns],
+        [False, False],
+        {
+            "card_amount_mean_30d": [0, 0],
+            "card_amount_std_30d": [0, 0],
+            "card_top_country_30d": ["", ""],
+        },
+    )
+    assert list(cols["hour_of_day_local"]) == [23, 4]  # 23:30 in New York is 04:30 UTC
+
+    # Simulated rows keep their offset: as events they come back in local time.
+    cfg = SimConfig(cards=300, merchants=50, days=2, seed=5)
+    cols_sim = generate(cfg)
+    i = int(np.flatnonzero(cols_sim["utc_offset_min"] != 0)[0])
+    row = {k: v[i] for k, v in cols_sim.items()}
+    row["event_time"] = datetime.fromtimestamp(int(row["event_time"]) / 1e6, UTC)
+    t = Transaction.model_validate(raw_row_to_event(row))
+    assert t.utc_offset_s == int(row["utc_offset_min"]) * 60
+    assert t.event_ts == row["event_time"].timestamp()
+    # Normal spending follows the day/night curve in local time: few purchases at 2-5 am.
+    normal = ~cols_sim["is_fraud"]
+    local_h = ((cols_sim["event_time"] // 1_000_000 + cols_sim["utc_offset_min"] * 60) // 3600) % 24
+    assert np.mean((local_h[normal] >= 2) & (local_h[normal] < 5)) < 0.04

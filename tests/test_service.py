@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from fraud_scoring.events import raw_row_to_event
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.storage import partition_dir
 from tests.conftest import Server, World, start_server, stop_server
@@ -32,11 +33,9 @@ def held_out_day(world: World) -> list[dict]:
     t = pq.read_table(
         partition_dir(world.data_dir / "raw", "transactions", world.last_day) / "part-0.parquet"
     ).to_pylist()
-    for r in t:
-        r["event_time"] = r["event_time"].isoformat()
-        if r["device_id"] is None:
-            del r["device_id"]
-    return t
+    # Label columns ride along (the service ignores unknown fields).
+    labels = ("is_fraud", "fraud_pattern")
+    return [{**raw_row_to_event(r), **{k: r[k] for k in labels}} for r in t]
 
 
 def test_score_answers_with_decision_reasons_timing(server: Server) -> None:
