@@ -49,8 +49,7 @@ def bench_world(configured_redis: str | None = None) -> Iterator[BenchWorld]:
     data, models = ROOT / "data", ROOT / "models"
     last = CFG.start + timedelta(days=CFG.days - 1)
     if versions(models, "fraud") and (
-        load_metadata(resolve(models, "fraud", "latest")).feature_names
-        != default_model_features()
+        load_metadata(resolve(models, "fraud", "latest")).feature_names != default_model_features()
     ):  # built by older code (other features, maybe another raw schema): start afresh
         shutil.rmtree(ROOT)
     with redis_url(configured_redis) as url:
