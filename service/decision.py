@@ -90,7 +90,7 @@ class Policy:
             reasons.append(
                 Reason(
                     "MODEL_SCORE_DECLINE",
-                    f"Model score {score:.3f} is at or "
+                    f"Model score {score:.3g} is at or "
                     f"above the decline threshold {self.decline_threshold:.3g}.",
                 )
             )
@@ -99,7 +99,7 @@ class Policy:
             reasons.append(
                 Reason(
                     "MODEL_SCORE_REVIEW",
-                    f"Model score {score:.3f} is at or "
+                    f"Model score {score:.3g} is at or "
                     f"above the review threshold {self.review_threshold:.3g}.",
                 )
             )

@@ -114,7 +114,7 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                     print(
                         f"\n{row['transaction_id']}  {row['amount']:>9.2f} {row['currency']} "
                         f"{row['channel']:<4} {row['country']}  truth={truth:<20} -> "
-                        f"{res['decision'].upper():<7} score={res['score']:.3f} "
+                        f"{res['decision'].upper():<7} score={res['score']:.3g} "
                         f"({res['timing']['total_ms']:.1f} ms)"
                     )
                     for reason in res["reasons"][:3]:
