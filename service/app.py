@@ -146,6 +146,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 stats=BatchStats(on_batch=on_batch, on_reject=on_reject),
             )
             batcher.start()
+            queued = batcher
+            telemetry.observe_queue_depth(lambda: queued.depth)
+            stack.callback(telemetry.observe_queue_depth, None)
         app.state.redis = client
         app.state.models = models
         app.state.scorer = scorer

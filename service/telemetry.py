@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import Counter, Histogram
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -36,6 +37,20 @@ class Instruments:
     request_duration: Histogram
     rejections: Counter
     decisions: Counter
+
+
+_queue_depth: Callable[[], int] | None = None
+
+
+def observe_queue_depth(depth: Callable[[], int] | None) -> None:
+    """Report ``depth()`` (the batcher's queue length) as ``fraud_batch_queue_depth``
+    at each scrape; None stops reporting (batching off or shut down)."""
+    global _queue_depth
+    _queue_depth = depth
+
+
+def _observe_depth(_options: CallbackOptions) -> Iterable[Observation]:
+    return [] if _queue_depth is None else [Observation(_queue_depth())]
 
 
 @cache
@@ -71,6 +86,11 @@ def setup() -> Instruments:
         trace.set_tracer_provider(provider)
 
     m = metrics.get_meter("fraud_scoring.service")
+    m.create_observable_gauge(
+        "fraud_batch_queue_depth",
+        callbacks=[_observe_depth],
+        description="Requests waiting in the batcher's queue",
+    )
     return Instruments(
         queue_time=m.create_histogram(
             "fraud_batch_queue_time",

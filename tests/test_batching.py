@@ -270,7 +270,12 @@ def test_client_that_disconnects_is_dropped_before_the_model(world: World, tmp_p
                 b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
             )
-            time.sleep(0.05)  # queued: the batch waits up to 500 ms to fill
+            with httpx.Client(base_url=srv.url) as c:  # queued: a batch waits 500 ms to fill
+                wait_until(
+                    lambda: _metric(c.get("/metrics").text, "fraud_batch_queue_depth") >= 1,
+                    timeout=10,
+                    what="the request to be queued",
+                )
         # the socket is closed here, long before the batch would flush
         with httpx.Client(base_url=srv.url) as c:
             wait_until(

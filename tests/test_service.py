@@ -174,6 +174,7 @@ def test_health_ready_and_metrics(server: Server) -> None:
         "fraud_batch_compute_time_seconds_bucket",
         "fraud_decisions_total",
         "fraud_request_duration_seconds_bucket",
+        "fraud_batch_queue_depth",
     ):
         assert name in text, name
     assert 'model_version="1"' in text
