@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Socket timeout of the service's Redis reads; a batch whose read "
+        "fails or takes longer is answered 503 (never scored on made-up features).",
+    )
     max_batch_request: int = Field(
         default=256, ge=1, description="Most transactions one POST /v1/score/batch may carry."
     )

@@ -34,7 +34,7 @@ from service import telemetry
 from service.batching import Batcher, BatchStats, DeadlineExceeded, QueueFull
 from service.features import OnlineFeatureReader
 from service.model import LoadedModel, ModelHolder, load_model
-from service.scoring import Scorer, ScoreResult
+from service.scoring import FeatureStoreUnavailable, Scorer, ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         except ModelNotFound as exc:
             log.warning("%s; not ready until a model appears", exc)
         stack.callback(_watch_models(models, settings).cancel)
-        client = aioredis.Redis.from_url(url, max_connections=64)
+        client = aioredis.Redis.from_url(
+            url,
+            max_connections=64,
+            socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+        )
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
         scorer = Scorer(client, reader, models, settings, pool)
@@ -323,6 +328,9 @@ async def _score_one(request: Request, txn: Transaction, deadline: float) -> Sco
                 res = (await state.scorer.score_batch([txn]))[0]
         except QueueFull as exc:
             raise ServiceUnavailable(f"overloaded: {exc}") from exc
+        except FeatureStoreUnavailable as exc:
+            state.on_reject("feature_store")
+            raise ServiceUnavailable(str(exc)) from exc
         except (DeadlineExceeded, TimeoutError) as exc:
             if isinstance(exc, TimeoutError):
                 state.on_reject("timeout")

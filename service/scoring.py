@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from redis.exceptions import RedisError
 
 from fraud_scoring import features as F
 from fraud_scoring.events import Transaction
@@ -24,6 +25,11 @@ from fraud_scoring.settings import Settings
 from service.decision import Policy, Reason
 from service.features import OnlineFeatureReader
 from service.model import LoadedModel, ModelHolder
+
+
+class FeatureStoreUnavailable(Exception):
+    """The online store (Redis) did not answer the batch's read: no decision is made on
+    made-up features; the API answers 503 so the caller applies its own fallback."""
 
 
 @dataclass
@@ -75,7 +81,10 @@ class Scorer:
         """All feature columns (batch, session, request, spanning) for ``txns``, one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         self.reader.queue(pipe, txns)
-        replies = await pipe.execute()
+        try:
+            replies = await pipe.execute()
+        except RedisError as exc:
+            raise FeatureStoreUnavailable(f"feature store (Redis) unavailable: {exc}") from exc
         rows = self.reader.parse(replies, txns)
         req = F.request_features(
             [t.amount for t in txns],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from datetime import timedelta
@@ -307,3 +308,28 @@ def test_one_trace_per_request_with_its_stages(world: World, tmp_path: Path) -> 
         assert names >= wanted
     finally:
         stop_server(srv)
+
+
+def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> None:
+    """No decision on made-up features: a failed feature read is a 503 the caller can
+    retry or route to its fallback, for the batched and the naive path alike."""
+    from fraud_scoring.redis_server import embedded_redis
+
+    for batching in ("true", "false"):
+        with contextlib.ExitStack() as own_redis:
+            url = own_redis.enter_context(embedded_redis())  # a server this test may stop
+            srv = start_server(
+                world, tmp_path, REDIS_URL=url, FRAUD_BATCHING=batching, FRAUD_REDIS_TIMEOUT_S="0.5"
+            )
+            try:
+                with srv.client() as c:
+                    assert c.post("/v1/score", json=TXN).status_code == 200
+                    own_redis.close()  # Redis goes away
+                    r = c.post("/v1/score", json=TXN)
+                    assert r.status_code == 503, (batching, r.text)
+                    assert "feature store" in r.json()["detail"]
+                    assert r.headers["Retry-After"] == "1"
+                    assert c.get("/readyz").status_code == 503
+                    assert "feature_store" in c.get("/metrics").text
+            finally:
+                stop_server(srv)
