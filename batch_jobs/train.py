@@ -11,6 +11,9 @@ held out by time, never shuffled in.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -151,7 +154,8 @@ def train(
     first, last = days[cfg.warmup_days], days[-1]
     holdout_start = last - timedelta(days=cfg.holdout_days - 1)
     # A day before the first training day so that 24-hour session windows are full.
-    history = load_transactions(raw, first - timedelta(days=1), last)
+    with _phase("load raw history"):
+        history = load_transactions(raw, first - timedelta(days=1), last)
     txns = history[
         history["event_time"] >= pd.Timestamp(datetime.combine(first, datetime.min.time(), UTC))
     ].reset_index(drop=True)
@@ -170,12 +174,13 @@ def train(
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store)
-    log.info("point-in-time join of %d transactions with Feast", len(sample))
-    joined = store.get_historical_features(
-        entity_df=sample, features=store.get_feature_service("fraud_model")
-    ).to_df()
+    with _phase(f"Feast point-in-time join of {len(sample):,} transactions"):
+        joined = store.get_historical_features(
+            entity_df=sample, features=store.get_feature_service("fraud_model")
+        ).to_df()
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
-    cols = feature_columns(joined, history)
+    with _phase("request, session and spanning features"):
+        cols = feature_columns(joined, history)
     names = F.default_model_features()
     X = F.assemble(names, cols)
     y = joined["label"].to_numpy()
@@ -198,7 +203,8 @@ def train(
         n_jobs=2,
         verbose=-1,
     )
-    model.fit(X[~hold], y[~hold])
+    with _phase(f"LightGBM on {int((~hold).sum()):,} rows"):
+        model.fit(X[~hold], y[~hold])
     score = np.asarray(model.predict_proba(X[hold]))[:, 1]
     metrics = {
         "holdout_pr_auc": float(average_precision_score(y[hold], score, sample_weight=hw)),
@@ -210,7 +216,8 @@ def train(
     }
     onnx_bytes = export_onnx(model, len(names))
     # The tensor-op variant: every node runs on a GPU (tree ensembles run only on CPU).
-    mlp = train_tensor_model(X[~hold], y[~hold], cfg.seed)
+    with _phase("tensor-op MLP"):
+        mlp = train_tensor_model(X[~hold], y[~hold], cfg.seed)
     tensor_score = np.asarray(mlp.predict_proba(X[hold]))[:, 1]
     metrics["tensor_holdout_pr_auc"] = float(
         average_precision_score(y[hold], tensor_score, sample_weight=hw)
@@ -235,6 +242,15 @@ def train(
     path = publish(model_repo, cfg.model_name, files, meta)
     log.info("published %s", path)
     return meta
+
+
+@contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """Log the start and the duration of one step: training runs for minutes at scale."""
+    log.info("%s ...", what)
+    t0 = time.perf_counter()
+    yield
+    log.info("%s: done in %.1fs", what, time.perf_counter() - t0)
 
 
 def importance(model: lgb.LGBMClassifier, names: list[str]) -> dict[str, float]:
