@@ -1,0 +1,64 @@
+"""The ONNX executor's CUDA-shaped code paths, run on CPU, and the runtime packaging."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from fraud_scoring.features import all_features
+from fraud_scoring.model_repo import ModelError
+from service.model import BUCKETS, LoadedModel, bucket_for, choose_providers, load_model
+from tests.conftest import World
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bucketed_iobinding_path_equals_the_plain_path(world: World) -> None:
+    """The GPU path (pad to a bucket, bind with IOBinding, cut the padding off) gives the
+    plain path's scores, row for row, for sizes inside, on and past the buckets."""
+    plain = load_model(world.model_repo, "fraud", "latest", set(all_features()))
+    for variant in ("default", "tensor"):
+        file = plain.path / ("model.onnx" if variant == "default" else plain.meta.variants[variant])
+        sess = ort.InferenceSession(str(file), providers=["CPUExecutionProvider"])
+        both = [
+            LoadedModel(plain.meta, plain.path, [sess], ["CPUExecutionProvider"], variant, b)
+            for b in (False, True)
+        ]
+        rng = np.random.default_rng(0)
+        for n in (1, 3, 17, 64, 65, BUCKETS[-1] + 5):
+            x = rng.normal(size=(n, len(plain.meta.features))).astype(np.float32)
+            a, b = (m.predict(x) for m in both)
+            assert a.shape == b.shape == (n,)
+            np.testing.assert_array_equal(a, b, err_msg=f"{variant}, n={n}")
+    assert [bucket_for(n) for n in (1, 3, 64, 65, 300)] == [1, 4, 64, 128, 300]
+
+
+def test_provider_choice_falls_back_to_cpu_and_refuses_a_missing_gpu() -> None:
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has CUDA: the fallback is not observable here")
+    assert choose_providers("auto") == ["CPUExecutionProvider"]
+    assert choose_providers("cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(ModelError, match="install onnxruntime-gpu"):
+        choose_providers("cuda")
+    with pytest.raises(ModelError, match="auto, cuda or cpu"):
+        choose_providers("tpu")
+
+
+def test_cpu_and_gpu_runtimes_are_never_installed_together() -> None:
+    """Both wheels own the module ``onnxruntime``: no dependency list may hold both."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def runtimes(deps: list[str]) -> set[str]:
+        names = {d.split(";")[0].split("[")[0].split(">")[0].split("=")[0].strip() for d in deps}
+        return names & {"onnxruntime", "onnxruntime-gpu"}
+
+    assert runtimes(project["dependencies"]) == set()
+    extras = project["optional-dependencies"]
+    assert runtimes(extras["cpu"]) == {"onnxruntime"}
+    assert runtimes(extras["gpu"]) == {"onnxruntime-gpu"}
+    for name, deps in extras.items():
+        assert len(runtimes(deps)) <= 1, name
