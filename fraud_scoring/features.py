@@ -170,7 +170,7 @@ def view_features(view: BatchView) -> tuple[Feature, ...]:
 
 
 def all_features() -> dict[str, Feature]:
-    """Every declared feature by name (batch, request and session)."""
+    """Every declared feature by name (batch, request, session and spanning)."""
     from fraud_scoring import session  # session features live with the streaming code
 
     feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES, *SPANNING_FEATURES)
