@@ -14,6 +14,7 @@ import pycountry
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
 
 CHANNELS = ("pos", "ecom", "atm")
+ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 
 
 @cache
@@ -43,16 +44,17 @@ class Transaction(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True, str_strip_whitespace=True)
 
-    transaction_id: str = Field(min_length=1, max_length=128)
-    card_id: str = Field(min_length=1, max_length=128)
-    merchant_id: str = Field(min_length=1, max_length=128)
+    # Ids: printable, no control characters (the session state joins fields with \x1f).
+    transaction_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
+    card_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
+    merchant_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
     amount: float = Field(gt=0, lt=1e9, allow_inf_nan=False)
     currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$"), AfterValidator(_currency)]
     event_time: AwareDatetime
     country: Annotated[str, Field(pattern=r"^[A-Z]{2}$"), AfterValidator(_country)]
     channel: Literal["pos", "ecom", "atm"]
     mcc: str = Field(pattern=r"^[0-9]{4}$")
-    device_id: str | None = Field(default=None, max_length=128)
+    device_id: str | None = Field(default=None, max_length=128, pattern=ID_PATTERN)
 
     @classmethod
     def model_validate_event(cls, raw: object) -> Transaction:

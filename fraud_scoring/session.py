@@ -27,8 +27,8 @@ the hash tag ``{card:<id>}`` so a card's state lives on one Redis Cluster slot:
 * ``{card:<id>}:ids`` - hash transaction_id -> event time, which makes applying an
   event idempotent on ``transaction_id``.
 
-Both are trimmed to :data:`RETENTION_US` behind the card's newest event (the longest
-window plus the allowed lateness), so state per card is bounded; the updater
+Both are trimmed to the longest window plus the allowed lateness behind the card's
+newest event, so state per card is bounded; the updater
 (``streaming/state.py``) owns the writes and documents the late-event rule.
 
 **Spanning features** (a 30-day count = batch snapshot + stream since the snapshot):

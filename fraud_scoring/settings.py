@@ -118,6 +118,12 @@ class Settings(BaseSettings):
         description="An event older than the card's newest by more than this (and past "
         "the 24 h windows) is dropped and counted as late.",
     )
+    max_future_skew_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="An event stamped further than this into the future (by this host's "
+        "clock) is dead-lettered: applied, it would trim its card's real history away.",
+    )
     stream_batch_size: int = Field(
         default=1000, ge=1, description="Most events the updater applies in one round trip."
     )

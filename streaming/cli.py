@@ -90,6 +90,7 @@ def cmd_stream(args: argparse.Namespace, settings: Settings) -> None:
             SessionWriter(client, lateness),
             metrics,
             batch_size=_or(args.batch_size, settings.stream_batch_size),
+            max_future_s=settings.max_future_skew_s,
         )
 
         def on_term(signum: int, _frame: FrameType | None) -> None:

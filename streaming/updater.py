@@ -43,22 +43,32 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 
 
-def decode(msg: Message) -> CardEvent | str:
-    """The (card_id, event) of a message, or the reason it is malformed."""
+def decode(msg: Message, latest_us: int | None = None) -> CardEvent | str:
+    """The (card_id, event) of a message, or the reason it is malformed.
+
+    ``latest_us`` (epoch µs) is the newest event time accepted: an event from further in
+    the future (a producer's clock far ahead, a typo'd year) would move its card's
+    newest time forward and trim away every genuine event, so it is refused instead.
+    """
     try:
         raw = json.loads(msg.raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return f"invalid JSON: {exc}"
+    except RecursionError:
+        return "invalid JSON: nested too deeply"
     if not isinstance(raw, dict):
         return f"event must be a JSON object, got {type(raw).__name__}"
     try:
-        return card_event(Transaction.model_validate_event(raw))
+        card, event = card_event(Transaction.model_validate_event(raw))
     except ValidationError as exc:
         return "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg']}" for e in exc.errors()
         )
-    except (OverflowError, OSError, ValueError) as exc:  # e.g. an epoch out of range
-        return f"invalid event: {exc}"
+    except Exception as exc:  # anything else about one event must not stop the updater
+        return f"invalid event: {type(exc).__name__}: {exc}"
+    if latest_us is not None and event.ts_us > latest_us:
+        return f"event_time: {event.ts_us / 1e6:.0f} s is too far in the future"
+    return card, event
 
 
 @dataclass
@@ -79,11 +89,13 @@ class Updater:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         lag_interval_s: float = 1.0,
+        max_future_s: float = 300.0,
     ) -> None:
         self.source, self.writer, self.metrics = source, writer, metrics
         self.batch_size, self.poll_timeout_s = batch_size, poll_timeout_s
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.lag_interval_s = lag_interval_s
+        self.max_future_s = max_future_s
         self.totals = Totals()
         self.stopping = threading.Event()
         self._next_lag = 0.0
@@ -110,8 +122,9 @@ class Updater:
             return 0
         good: list[CardEvent] = []
         bad: list[tuple[Message, str]] = []
+        latest_us = round((time.time() + self.max_future_s) * 1e6)
         for m in msgs:
-            d = decode(m)
+            d = decode(m, latest_us)
             if isinstance(d, str):
                 bad.append((m, d))
             else:

@@ -153,6 +153,9 @@ def test_malformed_events_go_to_the_dead_letter(stream_redis: str) -> None:
         json.dumps({**base, "event_time": "yesterday-ish"}).encode(),
         b"{not json",
         b"[1, 2, 3]",
+        b"[" * 100_000,  # too deep for the JSON parser: must not crash the updater
+        json.dumps({**base, "merchant_id": "m\x1fx"}).encode(),  # breaks the state encoding
+        json.dumps({**base, "event_time": "2099-01-01T00:00:00Z"}).encode(),  # would trim
     ]
     payloads = encode(good[:50]) + bad_events + encode(good[50:])
     client = connect(stream_redis)
@@ -165,6 +168,8 @@ def test_malformed_events_go_to_the_dead_letter(stream_redis: str) -> None:
     assert [fields[b"data"] for _, fields in dead] == bad_events
     assert "card_id" in reasons[0] and "amount" in reasons[1] and "amount" in reasons[2]
     assert "event_time" in reasons[3] and "JSON" in reasons[4] and "object" in reasons[5]
+    assert "JSON" in reasons[6] and "merchant_id" in reasons[7]
+    assert "future" in reasons[8]
     group = client.xinfo_groups(STREAM)[0]
     assert group["pending"] == 0 and group["lag"] == 0
     assert decode_reason(b'{"amount": 1}').startswith("transaction_id")
