@@ -237,6 +237,7 @@ def train(
         metrics=metrics,
         feature_importance=importance(model, names),
         variants={"tensor": TENSOR_FILE},
+        variant_thresholds={"tensor": choose_thresholds(y[hold], tensor_score, hw)},
     )
     files = {"model.onnx": onnx_bytes, TENSOR_FILE: export_tensor_onnx(mlp, len(names))}
     path = publish(model_repo, cfg.model_name, files, meta)

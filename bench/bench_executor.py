@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from bench.world import BenchWorld, bench_world
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import all_features
+from fraud_scoring.features import producible_features
 from fraud_scoring.settings import Settings
 from service.batching import Batcher
 from service.features import OnlineFeatureReader
@@ -70,7 +70,7 @@ async def run(world: BenchWorld, seconds: float, concurrency: int, batch: int) -
         redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
     )
     store = open_store(world.data_dir, world.redis_url)
-    model = load_model(world.model_repo, "fraud", "latest", set(all_features()))
+    model = load_model(world.model_repo, "fraud", "latest", producible_features())
     client = aioredis.Redis.from_url(world.redis_url, max_connections=concurrency + 8)
     pool = ThreadPoolExecutor(1)
     scorer = Scorer(client, OnlineFeatureReader(store.project), ModelHolder(model), settings, pool)

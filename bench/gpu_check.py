@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.world import bench_world
-from fraud_scoring.features import all_features
+from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import resolve
 from service.model import load_model
 
@@ -52,7 +52,7 @@ def main() -> int:
             print("NOTE tree model also loaded with CPU fallback disabled")
         except Exception as exc:  # expected: TreeEnsemble has no CUDA kernel
             print(f"OK   tree model needs the CPU as expected ({type(exc).__name__})")
-        feats = set(all_features())
+        feats = producible_features()
         gpu = load_model(world.model_repo, "fraud", "latest", feats, provider_setting="cuda")
         cpu = load_model(world.model_repo, "fraud", "latest", feats, provider_setting="cpu")
         cpu_tensor = load_model(world.model_repo, "fraud", "latest", feats, provider_setting="cpu")

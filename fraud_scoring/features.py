@@ -177,6 +177,12 @@ def all_features() -> dict[str, Feature]:
     return {f.name: f for f in feats}
 
 
+def producible_features() -> set[str]:
+    """Every feature the service produces as a number: what a model may ask for. String
+    features (e.g. the top country) feed request features, never a model."""
+    return {n for n, f in all_features().items() if f.dtype != "string"}
+
+
 def default_model_features() -> list[str]:
     """The ordered model inputs the training job uses by default."""
     return [f.name for f in all_features().values() if f.model_input]

@@ -54,6 +54,12 @@ class ModelMetadata(BaseModel):
     # Optional variants: e.g. {"tensor": "model_tensor.onnx"}, an all-tensor-op export
     # whose every node can run on a GPU.
     variants: dict[str, str] = Field(default_factory=dict)
+    # A variant's own thresholds (its scores live on another scale than the default
+    # model's); a variant without an entry uses ``thresholds``.
+    variant_thresholds: dict[str, Thresholds] = Field(default_factory=dict)
+
+    def thresholds_for(self, variant: str) -> Thresholds:
+        return self.variant_thresholds.get(variant, self.thresholds)
 
     @property
     def feature_names(self) -> list[str]:

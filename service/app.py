@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import all_features
+from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError, ModelNotFound, versions
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings, get_settings
@@ -96,7 +96,7 @@ def _load(settings: Settings) -> LoadedModel:
         settings.model_repo,
         settings.model_name,
         settings.model_version,
-        producible=set(all_features()),
+        producible=producible_features(),
         provider_setting=settings.execution_provider,
         instances=settings.model_instances,
         intra_op_threads=settings.intra_op_threads,

@@ -106,8 +106,9 @@ def load_model(
 ) -> LoadedModel:
     """Load and validate a model version; raises ModelError with the reason.
 
-    The model is refused when it needs a feature the service cannot produce, when its
-    ONNX input does not match the metadata, or when a warm-up run fails.
+    The model is refused when it needs a feature the service cannot produce (``producible``:
+    the names of numeric features), when an input is not float32, when its ONNX input does
+    not match the metadata, or when a warm-up run fails.
     """
     path = resolve(repo, name, version)
     meta = load_metadata(path)
@@ -116,6 +117,11 @@ def load_model(
         raise ModelError(
             f"model {name} v{meta.version} needs features the service cannot produce: "
             f"{', '.join(unknown)}"
+        )
+    not_float = [f"{f.name} ({f.dtype})" for f in meta.features if f.dtype != "float32"]
+    if not_float:
+        raise ModelError(
+            f"model {name} v{meta.version}: every input must be float32, got {', '.join(not_float)}"
         )
     providers = choose_providers(provider_setting)
     on_gpu = providers[0] == "CUDAExecutionProvider"

@@ -47,7 +47,7 @@ class ScoreResult:
 
 
 def policy_for(model: LoadedModel, settings: Settings) -> Policy:
-    th = model.meta.thresholds
+    th = model.meta.thresholds_for(model.variant)
     return Policy(
         review_threshold=settings.review_threshold
         if settings.review_threshold is not None

@@ -183,7 +183,7 @@ async def test_a_failing_batch_fails_only_its_items() -> None:
 async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
     from fraud_scoring.events import Transaction
     from fraud_scoring.feast_store import open_store
-    from fraud_scoring.features import all_features
+    from fraud_scoring.features import producible_features
     from fraud_scoring.settings import Settings
     from service.features import OnlineFeatureReader
     from service.model import ModelHolder, load_model
@@ -193,7 +193,7 @@ async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
         redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
     )
     store = open_store(world.data_dir, world.redis_url)
-    model = load_model(world.model_repo, "fraud", "latest", set(all_features()))
+    model = load_model(world.model_repo, "fraud", "latest", producible_features())
     client = aioredis.Redis.from_url(world.redis_url)
     pool = ThreadPoolExecutor(1)
     scorer = Scorer(client, OnlineFeatureReader(store.project), ModelHolder(model), settings, pool)

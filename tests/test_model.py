@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from fraud_scoring.features import all_features
+from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError
 from service.model import BUCKETS, LoadedModel, bucket_for, choose_providers, load_model
 from tests.conftest import World
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bucketed_iobinding_path_equals_the_plain_path(world: World) -> None:
     """The GPU path (pad to a bucket, bind with IOBinding, cut the padding off) gives the
     plain path's scores, row for row, for sizes inside, on and past the buckets."""
-    plain = load_model(world.model_repo, "fraud", "latest", set(all_features()))
+    plain = load_model(world.model_repo, "fraud", "latest", producible_features())
     for variant in ("default", "tensor"):
         file = plain.path / ("model.onnx" if variant == "default" else plain.meta.variants[variant])
         sess = ort.InferenceSession(str(file), providers=["CPUExecutionProvider"])
@@ -62,3 +62,40 @@ def test_cpu_and_gpu_runtimes_are_never_installed_together() -> None:
     assert runtimes(extras["gpu"]) == {"onnxruntime-gpu"}
     for name, deps in extras.items():
         assert len(runtimes(deps)) <= 1, name
+
+
+def test_a_model_the_service_cannot_feed_is_refused(world: World, tmp_path: Path) -> None:
+    """A string feature (the card's top country) or a non-float input would fail every
+    batch after a swap; the load refuses it instead, so the old model keeps serving."""
+    import json
+    import shutil
+
+    from fraud_scoring.model_repo import resolve
+
+    for field, value, expected in (
+        ("name", "card_top_country_30d", "card_top_country_30d"),
+        ("dtype", "int64", "float32"),
+    ):
+        repo = tmp_path / field
+        target = repo / "fraud" / "1"
+        shutil.copytree(resolve(world.model_repo, "fraud"), target)
+        meta = json.loads((target / "metadata.json").read_text())
+        meta["features"][-1][field] = value
+        (target / "metadata.json").write_text(json.dumps(meta))
+        with pytest.raises(ModelError, match=expected):
+            load_model(repo, "fraud", "latest", producible_features())
+
+
+def test_each_variant_decides_with_its_own_thresholds(world: World) -> None:
+    from fraud_scoring.settings import Settings
+    from service.scoring import policy_for
+
+    model = load_model(world.model_repo, "fraud", "latest", producible_features())
+    meta = model.meta
+    assert "tensor" in meta.variant_thresholds  # chosen from the MLP's own holdout scores
+    tensor = LoadedModel(meta, model.path, model.sessions, model.providers, "tensor")
+    settings = Settings(redis_url=world.redis_url)
+    assert policy_for(model, settings).decline_threshold == meta.thresholds.decline
+    assert policy_for(tensor, settings).decline_threshold == (
+        meta.variant_thresholds["tensor"].decline
+    )
