@@ -176,33 +176,40 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def _watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
     """Look for a model every ``model_poll_s``: until the first one exists (the training
     job has not run yet) and, with version 'latest', for newer versions, which are
-    swapped in atomically. A version that fails to load or validate is logged once and
-    skipped; the serving model stays."""
+    swapped in atomically. While a model serves, a newer version that fails to load or
+    validate is logged once and skipped; the serving model stays. Until the first model
+    loads, every poll tries again."""
 
     async def watch() -> None:
         failed: set[int] = set()
         while True:
             await asyncio.sleep(settings.model_poll_s)
-            found = versions(settings.model_repo, settings.model_name)
-            current = models.current
-            if current is not None and (
-                settings.model_version != "latest"
-                or not found
-                or found[-1] <= int(current.version)
-                or found[-1] in failed
-            ):
-                continue
-            if current is None and settings.model_version == "latest" and not found:
-                continue
             try:
-                new = await asyncio.to_thread(models.swap, lambda: _load(settings))
-                log.info("now serving model %s v%s", new.meta.name, new.version)
-            except ModelNotFound:
-                continue
-            except ModelError:
-                log.exception("cannot serve the new model; keeping the current one")
-                if found:
-                    failed.add(found[-1])
+                await look(failed)
+            except Exception:  # e.g. the repository changing under the scan: try again
+                log.exception("model watch failed; keeping the current model")
+
+    async def look(failed: set[int]) -> None:
+        found = versions(settings.model_repo, settings.model_name)
+        current = models.current
+        if current is not None and (
+            settings.model_version != "latest"
+            or not found
+            or found[-1] <= int(current.version)
+            or found[-1] in failed
+        ):
+            return
+        if current is None and settings.model_version == "latest" and not found:
+            return
+        try:
+            new = await asyncio.to_thread(models.swap, lambda: _load(settings))
+            log.info("now serving model %s v%s", new.meta.name, new.version)
+        except ModelNotFound:
+            return
+        except ModelError:
+            log.exception("cannot serve the new model; keeping the current one")
+            if found:
+                failed.add(found[-1])
 
     return asyncio.get_running_loop().create_task(watch(), name="model-watch")
 
@@ -423,10 +430,15 @@ async def score_batch(
     deadline = _deadline(request, x_request_timeout_ms)
 
     async def all_of_them() -> BatchOut:
-        results = await asyncio.gather(
-            *(_score_one(request, t, deadline) for t in body.transactions)
-        )
-        return BatchOut(results=list(results))
+        # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so
+        # no work is done for answers nobody will receive.
+        tasks = [asyncio.ensure_future(_score_one(request, t, deadline)) for t in body.transactions]
+        try:
+            return BatchOut(results=list(await asyncio.gather(*tasks)))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
 
     return await _unless_client_leaves(request, all_of_them())
 
