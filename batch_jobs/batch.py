@@ -1,8 +1,10 @@
 """The daily feature refresh: compute snapshots for a day (or a range) and materialize them.
 
-Idempotent per day: re-running a day replaces that day's parquet and writes the same
-values to Redis. Feast's Redis writer keeps the newest snapshot per entity, so
-backfilling an old day never overwrites a newer online value.
+Idempotent per day: re-running a day replaces that day's parquet and writes its values
+to Redis. Feast's Redis writer keeps the newest snapshot per entity (it skips a row
+not newer than the stored one), so backfilling an old day never overwrites a newer
+online value; and when a re-run day's snapshot is the one online, its stored time is
+cleared first (:func:`forget_recomputed`) so that corrected values replace it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import time
 from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
+from typing import Any
 
+import redis
+from feast import FeatureStore
+from google.protobuf.timestamp_pb2 import Timestamp
 from tqdm import tqdm
 
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
-from fraud_scoring.feast_store import apply_definitions, open_store
+from fraud_scoring.feast_store import apply_definitions, online_key, open_store
 from fraud_scoring.features import VIEWS
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,42 @@ def day_range(first: date, last: date) -> list[date]:
     if last < first:
         raise ValueError(f"--to {last} is before --from {first}")
     return [first + timedelta(days=i) for i in range((last - first).days + 1)]
+
+
+def forget_recomputed(
+    store: FeatureStore,
+    redis_url: str,
+    entities: set[tuple[str, str]],
+    snapshots_s: set[int],
+) -> int:
+    """Clear the stored snapshot time (``_ts:<view>``) of each (view, entity) whose
+    online value came from one of the snapshots being recomputed, so that Feast, which
+    skips rows not newer than the stored time, writes the recomputed values. Entities
+    already holding a newer snapshot are left alone. Returns how many were cleared.
+    Two pipelined round trips, whatever the number of entities."""
+    views = {v.name: v for v in VIEWS}
+    eksv = store.config.entity_key_serialization_version
+    items = sorted(entities)
+    keys = [online_key(store.project, views[v].join_key, e, eksv) for v, e in items]
+    client: Any = redis.Redis.from_url(redis_url)  # Feast keys are bytes
+    try:
+        pipe = client.pipeline(transaction=False)
+        for (view, _), key in zip(items, keys, strict=True):
+            pipe.hget(key, f"_ts:{view}")
+        stale = []
+        for (view, _), key, raw in zip(items, keys, pipe.execute(), strict=True):
+            if raw:
+                ts = Timestamp()
+                ts.ParseFromString(raw)
+                if ts.seconds in snapshots_s:
+                    stale.append((key, f"_ts:{view}"))
+        pipe = client.pipeline(transaction=False)
+        for key, field in stale:
+            pipe.hdel(key, field)
+        pipe.execute()
+    finally:
+        client.close()
+    return len(stale)
 
 
 def run_batch(
@@ -67,6 +109,7 @@ def run_batch(
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store)
     t1 = time.perf_counter()
+    forget_recomputed(store, redis_url, entities, {int(snapshot_time(d).timestamp()) for d in days})
     # Materialize exactly the snapshots of these days: [first snapshot, last snapshot].
     start, end = snapshot_time(min(days)), snapshot_time(max(days)) + timedelta(seconds=1)
     store.materialize(start_date=start, end_date=end)

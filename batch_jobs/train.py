@@ -71,7 +71,8 @@ def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
         if label_days:
             lf = [str(raw / "labels" / f"date={d}" / "part-0.parquet") for d in label_days]
             known = con.sql(
-                "SELECT DISTINCT transaction_id FROM read_parquet($f) WHERE label_time < $c",
+                "SELECT DISTINCT transaction_id FROM read_parquet($f)"
+                " WHERE label_time < $c AND is_fraud",
                 params={"f": lf, "c": cutoff},
             ).df()
         else:
@@ -82,6 +83,24 @@ def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
         con.close()
     txns["label"] = txns["transaction_id"].isin(set(known["transaction_id"])).astype(np.int8)
     return txns
+
+
+def keep_every_row(sample: pd.DataFrame, joined: pd.DataFrame) -> pd.DataFrame:
+    """Feast's point-in-time join with no row lost.
+
+    Feast's file offline store drops an entity row outright when the entity has
+    snapshots but none within ``[t - TTL, t]`` (its TTL filter keeps only rows with no
+    match at all), e.g. a card's first transactions, before its first snapshot exists.
+    Those are exactly the "no usable snapshot" rows the service fills with defaults, so
+    they are put back here with null batch features (defaults are applied later).
+    """
+    if joined["transaction_id"].duplicated().any():
+        raise DataError("the point-in-time join returned a transaction twice")
+    lost = len(sample) - len(joined)
+    if lost:
+        log.info("%d transactions had no snapshot within the TTL (Feast drops them): kept", lost)
+    feats = [c for c in joined.columns if c not in sample.columns]
+    return sample.merge(joined[["transaction_id", *feats]], on="transaction_id", how="left")
 
 
 def feature_columns(
@@ -111,27 +130,29 @@ def feature_columns(
 
 
 def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:
-    """Thresholds from the (weighted) holdout.
+    """Thresholds from the (weighted) holdout; a transaction is flagged when its score is
+    at or above a threshold.
 
-    decline: the lowest score at which holdout precision is still >= 90%, but never so
-    low that more than 0.1% of legitimate transactions would be declined;
-    review: likewise with precision >= 30% and at most 1% of legitimate ones reviewed.
+    decline: the lowest threshold at which holdout precision is at least 90 % and at
+    most 0.1 % of legitimate transactions would be declined; review: likewise with
+    precision >= 30 % and at most 1 % of legitimate ones reviewed. Cuts fall only
+    between distinct scores (``score >= t`` takes a whole group of equal scores), and
+    need at least 5 frauds above them. With no such cut the threshold is 1.0.
     """
     order = np.argsort(-score, kind="stable")
-    precision = np.cumsum((y * weight)[order]) / np.cumsum(weight[order])
-    enough = np.cumsum(y[order]) >= 5  # ignore the first few, noisy points
-    legit = y == 0
+    s, yo, w = score[order], y[order], weight[order]
+    cut = np.r_[s[1:] != s[:-1], True]  # last row of each group of equal scores
+    flagged_w = np.cumsum(w)[cut]
+    fraud_w = np.cumsum(w * yo)[cut]
+    legit_share = np.cumsum(w * (yo == 0))[cut] / max(float(w[yo == 0].sum()), 1e-12)
+    frauds = np.cumsum(yo)[cut]
+    threshold = s[cut]
 
-    def weighted_quantile(q: float) -> float:
-        s, w = score[legit], weight[legit]
-        o = np.argsort(s)
-        cum = np.cumsum(w[o]) / w.sum()
-        return float(s[o][min(np.searchsorted(cum, q), len(s) - 1)])
-
-    def lowest(p: float, legit_pass: float) -> float:
-        ok = np.flatnonzero((precision >= p) & enough)
-        by_precision = float(score[order][ok[-1]]) if len(ok) else 1.0
-        return max(by_precision, weighted_quantile(1 - legit_pass))
+    def lowest(precision: float, legit_pass: float) -> float:
+        ok = np.flatnonzero(
+            (fraud_w >= precision * flagged_w) & (legit_share <= legit_pass) & (frauds >= 5)
+        )
+        return float(threshold[ok[-1]]) if len(ok) else 1.0
 
     decline, review = lowest(0.9, 0.001), lowest(0.3, 0.01)
     return Thresholds(review=min(review, decline), decline=decline)
@@ -178,6 +199,7 @@ def train(
         joined = store.get_historical_features(
             entity_df=sample, features=store.get_feature_service("fraud_model")
         ).to_df()
+    joined = keep_every_row(sample, joined)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
         cols = feature_columns(joined, history)
@@ -240,8 +262,8 @@ def train(
         variant_thresholds={"tensor": choose_thresholds(y[hold], tensor_score, hw)},
     )
     files = {"model.onnx": onnx_bytes, TENSOR_FILE: export_tensor_onnx(mlp, len(names))}
-    path = publish(model_repo, cfg.model_name, files, meta)
-    log.info("published %s", path)
+    meta = publish(model_repo, cfg.model_name, files, meta)
+    log.info("published %s", model_repo / cfg.model_name / meta.version)
     return meta
 
 

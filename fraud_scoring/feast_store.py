@@ -6,6 +6,9 @@ import os
 from pathlib import Path
 
 from feast import FeatureStore
+from feast.infra.online_stores.helpers import _redis_key
+from feast.protos.feast.types.EntityKey_pb2 import EntityKey
+from feast.protos.feast.types.Value_pb2 import Value
 
 from fraud_scoring.redis_server import feast_connection_string
 
@@ -36,3 +39,10 @@ def apply_definitions(store: FeatureStore) -> None:
 
     d = importlib.reload(d)  # source paths follow the current FRAUD_DATA_DIR
     store.apply([d.card, d.merchant, d.card_30d, d.merchant_90d, d.fraud_model_features])
+
+
+def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3) -> bytes:
+    """The Redis key under which Feast's Redis online store keeps one entity's features
+    (all views of that entity share the hash; ``_ts:<view>`` holds each view's time)."""
+    ek = EntityKey(join_keys=[join_key], entity_values=[Value(string_val=entity_id)])
+    return _redis_key(project, ek, key_version)

@@ -7,6 +7,7 @@ repository and renamed into place, so a reader never sees half a model.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -100,8 +101,10 @@ def load_metadata(path: Path) -> ModelMetadata:
         raise ModelError(f"{meta_file}: invalid model metadata: {exc}") from exc
 
 
-def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata) -> Path:
-    """Write a new version atomically; ``meta.version`` must be the next free number."""
+def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata) -> ModelMetadata:
+    """Write a new version atomically and return its metadata. ``meta.version`` is a
+    proposal: when another job publishes that number first, the next free one is taken
+    (versions are immutable; the directory rename is the commit)."""
     base = repo / name
     base.mkdir(parents=True, exist_ok=True)
     tmp = base / f".tmp-{uuid.uuid4().hex}"
@@ -109,13 +112,18 @@ def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata)
     try:
         for fname, data in files.items():
             (tmp / fname).write_bytes(data)
-        (tmp / "metadata.json").write_text(json.dumps(meta.model_dump(mode="json"), indent=2))
-        final = base / meta.version
-        os.rename(tmp, final)  # fails if that version exists: versions are immutable
+        while True:
+            (tmp / "metadata.json").write_text(json.dumps(meta.model_dump(mode="json"), indent=2))
+            try:
+                os.rename(tmp, base / meta.version)  # fails if that version exists
+                return meta
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                meta = meta.model_copy(update={"version": next_version(repo, name)})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
 
 
 def next_version(repo: Path, name: str) -> str:

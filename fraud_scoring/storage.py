@@ -11,7 +11,6 @@ Everything under ``data_dir``::
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from datetime import date
 from pathlib import Path
@@ -29,22 +28,20 @@ def partition_dir(root: Path, table: str, day: date) -> Path:
 
 
 def write_partition(root: Path, table: str, day: date, data: pa.Table) -> Path:
-    """Replace one day's partition atomically: write beside it, then rename over it."""
+    """Replace one day's partition atomically: write a hidden file beside the partition,
+    flush it to disk, then ``os.replace`` it onto ``part-0.parquet``. A reader sees the
+    old file or the new one, never neither; a crash leaves at most a hidden ``.tmp-*``
+    file, which readers ignore (dot-prefixed)."""
     final = partition_dir(root, table, day)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
-    tmp.mkdir()
+    final.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}.parquet"
     try:
-        pq.write_table(data, tmp / "part-0.parquet", compression="zstd")
-        if final.exists():
-            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+        pq.write_table(data, tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final / "part-0.parquet")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.unlink(missing_ok=True)
         raise
     return final / "part-0.parquet"
 

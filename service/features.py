@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from feast.infra.online_stores.helpers import _mmh3, _redis_key
-from feast.protos.feast.types.EntityKey_pb2 import EntityKey
+from feast.infra.online_stores.helpers import _mmh3
 from feast.protos.feast.types.Value_pb2 import Value
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
+from fraud_scoring.feast_store import online_key
 from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
 
 
@@ -59,8 +59,7 @@ class OnlineFeatureReader:
         }
 
     def key(self, view: BatchView, entity_id: str) -> bytes:
-        ek = EntityKey(join_keys=[view.join_key], entity_values=[Value(string_val=entity_id)])
-        return _redis_key(self.project, ek, self.eksv)
+        return online_key(self.project, view.join_key, entity_id, self.eksv)
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
         """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline)."""

@@ -110,6 +110,13 @@ class RedisStreamSource:
             # those entries sit in our PEL, so read it again before anything new.
             self._own_pending = True
             raise
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The server lost the stream or the group (restarted without persistence,
+            # or someone deleted it): create it again on the next poll.
+            self._group_ready = False
+            raise SourceUnavailable(f"consumer group {self.group!r} is gone: {exc}") from exc
 
     def _poll(self, max_messages: int, timeout_s: float) -> list[Message]:
         self._ensure_group()

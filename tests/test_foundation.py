@@ -129,6 +129,39 @@ def test_training_join_never_uses_a_later_snapshot(world: World) -> None:
     ]
 
 
+def test_training_join_keeps_transactions_before_a_cards_first_snapshot(world: World) -> None:
+    """A card's first transactions come before its first snapshot: no usable batch
+    features (the service uses defaults), but the row stays in the training set."""
+    from batch_jobs.train import keep_every_row
+
+    feats = world.data_dir / "features"
+    day = world.start + timedelta(days=8)
+    before = set(
+        pq.read_table(partition_dir(feats, "card_30d", day - timedelta(days=1)))
+        .column("card_id")
+        .to_pylist()
+    )
+    after = pq.read_table(partition_dir(feats, "card_30d", day)).to_pandas()
+    new_card = sorted(set(after["card_id"]) - before)[0]  # first seen on ``day``
+    snap = pd.Timestamp(snapshot_time(day))
+    entity = pd.DataFrame(
+        {
+            "transaction_id": ["first", "next"],
+            "card_id": [new_card] * 2,
+            "merchant_id": ["m00001"] * 2,
+            "event_timestamp": [snap - pd.Timedelta(hours=1), snap + pd.Timedelta(hours=1)],
+        }
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    joined = store.get_historical_features(
+        entity_df=entity, features=store.get_feature_service("fraud_model")
+    ).to_df()
+    out = keep_every_row(entity, joined).set_index("transaction_id")
+    assert list(out.index) == ["first", "next"]
+    assert pd.isna(out.loc["first", "card_txn_count_30d"])
+    assert out.loc["next", "card_txn_count_30d"] >= 1
+
+
 def test_rerunning_a_day_is_idempotent(world: World, redis_server: str) -> None:
     day = world.start + timedelta(days=6)
     path = partition_dir(world.data_dir / "features", "card_30d", day) / "part-0.parquet"
@@ -150,6 +183,33 @@ def test_rerunning_a_day_is_idempotent(world: World, redis_server: str) -> None:
         ).to_dict()
         == online_before
     )
+
+
+def test_rerunning_the_online_day_with_corrected_data_updates_redis(tmp_path: Path) -> None:
+    """Feast skips a row not newer than the stored one, so a re-run day whose snapshot
+    is the one online must still replace it when its raw data changed."""
+    from fraud_scoring.redis_server import embedded_redis
+
+    cfg = SimConfig(cards=200, merchants=30, days=3, seed=11)
+    simulate(cfg, tmp_path / "raw")
+    last = cfg.start + timedelta(days=2)
+    with embedded_redis() as url:  # its own server: the world's keys are not touched
+        run_batch(tmp_path, [cfg.start, cfg.start + timedelta(days=1), last], url)
+        raw_path = partition_dir(tmp_path / "raw", "transactions", last) / "part-0.parquet"
+        raw = pq.read_table(raw_path)
+        earlier = pq.read_table(partition_dir(tmp_path / "features", "card_30d", cfg.start))
+        seen = set(earlier.column("card_id").to_pylist())
+        card = next(c for c in raw.column("card_id").to_pylist() if c in seen)
+        keep = np.array(raw.column("card_id").to_pylist()) != card
+        pq.write_table(raw.filter(keep), raw_path)  # a correction: that card's day is void
+        run_batch(tmp_path, [last], url)
+        snap = pq.read_table(partition_dir(tmp_path / "features", "card_30d", last)).to_pandas()
+        expected = int(snap.set_index("card_id").loc[card, "card_txn_count_30d"])
+        store = open_store(tmp_path, url)
+        online = store.get_online_features(
+            features=["card_30d:card_txn_count_30d"], entity_rows=[{"card_id": card}]
+        ).to_dict()
+        assert online["card_txn_count_30d"] == [expected]
 
 
 def test_model_loads_and_metadata_lists_features_in_order(world: World) -> None:
@@ -276,3 +336,29 @@ def test_hour_of_day_is_local_to_the_event() -> None:
     normal = ~cols_sim["is_fraud"]
     local_h = ((cols_sim["event_time"] // 1_000_000 + cols_sim["utc_offset_min"] * 60) // 3600) % 24
     assert np.mean((local_h[normal] >= 2) & (local_h[normal] < 5)) < 0.04
+
+
+def test_thresholds_keep_their_promises_with_tied_scores() -> None:
+    from batch_jobs.train import choose_thresholds
+
+    y = np.r_[np.zeros(1000), np.zeros(10), np.ones(20), np.ones(10)].astype(int)
+    score = np.r_[np.zeros(1000), np.full(10, 0.5), np.full(20, 0.9), np.full(10, 0.5)]
+    th = choose_thresholds(y, score, np.ones(len(y)))
+    assert (th.review, th.decline) == (0.5, 0.9)
+
+    # Any data: at the chosen thresholds, precision and the legit share hold (weighted).
+    rng = np.random.default_rng(4)
+    checked = 0
+    for _ in range(20):
+        n = 5000
+        y = (rng.random(n) < 0.02).astype(int)
+        score = np.round(np.clip(rng.normal(0.2 + 0.5 * y, 0.2), 0, 1), 1)  # many ties
+        w = np.where(y == 1, 1.0, 3.0)
+        th = choose_thresholds(y, score, w)
+        for t, precision, legit_pass in ((th.decline, 0.9, 0.001), (th.review, 0.3, 0.01)):
+            flagged = score >= t
+            if t < 1.0:  # 1.0: no cut keeps both promises
+                checked += 1
+                assert (w * y)[flagged].sum() >= precision * w[flagged].sum()
+                assert w[flagged & (y == 0)].sum() <= legit_pass * w[y == 0].sum()
+    assert checked >= 10

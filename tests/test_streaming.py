@@ -395,3 +395,19 @@ def test_redis_outage_pauses_retries_and_loses_nothing(stream_redis: str) -> Non
     reference_url = stream_redis.rsplit("/", 1)[0] + "/1"
     clean_run(reference_url, events)
     assert dump_state(client) == dump_state(connect(reference_url))
+
+
+def test_a_lost_consumer_group_is_created_again(stream_redis: str) -> None:
+    """Redis restarted without persistence (or the stream was deleted): the updater
+    recreates its group and goes on instead of crashing on NOGROUP."""
+    events = feed(cards=50)
+    half = len(events) // 2
+    client = connect(stream_redis)
+    xadd_all(client, STREAM, encode(events[:half]))
+    updater = run_updater_in_process(stream_redis, half)
+    client.delete(STREAM)  # the stream and its group are gone
+    xadd_all(client, STREAM, encode(events[half:]))
+    updater.backoff_initial_s = 0.01
+    updater.run(max_messages=len(events), idle_exit_s=10)  # never hang the suite
+    assert updater.totals.messages == len(events) and updater.totals.dead_letters == 0
+    assert client.xinfo_groups(STREAM)[0]["pending"] == 0
