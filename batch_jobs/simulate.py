@@ -20,6 +20,9 @@ arrival day. All randomness comes from one seeded generator: same arguments, sam
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -338,9 +341,27 @@ def write(cols: dict[str, np.ndarray], raw_dir: Path, cfg: SimConfig) -> int:
 
 
 def simulate(cfg: SimConfig, raw_dir: Path) -> int:
-    """Generate and write the simulation; returns the number of transactions."""
+    """Generate and write the simulation; returns the number of transactions.
+
+    ``raw_dir`` is replaced as a whole (written beside it, then swapped in): partitions
+    of an earlier, longer simulation must not survive next to this one, where their
+    labels would attach to this run's transactions of the same id.
+    """
     cols = generate(cfg)
-    n = write(cols, raw_dir, cfg)
+    raw_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = raw_dir.parent / f".tmp-{raw_dir.name}-{uuid.uuid4().hex}"
+    try:
+        n = write(cols, tmp, cfg)
+        if raw_dir.exists():
+            old = raw_dir.parent / f".old-{raw_dir.name}-{uuid.uuid4().hex}"
+            os.rename(raw_dir, old)
+            os.rename(tmp, raw_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, raw_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     log.info(
         "simulated %d transactions (%d fraud) into %s", n, int(cols["is_fraud"].sum()), raw_dir
     )

@@ -94,7 +94,11 @@ class OnlineFeatureReader:
                         ok[i] = False
                         stale[i].extend(names)
                 for f, v in zip(feats, vals[:-1], strict=True):
-                    raw.setdefault(f.name, []).append(_value(v))
+                    value = _value(v)
+                    hole = value is None or value != value  # None or NaN
+                    if hole and ok[i]:  # a hole in a usable snapshot: defaulted, flagged
+                        missing[i].append(f.name)
+                    raw.setdefault(f.name, []).append(value)
             per_view_present[view.name] = ok
         cols: dict[str, np.ndarray] = {}
         for view in VIEWS:

@@ -65,6 +65,11 @@ def test_simulator_writes_one_partition_a_day(tmp_path: Path) -> None:
     ):
         assert col in t.column_names
     assert (tmp_path / "labels").is_dir()
+    # A shorter run into the same folder replaces it: no partition of the first survives.
+    simulate(SimConfig(cards=cfg.cards, merchants=cfg.merchants, days=2, seed=3), tmp_path)
+    days = sorted(p.name for p in (tmp_path / "transactions").iterdir())
+    assert days == [f"date={cfg.start + timedelta(days=i)}" for i in range(2)]
+    assert not [p for p in tmp_path.parent.iterdir() if p.name.startswith((".tmp-", ".old-"))]
 
 
 def test_batch_columns_match_declared_features(world: World) -> None:

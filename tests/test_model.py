@@ -99,3 +99,47 @@ def test_each_variant_decides_with_its_own_thresholds(world: World) -> None:
     assert policy_for(tensor, settings).decline_threshold == (
         meta.variant_thresholds["tensor"].decline
     )
+
+
+def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
+    """A snapshot inside its TTL whose field is absent: the default is used, and the
+    response lists the feature as missing (never a silent stand-in)."""
+    from feast.protos.feast.types.Value_pb2 import Value
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from fraud_scoring.events import Transaction
+    from fraud_scoring.features import VIEWS, view_features
+    from service.features import OnlineFeatureReader
+
+    txn = Transaction.model_validate(
+        {
+            "transaction_id": "t1",
+            "card_id": "c1",
+            "merchant_id": "m1",
+            "amount": 10.0,
+            "currency": "USD",
+            "event_time": "2026-01-16T12:00:00Z",
+            "country": "US",
+            "channel": "pos",
+            "mcc": "5411",
+        }
+    )
+    snap = Timestamp(seconds=int(txn.event_ts) - 3600).SerializeToString()
+    replies: list[object] = []
+    for view in VIEWS:
+        fields = []
+        for f in view_features(view):
+            if f.name == "card_amount_mean_30d":
+                fields.append(None)  # the hole
+            elif f.dtype == "string":
+                fields.append(Value(string_val="US").SerializeToString())
+            elif f.dtype == "int64":
+                fields.append(Value(int64_val=3).SerializeToString())
+            else:
+                fields.append(Value(float_val=1.5).SerializeToString())
+        replies.append([*fields, snap])
+    replies.append([])  # the session read: no recent events
+    rows = OnlineFeatureReader("p").parse(replies, [txn])
+    assert rows.missing == [["card_amount_mean_30d"]] and rows.stale == [[]]
+    assert rows.columns["card_amount_mean_30d"][0] == 0.0  # its declared default
+    assert rows.columns["card_txn_count_30d"][0] == 3
