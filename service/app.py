@@ -116,11 +116,16 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         except ModelNotFound as exc:
             log.warning("%s; not ready until a model appears", exc)
         stack.callback(_watch_models(models, settings).cancel)
-        client = aioredis.Redis.from_url(
-            url,
-            max_connections=64,
-            socket_timeout=settings.redis_timeout_s,
-            socket_connect_timeout=settings.redis_timeout_s,
+        # A blocking pool: past 64 connections a read waits (up to the Redis timeout) for
+        # a free one instead of failing, e.g. a large batch call on the naive path.
+        client = aioredis.Redis.from_pool(  # the client owns (and closes) the pool
+            aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=64,
+                timeout=settings.redis_timeout_s,
+                socket_timeout=settings.redis_timeout_s,
+                socket_connect_timeout=settings.redis_timeout_s,
+            )
         )
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)

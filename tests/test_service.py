@@ -333,3 +333,19 @@ def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> Non
                     assert "feature_store" in c.get("/metrics").text
             finally:
                 stop_server(srv)
+
+
+def test_naive_path_serves_a_batch_larger_than_the_redis_pool(world: World, tmp_path: Path) -> None:
+    """Without batching each transaction reads on its own connection: past the pool's 64
+    they wait for a free one instead of failing as "feature store unavailable"."""
+    srv = start_server(world, tmp_path, FRAUD_BATCHING="false")
+    try:
+        txns = [{**TXN, "transaction_id": f"n{i}"} for i in range(150)]
+        with srv.client() as c:
+            r = c.post("/v1/score/batch", json={"transactions": txns})
+        assert r.status_code == 200, r.text
+        assert [x["transaction_id"] for x in r.json()["results"]] == [
+            t["transaction_id"] for t in txns
+        ]
+    finally:
+        stop_server(srv)
