@@ -118,12 +118,17 @@ class Batcher(Generic[T, R]):
 
     @property
     def depth(self) -> int:
-        return len(self._queue)
+        """Requests waiting for a batch (cancelled ones, not yet swept out, excluded)."""
+        return self._ready_size()
 
     # -- request side --------------------------------------------------------------
     async def submit(self, payload: T, deadline: float) -> R:
         """Queue ``payload`` and wait for its result (or QueueFull / DeadlineExceeded)."""
         now = time.monotonic()
+        if len(self._queue) >= self.max_queue_size:
+            # Cancelled requests wait in the deque until the worker sweeps them; they
+            # must not take the places of live ones (rare: only when it looks full).
+            self._queue = deque(it for it in self._queue if not it.future.done())
         if len(self._queue) >= self.max_queue_size:
             self._reject("queue_full")
             raise QueueFull(f"queue holds {len(self._queue)} requests (max_queue_size)")

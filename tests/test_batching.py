@@ -114,8 +114,13 @@ async def test_full_queue_rejects_at_once() -> None:
     with pytest.raises(QueueFull):
         await b.submit(3, far())
     assert time.monotonic() - t0 < 0.05
+    # A queued request whose caller went away gives its place to a live one.
+    queued[1].cancel()
+    await eventually(lambda: b.depth == 1)
+    replacement = asyncio.create_task(b.submit(4, far()))
+    await eventually(lambda: b.depth == 2)
     rec.gate.set()
-    assert await asyncio.gather(first, *queued) == [0, 10, 20]
+    assert await asyncio.gather(first, queued[0], replacement) == [0, 10, 40]
     await b.stop()
 
 
