@@ -53,13 +53,17 @@ class TrainConfig:
     model_name: str = "fraud"
 
 
-def load_transactions(raw: Path, first: date, last: date) -> pd.DataFrame:
+def load_transactions(
+    raw: Path, first: date, last: date, labels_as_of: datetime | None = None
+) -> pd.DataFrame:
+    """Raw transactions of ``first..last`` with ``label`` = 1 for every fraud chargeback
+    that had arrived before ``labels_as_of`` (default: now)."""
     days = [d for d in partition_days(raw, "transactions") if first <= d <= last]
     if not days:
         raise DataError(f"no raw transactions under {raw / 'transactions'} in {first}..{last}")
     files = [str(raw / "transactions" / f"date={d}" / "part-0.parquet") for d in days]
     label_days = partition_days(raw, "labels")
-    cutoff = datetime.now(UTC)  # every chargeback that has arrived by now
+    cutoff = labels_as_of or datetime.now(UTC)
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
@@ -176,7 +180,8 @@ def train(
     holdout_start = last - timedelta(days=cfg.holdout_days - 1)
     # A day before the first training day so that 24-hour session windows are full.
     with _phase("load raw history"):
-        history = load_transactions(raw, first - timedelta(days=1), last)
+        labels_as_of = datetime.now(UTC)  # recorded in the metadata
+        history = load_transactions(raw, first - timedelta(days=1), last, labels_as_of)
     txns = history[
         history["event_time"] >= pd.Timestamp(datetime.combine(first, datetime.min.time(), UTC))
     ].reset_index(drop=True)
@@ -254,6 +259,7 @@ def train(
         framework=f"lightgbm {lgb.__version__}",
         features=[FeatureSpec(name=n, dtype="float32") for n in names],
         training_window=(datetime.combine(first, datetime.min.time(), UTC), hold_ts),
+        labels_as_of=labels_as_of,
         holdout_window=(hold_ts, snapshot_time(last)),
         thresholds=choose_thresholds(y[hold], score, hw),
         metrics=metrics,

@@ -47,6 +47,9 @@ class ModelMetadata(BaseModel):
     output_name: str = "probabilities"
     features: list[FeatureSpec]
     training_window: tuple[datetime, datetime]
+    # Labels (chargebacks) counted were those that had arrived before this instant;
+    # later ones would turn some of the holdout's "legitimate" rows into fraud.
+    labels_as_of: datetime | None = None
     holdout_window: tuple[datetime, datetime]
     thresholds: Thresholds
     metrics: dict[str, float]

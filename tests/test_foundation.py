@@ -293,6 +293,7 @@ def test_metadata_is_plain_json(world: World) -> None:
     raw = json.loads((resolve(world.model_repo, "fraud") / "metadata.json").read_text())
     assert raw["features"][0]["name"] == default_model_features()[0]
     assert datetime.fromisoformat(raw["created_at"]) <= datetime.now(UTC)
+    assert datetime.fromisoformat(raw["labels_as_of"]) <= datetime.fromisoformat(raw["created_at"])
 
 
 def test_hour_of_day_is_local_to_the_event() -> None:
