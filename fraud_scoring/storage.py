@@ -11,6 +11,7 @@ Everything under ``data_dir``::
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from datetime import date
 from pathlib import Path
@@ -28,21 +29,25 @@ def partition_dir(root: Path, table: str, day: date) -> Path:
 
 
 def write_partition(root: Path, table: str, day: date, data: pa.Table) -> Path:
-    """Replace one day's partition atomically: write a hidden file beside the partition,
-    flush it to disk, then ``os.replace`` it onto ``part-0.parquet``. A reader sees the
-    old file or the new one, never neither; a crash leaves at most a hidden ``.tmp-*``
-    file, which readers ignore (dot-prefixed)."""
+    """Replace one day's partition atomically, so a reader sees the old data or the new,
+    never neither and never half: the file is written hidden beside the partition and
+    flushed to disk, then renamed into place: as a whole new directory the first time
+    (no partition directory ever stands empty), onto ``part-0.parquet`` after that. A
+    crash leaves at most a hidden ``.tmp-*`` entry, which readers ignore."""
     final = partition_dir(root, table, day)
-    final.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}.parquet"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
     try:
-        pq.write_table(data, tmp, compression="zstd")
-        with open(tmp, "rb") as f:
+        pq.write_table(data, tmp / "part-0.parquet", compression="zstd")
+        with open(tmp / "part-0.parquet", "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, final / "part-0.parquet")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        if final.exists():
+            os.replace(tmp / "part-0.parquet", final / "part-0.parquet")
+        else:
+            os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a first write
     return final / "part-0.parquet"
 
 
