@@ -18,11 +18,10 @@ from typing import Any
 
 import redis
 from feast import FeatureStore
-from google.protobuf.timestamp_pb2 import Timestamp
 from tqdm import tqdm
 
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
-from fraud_scoring.feast_store import apply_definitions, online_key, open_store
+from fraud_scoring.feast_store import apply_definitions, online_key, open_store, stored_time
 from fraud_scoring.features import VIEWS
 
 log = logging.getLogger(__name__)
@@ -69,11 +68,8 @@ def forget_recomputed(
             pipe.hget(key, f"_ts:{view}")
         stale = []
         for (view, _), key, raw in zip(items, keys, pipe.execute(), strict=True):
-            if raw:
-                ts = Timestamp()
-                ts.ParseFromString(raw)
-                if ts.seconds in snapshots_s:
-                    stale.append((key, f"_ts:{view}"))
+            if raw and stored_time(raw) in snapshots_s:
+                stale.append((key, f"_ts:{view}"))
         pipe = client.pipeline(transaction=False)
         for key, field in stale:
             pipe.hdel(key, field)

@@ -38,7 +38,7 @@ from fraud_scoring.model_repo import (
     next_version,
     publish,
 )
-from fraud_scoring.storage import DataError, partition_days
+from fraud_scoring.storage import DataError, partition_days, partition_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def load_transactions(
     days = [d for d in partition_days(raw, "transactions") if first <= d <= last]
     if not days:
         raise DataError(f"no raw transactions under {raw / 'transactions'} in {first}..{last}")
-    files = [str(raw / "transactions" / f"date={d}" / "part-0.parquet") for d in days]
+    files = [str(partition_dir(raw, "transactions", d) / "part-0.parquet") for d in days]
     label_days = partition_days(raw, "labels")
     cutoff = labels_as_of or datetime.now(UTC)
     con = duckdb.connect()
@@ -73,7 +73,7 @@ def load_transactions(
             params={"f": files},
         ).df()
         if label_days:
-            lf = [str(raw / "labels" / f"date={d}" / "part-0.parquet") for d in label_days]
+            lf = [str(partition_dir(raw, "labels", d) / "part-0.parquet") for d in label_days]
             known = con.sql(
                 "SELECT DISTINCT transaction_id FROM read_parquet($f)"
                 " WHERE label_time < $c AND is_fraud",

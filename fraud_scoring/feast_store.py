@@ -9,6 +9,7 @@ from feast import FeatureStore
 from feast.infra.online_stores.helpers import _redis_key
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey
 from feast.protos.feast.types.Value_pb2 import Value
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from fraud_scoring.redis_server import feast_connection_string
 
@@ -46,3 +47,10 @@ def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3
     (all views of that entity share the hash; ``_ts:<view>`` holds each view's time)."""
     ek = EntityKey(join_keys=[join_key], entity_values=[Value(string_val=entity_id)])
     return _redis_key(project, ek, key_version)
+
+
+def stored_time(raw: bytes) -> float:
+    """Epoch seconds of a view's ``_ts:<view>`` field as Feast's Redis store writes it."""
+    ts = Timestamp()
+    ts.ParseFromString(raw)
+    return ts.seconds + ts.nanos / 1e9

@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 from feast.infra.online_stores.helpers import _mmh3
 from feast.protos.feast.types.Value_pb2 import Value
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
-from fraud_scoring.feast_store import online_key
+from fraud_scoring.feast_store import online_key, stored_time
 from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
 
 
@@ -87,9 +86,7 @@ class OnlineFeatureReader:
                     ok[i] = False
                     missing[i].extend(names)
                 else:
-                    ts = Timestamp()
-                    ts.ParseFromString(ts_raw)
-                    age = t.event_ts - (ts.seconds + ts.nanos / 1e9)
+                    age = t.event_ts - stored_time(ts_raw)
                     if age < 0 or age > ttl:
                         ok[i] = False
                         stale[i].extend(names)
