@@ -1,14 +1,18 @@
 """Feast objects: entities, the batch feature views and the model's feature service.
 
 The schemas come from ``fraud_scoring.features`` (the one declaration of each feature);
-this file only says where the daily job writes each view. Source paths are resolved
-from ``FRAUD_DATA_DIR`` when the definitions are applied.
+this file only says where the daily job writes each view. The project builds them with
+:func:`build` and the data dir from its settings (``fraud_scoring.feast_store``). The
+module-level objects exist for the ``feast`` CLI (``feast -c feature_repo apply``), which
+collects them from this module; they read ``FRAUD_DATA_DIR`` (default ``data``).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
 from feast.types import Float32, Int64, String
@@ -18,29 +22,24 @@ from fraud_scoring.features import VIEWS, BatchView, view_features
 _TYPES = {"float32": Float32, "int64": Int64, "string": String}
 
 
-def features_dir() -> Path:
-    return Path(os.environ.get("FRAUD_DATA_DIR", "data")).resolve() / "features"
+@dataclass(frozen=True)
+class Definitions:
+    """Everything ``FeatureStore.apply`` registers for this project."""
+
+    entities: tuple[Entity, ...]
+    views: tuple[FeatureView, ...]
+    service: FeatureService
+
+    def objects(self) -> list[Any]:
+        """All of them, as one list for ``FeatureStore.apply`` (one registry commit)."""
+        # Any: apply's element type is a union Feast does not export.
+        return [*self.entities, *self.views, self.service]
 
 
-card = Entity(
-    name="card",
-    join_keys=["card_id"],
-    value_type=ValueType.STRING,
-    description="A payment card (PAN token).",
-)
-merchant = Entity(
-    name="merchant",
-    join_keys=["merchant_id"],
-    value_type=ValueType.STRING,
-    description="A merchant account.",
-)
-_ENTITIES = {"card": card, "merchant": merchant}
-
-
-def _view(v: BatchView) -> FeatureView:
+def _view(v: BatchView, entity: Entity, features_dir: Path) -> FeatureView:
     return FeatureView(
         name=v.name,
-        entities=[_ENTITIES[v.entity]],
+        entities=[entity],
         ttl=v.ttl,
         schema=[
             Field(name=f.name, dtype=_TYPES[f.dtype], description=f.description)
@@ -48,7 +47,7 @@ def _view(v: BatchView) -> FeatureView:
         ],
         source=FileSource(
             name=f"{v.name}_daily",
-            path=str(features_dir() / v.name),
+            path=str(features_dir / v.name),
             timestamp_field="event_timestamp",
         ),
         online=True,
@@ -56,10 +55,39 @@ def _view(v: BatchView) -> FeatureView:
     )
 
 
-card_30d, merchant_90d = (_view(v) for v in VIEWS)
+def build(data_dir: Path) -> Definitions:
+    """The Feast objects over the feature tables under ``data_dir / "features"``.
 
-fraud_model_features = FeatureService(
-    name="fraud_model",
-    features=[card_30d, merchant_90d],
-    description="Batch features read by the scoring service and the training job.",
-)
+    ``data_dir`` is resolved to an absolute path: the registry stores each source's
+    path, and the training join reads the tables from there whatever the working
+    directory.
+    """
+    features_dir = data_dir.resolve() / "features"
+    entities = {
+        "card": Entity(
+            name="card",
+            join_keys=["card_id"],
+            value_type=ValueType.STRING,
+            description="A payment card (PAN token).",
+        ),
+        "merchant": Entity(
+            name="merchant",
+            join_keys=["merchant_id"],
+            value_type=ValueType.STRING,
+            description="A merchant account.",
+        ),
+    }
+    views = tuple(_view(v, entities[v.entity], features_dir) for v in VIEWS)
+    service = FeatureService(
+        name="fraud_model",
+        features=list(views),
+        description="Batch features read by the scoring service and the training job.",
+    )
+    return Definitions(tuple(entities.values()), views, service)
+
+
+# For the feast CLI only (see the module docstring); the project calls build().
+_cli = build(Path(os.environ.get("FRAUD_DATA_DIR", "data")))
+card, merchant = _cli.entities
+card_30d, merchant_90d = _cli.views
+fraud_model_features = _cli.service

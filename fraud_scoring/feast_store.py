@@ -1,45 +1,101 @@
-"""Opening the Feast store with the project's settings."""
+"""The Feast seam: opening the store with the project's settings, and Feast's Redis layout.
+
+``feature_repo/feature_store.yaml`` (or the file ``FRAUD_FEATURE_STORE_YAML`` names)
+says how the store is built: project, provider, store types, key serialization. Where
+the data lives comes from the caller, in code: the registry file goes under the data dir
+and the online store is the Redis that ``REDIS_URL`` names, the same one the scoring
+service reads directly. Nothing is passed through the environment.
+
+The service reads batch features straight from Feast's Redis layout (key and field
+encoding below) so one pipelined round trip carries a whole micro-batch. That layout is
+Feast's internal one, so ``pyproject.toml`` pins Feast's minor version and
+``tests/test_feast_layout.py`` fails when a Feast release changes it.
+"""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
-from feast import FeatureStore
-from feast.infra.online_stores.helpers import _redis_key
+import yaml
+from feast import FeatureStore, RepoConfig
+from feast.infra.online_stores.helpers import _mmh3, _redis_key
 from feast.protos.feast.types.EntityKey_pb2 import EntityKey
 from feast.protos.feast.types.Value_pb2 import Value
 from google.protobuf.timestamp_pb2 import Timestamp
+from pydantic import ValidationError
 
 from fraud_scoring.redis_server import feast_connection_string
 
 REPO_DIR = Path(__file__).resolve().parent.parent / "feature_repo"
+_REGISTRY = Path("feast") / "registry.db"  # under the data dir
 
 
-def open_store(data_dir: Path, redis_url: str, yaml_path: Path | None = None) -> FeatureStore:
-    """A FeatureStore over ``data_dir`` and ``redis_url``.
+def repo_config(data_dir: Path, redis_url: str, yaml_path: Path | None = None) -> RepoConfig:
+    """Feast's configuration: ``yaml_path`` (default: the shipped feature_store.yaml) with
+    the registry file placed at ``data_dir/feast/registry.db`` and the online store's
+    connection taken from ``redis_url``.
 
-    feature_store.yaml reads ``FRAUD_DATA_DIR`` and ``FRAUD_FEAST_REDIS`` from the
-    environment, so they are set here (absolute path; Feast's connection-string form).
+    ``${...}`` placeholders in the yaml are not expanded here (they are for the ``feast``
+    CLI); the two values they stand for are set from the arguments. Raises
+    ``FileNotFoundError`` when the yaml is missing and ``ValueError`` when it is not a
+    mapping, its online store is not Redis, or Feast rejects it.
     """
-    data_dir = data_dir.resolve()
-    (data_dir / "feast").mkdir(parents=True, exist_ok=True)
-    os.environ["FRAUD_DATA_DIR"] = str(data_dir)
-    os.environ["FRAUD_FEAST_REDIS"] = feast_connection_string(redis_url)
     yaml_file = yaml_path or REPO_DIR / "feature_store.yaml"
     if not yaml_file.exists():
         raise FileNotFoundError(f"feature_store.yaml not found at {yaml_file}")
-    return FeatureStore(repo_path=str(REPO_DIR), fs_yaml_file=yaml_file)
+    raw: Any = yaml.safe_load(yaml_file.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{yaml_file}: expected a mapping of Feast settings")
+    online = raw.get("online_store")
+    # The service reads Feast's Redis layout itself, so no other online store will do.
+    if not isinstance(online, dict) or online.get("type") != "redis":
+        raise ValueError(f"{yaml_file}: online_store must be a mapping with type: redis")
+    registry_path = str(data_dir.resolve() / _REGISTRY)
+    registry = raw.get("registry")
+    if isinstance(registry, dict):
+        if registry.get("registry_type", "file") != "file":
+            raise ValueError(f"{yaml_file}: registry.registry_type must be file")
+        registry = {**registry, "path": registry_path}
+    else:
+        registry = registry_path
+    raw = {
+        **raw,
+        "registry": registry,
+        "online_store": {**online, "connection_string": feast_connection_string(redis_url)},
+    }
+    try:
+        config = RepoConfig(**raw)
+    except ValidationError as exc:
+        raise ValueError(f"{yaml_file}: {exc}") from None
+    config.repo_path = REPO_DIR
+    return config
 
 
-def apply_definitions(store: FeatureStore) -> None:
-    """Register the entities, views and feature service (idempotent)."""
-    import importlib
+def open_store(data_dir: Path, redis_url: str, yaml_path: Path | None = None) -> FeatureStore:
+    """A FeatureStore over ``data_dir`` and ``redis_url`` (see :func:`repo_config`).
 
-    import feature_repo.definitions as d
+    Creates ``data_dir/feast`` for the registry file if needed.
+    """
+    config = repo_config(data_dir, redis_url, yaml_path)
+    (data_dir.resolve() / _REGISTRY).parent.mkdir(parents=True, exist_ok=True)
+    return FeatureStore(repo_path=str(REPO_DIR), config=config)
 
-    d = importlib.reload(d)  # source paths follow the current FRAUD_DATA_DIR
-    store.apply([d.card, d.merchant, d.card_30d, d.merchant_90d, d.fraud_model_features])
+
+def apply_definitions(store: FeatureStore, data_dir: Path | None = None) -> None:
+    """Register the entities, views and feature service (idempotent).
+
+    The views' sources are the feature tables under ``data_dir``; by default the data
+    dir :func:`open_store` opened ``store`` over.
+    """
+    from feature_repo.definitions import build
+
+    if data_dir is None:
+        registry = Path(store.config.registry.path)
+        if registry.parts[-2:] != _REGISTRY.parts:
+            raise ValueError(f"pass data_dir: the registry {registry} is not under a data dir")
+        data_dir = registry.parent.parent
+    store.apply(build(data_dir).objects())
 
 
 def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3) -> bytes:
@@ -47,6 +103,12 @@ def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3
     (all views of that entity share the hash; ``_ts:<view>`` holds each view's time)."""
     ek = EntityKey(join_keys=[join_key], entity_values=[Value(string_val=entity_id)])
     return _redis_key(project, ek, key_version)
+
+
+def online_field(view: str, feature: str) -> bytes:
+    """The hash field of one feature of ``view`` in Feast's Redis layout (the 4-byte
+    little-endian murmur3 of ``"<view>:<feature>"``)."""
+    return bytes(_mmh3(f"{view}:{feature}"))
 
 
 def stored_time(raw: bytes) -> float:
