@@ -1,6 +1,7 @@
 """The transaction event: the one schema shared by HTTP requests, stream events and raw files.
 
-See ``shared/design.md`` (Transaction event). Validation errors name the field.
+The fields and their rules are listed in ``docs/architecture.md`` (Transaction event).
+Validation errors name the field.
 """
 
 from __future__ import annotations
