@@ -1,7 +1,7 @@
 """Online feature read: Feast's own ``get_online_features`` vs the service's reader.
 
 Both read the same keys from the same Redis (Feast's layout); the service's reader
-(``service.features.OnlineFeatureReader``) adds the TTL check and the session reads and
+(``service.online_features.OnlineFeatureReader``) adds the TTL check and the session reads and
 does it all in one pipelined round trip. Values are compared first, then timed, for
 batches of 1 and 64 transactions.
 
@@ -22,7 +22,7 @@ from bench.world import bench_world
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import BATCH_FEATURES
-from service.features import OnlineFeatureReader
+from service.online_features import OnlineFeatureReader
 
 
 def timed(fn: Callable[[], object], seconds: float) -> np.ndarray:
