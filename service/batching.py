@@ -113,7 +113,8 @@ class Batcher(Generic[T, R]):
             self._worker = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
 
     async def stop(self, drain_s: float = 0.0) -> None:
-        """Stop taking batches; wait up to ``drain_s`` for queued and running ones."""
+        """Stop taking batches; wait up to ``drain_s`` for queued and running ones. Items
+        still queued then fail with ``Rejected`` (reason ``shutting_down``)."""
         end = time.monotonic() + drain_s
         while (self._queue or self._running) and time.monotonic() < end:
             await asyncio.sleep(0.01)
