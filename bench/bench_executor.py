@@ -29,8 +29,8 @@ from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import producible_features
 from fraud_scoring.settings import Settings
 from service.batching import Batcher
-from service.features import OnlineFeatureReader
 from service.model import ModelHolder, load_model
+from service.online_features import OnlineFeatureReader
 from service.scoring import Scorer
 
 

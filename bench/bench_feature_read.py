@@ -1,7 +1,7 @@
 """Online feature read: Feast's own ``get_online_features`` vs the service's reader.
 
 Both read the same keys from the same Redis (Feast's layout); the service's reader
-(``service.features.OnlineFeatureReader``) adds the TTL check and the session reads and
+(``service.online_features.OnlineFeatureReader``) adds the TTL check and the session reads and
 does it all in one pipelined round trip. Both are timed for batches of 1 and 64
 transactions; that they return the same values is tested in tests/test_feast_layout.py.
 
@@ -21,7 +21,7 @@ import redis
 from bench.world import bench_world
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
-from service.features import OnlineFeatureReader
+from service.online_features import OnlineFeatureReader
 
 
 def timed(fn: Callable[[], object], seconds: float) -> np.ndarray:

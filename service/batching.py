@@ -1,8 +1,9 @@
 """Dynamic batching at the model boundary (one module owns it).
 
 Request handlers ``submit`` an item with a deadline and await its result. One worker
-task forms batches and hands each to ``run_batch`` (feature read + inference for the
-whole batch). Bounds, all from settings:
+task forms micro-batches (not to be confused with the client's batch endpoint, whose
+transactions are submitted one by one) and hands each to ``run_batch`` (feature read +
+inference for the whole micro-batch). Bounds, all from settings:
 
 * ``max_batch_size``: a batch never holds more items;
 * ``max_queue_delay``: the oldest item waits at most this long for the batch to fill
@@ -11,6 +12,9 @@ whole batch). Bounds, all from settings:
 * deadlines: a batch never waits past the earliest deadline it holds minus the
   measured batch time, and an item that can no longer make its deadline is failed with
   :class:`DeadlineExceeded` before it reaches the model.
+
+Both are :class:`~service.errors.Rejected` (answered 503 with Retry-After and counted by
+the service's one handler); this module counts nothing itself.
 
 Cancellation: a caller that goes away (its awaiting task is cancelled, e.g. the client
 timed out) cancels its future; the worker drops cancelled items when it forms the batch,
@@ -28,6 +32,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from service.errors import Rejected, RejectReason
+
 log = logging.getLogger(__name__)
 
 # Flush this long before the earliest deadline's last useful moment: timers overshoot.
@@ -37,12 +43,18 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class QueueFull(Exception):
+class QueueFull(Rejected):
     """The queue is at max_queue_size; answer 503 with Retry-After."""
 
+    def __init__(self, detail: str) -> None:
+        super().__init__(RejectReason.QUEUE_FULL, f"overloaded: {detail}")
 
-class DeadlineExceeded(Exception):
+
+class DeadlineExceeded(Rejected):
     """The item's deadline passed (or cannot be met) before it reached the model."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(RejectReason.DEADLINE, f"deadline exceeded: {detail}")
 
 
 @dataclass
@@ -55,10 +67,9 @@ class _Item(Generic[T, R]):
 
 @dataclass
 class BatchStats:
-    """Observations for metrics; ``observe`` is called once per batch that ran."""
+    """Observations for metrics; ``on_batch`` is called once per micro-batch that ran."""
 
     on_batch: Callable[[int, float, list[float]], None] | None = None  # size, compute_s, waits
-    on_reject: Callable[[str], None] | None = None
     ewma_batch_s: float = 0.0
     batches: int = 0
     last_batch_at: float = 0.0  # time.monotonic() when the last batch finished
@@ -102,7 +113,8 @@ class Batcher(Generic[T, R]):
             self._worker = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
 
     async def stop(self, drain_s: float = 0.0) -> None:
-        """Stop taking batches; wait up to ``drain_s`` for queued and running ones."""
+        """Stop taking batches; wait up to ``drain_s`` for queued and running ones. Items
+        still queued then fail with ``Rejected`` (reason ``shutting_down``)."""
         end = time.monotonic() + drain_s
         while (self._queue or self._running) and time.monotonic() < end:
             await asyncio.sleep(0.01)
@@ -112,7 +124,9 @@ class Batcher(Generic[T, R]):
             self._worker = None
         for item in self._queue:
             if not item.future.done():
-                item.future.set_exception(DeadlineExceeded("service shutting down"))
+                item.future.set_exception(
+                    Rejected(RejectReason.SHUTTING_DOWN, "service shutting down")
+                )
         self._queue.clear()
         await asyncio.gather(*self._running, return_exceptions=True)
 
@@ -130,10 +144,8 @@ class Batcher(Generic[T, R]):
             # must not take the places of live ones (rare: only when it looks full).
             self._queue = deque(it for it in self._queue if not it.future.done())
         if len(self._queue) >= self.max_queue_size:
-            self._reject("queue_full")
             raise QueueFull(f"queue holds {len(self._queue)} requests (max_queue_size)")
         if deadline - now < self.stats.expected_batch_s(now):
-            self._reject("deadline")
             raise DeadlineExceeded("deadline shorter than the measured batch time")
         fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._queue.append(_Item(payload, deadline, now, fut))
@@ -141,10 +153,6 @@ class Batcher(Generic[T, R]):
         # The caller's own timeout cancels ``fut`` through this await; the worker then
         # drops the item before the batch runs.
         return await fut
-
-    def _reject(self, reason: str) -> None:
-        if self.stats.on_reject:
-            self.stats.on_reject(reason)
 
     # -- worker side ---------------------------------------------------------------
     def _live_head(self) -> _Item[T, R] | None:
@@ -157,7 +165,6 @@ class Batcher(Generic[T, R]):
             elif head.deadline - now < self.stats.expected_batch_s(now):
                 self._queue.popleft()
                 head.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
-                self._reject("deadline")
             else:
                 return head
         return None
@@ -215,7 +222,6 @@ class Batcher(Generic[T, R]):
                 continue
             if item.deadline - now < self.stats.expected_batch_s(now):
                 item.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
-                self._reject("deadline")
                 continue
             batch.append(item)
         return batch

@@ -6,10 +6,14 @@ batch-size buckets and bound with IOBinding so each bucket keeps one shape (the
 precondition for CUDA graphs, which are not enabled yet: that needs fixed device
 buffers per bucket and a GPU to test on). On CPU the batch runs as is; the bucketed
 path also runs on CPU (``bucketed=True``), which is how the tests check it.
+
+:class:`ModelHolder` holds the serving model (or why none serves) and
+:func:`watch_models` keeps it current from the model repository.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -20,7 +24,17 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from fraud_scoring.model_repo import ModelError, ModelMetadata, load_metadata, resolve
+from fraud_scoring.features import producible_features
+from fraud_scoring.model_repo import (
+    ModelError,
+    ModelMetadata,
+    ModelNotFound,
+    load_metadata,
+    resolve,
+    versions,
+)
+from fraud_scoring.settings import Settings
+from service.errors import Rejected, RejectReason
 
 log = logging.getLogger(__name__)
 
@@ -156,15 +170,100 @@ def load_model(
     return model
 
 
+def load_configured(settings: Settings) -> LoadedModel:
+    """:func:`load_model` for the version the settings name (e.g. 'latest'), refusing a
+    model that needs a feature this service cannot produce; raises ModelError."""
+    return load_model(
+        settings.model_repo,
+        settings.model_name,
+        settings.model_version,
+        producible=producible_features(),
+        provider_setting=settings.execution_provider,
+        instances=settings.model_instances,
+        intra_op_threads=settings.intra_op_threads,
+    )
+
+
 class ModelHolder:
-    """Holds the serving model; ``swap`` replaces it atomically or keeps the old one."""
+    """Holds the serving model; ``swap`` replaces it atomically or keeps the old one.
+
+    While no model serves, ``problem`` says why the last load failed (None: no model has
+    been published yet)."""
 
     def __init__(self, model: LoadedModel | None = None) -> None:
         self.current = model
+        self.problem: str | None = None
 
     def swap(self, load: Callable[[], LoadedModel]) -> LoadedModel:
         """Load a new model with ``load()`` and serve it; if ``load`` raises (ModelError),
         nothing changes and the old model keeps serving."""
-        new = load()
+        try:
+            new = load()
+        except ModelError as exc:
+            if self.current is None:
+                self.problem = None if isinstance(exc, ModelNotFound) else str(exc)
+            raise
         self.current = new  # one reference assignment: in-flight batches keep the old one
+        self.problem = None
         return new
+
+    def require(self) -> LoadedModel:
+        """The serving model; raises Rejected (no_model, retry in 5 s) when none serves."""
+        model = self.current
+        if model is None:
+            detail = "no model loaded yet" + (f": {self.problem}" if self.problem else "")
+            raise Rejected(RejectReason.NO_MODEL, detail, retry_after_s=5)
+        return model
+
+    def readiness(self) -> str | None:
+        """None when a model serves, else the not-ready reason for ``/readyz``."""
+        if self.current is not None:
+            return None
+        return "not loaded" + (f": {self.problem}" if self.problem else "")
+
+
+def watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
+    """Look for a model every ``model_poll_s`` (a task on the running loop; cancel it to
+    stop): until the first one loads (the training job has not run yet, or the only
+    version cannot load: each poll tries again, and a new problem is logged once) and,
+    with version 'latest', for newer versions, which are swapped in atomically. While a
+    model serves, a newer version that fails to load or validate is logged once and
+    skipped; the serving model stays."""
+
+    async def watch() -> None:
+        failed: set[int] = set()
+        while True:
+            await asyncio.sleep(settings.model_poll_s)
+            try:
+                await look(failed)
+            except Exception:  # e.g. the repository changing under the scan: try again
+                log.exception("model watch failed; keeping the current model")
+
+    async def look(failed: set[int]) -> None:
+        found = versions(settings.model_repo, settings.model_name)
+        current = models.current
+        if current is not None and (
+            settings.model_version != "latest"
+            or not found
+            or found[-1] <= int(current.version)
+            or found[-1] in failed
+        ):
+            return
+        if current is None and settings.model_version == "latest" and not found:
+            return
+        before = models.problem
+        try:
+            new = await asyncio.to_thread(models.swap, lambda: load_configured(settings))
+            log.info("now serving model %s v%s", new.meta.name, new.version)
+        except ModelNotFound:
+            return
+        except ModelError:
+            if current is None:
+                if models.problem != before:
+                    log.error("no model can serve: %s; trying again", models.problem)
+                return
+            log.exception("cannot serve the new model; keeping the current one")
+            if found:
+                failed.add(found[-1])
+
+    return asyncio.get_running_loop().create_task(watch(), name="model-watch")

@@ -1,10 +1,10 @@
-"""Scoring a batch of transactions, top to bottom:
+"""Scoring one micro-batch of transactions, top to bottom:
 
 read features (one pipelined round trip) → request features → feature vector in the
 model's order → ONNX Runtime (off the event loop) → decision policy → results.
 
-The dynamic batcher calls :meth:`Scorer.score_batch` with whatever batch it formed; the
-naive path (batching off) calls it with one transaction per request.
+The dynamic batcher calls :meth:`Scorer.score_batch` with whatever micro-batch it formed;
+the naive path (batching off) calls it with one transaction per request.
 """
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ from fraud_scoring import features as F
 from fraud_scoring.events import Transaction
 from fraud_scoring.settings import Settings
 from service.decision import Policy, Reason
-from service.features import OnlineFeatureReader
+from service.errors import Rejected, RejectReason
 from service.model import LoadedModel, ModelHolder
+from service.online_features import OnlineFeatureReader
 
 
-class FeatureStoreUnavailable(Exception):
+class FeatureStoreUnavailable(Rejected):
     """The online store (Redis) did not answer the batch's read: no decision is made on
     made-up features; the API answers 503 so the caller applies its own fallback."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(RejectReason.FEATURE_STORE, detail)
 
 
 @dataclass
@@ -99,12 +103,12 @@ class Scorer:
         return {**rows.columns, **req, **span}, rows.missing, rows.stale
 
     async def score_batch(self, txns: Sequence[Transaction]) -> list[ScoreResult]:
+        """Decisions for one micro-batch, in input order. Raises FeatureStoreUnavailable
+        when Redis does not answer and Rejected(no_model) when no model is loaded."""
         wall0, t0 = time.time_ns(), time.perf_counter()
         cols, missing, stale = await self.read_features(txns)
         wall1, t1 = time.time_ns(), time.perf_counter()
-        model = self.models.current  # one model for the whole batch, even during a swap
-        if model is None:
-            raise RuntimeError("no model loaded")
+        model = self.models.require()  # one model for the whole batch, even during a swap
         x = F.assemble(model.meta.feature_names, cols)
         scores = await asyncio.get_running_loop().run_in_executor(self.pool, model.predict, x)
         wall2, t2 = time.time_ns(), time.perf_counter()

@@ -15,10 +15,19 @@ import uvicorn
 
 from fraud_scoring.redis_server import free_port
 from fraud_scoring.settings import Settings
+from service.errors import ServiceStartError
+
+__all__ = ["ServiceProcess", "ServiceStartError", "app_factory", "serve", "spawn"]
 
 
 def serve(settings: Settings) -> None:
-    """Run until SIGTERM/SIGINT; in-flight requests get ``drain_seconds`` to finish."""
+    """Run until SIGTERM/SIGINT; in-flight requests get ``drain_seconds`` to finish.
+
+    Raises ServiceStartError before anything starts when REDIS_URL is unset and
+    ``embedded_redis`` is not (the lifespan checks the same, for other ways in)."""
+    from service.resources import require_redis
+
+    require_redis(settings)
     uvicorn.run(
         "service.server:app_factory",
         factory=True,
@@ -35,10 +44,6 @@ def app_factory():  # type: ignore[no-untyped-def]
     from service.app import create_app
 
     return create_app()
-
-
-class ServiceStartError(RuntimeError):
-    """The service process exited or did not become ready in time."""
 
 
 @dataclass

@@ -190,8 +190,8 @@ async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
     from fraud_scoring.feast_store import open_store
     from fraud_scoring.features import producible_features
     from fraud_scoring.settings import Settings
-    from service.features import OnlineFeatureReader
     from service.model import ModelHolder, load_model
+    from service.online_features import OnlineFeatureReader
     from service.scoring import Scorer
 
     settings = Settings(

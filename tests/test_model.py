@@ -109,7 +109,7 @@ def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
 
     from fraud_scoring.events import Transaction
     from fraud_scoring.features import VIEWS, view_features
-    from service.features import OnlineFeatureReader
+    from service.online_features import OnlineFeatureReader
 
     txn = Transaction.model_validate(
         {

@@ -191,15 +191,92 @@ def _copy_model(world: World, dest: Path, edit) -> Path:
     return dest
 
 
-def test_model_with_unknown_feature_is_refused_at_start(world: World, tmp_path: Path) -> None:
-    def add_unknown(meta: dict, _: Path) -> None:
-        meta["features"][-1]["name"] = "card_shoe_size"
+def _unknown_feature(meta: dict, _: Path) -> None:
+    meta["features"][-1]["name"] = "card_shoe_size"
 
-    repo = _copy_model(world, tmp_path / "models", add_unknown)
-    with pytest.raises(AssertionError, match="card_shoe_size"):
-        start_server(
-            World(world.data_dir, repo, world.redis_url, world.start, world.days), tmp_path
-        )
+
+def _corrupt_onnx(_: dict, target: Path) -> None:
+    (target / "model.onnx").write_bytes(b"garbage")
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"), [(_unknown_feature, "card_shoe_size"), (_corrupt_onnx, "model.onnx")]
+)
+def test_only_model_that_cannot_load_is_not_ready_until_a_good_one_appears(
+    world: World, tmp_path: Path, edit, problem: str
+) -> None:
+    """The only published version is unfeedable or corrupt: the service stays up, says
+    why it is not ready, answers scoring with 503, and keeps looking for a model."""
+    from tests.conftest import wait_until
+
+    repo = _copy_model(world, tmp_path / "models", edit)
+    srv = start_server(
+        World(world.data_dir, repo, world.redis_url, world.start, world.days),
+        tmp_path,
+        wait_for="/healthz",
+        FRAUD_MODEL_POLL_S="0.2",
+    )
+    try:
+        with srv.client() as c:
+            ready = c.get("/readyz")
+            assert ready.status_code == 503 and problem in ready.json()["model"], ready.text
+            r = c.post("/v1/score", json=TXN)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+            assert problem in r.json()["detail"]
+            assert 'reason="no_model"' in c.get("/metrics").text
+            incoming = repo / "fraud" / ".incoming"
+            shutil.copytree(resolve(world.model_repo, "fraud"), incoming)
+            meta = load_metadata(incoming)
+            (incoming / "metadata.json").write_text(
+                meta.model_copy(update={"version": "2"}).model_dump_json()
+            )
+            incoming.rename(repo / "fraud" / "2")
+            wait_until(
+                lambda: c.get("/readyz").status_code == 200,
+                timeout=20,
+                what="the good version to be served",
+                proc=srv.process.proc,
+            )
+            assert c.post("/v1/score", json=TXN).json()["model_version"] == "2"
+        assert srv.log.read_text().count(problem) >= 1  # the problem is logged
+    finally:
+        stop_server(srv)
+
+
+def test_serve_refuses_to_start_without_redis_url(world: World) -> None:
+    """A scoring pod with REDIS_URL missing must not score on an empty private store."""
+    import os
+    import subprocess
+    import sys
+
+    unset = ("REDIS_URL", "FRAUD_REDIS_URL", "FRAUD_EMBEDDED_REDIS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    r = subprocess.run(
+        [sys.executable, "-m", "fraud_scoring.cli", "serve"],
+        env={**env, "FRAUD_DATA_DIR": str(world.data_dir), "FRAUD_MODEL_REPO": "none"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stderr
+    assert "REDIS_URL" in r.stderr and "FRAUD_EMBEDDED_REDIS" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+async def test_embedded_redis_is_started_only_when_asked(world: World) -> None:
+    from fraud_scoring.settings import Settings
+    from service.errors import ServiceStartError
+    from service.resources import open_resources
+
+    settings = Settings(redis_url=None, data_dir=world.data_dir, model_repo=world.model_repo)
+    assert settings.redis_url is None
+    with pytest.raises(ServiceStartError, match="REDIS_URL"):
+        async with open_resources(settings):
+            pass
+    asked = settings.model_copy(update={"embedded_redis": True})
+    async with open_resources(asked) as res:
+        assert await res.redis.execute_command("PING")
+        assert res.models.current is not None
 
 
 def test_reload_keeps_old_model_when_new_one_is_broken(world: World, tmp_path: Path) -> None:

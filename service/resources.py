@@ -1,0 +1,144 @@
+"""What the scoring service holds while it runs, made in one place and handed to handlers.
+
+:func:`open_resources` creates everything (Redis pool, Feast project, model holder and
+its watcher, scorer, micro-batcher, instruments) and closes it in reverse on exit; the
+app's lifespan yields the one :class:`Resources` object and handlers read it back with
+:func:`resources`. Nothing connects at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from starlette.responses import JSONResponse
+
+from fraud_scoring.events import Transaction
+from fraud_scoring.feast_store import open_store
+from fraud_scoring.model_repo import ModelError, ModelNotFound
+from fraud_scoring.redis_server import redis_url
+from fraud_scoring.settings import Settings
+from service import telemetry
+from service.batching import Batcher, BatchStats
+from service.errors import Rejected, RejectReason, ServiceStartError
+from service.model import ModelHolder, load_configured, watch_models
+from service.online_features import OnlineFeatureReader
+from service.scoring import Scorer, ScoreResult
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "fraud_scoring.resources"
+
+
+@dataclass(frozen=True)
+class Resources:
+    settings: Settings
+    redis: aioredis.Redis
+    models: ModelHolder
+    scorer: Scorer
+    batcher: Batcher[Transaction, ScoreResult] | None  # None: batching off (naive path)
+    instruments: telemetry.Instruments
+
+    def count_rejection(self, reason: RejectReason) -> None:
+        self.instruments.rejections.add(
+            1, {"reason": reason.value, "model_version": _version_label(self.models)}
+        )
+
+    def answer(self, exc: Rejected) -> JSONResponse:
+        """The one 503 answer: counted (unless ``exc`` says not), with Retry-After."""
+        if exc.counted:
+            self.count_rejection(exc.reason)
+        return JSONResponse(
+            exc.content(), status_code=503, headers={"Retry-After": str(exc.retry_after_s)}
+        )
+
+
+def _version_label(models: ModelHolder) -> str:
+    """The serving version as a metric label ('none' while no model serves)."""
+    current = models.current
+    return current.version if current else "none"
+
+
+def resources(scope: Mapping[str, Any]) -> Resources:
+    """The running service's resources, from an ASGI scope (or a Request)."""
+    res: Resources = scope["state"][STATE_KEY]
+    return res
+
+
+def require_redis(settings: Settings) -> None:
+    """Refuse to serve without REDIS_URL unless an embedded server was asked for: an
+    empty private store would score every transaction on defaulted features."""
+    if settings.redis_url is None and not settings.embedded_redis:
+        raise ServiceStartError(
+            "REDIS_URL is not set: the scoring service will not start on an empty private "
+            "Redis (every transaction would be scored on defaulted features). Set "
+            "REDIS_URL=redis://host:port/db, or ask for an embedded server on purpose with "
+            "--embedded-redis (FRAUD_EMBEDDED_REDIS=true)."
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
+    """Create the service's resources and close them on exit (queued micro-batches get
+    ``drain_seconds``). Raises ServiceStartError without REDIS_URL (see
+    :func:`require_redis`). A model that is missing or cannot load does not stop the
+    start: the service is not ready, answers 503 and keeps looking."""
+    require_redis(settings)
+    instruments = telemetry.setup()
+    async with contextlib.AsyncExitStack() as stack:
+        url = stack.enter_context(redis_url(settings.redis_url))
+        store = open_store(settings.data_dir, url, settings.feature_store_yaml)
+        models = ModelHolder()
+        try:
+            models.swap(lambda: load_configured(settings))
+        except ModelNotFound as exc:
+            log.warning("%s; not ready until a model appears", exc)
+        except ModelError as exc:
+            log.error("no model can serve: %s; not ready, trying again", exc)
+        stack.callback(watch_models(models, settings).cancel)
+        # A blocking pool: past 64 connections a read waits (up to the Redis timeout) for
+        # a free one instead of failing, e.g. a large batch call on the naive path.
+        client = aioredis.Redis.from_pool(  # the client owns (and closes) the pool
+            aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=64,
+                timeout=settings.redis_timeout_s,
+                socket_timeout=settings.redis_timeout_s,
+                socket_connect_timeout=settings.redis_timeout_s,
+            )
+        )
+        stack.push_async_callback(client.aclose)
+        pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
+        stack.callback(pool.shutdown, wait=True)
+        reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
+        scorer = Scorer(client, reader, models, settings, pool)
+
+        def on_batch(size: int, compute_s: float, waits: list[float]) -> None:
+            attrs = {"model_version": _version_label(models)}
+            instruments.batch_size.record(size, attrs)
+            instruments.compute_time.record(compute_s, attrs)
+            for w in waits:
+                instruments.queue_time.record(w, attrs)
+
+        batcher: Batcher[Transaction, ScoreResult] | None = None
+        if settings.batching:
+            batcher = Batcher(
+                scorer.score_batch,
+                max_batch_size=settings.max_batch_size,
+                max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
+                max_queue_size=settings.max_queue_size,
+                preferred_batch_sizes=settings.preferred_batch_sizes,
+                concurrency=settings.model_instances,
+                stats=BatchStats(on_batch=on_batch),
+            )
+            batcher.start()
+            stack.push_async_callback(batcher.stop, drain_s=settings.drain_seconds)
+            queued = batcher
+            telemetry.observe_queue_depth(lambda: queued.depth)
+            stack.callback(telemetry.observe_queue_depth, None)
+        yield Resources(settings, client, models, scorer, batcher, instruments)

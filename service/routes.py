@@ -1,0 +1,291 @@
+"""The HTTP surface: scoring, model reload, health, metrics, and the error answers.
+
+The life of a scoring request, top to bottom: admission (``service.admission``) → parse
+and validate → deadline from ``X-Request-Timeout-Ms`` → micro-batch (or the naive path)
+→ response. Any :class:`~service.errors.Rejected` becomes the one 503 answer
+(:meth:`Resources.answer <service.resources.Resources.answer>`). Two kinds of batch meet
+here: the client's batch endpoint (``score_many``), whose transactions each join the
+service's micro-batches like single requests do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import prometheus_client
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+from pydantic import BaseModel, ValidationError
+
+from fraud_scoring.events import Transaction
+from fraud_scoring.model_repo import ModelError
+from service import telemetry
+from service.admission import RECEIVED_NS
+from service.batching import DeadlineExceeded
+from service.errors import NotReady, Rejected, RejectReason
+from service.model import load_configured
+from service.resources import Resources, resources
+from service.schemas import BatchIn, BatchOut, ScoreOut
+
+router = APIRouter()
+
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+MAX_TIMEOUT_MS = 60_000
+_TIMEOUT_DOC: dict[str, Any] = {
+    "name": TIMEOUT_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "This request's deadline in milliseconds, in (0, 60000]; default: "
+    "FRAUD_REQUEST_TIMEOUT_MS. Past it the answer is 503.",
+    "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_MS},
+}
+
+
+class PayloadTooLarge(Exception):
+    """More transactions than ``max_batch_request`` in one batch-endpoint call (413)."""
+
+
+def _deadline(request: Request, res: Resources) -> float:
+    """The request's deadline (``time.monotonic()``) from the timeout header, else the
+    configured default; a header that is not a number of ms in (0, 60000] is a 422."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return time.monotonic() + res.settings.request_timeout_ms / 1e3
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms <= MAX_TIMEOUT_MS:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("header", TIMEOUT_HEADER),
+                    "type": "value_error",
+                    "msg": f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], "
+                    f"got {raw!r}",
+                }
+            ]
+        )
+    return time.monotonic() + ms / 1e3
+
+
+@router.post(
+    "/v1/score",
+    response_model=ScoreOut,
+    openapi_extra={
+        "parameters": [_TIMEOUT_DOC],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": Transaction.model_json_schema()}},
+        },
+    },
+)
+async def score(request: Request) -> Response:
+    """Score one transaction: approve, review or decline, with reasons.
+
+    The hot path parses the body with pydantic-core straight from bytes (one pass, no
+    ``json.loads`` and no dependency solving); errors take the same 422 route as
+    everywhere else.
+    """
+    try:
+        txn = Transaction.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        ) from None
+    res = resources(request)
+    deadline = _deadline(request, res)
+    return await _unless_client_leaves(request, res, _score_one(request, res, txn, deadline))
+
+
+@router.post(
+    "/v1/score/batch", response_model=BatchOut, openapi_extra={"parameters": [_TIMEOUT_DOC]}
+)
+async def score_many(request: Request, body: BatchIn) -> Response:
+    """The batch endpoint: score up to ``FRAUD_MAX_BATCH_REQUEST`` transactions under one
+    deadline; results keep the input order. One 503 fails the whole call."""
+    res = resources(request)
+    limit = res.settings.max_batch_request
+    if len(body.transactions) > limit:
+        raise PayloadTooLarge(f"{len(body.transactions)} transactions; at most {limit} per call")
+    if not body.transactions:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", "transactions"),
+                    "type": "too_short",
+                    "msg": "at least one transaction is required",
+                }
+            ]
+        )
+    deadline = _deadline(request, res)
+
+    async def all_of_them() -> BatchOut:
+        # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so
+        # no work is done for answers nobody will receive.
+        tasks = [
+            asyncio.ensure_future(_score_one(request, res, t, deadline)) for t in body.transactions
+        ]
+        try:
+            return BatchOut(results=list(await asyncio.gather(*tasks)))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    return await _unless_client_leaves(request, res, all_of_them())
+
+
+async def _score_one(
+    request: Request, res: Resources, txn: Transaction, deadline: float
+) -> ScoreOut:
+    res.models.require()  # no model: 503 at once, nothing queued
+    start = time.perf_counter()
+    tracer = telemetry.tracer()
+    received = request.scope.get(RECEIVED_NS, time.time_ns())
+    with tracer.start_as_current_span(
+        "score", start_time=received, attributes={"transaction_id": txn.transaction_id}
+    ):
+        # Body parsing and validation ran before this handler, since ``received``.
+        tracer.start_span("validation", start_time=received).end()
+        try:
+            if res.batcher is not None:
+                # asyncio.timeout cancels the await (and so the queued item) at the
+                # deadline without wrapping it in a task as wait_for would.
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    result = await res.batcher.submit(txn, deadline)
+            else:
+                if deadline <= time.monotonic():
+                    raise DeadlineExceeded("deadline passed")
+                result = (await res.scorer.score_batch([txn]))[0]
+        except TimeoutError as exc:
+            raise Rejected(RejectReason.TIMEOUT, "deadline exceeded: timed out") from exc
+        for name, (s, e) in result.spans_ns.items():
+            tracer.start_span(name, start_time=s).end(end_time=e)
+        total_ms = (time.perf_counter() - start) * 1e3
+        trace.get_current_span().set_attribute("decision", result.decision)
+    res.instruments.decisions.add(
+        1, {"decision": result.decision, "model_version": result.model_version}
+    )
+    res.instruments.request_duration.record(total_ms / 1e3, {"model_version": result.model_version})
+    return ScoreOut.of(result, total_ms)
+
+
+def _json(body: BaseModel) -> Response:
+    # Serialized once here; returning a Response skips FastAPI's second validation pass
+    # (the route's response_model still documents the schema).
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _unless_client_leaves(
+    request: Request, res: Resources, work: Awaitable[BaseModel]
+) -> Response:
+    """Run ``work`` unless the client disconnects first.
+
+    The body has been read, so the next ASGI message is ``http.disconnect``: a watcher
+    waits for it and cancels this handler, which cancels its queued micro-batch items;
+    the batcher drops them before their micro-batch runs (they never reach the model).
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        handler.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return _json(await work)
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        handler.uncancel()
+        res.count_rejection(RejectReason.DISCONNECTED)
+        return Response(status_code=499)  # nobody is listening; for the access log only
+    finally:
+        watcher.cancel()
+
+
+@router.post("/v1/models/reload")
+async def reload_model(request: Request) -> JSONResponse:
+    """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure."""
+    res = resources(request)
+    old = res.models.current.version if res.models.current else None
+    try:
+        new = await asyncio.to_thread(res.models.swap, lambda: load_configured(res.settings))
+    except ModelError as exc:
+        return JSONResponse(status_code=409, content={"detail": str(exc), "serving_version": old})
+    return JSONResponse({"previous_version": old, "serving_version": new.version})
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "alive"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """200 with the serving model, or 503 naming each part that is not ready and why
+    (``model``: e.g. "not loaded: <why it cannot load>"; ``redis``: unreachable)."""
+    res = resources(request)
+    problems: dict[str, str] = {}
+    if (why := res.models.readiness()) is not None:
+        problems["model"] = why
+    try:
+        # execute_command, not ping(): redis-py types ping() as "awaitable or bool".
+        await asyncio.wait_for(res.redis.execute_command("PING"), timeout=1.0)
+    except Exception as exc:  # any failure to reach Redis means not ready
+        problems["redis"] = f"unreachable: {exc!r}"
+    if problems:
+        raise NotReady(problems)
+    model = res.models.require()
+    return JSONResponse(
+        {"status": "ready", "model_version": model.version, "providers": model.providers}
+    )
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    return Response(
+        prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST
+    )
+
+
+# --- error answers -------------------------------------------------------------------
+async def _rejected(request: Request, exc: Rejected) -> Response:
+    return resources(request).answer(exc)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = []
+    for e in exc.errors():
+        loc = [str(p) for p in e["loc"] if p != "body"]
+        problem = e["msg"]
+        if e["type"] == "json_invalid":
+            problem = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+        errors.append({"field": ".".join(loc) or "body", "problem": problem})
+    return JSONResponse(status_code=422, content={"detail": errors})
+
+
+async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
+    return JSONResponse(
+        status_code=413, content={"detail": [{"field": "transactions", "problem": str(exc)}]}
+    )
+
+
+EXCEPTION_HANDLERS: dict[
+    int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
+] = {
+    Rejected: _rejected,
+    RequestValidationError: _invalid,
+    PayloadTooLarge: _too_large,
+}
