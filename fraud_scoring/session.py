@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fraud_scoring.features import Feature, Kind
+from fraud_scoring.feature_specs import Feature, Kind
 
 US = 1_000_000
 MINUTE_US, HOUR_US, DAY_US = 60 * US, 3600 * US, 86_400 * US
