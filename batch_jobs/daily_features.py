@@ -20,7 +20,7 @@ import duckdb
 import pyarrow as pa
 
 from fraud_scoring.features import CARD_VIEW, MERCHANT_VIEW, BatchView, view_features
-from fraud_scoring.storage import DataError, partition_days, partition_dir, write_partition
+from fraud_scoring.storage import DataError, partition_days, partition_file, write_partition
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def snapshot_time(day: date) -> datetime:
 
 def _files(raw: Path, table: str, first: date, last: date) -> list[str]:
     days = [d for d in partition_days(raw, table) if first <= d <= last]
-    return [str(partition_dir(raw, table, d) / "part-0.parquet") for d in days]
+    return [str(partition_file(raw, table, d)) for d in days]
 
 
 def compute_day(raw: Path, day: date) -> dict[str, pa.Table]:
@@ -85,7 +85,7 @@ def compute_day(raw: Path, day: date) -> dict[str, pa.Table]:
 
     Raises DataError when the day's raw partition is missing, empty or unreadable.
     """
-    own = partition_dir(raw, "transactions", day) / "part-0.parquet"
+    own = partition_file(raw, "transactions", day)
     if not own.exists():
         raise DataError(f"missing raw partition {own} (run `fraud-scoring simulate` or ingest)")
     snap = snapshot_time(day)

@@ -32,7 +32,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from fraud_scoring.events import raw_row_to_event
-from fraud_scoring.storage import write_partition
+from fraud_scoring.storage import staging_dir, write_partition
 
 log = logging.getLogger(__name__)
 
@@ -348,9 +348,7 @@ def simulate(cfg: SimConfig, raw_dir: Path) -> int:
     labels would attach to this run's transactions of the same id.
     """
     cols = generate(cfg)
-    raw_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = raw_dir.parent / f".tmp-{raw_dir.name}-{uuid.uuid4().hex}"
-    try:
+    with staging_dir(raw_dir) as tmp:
         n = write(cols, tmp, cfg)
         if raw_dir.exists():
             old = raw_dir.parent / f".old-{raw_dir.name}-{uuid.uuid4().hex}"
@@ -359,9 +357,6 @@ def simulate(cfg: SimConfig, raw_dir: Path) -> int:
             shutil.rmtree(old)
         else:
             os.rename(tmp, raw_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info(
         "simulated %d transactions (%d fraud) into %s", n, int(cols["is_fraud"].sum()), raw_dir
     )

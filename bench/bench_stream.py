@@ -122,7 +122,7 @@ def lag_at_rate(url: str, rate: float, seconds: float, sleeping: bool) -> dict:
         [
             sys.executable,
             "-m",
-            "fraud_scoring.cli",
+            "cli",
             "emit",
             "--stream",
             STREAM,

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from batch_jobs.batch import day_range, run_batch
 from batch_jobs.simulate import SimConfig, simulate
 from batch_jobs.train import TrainConfig, train
@@ -23,7 +21,7 @@ from fraud_scoring.events import raw_row_to_event
 from fraud_scoring.features import default_model_features
 from fraud_scoring.model_repo import load_metadata, resolve, versions
 from fraud_scoring.redis_server import redis_url
-from fraud_scoring.storage import partition_dir
+from fraud_scoring.storage import read_partition
 
 ROOT = Path(__file__).resolve().parent / "results" / "world"
 CFG = SimConfig(cards=3000, merchants=300, days=14, seed=21)
@@ -37,9 +35,7 @@ class BenchWorld:
 
     def held_out(self, limit: int = 5000) -> list[dict]:
         last = CFG.start + timedelta(days=CFG.days - 1)
-        rows = pq.read_table(
-            partition_dir(self.data_dir / "raw", "transactions", last) / "part-0.parquet"
-        ).to_pylist()[:limit]
+        rows = read_partition(self.data_dir / "raw", "transactions", last).to_pylist()[:limit]
         return [raw_row_to_event(r) for r in rows]
 
 

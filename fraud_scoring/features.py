@@ -15,49 +15,23 @@ Three kinds of feature, one declaration each:
   by :func:`spanning_features` (scoring service and training-set builder alike).
 
 ``default`` is what a missing or stale value becomes; the response lists such features.
+The declaration types and the feature views are in ``fraud_scoring/feature_specs.py``
+(re-exported here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-Kind = Literal["batch", "request", "session", "spanning"]
-Entity = Literal["card", "merchant"]
-
-
-@dataclass(frozen=True)
-class Feature:
-    name: str
-    kind: Kind
-    dtype: Literal["float32", "int64", "string"]
-    default: float | str
-    description: str
-    entity: Entity | None = None  # batch features only
-    model_input: bool = True  # string features feed request features, not the model
-
-
-@dataclass(frozen=True)
-class BatchView:
-    """A Feast feature view: one parquet table per entity, one snapshot row per day."""
-
-    name: str
-    entity: Entity
-    join_key: str
-    ttl: timedelta
-
-
-# A daily snapshot is valid until the next one is due plus a day of slack: a value older
-# than this TTL is stale (replaced by its default and flagged), never silently used.
-CARD_VIEW = BatchView("card_30d", "card", "card_id", ttl=timedelta(days=2))
-MERCHANT_VIEW = BatchView("merchant_90d", "merchant", "merchant_id", ttl=timedelta(days=2))
-VIEWS = (CARD_VIEW, MERCHANT_VIEW)
+from fraud_scoring import session
+from fraud_scoring.feature_specs import CARD_VIEW as CARD_VIEW
+from fraud_scoring.feature_specs import MERCHANT_VIEW as MERCHANT_VIEW
+from fraud_scoring.feature_specs import VIEWS as VIEWS
+from fraud_scoring.feature_specs import BatchView, Feature, Kind
 
 _B: Kind = "batch"
 BATCH_FEATURES: tuple[Feature, ...] = (
@@ -171,8 +145,6 @@ def view_features(view: BatchView) -> tuple[Feature, ...]:
 
 def all_features() -> dict[str, Feature]:
     """Every declared feature by name (batch, request, session and spanning)."""
-    from fraud_scoring import session  # session features live with the streaming code
-
     feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES, *SPANNING_FEATURES)
     return {f.name: f for f in feats}
 

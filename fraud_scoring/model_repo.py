@@ -10,12 +10,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
-import uuid
 from datetime import datetime
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
+
+from fraud_scoring.storage import staging_dir
 
 
 class ModelError(RuntimeError):
@@ -109,10 +109,7 @@ def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata)
     proposal: when another job publishes that number first, the next free one is taken
     (versions are immutable; the directory rename is the commit)."""
     base = repo / name
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = base / f".tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    with staging_dir(base / meta.version) as tmp:
         for fname, data in files.items():
             (tmp / fname).write_bytes(data)
         while True:
@@ -124,9 +121,6 @@ def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata)
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
                 meta = meta.model_copy(update={"version": next_version(repo, name)})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def next_version(repo: Path, name: str) -> str:

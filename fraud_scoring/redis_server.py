@@ -108,9 +108,30 @@ def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iter
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+class RedisNotConfigured(ValueError):
+    """REDIS_URL is unset and a private server was not asked for."""
+
+
+def require_redis(configured: str | None, allow_embedded: bool) -> None:
+    """Raise :class:`RedisNotConfigured` unless a URL is configured or an embedded
+    server is allowed. Long-running processes (``serve``, ``stream``) call this so a
+    missing REDIS_URL fails at start instead of working on a private, empty store."""
+    if not configured and not allow_embedded:
+        raise RedisNotConfigured(
+            "REDIS_URL is not set: point it at the shared Redis (redis://host:port/db), "
+            "or pass --embedded-redis (FRAUD_EMBEDDED_REDIS=true) to start a private, "
+            "empty Redis-protocol server for this process"
+        )
+
+
 @contextlib.contextmanager
-def redis_url(configured: str | None) -> Iterator[str]:
-    """Yield ``configured`` when set, else the URL of an embedded server for the duration."""
+def redis_url(configured: str | None, *, allow_embedded: bool = True) -> Iterator[str]:
+    """Yield ``configured`` when set, else the URL of an embedded server for the duration.
+
+    With ``allow_embedded=False`` and nothing configured, raise
+    :class:`RedisNotConfigured` instead of starting one.
+    """
+    require_redis(configured, allow_embedded)
     if configured:
         yield configured
         return

@@ -42,12 +42,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, overload
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 
-from fraud_scoring.features import Feature, Kind
+from fraud_scoring.feature_specs import Feature, Kind
 
 US = 1_000_000
 MINUTE_US, HOUR_US, DAY_US = 60 * US, 3600 * US, 86_400 * US
@@ -185,9 +187,26 @@ def session_features(
     return (*counts, *sums, merchants, countries, gap, changed, float(len(since)), sum(since))
 
 
-def to_us(ts_seconds: float) -> int:
-    """Epoch seconds (float) -> integer microseconds, rounded to the nearest."""
-    return round(ts_seconds * US)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@overload
+def to_us(ts: float | datetime) -> int: ...
+@overload
+def to_us(ts: npt.NDArray[np.floating[Any]]) -> npt.NDArray[np.int64]: ...
+def to_us(ts: float | datetime | npt.NDArray[np.floating[Any]]) -> int | npt.NDArray[np.int64]:
+    """Epoch seconds (UTC) -> integer microseconds since the epoch, this module's unit.
+
+    A float, or an array of them element-wise, is rounded to the nearest microsecond
+    (ties to even). An aware datetime converts exactly: its ``timestamp()`` would go
+    through a float.
+    """
+    if isinstance(ts, datetime):
+        delta = ts - _EPOCH
+        return (delta.days * 86_400 + delta.seconds) * US + delta.microseconds
+    if isinstance(ts, np.ndarray):
+        return np.rint(ts * US).astype(np.int64)
+    return round(ts * US)
 
 
 # --- Redis layout -------------------------------------------------------------------------
@@ -276,7 +295,7 @@ def _epoch_us(df: pd.DataFrame) -> np.ndarray:
     col = "event_timestamp" if "event_timestamp" in df.columns else "event_time"
     s = df[col]
     if pd.api.types.is_numeric_dtype(s):  # epoch seconds
-        return np.rint(s.to_numpy(np.float64) * US).astype(np.int64)
+        return to_us(s.to_numpy(np.float64))
     ts = pd.to_datetime(s, utc=True)
     return np.asarray(
         ts.dt.tz_convert("UTC").astype("datetime64[ns, UTC]").astype("int64").to_numpy() // 1000,
@@ -337,9 +356,7 @@ def offline_session_features(
     q_tid = df["transaction_id"].to_numpy(object)
     q_ctry = df["country"].to_numpy(object)
     q_snap = (
-        np.rint(pd.to_numeric(df["card_snapshot_time"]).fillna(0).to_numpy(np.float64) * US)
-        .astype(np.int64)
-        .tolist()
+        to_us(pd.to_numeric(df["card_snapshot_time"]).fillna(0).to_numpy(np.float64)).tolist()
         if "card_snapshot_time" in df.columns
         else [0] * len(df)
     )

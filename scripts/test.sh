@@ -9,5 +9,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
-echo "== mypy"; .venv/bin/mypy fraud_scoring service batch_jobs streaming feature_repo bench
+echo "== mypy"; .venv/bin/mypy cli fraud_scoring service batch_jobs streaming feature_repo bench
+echo "== import layers"; .venv/bin/lint-imports  # contracts in pyproject.toml
 echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

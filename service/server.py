@@ -77,7 +77,7 @@ def spawn(
     port = free_port()
     full_env = {**os.environ, **env, "FRAUD_HOST": "127.0.0.1", "FRAUD_PORT": str(port)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fraud_scoring.cli", "serve"],
+        [sys.executable, "-m", "cli", "serve"],
         env=full_env,
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,

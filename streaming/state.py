@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import redis
 
@@ -32,6 +31,7 @@ from fraud_scoring.session import (
     encode_member,
     events_key,
     ids_key,
+    to_us,
 )
 
 # KEYS: events zset, ids hash. ARGV: retention_us, lateness_us, ttl_ms, then
@@ -82,7 +82,6 @@ end
 return {added, dup, late, dropped}
 """
 assert SEP == "\x1f"  # the script splits members on byte 31
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass
@@ -101,10 +100,9 @@ class ApplyResult:
 
 
 def to_session_event(txn: Transaction) -> SessionEvent:
-    # Exact integer microseconds (datetime.timestamp() goes through a float).
-    delta = txn.event_time - _EPOCH
-    ts_us = (delta.days * 86_400 + delta.seconds) * US + delta.microseconds
-    return SessionEvent(ts_us, txn.transaction_id, txn.amount, txn.merchant_id, txn.country)
+    return SessionEvent(
+        to_us(txn.event_time), txn.transaction_id, txn.amount, txn.merchant_id, txn.country
+    )
 
 
 CardEvent = tuple[str, SessionEvent]  # (card_id, event)

@@ -28,6 +28,7 @@ import redis
 from pydantic import ValidationError
 
 from fraud_scoring.events import Transaction
+from fraud_scoring.session import to_us
 from streaming.metrics import UpdaterMetrics
 from streaming.sources import Message, Source, SourceUnavailable
 from streaming.state import ApplyResult, CardEvent, SessionWriter, card_event
@@ -122,7 +123,7 @@ class Updater:
             return 0
         good: list[CardEvent] = []
         bad: list[tuple[Message, str]] = []
-        latest_us = round((time.time() + self.max_future_s) * 1e6)
+        latest_us = to_us(time.time() + self.max_future_s)
         for m in msgs:
             d = decode(m, latest_us)
             if isinstance(d, str):

@@ -132,7 +132,7 @@ def start_updater(redis_url: str, log: Path, *args: str) -> subprocess.Popen[byt
     env = {**os.environ, "REDIS_URL": redis_url}
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "fraud_scoring.cli", "stream", "--metrics-port", "0", *args],
+            [sys.executable, "-m", "cli", "stream", "--metrics-port", "0", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

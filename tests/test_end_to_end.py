@@ -42,7 +42,7 @@ def test_stream_to_updater_to_decision(server: Server, world: World, tmp_path: P
             [
                 sys.executable,
                 "-m",
-                "fraud_scoring.cli",
+                "cli",
                 "stream",
                 "--stream",
                 stream,

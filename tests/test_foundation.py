@@ -242,7 +242,7 @@ def test_missing_and_corrupt_partitions_are_named(tmp_path: Path) -> None:
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fraud_scoring.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         text=True,
         capture_output=True,
         env={**os.environ, **env},

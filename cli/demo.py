@@ -8,22 +8,18 @@ store holds snapshots only up to the day before, as it would in production.
 
 from __future__ import annotations
 
+import argparse
 import time
 from datetime import timedelta
 
 import httpx
-import pyarrow.parquet as pq
 import redis
 
-from batch_jobs.batch import day_range, run_batch
-from batch_jobs.simulate import SimConfig, simulate
-from batch_jobs.train import TrainConfig, train
+from fraud_scoring.commands import Command
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
-from fraud_scoring.storage import partition_dir
-from service.server import spawn
-from streaming.state import SessionWriter, card_event
+from fraud_scoring.storage import read_partition
 
 
 def _step(msg: str) -> None:
@@ -42,6 +38,14 @@ def _pick(rows: list[dict], n_fraud: int = 4, n_normal: int = 4) -> list[dict]:
 
 
 def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = False) -> None:
+    # Imported here: they take seconds, and every other subcommand (and --help) would
+    # pay for them when the entry point imports this module.
+    from batch_jobs.batch import day_range, run_batch
+    from batch_jobs.simulate import SimConfig, simulate
+    from batch_jobs.train import TrainConfig, train
+    from service.server import spawn
+    from streaming.state import SessionWriter, card_event
+
     cfg = SimConfig(cards=cards, merchants=max(cards // 10, 20), days=days)
     last = cfg.start + timedelta(days=days - 1)
     with redis_url(settings.redis_url) as url:
@@ -93,9 +97,7 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
             rows = [
                 r
                 for d in (last - timedelta(days=1), last)
-                for r in pq.read_table(
-                    partition_dir(settings.data_dir / "raw", "transactions", d) / "part-0.parquet"
-                ).to_pylist()
+                for r in read_partition(settings.data_dir / "raw", "transactions", d).to_pylist()
             ]
             rows.sort(key=lambda r: r["event_time"])
             writer = SessionWriter(redis.Redis.from_url(url), settings.allowed_lateness_s)
@@ -129,3 +131,21 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                 service.proc.wait()
         finally:
             service.stop()
+
+
+def configure_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cards", type=int, default=3000, help="cards to simulate")
+    p.add_argument("--days", type=int, default=21, help="days to simulate (at least 12)")
+    p.add_argument("--keep-serving", action="store_true", help="leave the API running")
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> None:
+    run_demo(settings, cards=args.cards, days=args.days, keep_serving=args.keep_serving)
+
+
+COMMAND = Command(
+    "demo",
+    "simulate, batch, train, serve and score a few transactions",
+    _run,
+    configure_demo,
+)

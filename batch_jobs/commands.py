@@ -1,0 +1,115 @@
+"""The batch subcommands: ``simulate``, ``batch`` and ``train``.
+
+The heavy modules (DuckDB, Feast, LightGBM) are imported inside each command so that
+``fraud-scoring --help`` and the other subcommands start without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from datetime import UTC, date, datetime, timedelta
+
+from fraud_scoring.commands import Command, UsageError, iso_date
+from fraud_scoring.redis_server import redis_url
+from fraud_scoring.settings import Settings
+
+
+def configure_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cards", type=int, default=5000, help="number of cards (default 5000)")
+    p.add_argument("--merchants", type=int, default=500, help="number of merchants")
+    p.add_argument("--days", type=int, default=30, help="days of history")
+    p.add_argument("--start", type=iso_date, default=date(2026, 1, 1), help="first day (UTC)")
+    p.add_argument("--rate", type=float, default=2.0, help="mean transactions per card-day")
+    p.add_argument("--seed", type=int, default=7, help="random seed (same seed, same data)")
+
+
+def run_simulate(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.simulate import SimConfig, simulate
+
+    cfg = SimConfig.from_args(args)
+    t0 = time.perf_counter()
+    n = simulate(cfg, settings.data_dir / "raw")
+    print(
+        f"simulated {n:,} transactions over {cfg.days} days into "
+        f"{settings.data_dir / 'raw'} in {time.perf_counter() - t0:.1f}s"
+    )
+
+
+def configure_batch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--date", type=iso_date, help="the day to compute (default: yesterday, UTC)")
+    p.add_argument("--from", dest="from_", type=iso_date, help="first day of a backfill range")
+    p.add_argument("--to", type=iso_date, help="last day of a backfill range (inclusive)")
+    p.add_argument("--no-materialize", action="store_true", help="write parquet only")
+
+
+def run_batch(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs import batch
+
+    if args.date and (args.from_ or args.to):
+        raise UsageError("--date cannot be combined with --from/--to")
+    if args.from_ or args.to:
+        if not (args.from_ and args.to):
+            raise UsageError("--from and --to go together")
+        days = batch.day_range(args.from_, args.to)
+    else:
+        days = [args.date or (datetime.now(UTC).date() - timedelta(days=1))]
+    # Parquet only (--no-materialize) needs no Redis: start none.
+    with (
+        contextlib.nullcontext("") if args.no_materialize else redis_url(settings.redis_url)
+    ) as url:
+        r = batch.run_batch(
+            settings.data_dir,
+            days,
+            url,
+            settings.feature_store_yaml,
+            materialize=not args.no_materialize,
+        )
+    print(
+        f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "
+        f"materialized {r.materialized_rows:,} rows in {r.materialize_s:.1f}s "
+        f"({r.materialize_rows_per_s:,.0f} rows/s)"
+    )
+
+
+def configure_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--holdout-days", type=int, default=5, help="last days held out by time")
+
+
+def run_train(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.train import TrainConfig, train
+
+    cfg = TrainConfig(holdout_days=args.holdout_days, model_name=settings.model_name)
+    with redis_url(settings.redis_url) as url:
+        meta = train(settings.data_dir, url, settings.model_repo, cfg, settings.feature_store_yaml)
+    print(
+        f"model {meta.name} version {meta.version}: "
+        + ", ".join(f"{k}={v:.4f}" for k, v in meta.metrics.items())
+    )
+    print(
+        f"thresholds: review >= {meta.thresholds.review:.4g}, "
+        f"decline >= {meta.thresholds.decline:.4g}"
+    )
+
+
+COMMANDS: list[Command] = [
+    Command(
+        "simulate",
+        "write simulated raw transaction history (parquet)",
+        run_simulate,
+        configure_simulate,
+    ),
+    Command(
+        "batch",
+        "compute daily batch features and materialize them into Redis",
+        run_batch,
+        configure_batch,
+    ),
+    Command(
+        "train",
+        "train the model on a Feast point-in-time training set",
+        run_train,
+        configure_train,
+    ),
+]

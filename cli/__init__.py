@@ -1,0 +1,3 @@
+"""The entry point on top of the app folders: the ``fraud-scoring`` command (``main``),
+the end-to-end demo and the simulated live feed (``emit``). Nothing imports this package.
+"""

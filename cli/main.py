@@ -1,0 +1,102 @@
+"""The ``fraud-scoring`` command: one subcommand per job.
+
+Every subcommand reads the same settings (``fraud_scoring.settings``); flags override
+them. The subcommands come from each app folder's ``commands`` module (batch_jobs,
+service, streaming) plus the demo and the simulated feed here. Short jobs (simulate,
+batch, train, demo, emit) start a private Redis-protocol server for their own duration
+when ``REDIS_URL`` is unset; the long-running ``serve`` and ``stream`` refuse to unless
+given ``--embedded-redis``.
+
+Exit status: 0 done, 1 the job failed (missing data, bad model, Redis or service would
+not start), 2 bad input or configuration, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+import batch_jobs.commands
+import service.commands
+import streaming.commands
+from cli import demo, emit
+from fraud_scoring.commands import Command, UsageError
+from fraud_scoring.model_repo import ModelError
+from fraud_scoring.redis_server import RedisNotConfigured, RedisStartError
+from fraud_scoring.settings import get_settings
+from fraud_scoring.storage import DataError
+from service.server import ServiceStartError
+
+log = logging.getLogger("fraud_scoring")
+
+COMMANDS: list[Command] = [
+    *batch_jobs.commands.COMMANDS,
+    *service.commands.COMMANDS,
+    *streaming.commands.COMMANDS,
+    demo.COMMAND,
+    emit.COMMAND,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fraud-scoring", description=__doc__.split("\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for c in COMMANDS:
+        cp = sub.add_parser(c.name, help=c.help, description=c.help)
+        c.configure(cp)
+        cp.set_defaults(run=c.run)  # main() finds the chosen command in the parsed args
+    return p
+
+
+def _positive(args: argparse.Namespace) -> None:
+    for name in ("cards", "merchants", "days", "holdout_days"):
+        v = getattr(args, name, None)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    rate = getattr(args, "rate", None)
+    if rate is not None and rate <= 0:
+        raise UsageError(f"--rate must be positive, got {rate}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; return its exit status (errors are logged, not raised)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("feast", "dask", "distributed", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if getattr(args, "embedded_redis", False):
+        # Through the environment, not only this process's settings object: the
+        # scoring API's app factory (and any uvicorn worker process) reads it there.
+        os.environ["FRAUD_EMBEDDED_REDIS"] = "true"
+        get_settings.cache_clear()
+    try:
+        settings = get_settings()
+        _positive(args)
+        args.run(args, settings)
+    except ValidationError as exc:
+        errs = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        log.error("invalid configuration: %s", errs)
+        return 2
+    except (UsageError, RedisNotConfigured, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
+    except (DataError, ModelError, RedisStartError, ServiceStartError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The streaming subcommand: ``fraud-scoring stream`` (the updater).
+
+It reads the shared settings (``FRAUD_STREAM_SOURCE``, ``FRAUD_STREAM_NAME``,
+``FRAUD_CONSUMER_GROUP``, ``FRAUD_KAFKA_BOOTSTRAP``, ``FRAUD_ALLOWED_LATENESS_S``,
+``FRAUD_STREAM_BATCH_SIZE``, ``FRAUD_CLAIM_IDLE_MS``, ``FRAUD_KAFKA_SESSION_TIMEOUT_MS``,
+``FRAUD_UPDATER_METRICS_PORT``, ``REDIS_URL``); flags override them. With ``REDIS_URL``
+unset it refuses to start unless ``--embedded-redis`` asks for a private server that
+lives only as long as the command (useful for a quick look, nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import TypeVar
+
+import redis
+
+from fraud_scoring.commands import Command, add_embedded_redis
+from fraud_scoring.redis_server import redis_url
+from fraud_scoring.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@contextmanager
+def _redis_client(settings: Settings) -> Iterator[redis.Redis]:
+    with redis_url(settings.redis_url, allow_embedded=settings.embedded_redis) as url:
+        # socket_timeout must exceed the XREADGROUP block time.
+        client = redis.Redis.from_url(
+            url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30
+        )
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+def run_stream(args: argparse.Namespace, settings: Settings) -> None:
+    from streaming.metrics import UpdaterMetrics
+    from streaming.sources import KafkaSource, RedisStreamSource, Source
+    from streaming.state import SessionWriter
+    from streaming.updater import Updater
+
+    source_kind = args.source or settings.stream_source
+    stream = args.stream or settings.stream_name
+    group = args.group or settings.consumer_group
+    lateness = _or(args.allowed_lateness_s, settings.allowed_lateness_s)
+    session_timeout_ms = _or(args.kafka_session_timeout_ms, settings.kafka_session_timeout_ms)
+    metrics = UpdaterMetrics.create()
+    metrics_port = _or(args.metrics_port, settings.updater_metrics_port)
+    with _redis_client(settings) as client:  # first: refuses when REDIS_URL is missing
+        if metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port, registry=metrics.registry)
+        source: Source
+        if source_kind == "kafka":
+            source = KafkaSource(
+                args.kafka_bootstrap or settings.kafka_bootstrap,
+                stream,
+                group,
+                client_id=args.consumer,
+                extra={
+                    "session.timeout.ms": session_timeout_ms,
+                    "heartbeat.interval.ms": max(100, session_timeout_ms // 5),
+                },
+            )
+        else:  # "redis": the settings and --source admit no other value
+            source = RedisStreamSource(
+                client,
+                stream,
+                group,
+                args.consumer,
+                claim_idle_ms=_or(args.claim_idle_ms, settings.claim_idle_ms),
+            )
+        updater = Updater(
+            source,
+            SessionWriter(client, lateness),
+            metrics,
+            batch_size=_or(args.batch_size, settings.stream_batch_size),
+            max_future_s=settings.max_future_skew_s,
+        )
+
+        def on_term(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: finishing the current batch", signum)
+            updater.stop()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+        log.info(
+            "updater %s consuming %s %r as group %r", args.consumer, source_kind, stream, group
+        )
+        try:
+            updater.run(max_messages=args.max_messages, idle_exit_s=args.idle_exit_s)
+        finally:
+            source.close()
+
+
+def _or(flag: T | None, setting: T) -> T:
+    """A command-line flag when given, else the setting (from the environment)."""
+    return setting if flag is None else flag
+
+
+def configure_stream(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--source",
+        choices=("redis", "kafka"),
+        help="event log (default: FRAUD_STREAM_SOURCE, 'redis')",
+    )
+    p.add_argument("--stream", help="Redis stream / Kafka topic (default FRAUD_STREAM_NAME)")
+    p.add_argument("--group", help="consumer group (default FRAUD_CONSUMER_GROUP)")
+    p.add_argument(
+        "--consumer",
+        default=socket.gethostname(),
+        help="consumer name, unique per process in the group; keep it stable "
+        "across restarts so the process re-reads its own pending entries "
+        "(default: the host name)",
+    )
+    p.add_argument("--kafka-bootstrap", help="default FRAUD_KAFKA_BOOTSTRAP")
+    p.add_argument(
+        "--kafka-session-timeout-ms",
+        type=int,
+        help="Kafka: how soon a dead updater's partitions move to the others "
+        "(default FRAUD_KAFKA_SESSION_TIMEOUT_MS, 10000)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="most events per batch (default FRAUD_STREAM_BATCH_SIZE, 1000)",
+    )
+    p.add_argument(
+        "--allowed-lateness-s", type=float, help="default FRAUD_ALLOWED_LATENESS_S (300)"
+    )
+    p.add_argument(
+        "--claim-idle-ms",
+        type=int,
+        help="Redis: claim other consumers' entries pending this long "
+        "(default FRAUD_CLAIM_IDLE_MS, 30000)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics port, 0: off (default FRAUD_UPDATER_METRICS_PORT, 9108)",
+    )
+    p.add_argument("--max-messages", type=int, help="stop after this many messages")
+    p.add_argument("--idle-exit-s", type=float, help="stop after this long without events")
+    add_embedded_redis(p)
+
+
+COMMANDS: list[Command] = [
+    Command(
+        "stream",
+        "run the streaming updater (session features into Redis)",
+        run_stream,
+        configure_stream,
+    ),
+]
