@@ -21,7 +21,8 @@ from feast import FeatureStore
 from tqdm import tqdm
 
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
-from fraud_scoring.feast_store import apply_definitions, online_key, open_store, stored_time
+from feature_repo.definitions import apply_definitions
+from fraud_scoring.feast_store import online_key, open_store, stored_time
 from fraud_scoring.features import VIEWS
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def run_batch(
         return BatchReport(len(days), rows, compute_s, 0, 0.0)
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
-    apply_definitions(store)
+    apply_definitions(store, data_dir)
     t1 = time.perf_counter()
     forget_recomputed(store, redis_url, entities, {int(snapshot_time(d).timestamp()) for d in days})
     # Materialize exactly the snapshots of these days: [first snapshot, last snapshot].

@@ -28,9 +28,10 @@ from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from batch_jobs.daily_features import snapshot_time
+from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
 from fraud_scoring import session
-from fraud_scoring.feast_store import apply_definitions, open_store
+from fraud_scoring.feast_store import open_store
 from fraud_scoring.model_repo import (
     FeatureSpec,
     ModelMetadata,
@@ -199,7 +200,7 @@ def train(
     sample = txns.iloc[keep].rename(columns={"event_time": "event_timestamp"})
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
-    apply_definitions(store)
+    apply_definitions(store, data_dir)
     with _phase(f"Feast point-in-time join of {len(sample):,} transactions"):
         joined = store.get_historical_features(
             entity_df=sample, features=store.get_feature_service("fraud_model")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
+from feast import Entity, FeatureService, FeatureStore, FeatureView, Field, FileSource, ValueType
 from feast.types import Float32, Int64, String
 
 from fraud_scoring.features import VIEWS, BatchView, view_features
@@ -91,3 +91,9 @@ _cli = build(Path(os.environ.get("FRAUD_DATA_DIR", "data")))
 card, merchant = _cli.entities
 card_30d, merchant_90d = _cli.views
 fraud_model_features = _cli.service
+
+
+def apply_definitions(store: FeatureStore, data_dir: Path) -> None:
+    """Register the entities, views and feature service in ``store``'s registry
+    (idempotent); the views' sources are the feature tables under ``data_dir``."""
+    store.apply(build(data_dir).objects())

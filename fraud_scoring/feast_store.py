@@ -82,22 +82,6 @@ def open_store(data_dir: Path, redis_url: str, yaml_path: Path | None = None) ->
     return FeatureStore(repo_path=str(REPO_DIR), config=config)
 
 
-def apply_definitions(store: FeatureStore, data_dir: Path | None = None) -> None:
-    """Register the entities, views and feature service (idempotent).
-
-    The views' sources are the feature tables under ``data_dir``; by default the data
-    dir :func:`open_store` opened ``store`` over.
-    """
-    from feature_repo.definitions import build
-
-    if data_dir is None:
-        registry = Path(store.config.registry.path)
-        if registry.parts[-2:] != _REGISTRY.parts:
-            raise ValueError(f"pass data_dir: the registry {registry} is not under a data dir")
-        data_dir = registry.parent.parent
-    store.apply(build(data_dir).objects())
-
-
 def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3) -> bytes:
     """The Redis key under which Feast's Redis online store keeps one entity's features
     (all views of that entity share the hash; ``_ts:<view>`` holds each view's time)."""

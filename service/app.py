@@ -22,7 +22,7 @@ from service.routes import EXCEPTION_HANDLERS, router
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for ``settings`` (default: from the environment). Nothing connects until
-    the lifespan starts; without REDIS_URL it refuses to start (ServiceStartError) unless
+    the lifespan starts; without REDIS_URL it refuses to start (RedisNotConfigured) unless
     ``embedded_redis`` is set."""
     settings = settings or get_settings()
 

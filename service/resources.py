@@ -25,7 +25,7 @@ from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
 from service.batching import Batcher, BatchStats
-from service.errors import Rejected, RejectReason, ServiceStartError
+from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
 from service.scoring import Scorer, ScoreResult
@@ -70,28 +70,17 @@ def resources(scope: Mapping[str, Any]) -> Resources:
     return res
 
 
-def require_redis(settings: Settings) -> None:
-    """Refuse to serve without REDIS_URL unless an embedded server was asked for: an
-    empty private store would score every transaction on defaulted features."""
-    if settings.redis_url is None and not settings.embedded_redis:
-        raise ServiceStartError(
-            "REDIS_URL is not set: the scoring service will not start on an empty private "
-            "Redis (every transaction would be scored on defaulted features). Set "
-            "REDIS_URL=redis://host:port/db, or ask for an embedded server on purpose with "
-            "--embedded-redis (FRAUD_EMBEDDED_REDIS=true)."
-        )
-
-
 @contextlib.asynccontextmanager
 async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
     """Create the service's resources and close them on exit (queued micro-batches get
-    ``drain_seconds``). Raises ServiceStartError without REDIS_URL (see
-    :func:`require_redis`). A model that is missing or cannot load does not stop the
+    ``drain_seconds``). Raises ``RedisNotConfigured`` without REDIS_URL unless
+    ``embedded_redis`` is set. A model that is missing or cannot load does not stop the
     start: the service is not ready, answers 503 and keeps looking."""
-    require_redis(settings)
     instruments = telemetry.setup()
     async with contextlib.AsyncExitStack() as stack:
-        url = stack.enter_context(redis_url(settings.redis_url))
+        url = stack.enter_context(
+            redis_url(settings.redis_url, allow_embedded=settings.embedded_redis)
+        )
         store = open_store(settings.data_dir, url, settings.feature_store_yaml)
         models = ModelHolder()
         try:

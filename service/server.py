@@ -13,7 +13,7 @@ from typing import IO
 import httpx
 import uvicorn
 
-from fraud_scoring.redis_server import free_port
+from fraud_scoring.redis_server import free_port, require_redis
 from fraud_scoring.settings import Settings
 from service.errors import ServiceStartError
 
@@ -23,11 +23,9 @@ __all__ = ["ServiceProcess", "ServiceStartError", "app_factory", "serve", "spawn
 def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT; in-flight requests get ``drain_seconds`` to finish.
 
-    Raises ServiceStartError before anything starts when REDIS_URL is unset and
+    Raises ``RedisNotConfigured`` before anything starts when REDIS_URL is unset and
     ``embedded_redis`` is not (the lifespan checks the same, for other ways in)."""
-    from service.resources import require_redis
-
-    require_redis(settings)
+    require_redis(settings.redis_url, settings.embedded_redis)
     uvicorn.run(
         "service.server:app_factory",
         factory=True,

@@ -243,34 +243,14 @@ def test_only_model_that_cannot_load_is_not_ready_until_a_good_one_appears(
         stop_server(srv)
 
 
-def test_serve_refuses_to_start_without_redis_url(world: World) -> None:
-    """A scoring pod with REDIS_URL missing must not score on an empty private store."""
-    import os
-    import subprocess
-    import sys
-
-    unset = ("REDIS_URL", "FRAUD_REDIS_URL", "FRAUD_EMBEDDED_REDIS")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    r = subprocess.run(
-        [sys.executable, "-m", "fraud_scoring.cli", "serve"],
-        env={**env, "FRAUD_DATA_DIR": str(world.data_dir), "FRAUD_MODEL_REPO": "none"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 1, r.stderr
-    assert "REDIS_URL" in r.stderr and "FRAUD_EMBEDDED_REDIS" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
-
-
 async def test_embedded_redis_is_started_only_when_asked(world: World) -> None:
+    from fraud_scoring.redis_server import RedisNotConfigured
     from fraud_scoring.settings import Settings
-    from service.errors import ServiceStartError
     from service.resources import open_resources
 
     settings = Settings(redis_url=None, data_dir=world.data_dir, model_repo=world.model_repo)
     assert settings.redis_url is None
-    with pytest.raises(ServiceStartError, match="REDIS_URL"):
+    with pytest.raises(RedisNotConfigured, match="REDIS_URL"):
         async with open_resources(settings):
             pass
     asked = settings.model_copy(update={"embedded_redis": True})
