@@ -497,8 +497,8 @@ def with_platt(margin_graph: onnx.ModelProto, a: float, b: float) -> bytes:
     """Append ``p = sigmoid(a * margin + b)`` to a graph whose output is ``margin``
     [N, 1] and output ``probabilities`` [N, 2] = (1 - p, p), as the service reads.
 
-    The sigmoid of the margin keeps float32 resolution for small probabilities
-    (LightGBM's own export computes 1 - (1 - p), which is exactly 0 below about 6e-8)."""
+    This keeps float32 resolution for small probabilities: LightGBM's own export
+    computes 1 - (1 - p), which is exactly 0 below about 6e-8."""
     m = onnx.ModelProto()
     m.CopyFrom(margin_graph)
     g = m.graph
@@ -513,7 +513,12 @@ def with_platt(margin_graph: onnx.ModelProto, a: float, b: float) -> bytes:
         [
             helper.make_node("Mul", ["margin", "platt_a"], ["platt_scaled"]),
             helper.make_node("Add", ["platt_scaled", "platt_b"], ["platt_logit"]),
-            helper.make_node("Sigmoid", ["platt_logit"], ["p1"]),
+            # 1 / (1 + exp(-z)) rather than Sigmoid: ONNX Runtime's Sigmoid is accurate
+            # only to about 1e-7 absolute and returns 0 below that.
+            helper.make_node("Neg", ["platt_logit"], ["platt_neg"]),
+            helper.make_node("Exp", ["platt_neg"], ["platt_exp"]),
+            helper.make_node("Add", ["platt_exp", "platt_one"], ["platt_denominator"]),
+            helper.make_node("Reciprocal", ["platt_denominator"], ["p1"]),
             helper.make_node("Sub", ["platt_one", "p1"], ["p0"]),
             helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1),
         ]
