@@ -109,6 +109,8 @@ def test_report_files_hold_the_figures_and_the_same_numbers() -> None:
     y = (rng.random(n) < 0.05).astype(np.int8)
     p = np.clip(rng.beta(1, 40, n) + 0.6 * y * rng.random(n), 0, 1)
     t0 = datetime(2026, 1, 10, tzinfo=UTC)
+    pattern = rng.choice(["card_testing", "account_takeover"], n).astype(object)
+    pattern[y == 0] = None
     h = Holdout(
         names=["f"],
         x=p.reshape(-1, 1).astype(np.float32),
@@ -116,7 +118,7 @@ def test_report_files_hold_the_figures_and_the_same_numbers() -> None:
         weight=np.ones(n),
         amount=rng.lognormal(4, 1, n),
         event_time=pd.Series(pd.date_range(t0, periods=n, freq="2min", tz="UTC")),
-        fraud_pattern=np.where(y == 1, rng.choice(["card_testing", "account_takeover"], n), None),
+        fraud_pattern=pattern,
         transaction_id=np.array([f"t{i}" for i in range(n)], object),
     )
     th = Thresholds(review=0.05, decline=0.5)
