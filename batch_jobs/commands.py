@@ -74,13 +74,21 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def configure_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--holdout-days", type=int, default=5, help="last days held out by time")
+    p.add_argument("--holdout-days", type=int, default=3, help="last days held out by time")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="publish even when the holdout metrics fail a quality gate (recorded in the "
+        "metadata); a window without enough frauds is refused all the same",
+    )
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> None:
     from batch_jobs.train import TrainConfig, train
 
-    cfg = TrainConfig(holdout_days=args.holdout_days, model_name=settings.model_name)
+    cfg = TrainConfig(
+        holdout_days=args.holdout_days, model_name=settings.model_name, force=args.force
+    )
     with redis_url(settings.redis_url) as url:
         meta = train(settings.data_dir, url, settings.model_repo, cfg, settings.feature_store_yaml)
     print(
@@ -91,6 +99,26 @@ def run_train(args: argparse.Namespace, settings: Settings) -> None:
         f"thresholds: review >= {meta.thresholds.review:.4g}, "
         f"decline >= {meta.thresholds.decline:.4g}"
     )
+    print(f"evaluation report: {settings.model_repo / meta.name / meta.version / 'evaluation'}")
+
+
+def configure_evaluate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", default="latest", help="model version (default: latest)")
+    p.add_argument(
+        "--refresh-labels",
+        action="store_true",
+        help="count the chargebacks that arrived since training (from FRAUD_DATA_DIR)",
+    )
+
+
+def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.evaluate import REPORT_DIR, evaluate_version
+    from fraud_scoring.model_repo import resolve
+
+    data_dir = settings.data_dir if args.refresh_labels else None
+    evaluate_version(settings.model_repo, settings.model_name, args.version, data_dir)
+    path = resolve(settings.model_repo, settings.model_name, args.version) / REPORT_DIR
+    print(f"evaluation report: {path / 'report.md'}")
 
 
 COMMANDS: list[Command] = [
@@ -111,5 +139,11 @@ COMMANDS: list[Command] = [
         "train the model on a Feast point-in-time training set",
         run_train,
         configure_train,
+    ),
+    Command(
+        "evaluate",
+        "re-run a model version's evaluation report (ONNX Runtime on its stored holdout)",
+        run_evaluate,
+        configure_evaluate,
     ),
 ]

@@ -1,11 +1,18 @@
-"""Training job: point-in-time training set through Feast, LightGBM, ONNX export.
+"""Training job: point-in-time training set through Feast, LightGBM, calibrated ONNX.
 
 The training set joins each transaction with the batch snapshots that existed at its
 own event time (Feast ``get_historical_features``: snapshot ``event_timestamp <= t``
 and within the view's TTL), then computes request features with the same function the
-scoring service uses. Labels are the chargebacks that have arrived by the time the job
-runs (a transaction without one is taken as legitimate). The last ``holdout_days`` are
-held out by time, never shuffled in.
+scoring service uses. Labels are the chargebacks that have arrived by ``labels_as_of``
+(a transaction without one is taken as legitimate).
+
+Days are split by time, never shuffled: warm-up (skipped: no batch history yet) |
+training | validation (fits the calibration) | holdout (every metric and threshold).
+The holdout ends ``label_delay_days`` before ``labels_as_of``, so its labels are mostly
+in. The exported ONNX model outputs the calibrated probability; every number in the
+metadata comes from running that export in ONNX Runtime on the holdout
+(``batch_jobs.evaluate``). A model that fails a publishing gate is not published
+(``PublishRefused``) unless ``force`` is set, which the metadata records.
 """
 
 from __future__ import annotations
@@ -14,30 +21,52 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import duckdb
 import lightgbm as lgb
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pandas as pd
-from sklearn.metrics import average_precision_score, roc_auc_score
+from onnx import TensorProto, helper, numpy_helper
+from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from batch_jobs.daily_features import snapshot_time
+from batch_jobs.evaluate import (
+    HOLDOUT_FILE,
+    REPORT_DIR,
+    Holdout,
+    choose_thresholds,
+    quality,
+    reliability,
+    report_data,
+    report_files,
+    served_metrics,
+    served_scores,
+)
+from batch_jobs.labels import known_frauds
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.model_repo import (
+    Calibration,
+    DecisionCosts,
     FeatureSpec,
+    ModelError,
     ModelMetadata,
-    Thresholds,
+    ModelNotFound,
+    PublishRefused,
+    load_metadata,
     next_version,
     publish,
+    resolve,
 )
 from fraud_scoring.storage import DataError, partition_days, partition_dir
 
@@ -46,47 +75,95 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    holdout_days: int = 5
+    """Knobs of one training run; the defaults fit the demo world (3,000 cards, 21 days)."""
+
+    holdout_days: int = 3  # about 140 frauds on the demo world (at least 100 wanted)
+    valid_days: int = 2  # between training and holdout: fits the calibration
     warmup_days: int = 7  # first days have no batch history: skip them
+    # Chargebacks arrive up to 20 days late (the simulator's range): the holdout ends
+    # this long before labels_as_of, and later days are left out.
+    label_delay_days: int = 20
+    labels_as_of: datetime | None = None  # None: now (what a scheduled run wants)
     max_train_negatives: int = 60_000
-    max_holdout_negatives: int = 60_000  # sampled, then weighted back in the metrics
+    max_holdout_negatives: int = 60_000  # per slice (validation, holdout); weighted back
     seed: int = 7
     model_name: str = "fraud"
+    features: tuple[str, ...] | None = None  # None: F.default_model_features()
+    costs: DecisionCosts = field(default_factory=DecisionCosts)
+    # Publishing gates. Each of training, validation and holdout needs this many frauds
+    # (never overridable: there is nothing to fit or measure without them).
+    min_positives: int = 10
+    warn_holdout_positives: int = 100
+    min_holdout_pr_auc: float = 0.3
+    min_holdout_roc_auc: float = 0.8
+    # Largest drop of holdout PR-AUC or ROC-AUC allowed against the latest version.
+    max_regression: float = 0.05
+    force: bool = False  # publish despite failed metric gates (recorded in the metadata)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The time split, whole UTC days: training ``first..valid_start-1``, validation
+    ``valid_start..holdout_start-1``, holdout ``holdout_start..holdout_last``."""
+
+    first: date
+    valid_start: date
+    holdout_start: date
+    holdout_last: date
+
+    def at(self, d: date) -> pd.Timestamp:
+        return pd.Timestamp(datetime.combine(d, datetime.min.time(), UTC))
+
+
+def plan_split(days: list[date], cfg: TrainConfig, labels_as_of: datetime) -> Split:
+    """Split the raw days; days whose labels are not in yet (within ``label_delay_days``
+    of ``labels_as_of``) are left out. Raises DataError when too few days remain."""
+    labelled_until = (labels_as_of - timedelta(days=cfg.label_delay_days)).date()
+    usable = [d for d in days if d < labelled_until]
+    need = cfg.warmup_days + 1 + cfg.valid_days + cfg.holdout_days
+    if len(usable) < need:
+        raise DataError(
+            f"need at least {need} days of raw history before {labelled_until} "
+            f"(labels as of {labels_as_of:%Y-%m-%d} minus a {cfg.label_delay_days}-day "
+            f"label delay), found {len(usable)}"
+        )
+    last = usable[-1]
+    if last < days[-1]:
+        log.info("days after %s left out: their labels are not in yet", last)
+    holdout_start = last - timedelta(days=cfg.holdout_days - 1)
+    valid_start = holdout_start - timedelta(days=cfg.valid_days)
+    first = usable[cfg.warmup_days]
+    if first >= valid_start:
+        raise DataError(f"no training days left between {first} and {valid_start}")
+    return Split(first, valid_start, holdout_start, last)
 
 
 def load_transactions(
     raw: Path, first: date, last: date, labels_as_of: datetime | None = None
 ) -> pd.DataFrame:
     """Raw transactions of ``first..last`` with ``label`` = 1 for every fraud chargeback
-    that had arrived before ``labels_as_of`` (default: now)."""
+    that had arrived before ``labels_as_of`` (default: now), and ``fraud_pattern`` when
+    the raw history has it (the simulator's ground truth; else None)."""
     days = [d for d in partition_days(raw, "transactions") if first <= d <= last]
     if not days:
         raise DataError(f"no raw transactions under {raw / 'transactions'} in {first}..{last}")
     files = [str(partition_dir(raw, "transactions", d) / "part-0.parquet") for d in days]
-    label_days = partition_days(raw, "labels")
-    cutoff = labels_as_of or datetime.now(UTC)
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
+        src = con.sql("SELECT * FROM read_parquet($f) LIMIT 0", params={"f": files})
+        pattern = "fraud_pattern" if "fraud_pattern" in src.columns else "NULL AS fraud_pattern"
         txns = con.sql(
             "SELECT transaction_id, card_id, merchant_id, amount, event_time, utc_offset_min,"
-            " country, channel, device_id FROM read_parquet($f) ORDER BY event_time",
+            f" country, channel, device_id, {pattern} FROM read_parquet($f) ORDER BY event_time",
             params={"f": files},
         ).df()
-        if label_days:
-            lf = [str(partition_dir(raw, "labels", d) / "part-0.parquet") for d in label_days]
-            known = con.sql(
-                "SELECT DISTINCT transaction_id FROM read_parquet($f)"
-                " WHERE label_time < $c AND is_fraud",
-                params={"f": lf, "c": cutoff},
-            ).df()
-        else:
-            known = pd.DataFrame({"transaction_id": pd.Series([], dtype=str)})
     except duckdb.Error as exc:
         raise DataError(f"reading raw history: {exc}") from exc
     finally:
         con.close()
-    txns["label"] = txns["transaction_id"].isin(set(known["transaction_id"])).astype(np.int8)
+    known = known_frauds(raw, labels_as_of or datetime.now(UTC))
+    txns["label"] = txns["transaction_id"].isin(known).astype(np.int8)
     return txns
 
 
@@ -134,33 +211,7 @@ def feature_columns(
     return {**batch, **req, **sess, **F.spanning_features({**batch, **sess})}
 
 
-def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:
-    """Thresholds from the (weighted) holdout; a transaction is flagged when its score is
-    at or above a threshold.
-
-    decline: the lowest threshold at which holdout precision is at least 90 % and at
-    most 0.1 % of legitimate transactions would be declined; review: likewise with
-    precision >= 30 % and at most 1 % of legitimate ones reviewed. Cuts fall only
-    between distinct scores (``score >= t`` takes a whole group of equal scores), and
-    need at least 5 frauds above them. With no such cut the threshold is 1.0.
-    """
-    order = np.argsort(-score, kind="stable")
-    s, yo, w = score[order], y[order], weight[order]
-    cut = np.r_[s[1:] != s[:-1], True]  # last row of each group of equal scores
-    flagged_w = np.cumsum(w)[cut]
-    fraud_w = np.cumsum(w * yo)[cut]
-    legit_share = np.cumsum(w * (yo == 0))[cut] / max(float(w[yo == 0].sum()), 1e-12)
-    frauds = np.cumsum(yo)[cut]
-    threshold = s[cut]
-
-    def lowest(precision: float, legit_pass: float) -> float:
-        ok = np.flatnonzero(
-            (fraud_w >= precision * flagged_w) & (legit_share <= legit_pass) & (frauds >= 5)
-        )
-        return float(threshold[ok[-1]]) if len(ok) else 1.0
-
-    decline, review = lowest(0.9, 0.001), lowest(0.3, 0.01)
-    return Thresholds(review=min(review, decline), decline=decline)
+_SLICES = ("training", "validation", "holdout")
 
 
 def train(
@@ -170,52 +221,57 @@ def train(
     cfg: TrainConfig,
     feature_store_yaml: Path | None = None,
 ) -> ModelMetadata:
+    """Train, calibrate, evaluate and publish a model version; returns its metadata.
+
+    Raises PublishRefused (nothing published) when a slice holds fewer than
+    ``cfg.min_positives`` frauds, or, unless ``cfg.force``, when the served model's
+    holdout metrics fail a gate (``publishing_gates``); DataError when the raw history
+    is too short or unreadable.
+    """
     raw = data_dir / "raw"
-    days = partition_days(raw, "transactions")
-    if len(days) < cfg.warmup_days + cfg.holdout_days + 1:
-        raise DataError(
-            f"need at least {cfg.warmup_days + cfg.holdout_days + 1} days of raw "
-            f"history under {raw}, found {len(days)}"
-        )
-    first, last = days[cfg.warmup_days], days[-1]
-    holdout_start = last - timedelta(days=cfg.holdout_days - 1)
+    labels_as_of = cfg.labels_as_of or datetime.now(UTC)
+    split = plan_split(partition_days(raw, "transactions"), cfg, labels_as_of)
     # A day before the first training day so that 24-hour session windows are full.
     with _phase("load raw history"):
-        labels_as_of = datetime.now(UTC)  # recorded in the metadata
-        history = load_transactions(raw, first - timedelta(days=1), last, labels_as_of)
-    txns = history[
-        history["event_time"] >= pd.Timestamp(datetime.combine(first, datetime.min.time(), UTC))
-    ].reset_index(drop=True)
-    hold_ts = pd.Timestamp(datetime.combine(holdout_start, datetime.min.time(), UTC))
-    is_hold = txns["event_time"] >= hold_ts
-    rng = np.random.default_rng(cfg.seed)
-    neg = np.flatnonzero(~is_hold & (txns["label"] == 0))
-    if len(neg) > cfg.max_train_negatives:
-        neg = rng.choice(neg, cfg.max_train_negatives, replace=False)
-    hneg = np.flatnonzero(is_hold & (txns["label"] == 0))
-    hold_neg_weight = len(hneg) / max(min(len(hneg), cfg.max_holdout_negatives), 1)
-    if len(hneg) > cfg.max_holdout_negatives:
-        hneg = rng.choice(hneg, cfg.max_holdout_negatives, replace=False)
-    keep = np.sort(np.concatenate([neg, hneg, np.flatnonzero(txns["label"] == 1)]))
-    sample = txns.iloc[keep].rename(columns={"event_time": "event_timestamp"})
+        history = load_transactions(
+            raw, split.first - timedelta(days=1), split.holdout_last, labels_as_of
+        )
+    txns = history[history["event_time"] >= split.at(split.first)].reset_index(drop=True)
+    t = txns["event_time"]
+    part = np.select(
+        [t < split.at(split.valid_start), t < split.at(split.holdout_start)], [0, 1], 2
+    )
+    _check_positives(txns["label"].to_numpy(), part, split, cfg)
+    sample = _sample(txns.assign(part=part), cfg).rename(columns={"event_time": "event_timestamp"})
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
+    entity_df = sample.drop(columns=["part", "weight", "fraud_pattern"])
     with _phase(f"Feast point-in-time join of {len(sample):,} transactions"):
         joined = store.get_historical_features(
-            entity_df=sample, features=store.get_feature_service("fraud_model")
+            entity_df=entity_df, features=store.get_feature_service("fraud_model")
         ).to_df()
     joined = keep_every_row(sample, joined)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
         cols = feature_columns(joined, history)
-    names = F.default_model_features()
+    names = list(cfg.features) if cfg.features else F.default_model_features()
     X = F.assemble(names, cols)
     y = joined["label"].to_numpy()
-    hold = (pd.to_datetime(joined["event_timestamp"], utc=True) >= hold_ts).to_numpy()
-    # Negatives are down-sampled for training and not weighted back: scores rank
-    # correctly but are not calibrated probabilities (thresholds come from the holdout).
-    hw = np.where(y[hold] == 1, 1.0, hold_neg_weight)
+    w = joined["weight"].to_numpy()
+    part = joined["part"].to_numpy()
+    tr, va, ho = (part == k for k in range(3))
+    hold = Holdout(
+        names=names,
+        x=X[ho],
+        label=y[ho].astype(np.int8),
+        weight=w[ho],
+        amount=joined["amount"].to_numpy(np.float64)[ho],
+        event_time=pd.to_datetime(joined["event_timestamp"][ho], utc=True).reset_index(drop=True),
+        fraud_pattern=joined["fraud_pattern"].to_numpy(object)[ho],
+        transaction_id=joined["transaction_id"].to_numpy(object)[ho],
+    )
+
     model = lgb.LGBMClassifier(
         n_estimators=300,
         learning_rate=0.05,
@@ -224,54 +280,166 @@ def train(
         subsample=0.8,
         subsample_freq=1,
         colsample_bytree=0.8,
-        # Balanced classes: fraud scores spread over 0..1 instead of crowding near 0, so
-        # thresholds and scores read naturally (they rank, they are not probabilities).
-        scale_pos_weight=float((y[~hold] == 0).sum()) / max(float(y[~hold].sum()), 1.0),
+        # No class re-weighting (scale_pos_weight): it only shifts and stretches the
+        # margin, which the calibration then has to undo; ranking is no better with it.
         random_state=cfg.seed,
         n_jobs=2,
         verbose=-1,
     )
-    with _phase(f"LightGBM on {int((~hold).sum()):,} rows"):
-        model.fit(X[~hold], y[~hold])
-    score = np.asarray(model.predict_proba(X[hold]))[:, 1]
-    metrics = {
-        "holdout_pr_auc": float(average_precision_score(y[hold], score, sample_weight=hw)),
-        "holdout_roc_auc": float(roc_auc_score(y[hold], score, sample_weight=hw)),
-        "holdout_rows": float(hw.sum()),
-        "holdout_fraud_rate": float((y[hold] * hw).sum() / hw.sum()),
-        "train_rows": float((~hold).sum()),
-        "train_positives": float(y[~hold].sum()),
-    }
-    onnx_bytes = export_onnx(model, len(names))
+    with _phase(f"LightGBM on {int(tr.sum()):,} rows"):
+        model.fit(X[tr], y[tr])
     # The tensor-op variant: every node runs on a GPU (tree ensembles run only on CPU).
     with _phase("tensor-op MLP"):
-        mlp = train_tensor_model(X[~hold], y[~hold], cfg.seed)
-    tensor_score = np.asarray(mlp.predict_proba(X[hold]))[:, 1]
-    metrics["tensor_holdout_pr_auc"] = float(
-        average_precision_score(y[hold], tensor_score, sample_weight=hw)
-    )
-    metrics["tensor_holdout_roc_auc"] = float(
-        roc_auc_score(y[hold], tensor_score, sample_weight=hw)
-    )
+        mlp = train_tensor_model(X[tr], y[tr], cfg.seed)
+    valid_window = (split.at(split.valid_start), split.at(split.holdout_start))
+    files: dict[str, bytes] = {}
+    calibration: dict[str, Calibration] = {}
+    scores: dict[str, np.ndarray] = {}
+    for variant, fname, margin_graph in (
+        ("default", "model.onnx", lightgbm_margin_onnx(model, len(names))),
+        ("tensor", TENSOR_FILE, tensor_margin_onnx(mlp, len(names))),
+    ):
+        a, b = fit_platt(onnx_margins(margin_graph, X[va]), y[va], w[va])
+        files[fname] = with_platt(margin_graph, a, b)
+        calibration[variant] = Calibration(
+            a=a, b=b, fitted_on=valid_window, rows=float(w[va].sum()), positives=int(y[va].sum())
+        )
+        scores[variant] = served_scores(files[fname], hold.x)
+    thresholds = {
+        v: choose_thresholds(hold.label, p, hold.weight, hold.amount, cfg.costs)
+        for v, p in scores.items()
+    }
+    metrics: dict[str, float] = {
+        "train_rows": float(tr.sum()),
+        "train_positives": float(y[tr].sum()),
+    }
+    for variant, prefix in (("default", "holdout_"), ("tensor", "tensor_holdout_")):
+        m = served_metrics(hold, scores[variant], thresholds[variant], cfg.costs)
+        metrics.update({prefix + k: v for k, v in m.items()})
+
+    failed = publishing_gates(metrics, champion_metrics(model_repo, cfg, hold, split), cfg)
+    if failed and not cfg.force:
+        raise PublishRefused(
+            "model not published: " + "; ".join(failed) + " (force overrides these gates)"
+        )
+    if failed:
+        log.warning("publishing despite failed gates (forced): %s", "; ".join(failed))
     meta = ModelMetadata(
         name=cfg.model_name,
         version=next_version(model_repo, cfg.model_name),
         created_at=datetime.now(UTC),
         framework=f"lightgbm {lgb.__version__}",
         features=[FeatureSpec(name=n, dtype="float32") for n in names],
-        training_window=(datetime.combine(first, datetime.min.time(), UTC), hold_ts),
+        training_window=(split.at(split.first), split.at(split.valid_start)),
         labels_as_of=labels_as_of,
-        holdout_window=(hold_ts, snapshot_time(last)),
-        thresholds=choose_thresholds(y[hold], score, hw),
+        holdout_window=(split.at(split.holdout_start), snapshot_time(split.holdout_last)),
+        thresholds=thresholds["default"],
         metrics=metrics,
         feature_importance=importance(model, names),
         variants={"tensor": TENSOR_FILE},
-        variant_thresholds={"tensor": choose_thresholds(y[hold], tensor_score, hw)},
+        variant_thresholds={"tensor": thresholds["tensor"]},
+        calibration=calibration,
+        costs=cfg.costs,
+        reliability={v: reliability(hold.label, p, hold.weight) for v, p in scores.items()},
+        forced=cfg.force,
+        overridden_gates=failed,
     )
-    files = {"model.onnx": onnx_bytes, TENSOR_FILE: export_tensor_onnx(mlp, len(names))}
+    files[HOLDOUT_FILE] = hold.to_parquet()
+    report = report_files(report_data(meta, hold, scores["default"], labels_as_of))
+    files.update({f"{REPORT_DIR}/{k}": v for k, v in report.items()})
     meta = publish(model_repo, cfg.model_name, files, meta)
     log.info("published %s", model_repo / cfg.model_name / meta.version)
     return meta
+
+
+def _check_positives(label: np.ndarray, part: np.ndarray, split: Split, cfg: TrainConfig) -> None:
+    """PublishRefused when a slice has too few frauds to fit or measure anything."""
+    bounds = (split.first, split.valid_start, split.holdout_start, split.holdout_last)
+    short = []
+    for k, name in enumerate(_SLICES):
+        n = int(label[part == k].sum())
+        last = bounds[k + 1] - timedelta(days=1) if k < 2 else bounds[3]
+        if n < cfg.min_positives:
+            short.append(f"the {name} window {bounds[k]}..{last} holds {n} known frauds")
+        elif k == 2 and n < cfg.warn_holdout_positives:
+            log.warning(
+                "the holdout holds only %d known frauds (fewer than %d): its metrics and "
+                "thresholds are noisy; consider more holdout_days",
+                n,
+                cfg.warn_holdout_positives,
+            )
+    if short:
+        raise PublishRefused(
+            f"model not published: {'; '.join(short)} (at least {cfg.min_positives} "
+            "needed in each; are the labels in?)"
+        )
+
+
+def _sample(txns: pd.DataFrame, cfg: TrainConfig) -> pd.DataFrame:
+    """Every fraud plus at most the configured number of negatives per slice, with
+    ``weight``: how many transactions each row stands for (1 in training, whose
+    negatives are not weighted back: the calibration absorbs the shift)."""
+    rng = np.random.default_rng(cfg.seed)
+    label, part = txns["label"].to_numpy(), txns["part"].to_numpy()
+    weight = np.ones(len(txns))
+    keep = [np.flatnonzero(label == 1)]
+    for k, cap in enumerate((cfg.max_train_negatives, *(2 * [cfg.max_holdout_negatives]))):
+        neg = np.flatnonzero((part == k) & (label == 0))
+        if len(neg) > cap:
+            if k:
+                weight[neg] = len(neg) / cap
+            neg = rng.choice(neg, cap, replace=False)
+        keep.append(neg)
+    return txns.assign(weight=weight).iloc[np.sort(np.concatenate(keep))]
+
+
+def champion_metrics(
+    model_repo: Path, cfg: TrainConfig, hold: Holdout, split: Split
+) -> dict[str, float] | None:
+    """The latest published version's holdout PR-AUC and ROC-AUC (None: no version).
+
+    Measured on this run's holdout when possible (the latest's features can be built
+    and its training ended before this holdout starts), else its recorded metrics."""
+    try:
+        path = resolve(model_repo, cfg.model_name)
+    except ModelNotFound:
+        return None
+    latest = load_metadata(path)
+    if set(latest.feature_names) <= set(hold.names) and latest.training_window[1] <= split.at(
+        split.holdout_start
+    ):
+        idx = [hold.names.index(n) for n in latest.feature_names]
+        try:
+            p = served_scores(path / "model.onnx", hold.x[:, idx], latest.input_name)
+        except ModelError as exc:
+            log.warning("latest version %s not scored on this holdout: %s", latest.version, exc)
+        else:
+            q = quality(hold.label, p, hold.weight)
+            return {"version": float(latest.version), **q}
+    return {
+        "version": float(latest.version),
+        "pr_auc": latest.metrics.get("holdout_pr_auc", 0.0),
+        "roc_auc": latest.metrics.get("holdout_roc_auc", 0.0),
+    }
+
+
+def publishing_gates(
+    metrics: dict[str, float], champion: dict[str, float] | None, cfg: TrainConfig
+) -> list[str]:
+    """The metric gates a new model fails (empty: publishable): holdout PR-AUC and
+    ROC-AUC floors, and no drop of more than ``cfg.max_regression`` against
+    ``champion`` (the latest version, see ``champion_metrics``)."""
+    failed = []
+    for key, floor in (("pr_auc", cfg.min_holdout_pr_auc), ("roc_auc", cfg.min_holdout_roc_auc)):
+        value = metrics[f"holdout_{key}"]
+        if value < floor:
+            failed.append(f"holdout {key} {value:.4f} is below the floor {floor:g}")
+        if champion is not None and value < champion[key] - cfg.max_regression:
+            failed.append(
+                f"holdout {key} {value:.4f} is more than {cfg.max_regression:g} below the "
+                f"latest version {champion['version']:.0f} ({champion[key]:.4f})"
+            )
+    return failed
 
 
 @contextmanager
@@ -293,7 +461,7 @@ TENSOR_FILE = "model_tensor.onnx"
 
 
 def train_tensor_model(x: np.ndarray, y: np.ndarray, seed: int) -> Pipeline:
-    """A small MLP on standardized inputs: Sub/Div/MatMul/Add/Relu/Sigmoid only."""
+    """A small MLP on standardized inputs: Sub/Div/MatMul/Add/Relu only (+ Sigmoid)."""
     mlp = Pipeline(
         [
             ("scale", StandardScaler()),
@@ -309,20 +477,70 @@ def train_tensor_model(x: np.ndarray, y: np.ndarray, seed: int) -> Pipeline:
     return mlp
 
 
-def export_tensor_onnx(model: Pipeline, n_features: int) -> bytes:
-    """The MLP as a plain ONNX graph of standard ops (Sub, Div, MatMul, Add, Relu, Sigmoid,
-    Concat) that the CUDA execution provider runs in full. skl2onnx would emit
-    ai.onnx.ml Scaler/ArrayFeatureExtractor nodes, which run only on CPU."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+def fit_platt(margin: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """Platt scaling: ``a, b`` with ``P(fraud) = sigmoid(a * margin + b)``, fitted by
+    weighted log loss on the validation slice (practically unregularised)."""
+    lr = LogisticRegression(C=1e6, max_iter=1000)
+    lr.fit(margin.reshape(-1, 1), y, sample_weight=w)
+    return float(lr.coef_[0, 0]), float(lr.intercept_[0])
 
+
+def onnx_margins(margin_graph: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """The graph's ``margin`` output in ONNX Runtime: calibration is fitted on exactly
+    the float32 numbers the served graph feeds into it."""
+    sess = ort.InferenceSession(
+        margin_graph.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    return np.asarray(sess.run(["margin"], {"input": x})[0], np.float64)[:, 0]
+
+
+def with_platt(margin_graph: onnx.ModelProto, a: float, b: float) -> bytes:
+    """Append ``p = sigmoid(a * margin + b)`` to a graph whose output is ``margin``
+    [N, 1] and output ``probabilities`` [N, 2] = (1 - p, p), as the service reads.
+
+    This keeps float32 resolution for small probabilities: LightGBM's own export
+    computes 1 - (1 - p), which is exactly 0 below about 6e-8."""
+    m = onnx.ModelProto()
+    m.CopyFrom(margin_graph)
+    g = m.graph
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.asarray([[a]], np.float32), "platt_a"),
+            numpy_helper.from_array(np.asarray([[b]], np.float32), "platt_b"),
+            numpy_helper.from_array(np.ones((1, 1), np.float32), "platt_one"),
+        ]
+    )
+    g.node.extend(
+        [
+            helper.make_node("Mul", ["margin", "platt_a"], ["platt_scaled"]),
+            helper.make_node("Add", ["platt_scaled", "platt_b"], ["platt_logit"]),
+            # 1 / (1 + exp(-z)) rather than Sigmoid: ONNX Runtime's Sigmoid is accurate
+            # only to about 1e-7 absolute and returns 0 below that.
+            helper.make_node("Neg", ["platt_logit"], ["platt_neg"]),
+            helper.make_node("Exp", ["platt_neg"], ["platt_exp"]),
+            helper.make_node("Add", ["platt_exp", "platt_one"], ["platt_denominator"]),
+            helper.make_node("Reciprocal", ["platt_denominator"], ["p1"]),
+            helper.make_node("Sub", ["platt_one", "p1"], ["p0"]),
+            helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1),
+        ]
+    )
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 2]))
+    onnx.checker.check_model(m)
+    return bytes(m.SerializeToString())
+
+
+def tensor_margin_onnx(model: Pipeline, n_features: int) -> onnx.ModelProto:
+    """The MLP as a plain ONNX graph of standard ops (Sub, Div, MatMul, Add, Relu) that
+    the CUDA execution provider runs in full, ending in the logit ``margin`` [N, 1].
+    skl2onnx would emit ai.onnx.ml Scaler/ArrayFeatureExtractor nodes, which run only on
+    CPU."""
     scaler: StandardScaler = model.named_steps["scale"]
     mlp: MLPClassifier = model.named_steps["mlp"]
     f32 = np.float32
     inits = [
         numpy_helper.from_array(np.asarray(scaler.mean_, f32), "mean"),
         numpy_helper.from_array(np.asarray(scaler.scale_, f32), "scale"),
-        numpy_helper.from_array(np.ones((1, 1), f32), "one"),
     ]
     nodes = [
         helper.make_node("Sub", ["input", "mean"], ["centered"]),
@@ -335,39 +553,65 @@ def export_tensor_onnx(model: Pipeline, n_features: int) -> bytes:
             numpy_helper.from_array(np.asarray(w, f32), f"w{k}"),
             numpy_helper.from_array(np.asarray(b, f32), f"b{k}"),
         ]
+        last = k == len(layers) - 1
         nodes += [
             helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]),
-            helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"]),
+            helper.make_node("Add", [f"m{k}", f"b{k}"], ["margin" if last else f"a{k}"]),
         ]
-        last = k == len(layers) - 1
-        h = "p1" if last else f"h{k + 1}"
-        nodes.append(helper.make_node("Sigmoid" if last else "Relu", [f"a{k}"], [h]))
-    nodes += [
-        helper.make_node("Sub", ["one", "p1"], ["p0"]),
-        helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1),
-    ]
+        if not last:
+            h = f"h{k + 1}"
+            nodes.append(helper.make_node("Relu", [f"a{k}"], [h]))
     graph = helper.make_graph(
         nodes,
         "fraud_mlp",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
-        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 2])],
+        [helper.make_tensor_value_info("margin", TensorProto.FLOAT, [None, 1])],
         inits,
     )
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
     m.ir_version = 8
     onnx.checker.check_model(m)
-    return bytes(m.SerializeToString())
+    return m
 
 
-def export_onnx(model: lgb.LGBMClassifier, n_features: int) -> bytes:
-    """LightGBM → ONNX with one float input ``input`` [N, F] and ``probabilities`` [N, 2]."""
+def lightgbm_margin_onnx(model: lgb.LGBMClassifier, n_features: int) -> onnx.ModelProto:
+    """LightGBM → ONNX with one float input ``input`` [N, F] and the raw margin (log-odds
+    before any sigmoid) as ``margin`` [N, 1].
+
+    The converter's tree ensemble applies its own logistic post-transform, which loses
+    small probabilities in float32; it is switched off here (the ensemble then outputs
+    ``[-margin, margin]``) and column 1 is taken."""
     from onnxmltools import convert_lightgbm
     from onnxmltools.convert.common.data_types import FloatTensorType
 
-    onx = convert_lightgbm(
+    m = convert_lightgbm(
         model,
         initial_types=[("input", FloatTensorType([None, n_features]))],
         zipmap=False,
         target_opset=15,
     )
-    return bytes(onx.SerializeToString())
+    ensembles = [n for n in m.graph.node if n.op_type == "TreeEnsembleClassifier"]
+    if len(ensembles) != 1:
+        raise ModelError(f"LightGBM export: expected one TreeEnsembleClassifier, got {ensembles}")
+    for attr in ensembles[0].attribute:
+        if attr.name == "post_transform":
+            attr.s = b"NONE"
+    # Keep only what leads to the probability tensor; the label output is not served.
+    wanted = {"probabilities"}
+    kept = []
+    for node in reversed(m.graph.node):
+        if wanted & set(node.output):
+            kept.append(node)
+            wanted |= set(node.input)
+    del m.graph.node[:]
+    m.graph.node.extend(reversed(kept))
+    for node in m.graph.node:
+        node.output[:] = ["raw_scores" if o == "probabilities" else o for o in node.output]
+    m.graph.initializer.append(numpy_helper.from_array(np.asarray([1], np.int64), "fraud_column"))
+    m.graph.node.append(
+        helper.make_node("Gather", ["raw_scores", "fraud_column"], ["margin"], axis=1)
+    )
+    del m.graph.output[:]
+    m.graph.output.append(helper.make_tensor_value_info("margin", TensorProto.FLOAT, [None, 1]))
+    onnx.checker.check_model(m)
+    return m

@@ -73,14 +73,18 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
             url,
             settings.model_repo,
             TrainConfig(
-                model_name=settings.model_name, holdout_days=3, warmup_days=min(7, days - 5)
+                model_name=settings.model_name, holdout_days=3, warmup_days=min(7, days - 6)
             ),
             settings.feature_store_yaml,
         )
         print(
             f"model v{meta.version}: holdout PR-AUC {meta.metrics['holdout_pr_auc']:.3f}, "
-            f"ROC-AUC {meta.metrics['holdout_roc_auc']:.3f}"
+            f"ROC-AUC {meta.metrics['holdout_roc_auc']:.3f}, calibration error "
+            f"{meta.metrics['holdout_ece']:.4f}; probability thresholds: review >= "
+            f"{meta.thresholds.review:.3g}, decline >= {meta.thresholds.decline:.3g}"
         )
+        report = settings.model_repo / meta.name / meta.version / "evaluation" / "report.md"
+        print(f"evaluation report (PR curve, reliability, per-pattern recall): {report}")
 
         _step("serve and score held-out transactions")
         service = spawn(

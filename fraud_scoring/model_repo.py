@@ -26,6 +26,11 @@ class ModelNotFound(ModelError):
     """No (complete) version of the model exists yet."""
 
 
+class PublishRefused(ModelError):
+    """Training refused to publish the model it built (a publishing gate failed); the
+    message names each failed gate. Nothing was written to the repository."""
+
+
 class FeatureSpec(BaseModel):
     name: str
     dtype: str = "float32"
@@ -34,6 +39,46 @@ class FeatureSpec(BaseModel):
 class Thresholds(BaseModel):
     review: float = Field(ge=0, le=1)
     decline: float = Field(ge=0, le=1)
+
+
+class DecisionCosts(BaseModel):
+    """The money behind the thresholds (in the transaction's currency unit): training
+    picks the review/decline thresholds that minimise the holdout's total cost.
+
+    A missed fraud loses ``fraud_loss_share`` of its amount; every review costs
+    ``review_cost`` (an analyst's time; a reviewed fraud is assumed stopped); a declined
+    legitimate transaction costs ``false_decline_cost`` plus ``false_decline_amount_share``
+    of its amount (lost margin and an annoyed customer). At most ``max_review_rate`` of
+    all transactions may land in review (the analysts' capacity)."""
+
+    fraud_loss_share: float = Field(default=1.0, ge=0)
+    review_cost: float = Field(default=5.0, ge=0)
+    false_decline_cost: float = Field(default=10.0, ge=0)
+    false_decline_amount_share: float = Field(default=0.05, ge=0)
+    max_review_rate: float = Field(default=0.02, ge=0, le=1)
+
+
+class Calibration(BaseModel):
+    """How a variant's raw output became a probability; the step is inside its ONNX
+    graph (``p = sigmoid(a * margin + b)``), so the service needs no post-step."""
+
+    method: str = "platt"
+    a: float
+    b: float
+    # The validation slice it was fitted on: after training, before the holdout.
+    fitted_on: tuple[datetime, datetime]
+    rows: float  # weighted rows (sampled negatives count for the ones they stand for)
+    positives: int
+
+
+class ReliabilityBin(BaseModel):
+    """One row of a reliability table: holdout transactions with ``lo <= p < hi``."""
+
+    lo: float
+    hi: float
+    rows: float  # weighted
+    mean_probability: float
+    fraud_rate: float
 
 
 class ModelMetadata(BaseModel):
@@ -61,6 +106,17 @@ class ModelMetadata(BaseModel):
     # A variant's own thresholds (its scores live on another scale than the default
     # model's); a variant without an entry uses ``thresholds``.
     variant_thresholds: dict[str, Thresholds] = Field(default_factory=dict)
+
+    # Fields below were added with calibrated models; older metadata loads without them.
+    # Per variant ("default", "tensor"): the calibration inside its ONNX graph.
+    calibration: dict[str, Calibration] = Field(default_factory=dict)
+    # The costs the thresholds were chosen with (None: thresholds came from an older rule).
+    costs: DecisionCosts | None = None
+    # Per variant: the served model's reliability table on the holdout.
+    reliability: dict[str, list[ReliabilityBin]] = Field(default_factory=dict)
+    # Published with ``--force`` despite the gates listed in ``overridden_gates``.
+    forced: bool = False
+    overridden_gates: list[str] = Field(default_factory=list)
 
     def thresholds_for(self, variant: str) -> Thresholds:
         return self.variant_thresholds.get(variant, self.thresholds)
@@ -105,12 +161,14 @@ def load_metadata(path: Path) -> ModelMetadata:
 
 
 def publish(repo: Path, name: str, files: dict[str, bytes], meta: ModelMetadata) -> ModelMetadata:
-    """Write a new version atomically and return its metadata. ``meta.version`` is a
+    """Write a new version atomically and return its metadata (``files`` maps relative
+    paths, which may name a subfolder, to contents). ``meta.version`` is a
     proposal: when another job publishes that number first, the next free one is taken
     (versions are immutable; the directory rename is the commit)."""
     base = repo / name
     with staging_dir(base / meta.version) as tmp:
         for fname, data in files.items():
+            (tmp / fname).parent.mkdir(parents=True, exist_ok=True)  # e.g. "evaluation/x.png"
             (tmp / fname).write_bytes(data)
         while True:
             (tmp / "metadata.json").write_text(json.dumps(meta.model_dump(mode="json"), indent=2))

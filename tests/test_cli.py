@@ -32,7 +32,7 @@ def test_long_running_commands_refuse_without_redis_url(command: str, tmp_path: 
 def test_every_app_folder_contributes_its_subcommands(tmp_path: Path) -> None:
     r = _cli(["--help"], tmp_path)
     assert r.returncode == 0, r.stderr
-    for name in ("simulate", "batch", "train", "serve", "stream", "demo", "emit"):
+    for name in ("simulate", "batch", "train", "evaluate", "serve", "stream", "demo", "emit"):
         assert name in r.stdout
     for command in ("serve", "stream"):
         assert "--embedded-redis" in _cli([command, "--help"], tmp_path).stdout

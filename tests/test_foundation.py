@@ -342,29 +342,3 @@ def test_hour_of_day_is_local_to_the_event() -> None:
     normal = ~cols_sim["is_fraud"]
     local_h = ((cols_sim["event_time"] // 1_000_000 + cols_sim["utc_offset_min"] * 60) // 3600) % 24
     assert np.mean((local_h[normal] >= 2) & (local_h[normal] < 5)) < 0.04
-
-
-def test_thresholds_keep_their_promises_with_tied_scores() -> None:
-    from batch_jobs.train import choose_thresholds
-
-    y = np.r_[np.zeros(1000), np.zeros(10), np.ones(20), np.ones(10)].astype(int)
-    score = np.r_[np.zeros(1000), np.full(10, 0.5), np.full(20, 0.9), np.full(10, 0.5)]
-    th = choose_thresholds(y, score, np.ones(len(y)))
-    assert (th.review, th.decline) == (0.5, 0.9)
-
-    # Any data: at the chosen thresholds, precision and the legit share hold (weighted).
-    rng = np.random.default_rng(4)
-    checked = 0
-    for _ in range(20):
-        n = 5000
-        y = (rng.random(n) < 0.02).astype(int)
-        score = np.round(np.clip(rng.normal(0.2 + 0.5 * y, 0.2), 0, 1), 1)  # many ties
-        w = np.where(y == 1, 1.0, 3.0)
-        th = choose_thresholds(y, score, w)
-        for t, precision, legit_pass in ((th.decline, 0.9, 0.001), (th.review, 0.3, 0.01)):
-            flagged = score >= t
-            if t < 1.0:  # 1.0: no cut keeps both promises
-                checked += 1
-                assert (w * y)[flagged].sum() >= precision * w[flagged].sum()
-                assert w[flagged & (y == 0)].sum() <= legit_pass * w[y == 0].sum()
-    assert checked >= 10

@@ -1,0 +1,492 @@
+"""Model quality measured on what is served: the exported ONNX model run by ONNX Runtime.
+
+Everything here starts from the served scores of a holdout (``Holdout``, stored with
+each model version as ``holdout.parquet``): ranking metrics, calibration (expected
+calibration error, Brier score, a reliability table), thresholds chosen in money
+(``choose_thresholds``) and the evaluation report (``report_files``, PNG + JSON +
+Markdown). ``evaluate_version`` re-runs it for any stored version.
+
+Holdout negatives are down-sampled; every number here weights each row by ``weight``
+(the number of holdout transactions it stands for).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pandas as pd
+from sklearn.metrics import average_precision_score, precision_recall_curve, roc_auc_score
+
+from batch_jobs.labels import known_frauds
+from fraud_scoring.model_repo import (
+    DecisionCosts,
+    ModelError,
+    ModelMetadata,
+    ReliabilityBin,
+    Thresholds,
+    load_metadata,
+    resolve,
+)
+from fraud_scoring.storage import staging_dir
+
+log = logging.getLogger(__name__)
+
+HOLDOUT_FILE = "holdout.parquet"
+REPORT_DIR = "evaluation"
+# Reliability bins: finer near 0, where almost every transaction's probability lies.
+RELIABILITY_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
+_META_COLUMNS = ("transaction_id", "event_time", "amount", "fraud_pattern", "label", "weight")
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """The held-out rows exactly as the model saw them.
+
+    ``x`` is float32 in the order of ``names``; ``label`` is the label as of the
+    training job's ``labels_as_of``; ``fraud_pattern`` is the simulator's ground truth
+    (None for legitimate rows, or where the raw history has no such column).
+    """
+
+    names: list[str]
+    x: np.ndarray
+    label: np.ndarray
+    weight: np.ndarray
+    amount: np.ndarray
+    event_time: pd.Series
+    fraud_pattern: np.ndarray
+    transaction_id: np.ndarray
+
+    def to_parquet(self) -> bytes:
+        frame = pd.DataFrame(
+            {
+                "transaction_id": self.transaction_id,
+                "event_time": self.event_time.to_numpy(),
+                "amount": self.amount,
+                "fraud_pattern": self.fraud_pattern,
+                "label": self.label,
+                "weight": self.weight,
+            }
+        )
+        feats = pd.DataFrame(self.x, columns=[f"f:{n}" for n in self.names])
+        buf = io.BytesIO()
+        pd.concat([frame, feats], axis=1).to_parquet(buf, index=False)
+        return buf.getvalue()
+
+    @classmethod
+    def read(cls, path: Path) -> Holdout:
+        try:
+            frame = pd.read_parquet(path)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{path}: cannot read the stored holdout: {exc}") from exc
+        missing = [c for c in _META_COLUMNS if c not in frame.columns]
+        if missing:
+            raise ModelError(f"{path}: stored holdout lacks columns {missing}")
+        feats = [c for c in frame.columns if c.startswith("f:")]
+        return cls(
+            names=[c[2:] for c in feats],
+            x=frame[feats].to_numpy(np.float32),
+            label=frame["label"].to_numpy(np.int8),
+            weight=frame["weight"].to_numpy(np.float64),
+            amount=frame["amount"].to_numpy(np.float64),
+            event_time=pd.to_datetime(frame["event_time"], utc=True),
+            fraud_pattern=frame["fraud_pattern"].to_numpy(object),
+            transaction_id=frame["transaction_id"].to_numpy(object),
+        )
+
+
+def served_scores(
+    onnx_model: bytes | Path,
+    x: np.ndarray,
+    input_name: str = "input",
+    output: str = "probabilities",
+) -> np.ndarray:
+    """Column 1 of the model's ``output`` for float32 rows ``x``, from ONNX Runtime on CPU:
+    the numbers the service produces (it reads the same column)."""
+    src = str(onnx_model) if isinstance(onnx_model, Path) else onnx_model
+    try:
+        sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own exception types for bad files
+        raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from exc
+    out = sess.run([output], {input_name: np.ascontiguousarray(x, np.float32)})[0]
+    return np.asarray(out, np.float64)[:, 1]
+
+
+def reliability(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> list[ReliabilityBin]:
+    """Weighted reliability table over ``RELIABILITY_EDGES`` (empty bins left out)."""
+    edges = np.asarray(RELIABILITY_EDGES)
+    idx = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
+    out = []
+    for b in range(len(edges) - 1):
+        m = idx == b
+        rows = float(w[m].sum())
+        if rows > 0:
+            out.append(
+                ReliabilityBin(
+                    lo=float(edges[b]),
+                    hi=float(edges[b + 1]),
+                    rows=rows,
+                    mean_probability=float((p[m] * w[m]).sum() / rows),
+                    fraud_rate=float((y[m] * w[m]).sum() / rows),
+                )
+            )
+    return out
+
+
+def expected_calibration_error(bins: list[ReliabilityBin]) -> float:
+    """Row-weighted mean of |mean probability - fraud rate| over the reliability bins."""
+    total = sum(b.rows for b in bins)
+    return sum(b.rows * abs(b.mean_probability - b.fraud_rate) for b in bins) / max(total, 1e-12)
+
+
+def quality(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, float]:
+    """Ranking and calibration metrics of probabilities ``p`` for labels ``y``."""
+    return {
+        "pr_auc": float(average_precision_score(y, p, sample_weight=w)),
+        "roc_auc": float(roc_auc_score(y, p, sample_weight=w)),
+        "brier": float(np.average((p - y) ** 2, weights=w)),
+        "ece": expected_calibration_error(reliability(y, p, w)),
+        "rows": float(w.sum()),
+        "frauds": float(y.sum()),
+        "fraud_rate": float((y * w).sum() / w.sum()),
+    }
+
+
+def _action_costs(
+    y: np.ndarray, amount: np.ndarray, costs: DecisionCosts
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-row cost of approving, reviewing and declining (before weights)."""
+    approve = y * amount * costs.fraud_loss_share
+    review = np.full(len(y), costs.review_cost)
+    decline = (1 - y) * (costs.false_decline_cost + costs.false_decline_amount_share * amount)
+    return approve, review, decline
+
+
+def choose_thresholds(
+    y: np.ndarray, p: np.ndarray, w: np.ndarray, amount: np.ndarray, costs: DecisionCosts
+) -> Thresholds:
+    """The review and decline thresholds (``p >= threshold``) that minimise the weighted
+    holdout cost under ``costs``, with at most ``costs.max_review_rate`` of transactions
+    in review.
+
+    Cuts fall only between distinct probabilities (``p >= t`` takes a whole group of equal
+    ones). When declining nothing is cheapest the decline threshold is 1.0, and likewise
+    for review (then review = decline).
+    """
+    order = np.argsort(-p, kind="stable")
+    s, yo, wo, ao = p[order], y[order], w[order], amount[order]
+    appr, rev, dec = (c * wo for c in _action_costs(yo, ao, costs))
+    # cut k = "the top k rows"; candidates: 0 and the end of each group of equal scores.
+    ends = np.flatnonzero(np.r_[s[1:] != s[:-1], True]) + 1
+    cum_w = np.cumsum(wo)
+    share = cum_w[ends - 1] / cum_w[-1]
+    # Flagging more than a few per cent never pays at fraud rates; bound the search.
+    ends = ends[share <= max(0.2, 2 * costs.max_review_rate)]
+    if len(ends) > 1000:
+        ends = ends[np.linspace(0, len(ends) - 1, 1000).astype(int)]
+    k = np.r_[0, ends]
+
+    def upto(v: np.ndarray) -> np.ndarray:
+        return np.r_[0.0, np.cumsum(v)][k]
+
+    a_cum, r_cum, d_cum, w_cum = upto(appr), upto(rev), upto(dec), upto(wo)
+    # total[i, j]: decline the top k[i], review rows k[i]..k[j], approve the rest.
+    total = d_cum[:, None] + (r_cum[None, :] - r_cum[:, None]) + (appr.sum() - a_cum[None, :])
+    review_rate = (w_cum[None, :] - w_cum[:, None]) / cum_w[-1]
+    ok = (np.arange(len(k))[None, :] >= np.arange(len(k))[:, None]) & (
+        review_rate <= costs.max_review_rate + 1e-12
+    )
+    total = np.where(ok, total, np.inf)
+    i, j = np.unravel_index(int(np.argmin(total)), total.shape)
+    decline = float(s[k[i] - 1]) if k[i] > 0 else 1.0
+    review = float(s[k[j] - 1]) if k[j] > k[i] else decline
+    return Thresholds(review=min(review, decline), decline=decline)
+
+
+def decision_metrics(
+    y: np.ndarray,
+    p: np.ndarray,
+    w: np.ndarray,
+    amount: np.ndarray,
+    th: Thresholds,
+    costs: DecisionCosts,
+) -> dict[str, float]:
+    """What thresholds ``th`` do on the holdout: precision and recall of flagged (review
+    or decline) and of declined transactions, review and decline rates, and the cost per
+    transaction next to approving everything."""
+    dec = p >= th.decline
+    flag = p >= th.review
+    rev = flag & ~dec
+    fw, total = (y * w).sum(), w.sum()
+    appr, rcost, dcost = _action_costs(y, amount, costs)
+    cost = np.where(dec, dcost, np.where(rev, rcost, appr))
+
+    def precision(m: np.ndarray) -> float:
+        return float((y[m] * w[m]).sum() / w[m].sum()) if m.any() else 0.0
+
+    return {
+        "flagged_precision": precision(flag),
+        "flagged_recall": float((y[flag] * w[flag]).sum() / max(fw, 1e-12)),
+        "decline_precision": precision(dec),
+        "decline_recall": float((y[dec] * w[dec]).sum() / max(fw, 1e-12)),
+        "review_rate": float(w[rev].sum() / total),
+        "decline_rate": float(w[dec].sum() / total),
+        "cost_per_txn": float((cost * w).sum() / total),
+        "cost_per_txn_approve_all": float((appr * w).sum() / total),
+    }
+
+
+def served_metrics(
+    h: Holdout, p: np.ndarray, th: Thresholds, costs: DecisionCosts
+) -> dict[str, float]:
+    """``quality`` and ``decision_metrics`` of served probabilities ``p`` on ``h``."""
+    return {
+        **quality(h.label, p, h.weight),
+        **decision_metrics(h.label, p, h.weight, h.amount, th, costs),
+    }
+
+
+def _decisions(p: np.ndarray, th: Thresholds) -> np.ndarray:
+    return np.where(p >= th.decline, "decline", np.where(p >= th.review, "review", "approve"))
+
+
+def report_data(
+    meta: ModelMetadata, h: Holdout, p: np.ndarray, labels_as_of: datetime | None
+) -> dict[str, Any]:
+    """The figures of the evaluation report as plain data (also written as JSON)."""
+    th, costs = meta.thresholds, meta.costs or DecisionCosts()
+    y, w = h.label, h.weight
+    prec, rec, _ = precision_recall_curve(y, p, sample_weight=w)
+    keep = np.unique(np.linspace(0, len(prec) - 1, min(len(prec), 300)).astype(int))
+    decision = _decisions(p, th)
+    patterns = {}
+    pattern = np.where(pd.isna(h.fraud_pattern), "unknown", h.fraud_pattern.astype(str))
+    for name in sorted(set(pattern[y == 1])):
+        m = (y == 1) & (pattern == name)
+        patterns[name] = {
+            "frauds": int(m.sum()),
+            "recall_flagged": float((decision[m] != "approve").mean()),
+            "recall_declined": float((decision[m] == "decline").mean()),
+        }
+    days = h.event_time.dt.strftime("%Y-%m-%d").to_numpy()
+    per_day = []
+    for day in sorted(set(days)):
+        m = days == day
+        row: dict[str, Any] = {"day": day}
+        for d in ("approve", "review", "decline"):
+            row[d] = float(w[m & (decision == d)].sum())
+        row["frauds"] = int(y[m].sum())
+        row["frauds_flagged"] = int((y[m] & (decision[m] != "approve")).sum())
+        per_day.append(row)
+    log_p = np.log10(np.clip(p, 1e-9, 1.0))
+    edges = np.linspace(-9, 0, 37)
+    hist = {
+        "log10_edges": edges.tolist(),
+        "fraud_share": _hist_share(log_p[y == 1], w[y == 1], edges),
+        "legit_share": _hist_share(log_p[y == 0], w[y == 0], edges),
+    }
+    return {
+        "model": meta.name,
+        "version": meta.version,
+        "labels_as_of": (labels_as_of or meta.labels_as_of or datetime.now(UTC)).isoformat(),
+        "holdout_window": [t.isoformat() for t in meta.holdout_window],
+        "thresholds": th.model_dump(),
+        "costs": costs.model_dump(),
+        "metrics": served_metrics(h, p, th, costs),
+        "reliability": [b.model_dump() for b in reliability(y, p, w)],
+        "pr_curve": {"precision": prec[keep].tolist(), "recall": rec[keep].tolist()},
+        "score_histogram": hist,
+        "pattern_recall": patterns,
+        "decisions_per_day": per_day,
+    }
+
+
+def _hist_share(v: np.ndarray, w: np.ndarray, edges: np.ndarray) -> list[float]:
+    counts, _ = np.histogram(v, bins=edges, weights=w)
+    return (counts / max(float(counts.sum()), 1e-12)).tolist()
+
+
+def report_files(data: dict[str, Any]) -> dict[str, bytes]:
+    """The report as files: ``evaluation.json`` (``data``), four PNG figures and
+    ``report.md`` that shows them."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never a display
+    import matplotlib.pyplot as plt
+
+    figs: dict[str, bytes] = {}
+
+    def save(name: str, fig: Any) -> None:
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
+        figs[name] = buf.getvalue()
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot(data["pr_curve"]["recall"], data["pr_curve"]["precision"])
+    ax.set(xlabel="recall", ylabel="precision", title="Precision-recall (holdout, served)")
+    save("pr_curve.png", fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    rel = data["reliability"]
+    ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
+    ax.plot([b["mean_probability"] for b in rel], [b["fraud_rate"] for b in rel], "o-")
+    ax.set(
+        xscale="symlog",
+        yscale="symlog",
+        xlabel="mean predicted probability",
+        ylabel="observed fraud rate",
+        title=f"Reliability (ECE {data['metrics']['ece']:.4f})",
+    )
+    ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_yscale("symlog", linthresh=1e-3)
+    save("reliability.png", fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    hist = data["score_histogram"]
+    e = np.asarray(hist["log10_edges"])
+    for key, label in (("legit_share", "legitimate"), ("fraud_share", "fraud")):
+        ax.stairs(hist[key], e, label=label)
+    for name in ("review", "decline"):
+        t = data["thresholds"][name]
+        ax.axvline(np.log10(max(t, 1e-9)), ls=":", c="k")
+        ax.annotate(name, (np.log10(max(t, 1e-9)), 0.9), xycoords=("data", "axes fraction"))
+    ax.set(xlabel="log10(probability)", ylabel="share of class", title="Scores by class")
+    ax.legend()
+    save("score_histogram.png", fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    per_day = data["decisions_per_day"]
+    x = np.arange(len(per_day))
+    for d, off in (("review", -0.2), ("decline", 0.2)):
+        ax.bar(x + off, [r[d] for r in per_day], width=0.4, label=d)
+    ax.set_xticks(x, [r["day"] for r in per_day], rotation=30)
+    ax.set(ylabel="transactions", title="Reviews and declines per day (holdout)")
+    ax.legend()
+    save("decisions_per_day.png", fig)
+
+    return {
+        "evaluation.json": json.dumps(data, indent=2).encode(),
+        **figs,
+        "report.md": _markdown(data).encode(),
+    }
+
+
+def _markdown(d: dict[str, Any]) -> str:
+    m, th, c = d["metrics"], d["thresholds"], d["costs"]
+    lines = [
+        f"# Model {d['model']} v{d['version']}: evaluation",
+        "",
+        f"Holdout {d['holdout_window'][0]} .. {d['holdout_window'][1]}, labels as of "
+        f"{d['labels_as_of']}; {m['rows']:,.0f} transactions, {m['frauds']:.0f} frauds. "
+        "Every number comes from the exported ONNX model run in ONNX Runtime.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| PR-AUC | {m['pr_auc']:.4f} |",
+        f"| ROC-AUC | {m['roc_auc']:.4f} |",
+        f"| expected calibration error | {m['ece']:.4f} |",
+        f"| Brier score | {m['brier']:.5f} |",
+        "",
+        f"Thresholds (probability): review >= {th['review']:.4g}, decline >= "
+        f"{th['decline']:.4g}; chosen for the least cost with fraud loss "
+        f"{c['fraud_loss_share']:g} x amount, review {c['review_cost']:g}, false decline "
+        f"{c['false_decline_cost']:g} + {c['false_decline_amount_share']:g} x amount, "
+        f"review rate at most {c['max_review_rate']:.1%}.",
+        "",
+        f"- flagged (review or decline): precision {m['flagged_precision']:.1%}, "
+        f"recall {m['flagged_recall']:.1%}",
+        f"- declined: precision {m['decline_precision']:.1%}, recall {m['decline_recall']:.1%}",
+        f"- review rate {m['review_rate']:.2%}, decline rate {m['decline_rate']:.2%}",
+        f"- cost per transaction {m['cost_per_txn']:.3f} (approve all: "
+        f"{m['cost_per_txn_approve_all']:.3f})",
+        "",
+        "## Recall per fraud pattern",
+        "",
+        "| pattern | frauds | flagged | declined |",
+        "|---|---|---|---|",
+        *(
+            f"| {k} | {v['frauds']} | {v['recall_flagged']:.1%} | {v['recall_declined']:.1%} |"
+            for k, v in d["pattern_recall"].items()
+        ),
+        "",
+        "## Reliability",
+        "",
+        "| probability | transactions | mean probability | fraud rate |",
+        "|---|---|---|---|",
+        *(
+            f"| [{b['lo']:g}, {b['hi']:g}) | {b['rows']:,.0f} | {b['mean_probability']:.4f} "
+            f"| {b['fraud_rate']:.4f} |"
+            for b in d["reliability"]
+        ),
+        "",
+        "## Decisions per day",
+        "",
+        "| day | approve | review | decline | frauds | frauds flagged |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['day']} | {r['approve']:,.0f} | {r['review']:,.0f} | {r['decline']:,.0f} "
+            f"| {r['frauds']} | {r['frauds_flagged']} |"
+            for r in d["decisions_per_day"]
+        ),
+        "",
+        "![precision-recall](pr_curve.png) ![reliability](reliability.png)",
+        "![scores by class](score_histogram.png) ![decisions per day](decisions_per_day.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def evaluate_version(
+    model_repo: Path, name: str, version: str = "latest", data_dir: Path | None = None
+) -> dict[str, Any]:
+    """Re-run the evaluation of a stored version and (re)write its report into
+    ``<version>/evaluation/``; returns the report data.
+
+    The version's stored holdout is scored by its ``model.onnx`` in ONNX Runtime. With
+    ``data_dir``, labels are refreshed from ``data_dir/raw/labels`` as of now (chargebacks
+    that arrived after training count), else the labels stored at training are used.
+    Thresholds are the metadata's (settings overrides are not applied). Raises
+    ModelError when the version is missing or has no stored holdout (trained before
+    holdouts were stored).
+    """
+    path = resolve(model_repo, name, version)
+    meta = load_metadata(path)
+    if not (path / HOLDOUT_FILE).exists():
+        raise ModelError(
+            f"{path} has no {HOLDOUT_FILE} (trained before holdouts were stored): retrain it"
+        )
+    h = Holdout.read(path / HOLDOUT_FILE)
+    if h.names != meta.feature_names:
+        raise ModelError(f"{path / HOLDOUT_FILE}: features differ from the metadata's")
+    as_of = None
+    if data_dir is not None:
+        as_of = datetime.now(UTC)
+        frauds = known_frauds(data_dir / "raw", as_of)
+        label = np.isin(h.transaction_id, list(frauds)).astype(np.int8)
+        log.info("labels refreshed: %d -> %d holdout frauds", h.label.sum(), label.sum())
+        h = Holdout(**{**h.__dict__, "label": label})
+    p = served_scores(path / "model.onnx", h.x, meta.input_name, meta.output_name)
+    data = report_data(meta, h, p, as_of)
+    write_report(path / REPORT_DIR, report_files(data))
+    return data
+
+
+def write_report(folder: Path, files: dict[str, bytes]) -> None:
+    """Replace ``folder`` with ``files``: written beside it, then renamed into place."""
+    with staging_dir(folder) as tmp:
+        for fname, blob in files.items():
+            (tmp / fname).write_bytes(blob)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)

@@ -1,0 +1,171 @@
+"""The training job's promises: the numbers in the metadata are the served ones, the
+score is a calibrated probability, and a bad model is never published."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batch_jobs.evaluate import (
+    HOLDOUT_FILE,
+    REPORT_DIR,
+    Holdout,
+    evaluate_version,
+    served_metrics,
+    served_scores,
+)
+from batch_jobs.train import TrainConfig, plan_split, publishing_gates, train
+from fraud_scoring.model_repo import (
+    ModelMetadata,
+    PublishRefused,
+    load_metadata,
+    resolve,
+    versions,
+)
+from fraud_scoring.storage import DataError
+from tests.conftest import World
+
+
+def test_metadata_numbers_are_onnx_runtime_on_the_stored_holdout(world: World) -> None:
+    path = resolve(world.model_repo, "fraud")
+    meta = load_metadata(path)
+    h = Holdout.read(path / HOLDOUT_FILE)
+    assert h.names == meta.feature_names
+    for variant, file, prefix in (
+        ("default", "model.onnx", "holdout_"),
+        ("tensor", meta.variants["tensor"], "tensor_holdout_"),
+    ):
+        p = served_scores(path / file, h.x)
+        again = served_metrics(h, p, meta.thresholds_for(variant), meta.costs or pytest.fail())
+        for k, v in again.items():
+            assert meta.metrics[prefix + k] == pytest.approx(v, rel=1e-9), k
+        assert meta.calibration[variant].positives >= 10
+    # The holdout is the metadata's window, ending before labels_as_of.
+    assert h.event_time.min() >= meta.holdout_window[0]
+    assert h.event_time.max() < meta.holdout_window[1]
+    assert meta.labels_as_of is not None and meta.holdout_window[1] <= meta.labels_as_of
+
+
+def test_the_served_score_is_a_calibrated_probability(world: World) -> None:
+    meta = load_metadata(resolve(world.model_repo, "fraud"))
+    path = resolve(world.model_repo, "fraud")
+    p = served_scores(path / "model.onnx", Holdout.read(path / HOLDOUT_FILE).x)
+    # No saturation: LightGBM's own float32 export put 80 % of the holdout at exactly 0.
+    assert (p > 0).mean() > 0.99 and len(np.unique(p)) > 0.5 * len(p)
+    for prefix in ("holdout_", "tensor_holdout_"):
+        assert meta.metrics[prefix + "ece"] <= 0.02
+        assert meta.metrics[prefix + "brier"] < meta.metrics[prefix + "fraud_rate"]
+    # Thresholds live on the probability scale, and within the review capacity.
+    assert 1e-4 < meta.thresholds.review <= meta.thresholds.decline <= 1
+    assert meta.costs is not None
+    assert meta.metrics["holdout_review_rate"] <= meta.costs.max_review_rate
+
+
+def test_evaluate_version_writes_the_report_with_the_metadata_numbers(
+    world: World, tmp_path: Path
+) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(world.model_repo, repo)
+    meta = load_metadata(resolve(repo, "fraud"))
+    folder = resolve(repo, "fraud") / REPORT_DIR
+    published = {f.name: f.read_bytes() for f in folder.iterdir()}  # written by train
+    assert {"report.md", "evaluation.json", "reliability.png", "pr_curve.png"} <= set(published)
+    shutil.rmtree(folder)
+    data = evaluate_version(repo, "fraud", meta.version)
+    on_disk = json.loads((folder / "evaluation.json").read_text())
+    assert set(published) == {f.name for f in folder.iterdir()}
+    for k in ("pr_auc", "roc_auc", "ece", "brier", "review_rate", "flagged_recall"):
+        assert on_disk["metrics"][k] == pytest.approx(meta.metrics[f"holdout_{k}"])
+        assert data["metrics"][k] == on_disk["metrics"][k]
+    assert set(on_disk["pattern_recall"]) == {
+        "card_testing",
+        "account_takeover",
+        "compromised_merchant",
+    }
+    # With the raw data: labels are refreshed as of now (all have arrived here).
+    fresh = evaluate_version(repo, "fraud", "latest", world.data_dir)
+    assert fresh["metrics"]["frauds"] >= meta.metrics["holdout_frauds"]
+
+
+def test_old_metadata_without_the_new_fields_still_loads(world: World) -> None:
+    raw = json.loads((resolve(world.model_repo, "fraud") / "metadata.json").read_text())
+    for k in ("calibration", "costs", "reliability", "forced", "overridden_gates"):
+        raw.pop(k)
+    old = ModelMetadata.model_validate(raw)
+    assert old.costs is None and not old.forced and old.calibration == {}
+
+
+def test_the_holdout_ends_a_label_delay_before_labels_as_of() -> None:
+    days = [date(2026, 1, 1) + timedelta(days=i) for i in range(30)]
+    cfg = TrainConfig(holdout_days=3, valid_days=2, warmup_days=5, label_delay_days=10)
+    split = plan_split(days, cfg, datetime(2026, 1, 25, 6, tzinfo=UTC))
+    assert split.holdout_last == date(2026, 1, 14)  # Jan 15 + 10 days = the 25th
+    assert (split.first, split.valid_start, split.holdout_start) == (
+        date(2026, 1, 6),
+        date(2026, 1, 10),
+        date(2026, 1, 12),
+    )
+    with pytest.raises(DataError, match="label delay"):
+        plan_split(days, cfg, datetime(2026, 1, 15, tzinfo=UTC))
+
+
+def test_metric_gates() -> None:
+    cfg = TrainConfig(min_holdout_pr_auc=0.5, min_holdout_roc_auc=0.9, max_regression=0.05)
+    good = {"holdout_pr_auc": 0.8, "holdout_roc_auc": 0.99}
+    assert publishing_gates(good, None, cfg) == []
+    assert publishing_gates(good, {"version": 3, "pr_auc": 0.84, "roc_auc": 0.99}, cfg) == []
+    worse = publishing_gates(good, {"version": 3, "pr_auc": 0.9, "roc_auc": 0.99}, cfg)
+    assert len(worse) == 1 and "latest version 3" in worse[0] and "pr_auc" in worse[0]
+    low = publishing_gates({"holdout_pr_auc": 0.4, "holdout_roc_auc": 0.85}, None, cfg)
+    assert len(low) == 2 and all("floor" in f for f in low)
+
+
+def test_a_fraud_free_window_publishes_nothing(world: World, tmp_path: Path) -> None:
+    """No chargebacks in the window (none arrived, or none happened): refused before
+    anything is fitted, and the repository is untouched."""
+    data = tmp_path / "data"
+    (data / "raw").mkdir(parents=True)
+    shutil.copytree(world.data_dir / "raw" / "transactions", data / "raw" / "transactions")
+    repo = tmp_path / "models"
+    shutil.copytree(world.model_repo, repo)
+    before = versions(repo, "fraud")
+    cfg = TrainConfig(holdout_days=4, warmup_days=5, force=True)  # force cannot override it
+    with pytest.raises(PublishRefused, match=r"training window .* holds 0 known frauds"):
+        train(data, world.redis_url, repo, cfg)
+    assert versions(repo, "fraud") == before
+    assert not [p for p in (repo / "fraud").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_model_worse_than_latest_is_refused_unless_forced(world: World, tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(world.model_repo, repo)
+    before = versions(repo, "fraud")
+    # Two weak features: far below the latest version on the same holdout.
+    cfg = TrainConfig(
+        holdout_days=4,
+        warmup_days=5,
+        max_train_negatives=15_000,
+        features=("hour_of_day_local", "channel_atm"),
+        min_holdout_pr_auc=0.0,
+        min_holdout_roc_auc=0.0,
+    )
+    with pytest.raises(PublishRefused, match="below the latest version") as refused:
+        train(world.data_dir, world.redis_url, repo, cfg)
+    assert "floor" not in str(refused.value)
+    assert versions(repo, "fraud") == before
+
+    forced = train(
+        world.data_dir,
+        world.redis_url,
+        repo,
+        TrainConfig(**{**cfg.__dict__, "force": True}),
+    )
+    assert versions(repo, "fraud") == [*before, int(forced.version)]
+    stored = load_metadata(resolve(repo, "fraud"))
+    assert stored.forced and len(stored.overridden_gates) >= 1
+    assert "below the latest version" in stored.overridden_gates[0]
