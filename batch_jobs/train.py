@@ -111,8 +111,9 @@ def keep_every_row(sample: pd.DataFrame, joined: pd.DataFrame) -> pd.DataFrame:
 def feature_columns(
     joined: pd.DataFrame, history: pd.DataFrame | None = None
 ) -> dict[str, np.ndarray]:
-    """Batch (with defaults), request, session and spanning feature columns for a joined
-    frame.
+    """Every feature column for a joined frame, assembled by the function the scoring
+    service uses (:func:`fraud_scoring.features.build_features`); this only adapts the
+    frame into its inputs.
 
     Session features are computed as of each row's own event time by the same function
     the updater and the scorer use (``fraud_scoring.session``), counting events from
@@ -120,18 +121,16 @@ def feature_columns(
     ``joined`` alone would undercount). Default: ``joined`` itself.
     """
     batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
-    ts = pd.to_datetime(joined["event_timestamp"], utc=True).astype("int64").to_numpy() / 1e9
-    req = F.request_features(
-        joined["amount"].to_numpy(),
-        ts,
-        joined["utc_offset_min"].to_numpy(np.float64) * 60,
-        joined["country"].to_numpy(object),
-        joined["channel"].to_numpy(object),
-        joined["device_id"].notna().to_numpy(),
-        batch,
+    request = F.RequestColumns(
+        amount=joined["amount"].to_numpy(np.float64),
+        event_us=session.epoch_us(joined),  # exact µs whatever the datetime resolution
+        utc_offset_s=joined["utc_offset_min"].to_numpy(np.float64) * 60,
+        country=joined["country"].to_numpy(object),
+        channel=joined["channel"].to_numpy(object),
+        has_device=joined["device_id"].notna().to_numpy(),
     )
     sess = session.offline_session_features(joined, history=history)
-    return {**batch, **req, **sess, **F.spanning_features({**batch, **sess})}
+    return F.build_features(batch, sess, request)
 
 
 def choose_thresholds(y: np.ndarray, score: np.ndarray, weight: np.ndarray) -> Thresholds:

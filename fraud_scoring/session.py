@@ -409,7 +409,9 @@ def parse_session_results(
 # --- the training edge --------------------------------------------------------------------
 
 
-def _epoch_us(df: pd.DataFrame) -> np.ndarray:
+def epoch_us(df: pd.DataFrame) -> np.ndarray:
+    """Each row's event time (``event_timestamp``, else ``event_time``: tz-aware datetimes
+    of any resolution, or epoch seconds) as int64 µs since the epoch, this module's unit."""
     col = "event_timestamp" if "event_timestamp" in df.columns else "event_time"
     s = df[col]
     if pd.api.types.is_numeric_dtype(s):  # epoch seconds
@@ -436,7 +438,7 @@ def offline_session_features(
     point-in-time join left it: NaN or 0 for no usable snapshot) when present.
     """
     hist = df if history is None else history
-    h_ts = _epoch_us(hist)
+    h_ts = epoch_us(hist)
     h = (
         pd.DataFrame(
             {
@@ -469,7 +471,7 @@ def offline_session_features(
         )
     )
 
-    q_ts = _epoch_us(df)
+    q_ts = epoch_us(df)
     q_card = df["card_id"].to_numpy(object)
     q_tid = df["transaction_id"].to_numpy(object)
     q_ctry = df["country"].to_numpy(object)
