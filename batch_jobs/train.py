@@ -28,6 +28,7 @@ from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from batch_jobs.daily_features import snapshot_time
+from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
 from fraud_scoring import session
@@ -201,10 +202,7 @@ def train(
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
     with _phase(f"Feast point-in-time join of {len(sample):,} transactions"):
-        joined = store.get_historical_features(
-            entity_df=sample, features=store.get_feature_service("fraud_model")
-        ).to_df()
-    joined = keep_every_row(sample, joined)
+        joined = point_in_time_join(store, sample)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
         cols = feature_columns(joined, history)
