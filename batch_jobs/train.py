@@ -51,6 +51,7 @@ from batch_jobs.evaluate import (
     served_scores,
 )
 from batch_jobs.labels import known_frauds
+from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
 from fraud_scoring import session
@@ -167,29 +168,12 @@ def load_transactions(
     return txns
 
 
-def keep_every_row(sample: pd.DataFrame, joined: pd.DataFrame) -> pd.DataFrame:
-    """Feast's point-in-time join with no row lost.
-
-    Feast's file offline store drops an entity row outright when the entity has
-    snapshots but none within ``[t - TTL, t]`` (its TTL filter keeps only rows with no
-    match at all), e.g. a card's first transactions, before its first snapshot exists.
-    Those are exactly the "no usable snapshot" rows the service fills with defaults, so
-    they are put back here with null batch features (defaults are applied later).
-    """
-    if joined["transaction_id"].duplicated().any():
-        raise DataError("the point-in-time join returned a transaction twice")
-    lost = len(sample) - len(joined)
-    if lost:
-        log.info("%d transactions had no snapshot within the TTL (Feast drops them): kept", lost)
-    feats = [c for c in joined.columns if c not in sample.columns]
-    return sample.merge(joined[["transaction_id", *feats]], on="transaction_id", how="left")
-
-
 def feature_columns(
     joined: pd.DataFrame, history: pd.DataFrame | None = None
 ) -> dict[str, np.ndarray]:
-    """Batch (with defaults), request, session and spanning feature columns for a joined
-    frame.
+    """Every feature column for a joined frame, assembled by the function the scoring
+    service uses (:func:`fraud_scoring.features.build_features`); this only adapts the
+    frame into its inputs.
 
     Session features are computed as of each row's own event time by the same function
     the updater and the scorer use (``fraud_scoring.session``), counting events from
@@ -197,18 +181,16 @@ def feature_columns(
     ``joined`` alone would undercount). Default: ``joined`` itself.
     """
     batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
-    ts = pd.to_datetime(joined["event_timestamp"], utc=True).astype("int64").to_numpy() / 1e9
-    req = F.request_features(
-        joined["amount"].to_numpy(),
-        ts,
-        joined["utc_offset_min"].to_numpy(np.float64) * 60,
-        joined["country"].to_numpy(object),
-        joined["channel"].to_numpy(object),
-        joined["device_id"].notna().to_numpy(),
-        batch,
+    request = F.RequestColumns(
+        amount=joined["amount"].to_numpy(np.float64),
+        event_us=session.epoch_us(joined),  # exact µs whatever the datetime resolution
+        utc_offset_s=joined["utc_offset_min"].to_numpy(np.float64) * 60,
+        country=joined["country"].to_numpy(object),
+        channel=joined["channel"].to_numpy(object),
+        has_device=joined["device_id"].notna().to_numpy(),
     )
     sess = session.offline_session_features(joined, history=history)
-    return {**batch, **req, **sess, **F.spanning_features({**batch, **sess})}
+    return F.build_features(batch, sess, request)
 
 
 _SLICES = ("training", "validation", "holdout")
@@ -246,12 +228,8 @@ def train(
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
-    entity_df = sample.drop(columns=["part", "weight", "fraud_pattern"])
     with _phase(f"Feast point-in-time join of {len(sample):,} transactions"):
-        joined = store.get_historical_features(
-            entity_df=entity_df, features=store.get_feature_service("fraud_model")
-        ).to_df()
-    joined = keep_every_row(sample, joined)
+        joined = point_in_time_join(store, sample)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
         cols = feature_columns(joined, history)

@@ -12,7 +12,12 @@ Three kinds of feature, one declaration each:
 * **session** features (per-card velocity over minutes) are declared in
   ``fraud_scoring/session.py`` with the streaming updater's Redis layout.
 * **spanning** features cover both: a batch snapshot plus the stream since it, summed
-  by :func:`spanning_features` (scoring service and training-set builder alike).
+  by :func:`spanning_features`, and what the card has *not* got (no usable snapshot, no
+  recent transaction: a new card), :func:`new_card_features`.
+
+:func:`build_features` assembles every column the model can read from (batch snapshot
+columns, session columns, the transactions themselves): the scoring service and the
+training-set builder both call it and differ only in how they fetch its inputs.
 
 ``default`` is what a missing or stale value becomes; the response lists such features.
 The declaration types and the feature views are in ``fraud_scoring/feature_specs.py``
@@ -22,6 +27,7 @@ The declaration types and the feature views are in ``fraud_scoring/feature_specs
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -121,6 +127,24 @@ SPANNING_FEATURES: tuple[Feature, ...] = (
         0.0,
         "sum of the card's amounts over the same span as card_txn_count_30d_live",
     ),
+    # What the card has not got is information too: without these a never-seen card
+    # looks like any card whose 30-day numbers happen to be at their defaults.
+    Feature(
+        "card_has_snapshot",
+        _SP,
+        "float32",
+        0.0,
+        "1 when the card has a usable batch snapshot (at or before the event, within the "
+        "view's TTL: the card transacted in the 30 days before it), else 0",
+    ),
+    Feature(
+        "card_is_new",
+        _SP,
+        "float32",
+        0.0,
+        "1 when the card has neither a usable batch snapshot nor any transaction in the "
+        "24 h before the event: the first the system knows of it, else 0",
+    ),
 )
 
 
@@ -136,6 +160,18 @@ def spanning_features(columns: Columns) -> dict[str, np.ndarray]:
         + np.asarray(columns["card_txn_count_since_snapshot"], dtype=np.float64),
         "card_amount_sum_30d_live": np.asarray(columns["card_amount_sum_30d"], dtype=np.float64)
         + np.asarray(columns["card_amount_sum_since_snapshot"], dtype=np.float64),
+    }
+
+
+def new_card_features(columns: Columns) -> dict[str, np.ndarray]:
+    """``card_has_snapshot`` and ``card_is_new`` for n transactions (float64 columns), from
+    ``card_snapshot_time`` after defaults (0: no usable snapshot) and the session column
+    ``card_txn_count_24h``."""
+    has = np.asarray(columns["card_snapshot_time"], dtype=np.float64) > 0
+    recent = np.asarray(columns["card_txn_count_24h"], dtype=np.float64) > 0
+    return {
+        "card_has_snapshot": has.astype(np.float64),
+        "card_is_new": (~has & ~recent).astype(np.float64),
     }
 
 
@@ -219,6 +255,49 @@ def apply_defaults(
         col = np.where(missing, f.default, col)
         out[f.name] = col if f.dtype == "string" else col.astype(np.float64)
     return out
+
+
+@dataclass(frozen=True)
+class RequestColumns:
+    """The transactions themselves, n rows, as the assembly reads them.
+
+    ``event_us`` is the event time in integer microseconds since the epoch (UTC), the
+    session module's unit (:func:`fraud_scoring.session.to_us`); ``utc_offset_s`` the
+    offset the time was sent with, in seconds (0 when unknown); ``has_device`` whether a
+    device id was sent.
+    """
+
+    amount: npt.ArrayLike
+    event_us: npt.ArrayLike
+    utc_offset_s: npt.ArrayLike
+    country: npt.ArrayLike
+    channel: npt.ArrayLike
+    has_device: npt.ArrayLike
+
+
+def build_features(
+    batch: Columns, session_columns: Columns, request: RequestColumns
+) -> dict[str, np.ndarray]:
+    """Every feature column for n transactions: the one assembly of the model's input.
+
+    ``batch`` holds the batch columns after :func:`apply_defaults` (a missing or stale
+    snapshot already replaced by defaults, ``card_snapshot_time`` 0), ``session_columns``
+    the columns of :data:`fraud_scoring.session.SESSION_NAMES` as of each event time.
+    Returns those plus the request, spanning and new-card columns (float32 or float64;
+    strings stay object); :func:`assemble` picks the model's columns in its order.
+    """
+    event_s = np.asarray(request.event_us, dtype=np.int64) / session.US
+    req = request_features(
+        request.amount,
+        event_s,
+        request.utc_offset_s,
+        request.country,
+        request.channel,
+        request.has_device,
+        batch,
+    )
+    both = {k: np.asarray(v) for k, v in {**batch, **session_columns}.items()}
+    return {**both, **req, **spanning_features(both), **new_card_features(both)}
 
 
 def assemble(names: list[str], columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:

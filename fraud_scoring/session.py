@@ -28,8 +28,12 @@ the hash tag ``{card:<id>}`` so a card's state lives on one Redis Cluster slot:
   event idempotent on ``transaction_id``.
 
 Both are trimmed to the longest window plus the allowed lateness behind the card's
-newest event, so state per card is bounded; the updater
-(``streaming/state.py``) owns the writes and documents the late-event rule.
+newest event, so state per card is bounded. Every write goes through one Lua script,
+:data:`APPLY_LUA` (one call per card, idempotent on ``transaction_id``), queued with
+:func:`queue_apply`: the streaming updater (``streaming/state.py``, which documents the
+late-event rule) and the scoring service (read-your-writes: each scored transaction
+joins its card's state as part of scoring) both use it, so a transaction written by
+one and then by the other is the same member at the same score, written once.
 
 **Spanning features** (a 30-day count = batch snapshot + stream since the snapshot):
 the stream half is here (``card_*_since_snapshot``: events in
@@ -40,7 +44,8 @@ Every other session feature lies entirely inside the stream's retention and is e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, overload
@@ -49,6 +54,7 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
+from fraud_scoring.events import Transaction
 from fraud_scoring.feature_specs import Feature, Kind
 
 US = 1_000_000
@@ -235,6 +241,118 @@ def decode_member(member: bytes | str, score: float) -> SessionEvent:
     return SessionEvent(int(score), tid, float(amount), merchant, country)
 
 
+# --- the write side (updater and scorer alike) ---------------------------------------------
+
+# KEYS: events zset, ids hash. ARGV: retention_us, lateness_us, ttl_ms, then
+# (transaction_id, ts_us, member) per event. Returns {added, duplicates, late, dropped}:
+# an event already behind the retention horizon is dropped without touching state; one
+# that falls behind it within the same call (a newer event came along) is added, then
+# trimmed, and also counted as dropped.
+# Scores are formatted with %d: Lua's default number format (%.14g) would round µs.
+APPLY_LUA = """
+local ev, ids = KEYS[1], KEYS[2]
+local retention, lateness, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local newest = redis.call('ZREVRANGE', ev, 0, 0, 'WITHSCORES')
+local maxts = nil
+if newest[2] then maxts = tonumber(newest[2]) end
+local added, dup, late, dropped = 0, 0, 0, 0
+local new_ts = {}
+for i = 4, #ARGV, 3 do
+  local id, ts = ARGV[i], tonumber(ARGV[i + 1])
+  if maxts and ts < maxts - retention then
+    late = late + 1
+    dropped = dropped + 1
+  elseif redis.call('HSETNX', ids, id, ARGV[i + 1]) == 1 then
+    if maxts and ts < maxts - lateness then late = late + 1 end
+    redis.call('ZADD', ev, ARGV[i + 1], ARGV[i + 2])
+    added = added + 1
+    new_ts[#new_ts + 1] = ts
+    if (not maxts) or ts > maxts then maxts = ts end
+  else
+    dup = dup + 1
+  end
+end
+if maxts then
+  local horizon = maxts - retention
+  local old = redis.call('ZRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
+  if #old > 0 then
+    for _, m in ipairs(old) do
+      local cut = string.find(m, '\\31', 1, true)
+      redis.call('HDEL', ids, string.sub(m, 1, cut - 1))
+    end
+    redis.call('ZREMRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
+    for _, ts in ipairs(new_ts) do
+      if ts < horizon then dropped = dropped + 1 end
+    end
+  end
+  redis.call('PEXPIRE', ev, ttl)
+  redis.call('PEXPIRE', ids, ttl)
+end
+return {added, dup, late, dropped}
+"""
+assert SEP == "\x1f"  # the script splits members on byte 31
+APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """How far behind its card's newest event an event may arrive, and how long an idle
+    card lives: the arguments every :data:`APPLY_LUA` call carries.
+
+    ``allowed_lateness_s`` is ``FRAUD_ALLOWED_LATENESS_S``; state is kept for
+    ``retention = 24 h + allowed_lateness`` behind the card's newest event. ``ttl_s`` is
+    the wall-clock expiry of an idle card (default: retention plus an hour). The
+    updater and the scorer must use the same limits, or one would trim what the other
+    keeps.
+    """
+
+    allowed_lateness_s: float
+    ttl_s: float | None = None
+
+    @property
+    def lateness_us(self) -> int:
+        return round(self.allowed_lateness_s * US)
+
+    @property
+    def retention_us(self) -> int:
+        return LONGEST_WINDOW_US + self.lateness_us
+
+    @property
+    def ttl_ms(self) -> int:
+        ttl = self.ttl_s if self.ttl_s is not None else self.retention_us / US + 3600
+        return round(ttl * 1000)
+
+    def args(self, events: Sequence[SessionEvent]) -> list[str | int]:
+        """ARGV of one :data:`APPLY_LUA` call for one card's events."""
+        args: list[str | int] = [self.retention_us, self.lateness_us, self.ttl_ms]
+        for e in events:
+            args += (e.transaction_id, e.ts_us, encode_member(e))
+        return args
+
+
+def to_session_event(txn: Transaction) -> SessionEvent:
+    """The session event of a validated transaction; its time converts exactly (no float),
+    so the updater and the scorer store a transaction at the same microsecond."""
+    return SessionEvent(
+        to_us(txn.event_time), txn.transaction_id, txn.amount, txn.merchant_id, txn.country
+    )
+
+
+def queue_apply(
+    pipe: Any, by_card: Mapping[str, Sequence[SessionEvent]], limits: SessionLimits
+) -> int:
+    """Queue one ``EVALSHA`` of :data:`APPLY_LUA` per card on a pipeline (sync or asyncio);
+    return how many were queued (their replies are ``[added, duplicates, late, dropped]``).
+
+    ``EVALSHA`` needs the script loaded (``SCRIPT LOAD`` :data:`APPLY_LUA`): a reply that
+    is a ``NoScriptError`` means the server lost it (restart, flush); load it and queue
+    again (applying twice is harmless).
+    """
+    for card, evs in by_card.items():
+        pipe.evalsha(APPLY_SHA, 2, events_key(card), ids_key(card), *limits.args(evs))
+    return len(by_card)
+
+
 # --- the serving edge ---------------------------------------------------------------------
 
 REPLIES_PER_CARD = 1
@@ -291,7 +409,9 @@ def parse_session_results(
 # --- the training edge --------------------------------------------------------------------
 
 
-def _epoch_us(df: pd.DataFrame) -> np.ndarray:
+def epoch_us(df: pd.DataFrame) -> np.ndarray:
+    """Each row's event time (``event_timestamp``, else ``event_time``: tz-aware datetimes
+    of any resolution, or epoch seconds) as int64 µs since the epoch, this module's unit."""
     col = "event_timestamp" if "event_timestamp" in df.columns else "event_time"
     s = df[col]
     if pd.api.types.is_numeric_dtype(s):  # epoch seconds
@@ -318,7 +438,7 @@ def offline_session_features(
     point-in-time join left it: NaN or 0 for no usable snapshot) when present.
     """
     hist = df if history is None else history
-    h_ts = _epoch_us(hist)
+    h_ts = epoch_us(hist)
     h = (
         pd.DataFrame(
             {
@@ -351,7 +471,7 @@ def offline_session_features(
         )
     )
 
-    q_ts = _epoch_us(df)
+    q_ts = epoch_us(df)
     q_card = df["card_id"].to_numpy(object)
     q_tid = df["transaction_id"].to_numpy(object)
     q_ctry = df["country"].to_numpy(object)

@@ -75,6 +75,13 @@ class Settings(BaseSettings):
     review_amount_limit: float = Field(
         default=5000.0, gt=0, description="Hard rule: amounts above this are at least 'review'."
     )
+    record_scored: bool = Field(
+        default=True,
+        description="Read-your-writes: each scored transaction joins its card's session "
+        "state as part of scoring (the updater's script, idempotent on transaction_id), "
+        "so the next attempt of a burst counts it even while the event log lags. A "
+        "request can opt out with the header X-Fraud-Record: false (what-if, replay).",
+    )
     drain_seconds: float = Field(
         default=10.0, ge=0, description="Graceful shutdown: time to finish in-flight requests."
     )
@@ -143,7 +150,8 @@ class Settings(BaseSettings):
         default=300.0,
         ge=0,
         description="An event stamped further than this into the future (by this host's "
-        "clock) is dead-lettered: applied, it would trim its card's real history away.",
+        "clock) is dead-lettered by the updater, and scored but not recorded by the "
+        "service: applied, it would trim its card's real history away.",
     )
     stream_batch_size: int = Field(
         default=1000, ge=1, description="Most events the updater applies in one round trip."

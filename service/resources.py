@@ -18,7 +18,6 @@ from typing import Any
 import redis.asyncio as aioredis
 from starlette.responses import JSONResponse
 
-from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.model_repo import ModelError, ModelNotFound
 from fraud_scoring.redis_server import redis_url
@@ -28,7 +27,7 @@ from service.batching import Batcher, BatchStats
 from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
-from service.scoring import Scorer, ScoreResult
+from service.scoring import Scorer, ScoreRequest, ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ class Resources:
     redis: aioredis.Redis
     models: ModelHolder
     scorer: Scorer
-    batcher: Batcher[Transaction, ScoreResult] | None  # None: batching off (naive path)
+    batcher: Batcher[ScoreRequest, ScoreResult] | None  # None: batching off (naive path)
     instruments: telemetry.Instruments
 
     def count_rejection(self, reason: RejectReason) -> None:
@@ -114,10 +113,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             for w in waits:
                 instruments.queue_time.record(w, attrs)
 
-        batcher: Batcher[Transaction, ScoreResult] | None = None
+        batcher: Batcher[ScoreRequest, ScoreResult] | None = None
         if settings.batching:
             batcher = Batcher(
-                scorer.score_batch,
+                scorer.score_requests,
                 max_batch_size=settings.max_batch_size,
                 max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
                 max_queue_size=settings.max_queue_size,

@@ -31,11 +31,21 @@ from service.errors import NotReady, Rejected, RejectReason
 from service.model import load_configured
 from service.resources import Resources, resources
 from service.schemas import BatchIn, BatchOut, ScoreOut
+from service.scoring import ScoreRequest
 
 router = APIRouter()
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 MAX_TIMEOUT_MS = 60_000
+RECORD_HEADER = "X-Fraud-Record"
+_RECORD_DOC: dict[str, Any] = {
+    "name": RECORD_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "'false': score without joining the card's session state (what-if and "
+    "replay calls); default 'true' (unless FRAUD_RECORD_SCORED=false).",
+    "schema": {"type": "string", "enum": ["true", "false"]},
+}
 _TIMEOUT_DOC: dict[str, Any] = {
     "name": TIMEOUT_HEADER,
     "in": "header",
@@ -74,11 +84,30 @@ def _deadline(request: Request, res: Resources) -> float:
     return time.monotonic() + ms / 1e3
 
 
+def _record(request: Request) -> bool:
+    """Whether to record the request's transactions in session state (read-your-writes),
+    from the ``X-Fraud-Record`` header: 'true' (default) or 'false', else a 422."""
+    raw = request.headers.get(RECORD_HEADER)
+    if raw is None or raw.lower() == "true":
+        return True
+    if raw.lower() == "false":
+        return False
+    raise RequestValidationError(
+        [
+            {
+                "loc": ("header", RECORD_HEADER),
+                "type": "value_error",
+                "msg": f"must be 'true' or 'false', got {raw!r}",
+            }
+        ]
+    )
+
+
 @router.post(
     "/v1/score",
     response_model=ScoreOut,
     openapi_extra={
-        "parameters": [_TIMEOUT_DOC],
+        "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": Transaction.model_json_schema()}},
@@ -100,11 +129,14 @@ async def score(request: Request) -> Response:
         ) from None
     res = resources(request)
     deadline = _deadline(request, res)
-    return await _unless_client_leaves(request, res, _score_one(request, res, txn, deadline))
+    item = ScoreRequest(txn, _record(request))
+    return await _unless_client_leaves(request, res, _score_one(request, res, item, deadline))
 
 
 @router.post(
-    "/v1/score/batch", response_model=BatchOut, openapi_extra={"parameters": [_TIMEOUT_DOC]}
+    "/v1/score/batch",
+    response_model=BatchOut,
+    openapi_extra={"parameters": [_TIMEOUT_DOC, _RECORD_DOC]},
 )
 async def score_many(request: Request, body: BatchIn) -> Response:
     """The batch endpoint: score up to ``FRAUD_MAX_BATCH_REQUEST`` transactions under one
@@ -124,12 +156,14 @@ async def score_many(request: Request, body: BatchIn) -> Response:
             ]
         )
     deadline = _deadline(request, res)
+    record = _record(request)
 
     async def all_of_them() -> BatchOut:
         # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so
         # no work is done for answers nobody will receive.
         tasks = [
-            asyncio.ensure_future(_score_one(request, res, t, deadline)) for t in body.transactions
+            asyncio.ensure_future(_score_one(request, res, ScoreRequest(t, record), deadline))
+            for t in body.transactions
         ]
         try:
             return BatchOut(results=list(await asyncio.gather(*tasks)))
@@ -142,9 +176,10 @@ async def score_many(request: Request, body: BatchIn) -> Response:
 
 
 async def _score_one(
-    request: Request, res: Resources, txn: Transaction, deadline: float
+    request: Request, res: Resources, item: ScoreRequest, deadline: float
 ) -> ScoreOut:
     res.models.require()  # no model: 503 at once, nothing queued
+    txn = item.txn
     start = time.perf_counter()
     tracer = telemetry.tracer()
     received = request.scope.get(RECEIVED_NS, time.time_ns())
@@ -158,11 +193,11 @@ async def _score_one(
                 # asyncio.timeout cancels the await (and so the queued item) at the
                 # deadline without wrapping it in a task as wait_for would.
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                    result = await res.batcher.submit(txn, deadline)
+                    result = await res.batcher.submit(item, deadline)
             else:
                 if deadline <= time.monotonic():
                     raise DeadlineExceeded("deadline passed")
-                result = (await res.scorer.score_batch([txn]))[0]
+                result = (await res.scorer.score_requests([item]))[0]
         except TimeoutError as exc:
             raise Rejected(RejectReason.TIMEOUT, "deadline exceeded: timed out") from exc
         for name, (s, e) in result.spans_ns.items():

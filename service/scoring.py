@@ -1,7 +1,21 @@
 """Scoring one micro-batch of transactions, top to bottom:
 
-read features (one pipelined round trip) → request features → feature vector in the
-model's order → ONNX Runtime (off the event loop) → decision policy → results.
+read features and record the transactions (one pipelined round trip) → the shared
+assembly of every feature column → feature vector in the model's order → ONNX Runtime
+(off the event loop) → decision policy → results.
+
+**Read-your-writes.** The scoring request is the first place a transaction is seen, so
+each scored transaction joins its card's session state as part of scoring: after the
+batch's reads, the same pipeline carries one call per card of the updater's own script
+(:data:`fraud_scoring.session.APPLY_LUA`, idempotent on ``transaction_id``), so the next
+attempt of a burst counts it even while the event log lags, and the updater's later copy
+is a duplicate. A transaction never counts in its own features (its read excludes it by
+time and id, and is queued before the write). Two attempts of one card in the *same*
+micro-batch do not see each other. Off with ``FRAUD_RECORD_SCORED=false`` or per request
+(``X-Fraud-Record: false``, for what-if and replay calls). A transaction stamped more
+than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is scored but not recorded,
+as the updater dead-letters it; one far in the past is dropped by the script itself
+without trimming the card's real history (see ``streaming/state.py``).
 
 The dynamic batcher calls :meth:`Scorer.score_batch` with whatever micro-batch it formed;
 the naive path (batching off) calls it with one transaction per request.
@@ -10,6 +24,7 @@ the naive path (batching off) calls it with one transaction per request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,15 +32,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from fraud_scoring import features as F
+from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.settings import Settings
 from service.decision import Policy, Reason
 from service.errors import Rejected, RejectReason
 from service.model import LoadedModel, ModelHolder
 from service.online_features import OnlineFeatureReader
+
+log = logging.getLogger(__name__)
 
 
 class FeatureStoreUnavailable(Rejected):
@@ -48,6 +66,15 @@ class ScoreResult:
     timing_ms: dict[str, float] = field(default_factory=dict)
     # Wall-clock (ns) bounds of each stage, for per-request trace spans.
     spans_ns: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    """One transaction as the micro-batcher carries it. ``record``: join the card's
+    session state as part of scoring (False for what-if and replay calls)."""
+
+    txn: Transaction
+    record: bool = True
 
 
 def policy_for(model: LoadedModel, settings: Settings) -> Policy:
@@ -78,35 +105,91 @@ class Scorer:
         self.models = models
         self.settings = settings
         self.pool = pool
+        self.limits = session.SessionLimits(settings.allowed_lateness_s)
+
+    def _to_record(
+        self, txns: Sequence[Transaction], record: Sequence[bool] | None
+    ) -> dict[str, list[session.SessionEvent]]:
+        """The session events to write, by card: the transactions asked to be recorded,
+        less any stamped too far into the future (the updater's bound)."""
+        if not self.settings.record_scored:
+            return {}
+        latest_us = session.to_us(time.time() + self.settings.max_future_skew_s)
+        by_card: dict[str, list[session.SessionEvent]] = {}
+        for i, t in enumerate(txns):
+            if record is not None and not record[i]:
+                continue
+            ev = session.to_session_event(t)
+            if ev.ts_us <= latest_us:
+                by_card.setdefault(t.card_id, []).append(ev)
+        return by_card
 
     async def read_features(
-        self, txns: Sequence[Transaction]
+        self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
     ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]]]:
-        """All feature columns (batch, session, request, spanning) for ``txns``, one round trip."""
+        """All feature columns (batch, session, request, spanning, new-card) for ``txns``,
+        assembled by :func:`fraud_scoring.features.build_features`, in one round trip that
+        also records the transactions (``record[i]`` False: not that one; None: all)."""
         pipe = self.redis.pipeline(transaction=False)
         self.reader.queue(pipe, txns)
+        n_reads = len(pipe)
+        writes = self._to_record(txns, record)
+        session.queue_apply(pipe, writes, self.limits)  # after the reads: none sees itself
         try:
-            replies = await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             raise FeatureStoreUnavailable(f"feature store (Redis) unavailable: {exc}") from exc
-        rows = self.reader.parse(replies, txns)
-        req = F.request_features(
-            [t.amount for t in txns],
-            [t.event_ts for t in txns],
-            [t.utc_offset_s for t in txns],
-            [t.country for t in txns],
-            [t.channel for t in txns],
-            [t.device_id is not None for t in txns],
-            rows.columns,
+        reads, applied = replies[:n_reads], replies[n_reads:]
+        for r in reads:
+            if isinstance(r, Exception):
+                raise FeatureStoreUnavailable(f"feature store (Redis) read failed: {r}")
+        if writes:
+            await self._recorded(writes, applied)
+        rows = self.reader.parse(reads, txns)
+        request = F.RequestColumns(
+            amount=[t.amount for t in txns],
+            event_us=[session.to_us(t.event_time) for t in txns],
+            utc_offset_s=[t.utc_offset_s for t in txns],
+            country=[t.country for t in txns],
+            channel=[t.channel for t in txns],
+            has_device=[t.device_id is not None for t in txns],
         )
-        span = F.spanning_features(rows.columns)
-        return {**rows.columns, **req, **span}, rows.missing, rows.stale
+        # rows.columns holds both the batch (defaulted) and the session columns.
+        cols = F.build_features(rows.columns, rows.columns, request)
+        return cols, rows.missing, rows.stale
 
-    async def score_batch(self, txns: Sequence[Transaction]) -> list[ScoreResult]:
-        """Decisions for one micro-batch, in input order. Raises FeatureStoreUnavailable
-        when Redis does not answer and Rejected(no_model) when no model is loaded."""
+    async def _recorded(
+        self, writes: dict[str, list[session.SessionEvent]], replies: Sequence[Any]
+    ) -> None:
+        """Check the writes' replies. A server that lost the script (restart, flush)
+        answers NOSCRIPT: load it and write again (harmless, idempotent). A write that
+        still fails is logged, not fatal: the decision stands on the reads, and the
+        updater's copy of the event will arrive."""
+        if any(isinstance(r, NoScriptError) for r in replies):
+            try:
+                await self.redis.script_load(session.APPLY_LUA)
+                pipe = self.redis.pipeline(transaction=False)
+                session.queue_apply(pipe, writes, self.limits)
+                replies = await pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                replies = [exc]
+        for r in replies:
+            if isinstance(r, Exception):
+                log.warning("recording scored transactions in session state failed: %s", r)
+                return
+
+    async def score_requests(self, items: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """:meth:`score_batch` for the micro-batcher's items."""
+        return await self.score_batch([i.txn for i in items], [i.record for i in items])
+
+    async def score_batch(
+        self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
+    ) -> list[ScoreResult]:
+        """Decisions for one micro-batch, in input order; ``record`` as in
+        :meth:`read_features`. Raises FeatureStoreUnavailable when Redis does not answer
+        and Rejected(no_model) when no model is loaded."""
         wall0, t0 = time.time_ns(), time.perf_counter()
-        cols, missing, stale = await self.read_features(txns)
+        cols, missing, stale = await self.read_features(txns, record)
         wall1, t1 = time.time_ns(), time.perf_counter()
         model = self.models.require()  # one model for the whole batch, even during a swap
         x = F.assemble(model.meta.feature_names, cols)

@@ -136,8 +136,9 @@ def test_training_join_never_uses_a_later_snapshot(world: World) -> None:
 
 def test_training_join_keeps_transactions_before_a_cards_first_snapshot(world: World) -> None:
     """A card's first transactions come before its first snapshot: no usable batch
-    features (the service uses defaults), but the row stays in the training set."""
-    from batch_jobs.train import keep_every_row
+    features (the service uses defaults), but the row stays in the training set, and it
+    keeps its merchant's features (each view is joined on its own, as the service reads)."""
+    from batch_jobs.training_set import point_in_time_join
 
     feats = world.data_dir / "features"
     day = world.start + timedelta(days=8)
@@ -158,12 +159,10 @@ def test_training_join_keeps_transactions_before_a_cards_first_snapshot(world: W
         }
     )
     store = open_store(world.data_dir, world.redis_url)
-    joined = store.get_historical_features(
-        entity_df=entity, features=store.get_feature_service("fraud_model")
-    ).to_df()
-    out = keep_every_row(entity, joined).set_index("transaction_id")
+    out = point_in_time_join(store, entity).set_index("transaction_id")
     assert list(out.index) == ["first", "next"]
     assert pd.isna(out.loc["first", "card_txn_count_30d"])
+    assert not pd.isna(out.loc["first", "merchant_txn_count_30d"])
     assert out.loc["next", "card_txn_count_30d"] >= 1
 
 

@@ -1,0 +1,203 @@
+"""The whole vector the model sees: served (Redis through the real updater, the scorer's
+own read and assembly) equals the training frame's row, feature by feature; and the
+scorer's read-your-writes (a burst counts its own earlier attempts while the event log
+lags) over real HTTP, real Redis and a real updater process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import redis.asyncio as aioredis
+
+from batch_jobs.train import feature_columns, load_transactions
+from batch_jobs.training_set import point_in_time_join
+from fraud_scoring import features as F
+from fraud_scoring.events import Transaction, raw_row_to_event
+from fraud_scoring.feast_store import open_store
+from fraud_scoring.settings import Settings
+from service.model import ModelHolder
+from service.online_features import OnlineFeatureReader
+from service.scoring import Scorer
+from tests.conftest import World, start_server, stop_server
+from tests.conftest_streaming import (
+    connect,
+    dump_state,
+    encode,
+    start_updater,
+    wait_for,
+    xadd_all,
+)
+
+STREAM = "transactions"
+
+
+def _private_db(world: World, db: int) -> str:
+    """A Redis database of the world's server holding a copy of its Feast keys and no
+    session state, so this module's updater runs leave other tests' state alone."""
+    src = connect(world.redis_url)
+    url = world.redis_url.rsplit("/", 1)[0] + f"/{db}"
+    dst = connect(url)
+    dst.flushdb()
+    for key in src.scan_iter(count=1000):
+        if not key.startswith(b"{card:"):
+            src.copy(key, key, destination_db=db, replace=True)
+    return url
+
+
+def _drain(url: str, log: Path, *args: str) -> None:
+    """Run the real updater over the stream until its group has read and acknowledged
+    everything, then let it exit."""
+    client = connect(url)
+    p = start_updater(url, log, "--stream", STREAM, "--idle-exit-s", "0.5", *args)
+
+    def drained() -> bool:
+        groups = client.xinfo_groups(STREAM)
+        return bool(groups) and groups[0]["lag"] == 0 and groups[0]["pending"] == 0
+
+    wait_for(drained, 120, "the updater to drain the stream")
+    assert p.wait(timeout=30) == 0, log.read_text()[-3000:]
+
+
+def test_served_vector_equals_the_training_row(world: World, tmp_path: Path) -> None:
+    """1,200 held-out transactions: every model feature served == the training frame's."""
+    url = _private_db(world, 2)
+    lateness = str(2 * 86400)
+    raw = world.data_dir / "raw"
+    day = world.last_day
+    # The held-out day and the one before it (24 h windows), as the raw history.
+    history = load_transactions(raw, day - timedelta(days=1), day)
+    rng = np.random.default_rng(11)
+
+    # The event log: shuffled (so many events arrive late), 5 % sent twice.
+    rows = pd.read_parquet(raw / "transactions")
+    rows = rows[rows["transaction_id"].isin(set(history["transaction_id"]))]
+    events = [raw_row_to_event(r) for r in rows.to_dict("records")]
+    events += [events[i] for i in rng.choice(len(events), len(events) // 20, replace=False)]
+    events = [events[i] for i in rng.permutation(len(events))]
+    xadd_all(connect(url), STREAM, encode(events))
+    # Lateness of two days: a fully shuffled log must not be trimmed by retention.
+    _drain(url, tmp_path / "updater.log", "--allowed-lateness-s", lateness)
+
+    # Training's side: Feast's point-in-time join and the training job's features.
+    held = history[history["event_time"].dt.date == day]
+    sample = (
+        held.sample(1200, random_state=5)
+        .rename(columns={"event_time": "event_timestamp"})
+        .reset_index(drop=True)
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    joined = point_in_time_join(store, sample)
+    offline = feature_columns(joined, history)
+
+    # Serving's side: the scorer's own read (one pipeline) and assembly, on Redis.
+    ids = joined["transaction_id"].tolist()
+    by_id = {r["transaction_id"]: r for r in rows.to_dict("records")}
+    txns = [Transaction.model_validate(raw_row_to_event(by_id[i])) for i in ids]
+    # The scorer records each transaction with the updater's own limits (as deployed:
+    # one FRAUD_ALLOWED_LATENESS_S), so its copies are duplicates and trim nothing.
+    settings = Settings(record_scored=True, allowed_lateness_s=float(lateness))
+    online = asyncio.run(_served(url, store.project, txns, settings))
+
+    names = F.default_model_features()
+    assert {"hour_of_day_local", "card_is_new", "card_txn_count_1m"} <= set(names)
+    kinds = F.all_features()
+    mismatches: dict[str, str] = {}
+    for name in names:
+        on = np.asarray(online[name], dtype=np.float64)
+        off = np.asarray(offline[name], dtype=np.float64)
+        if kinds[name].dtype == "int64":
+            bad = on != off
+        else:
+            bad = ~np.isclose(on, off, rtol=1e-5, atol=0.0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            mismatches[name] = f"{bad.sum()} rows, e.g. {ids[i]}: served {on[i]}, trained {off[i]}"
+    assert not mismatches, f"served != training on {len(ids)} rows: {mismatches}"
+    # The comparison means something: the rows have history, bursts and new cards.
+    assert (offline["card_txn_count_1m"] > 0).sum() >= 5
+    assert (offline["card_txn_count_1h"] > 0).sum() > 50
+    assert (offline["card_has_snapshot"] == 1).mean() > 0.5
+
+
+async def _served(
+    url: str, project: str, txns: list[Transaction], settings: Settings
+) -> dict[str, np.ndarray]:
+    client: Any = aioredis.Redis.from_url(url)
+    with ThreadPoolExecutor(1) as pool:
+        scorer = Scorer(client, OnlineFeatureReader(project), ModelHolder(), settings, pool)
+        try:
+            parts = [
+                (await scorer.read_features(txns[i : i + 64]))[0] for i in range(0, len(txns), 64)
+            ]
+        finally:
+            await client.aclose()
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _attempt(i: int, record: bool = True) -> dict[str, Any]:
+    return {
+        "transaction_id": f"burst-{i}",
+        "card_id": "c-burst",
+        "merchant_id": "m00001",
+        "amount": 1.5 + i,
+        "currency": "USD",
+        "event_time": f"2026-01-16T12:00:{10 + 5 * i:02d}+00:00",
+        "country": "US",
+        "channel": "ecom",
+        "mcc": "5999",
+        "device_id": "d-burst",
+    }
+
+
+def _velocity(body: dict[str, Any]) -> str:
+    return next((r["message"] for r in body["reasons"] if r["code"] == "VELOCITY_10M"), "")
+
+
+def test_a_burst_sees_its_own_earlier_attempts(world: World, tmp_path: Path) -> None:
+    """Updater stopped: the fifth attempt counts the four before it; the updater's later
+    copies of the same events change nothing."""
+    url = _private_db(world, 3)
+    client = connect(url)
+    srv = start_server(world, tmp_path, REDIS_URL=url)
+    try:
+        with srv.client() as c:
+            # A what-if call first: scored, not recorded.
+            r = c.post("/v1/score", json=_attempt(0), headers={"X-Fraud-Record": "false"})
+            assert r.status_code == 200, r.text
+            assert client.zcard("{card:c-burst}:ev") == 0
+            bodies = []
+            for i in range(5):  # one at a time: each attempt its own micro-batch
+                r = c.post("/v1/score", json=_attempt(i))
+                assert r.status_code == 200, r.text
+                bodies.append(r.json())
+            bad = c.post("/v1/score", json=_attempt(9), headers={"X-Fraud-Record": "maybe"})
+            assert bad.status_code == 422 and "X-Fraud-Record" in bad.text
+    finally:
+        stop_server(srv)
+    assert _velocity(bodies[3]) == "3 transactions on this card in the last 10 minutes."
+    assert _velocity(bodies[4]) == "4 transactions on this card in the last 10 minutes."
+    state = dump_state(client)
+    assert len(state[b"{card:c-burst}:ev"]) == 5
+
+    # The 1-minute count the fifth attempt read: the stored state as of its time.
+    from fraud_scoring.session import parse_session_results, queue_session_reads
+
+    fifth = Transaction.model_validate(_attempt(4))
+    pipe = client.pipeline(transaction=False)
+    queue_session_reads(pipe, [fifth.card_id], [fifth.event_ts])
+    cols = parse_session_results(
+        pipe.execute(), [fifth.card_id], [fifth.event_ts], [fifth.transaction_id]
+    )
+    assert cols["card_txn_count_1m"][0] == 4
+
+    # The event log catches up: the same five events through the real updater.
+    xadd_all(client, STREAM, encode([_attempt(i) for i in range(5)]))
+    _drain(url, tmp_path / "updater.log")
+    assert dump_state(client) == state
