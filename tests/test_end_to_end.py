@@ -78,9 +78,11 @@ def test_stream_to_updater_to_decision(server: Server, world: World, tmp_path: P
         velocity = [r for r in body["reasons"] if r["code"] == "VELOCITY_10M"]
         assert velocity, body["reasons"]
         assert velocity[0]["message"].startswith("5 transactions")  # duplicate not counted
-        # As of a time before the burst, none of it counts (strictly before t).
+        # As of a time before the burst, none of it counts (strictly before t). A what-if
+        # call: not recorded, so it does not join the card's history itself.
         early = {**scored, "transaction_id": "before-burst", "event_time": f"{day}T09:59:00+00:00"}
-        reasons = c.post("/v1/score", json=early).json()["reasons"]
+        what_if = {"X-Fraud-Record": "false"}
+        reasons = c.post("/v1/score", json=early, headers=what_if).json()["reasons"]
         assert not [r for r in reasons if r["code"].startswith("VELOCITY")]
         # A burst member scored again never counts itself: 4 earlier ones at 10:04.
         again = c.post("/v1/score", json=burst[4]).json()["reasons"]
