@@ -277,6 +277,18 @@ def report_data(
             "recall_flagged": float((decision[m] != "approve").mean()),
             "recall_declined": float((decision[m] == "decline").mean()),
         }
+    # New cards (no usable batch snapshot): the model can only tell them from regular
+    # ones by what the card has not got, so their recall is reported on its own.
+    segments = {}
+    if "card_has_snapshot" in h.names:
+        no_snapshot = h.x[:, h.names.index("card_has_snapshot")] == 0
+        for name, seg in (("new card (no snapshot)", no_snapshot), ("known card", ~no_snapshot)):
+            m = (y == 1) & seg
+            segments[name] = {
+                "frauds": int(m.sum()),
+                "recall_flagged": float((decision[m] != "approve").mean()) if m.any() else 0.0,
+                "recall_declined": float((decision[m] == "decline").mean()) if m.any() else 0.0,
+            }
     days = h.event_time.dt.strftime("%Y-%m-%d").to_numpy()
     per_day = []
     for day in sorted(set(days)):
@@ -306,6 +318,7 @@ def report_data(
         "pr_curve": {"precision": prec[keep].tolist(), "recall": rec[keep].tolist()},
         "score_histogram": hist,
         "pattern_recall": patterns,
+        "segment_recall": segments,
         "decisions_per_day": per_day,
     }
 
@@ -411,13 +424,13 @@ def _markdown(d: dict[str, Any]) -> str:
         f"- cost per transaction {m['cost_per_txn']:.3f} (approve all: "
         f"{m['cost_per_txn_approve_all']:.3f})",
         "",
-        "## Recall per fraud pattern",
+        "## Recall per fraud pattern and for new cards",
         "",
         "| pattern | frauds | flagged | declined |",
         "|---|---|---|---|",
         *(
             f"| {k} | {v['frauds']} | {v['recall_flagged']:.1%} | {v['recall_declined']:.1%} |"
-            for k, v in d["pattern_recall"].items()
+            for k, v in (d["pattern_recall"] | d.get("segment_recall", {})).items()
         ),
         "",
         "## Reliability",

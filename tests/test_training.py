@@ -87,6 +87,10 @@ def test_evaluate_version_writes_the_report_with_the_metadata_numbers(
         "account_takeover",
         "compromised_merchant",
     }
+    # New cards' recall is reported on its own (the model's card_has_snapshot feature).
+    segments = on_disk["segment_recall"]
+    assert set(segments) == {"new card (no snapshot)", "known card"}
+    assert sum(s["frauds"] for s in segments.values()) == on_disk["metrics"]["frauds"]
     # With the raw data: labels are refreshed as of now (all have arrived here).
     fresh = evaluate_version(repo, "fraud", "latest", world.data_dir)
     assert fresh["metrics"]["frauds"] >= meta.metrics["holdout_frauds"]
