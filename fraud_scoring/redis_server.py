@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import redis
 
@@ -96,7 +97,7 @@ def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iter
                     raise RedisStartError(f"{cmd[0]} did not answer on port {port}") from None
                 time.sleep(0.02)
         client.close()
-        log.info("started embedded Redis-protocol server at %s", url)
+        log.info("started embedded Redis-protocol server at %s", redact_url(url))
         yield url
     finally:
         proc.terminate()
@@ -139,14 +140,49 @@ def redis_url(configured: str | None, *, allow_embedded: bool = True) -> Iterato
         yield url
 
 
-def feast_connection_string(url: str) -> str:
-    """Translate a redis:// URL into Feast's ``host:port,password=..,db=N,ssl=true`` form."""
-    from urllib.parse import urlparse
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line or an error message: the password (and, when the
+    user-info has no ``:``, the whole user-info, which some write as the password) is
+    replaced by ``***``, as is any ``password=`` query value. Works on malformed URLs
+    too (a wrong scheme, no ``//``), since those are the ones that get logged."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, hostpart = rest.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}:***@{hostpart}" if colon else f"***@{hostpart}"
+    rest = _PASSWORD_PARAM.sub(r"\1***", rest)
+    return f"{scheme}{sep}{rest}"
 
-    u = urlparse(url)
+
+_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+
+# redis-py's TLS options in a URL's query (rediss://host/0?ssl_ca_certs=/etc/ca.pem), which
+# the service and the updater get from redis.from_url; Feast takes them as key=value.
+FEAST_TLS_PARAMS = (
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+
+
+def feast_connection_string(url: str) -> str:
+    """Translate a redis:// URL into Feast's ``host:port,username=..,password=..,db=N,
+    ssl=true`` form, with the URL's TLS query options (:data:`FEAST_TLS_PARAMS`, e.g.
+    ``ssl_ca_certs`` for a private CA) passed on, so that Feast's Redis client trusts the
+    same CA as the service's and the updater's. Other query options are not passed."""
+    u = urlsplit(url)
     if u.scheme not in ("redis", "rediss"):
-        raise ValueError(f"REDIS_URL: scheme must be redis:// or rediss://, got {url!r}")
+        raise ValueError(
+            f"REDIS_URL: scheme must be redis:// or rediss://, got {redact_url(url)!r}"
+        )
     parts = [f"{u.hostname or '127.0.0.1'}:{u.port or 6379}"]
+    if u.username:
+        parts.append(f"username={unquote(u.username)}")
     if u.password:
         parts.append(f"password={unquote(u.password)}")
     db = (u.path or "/0").lstrip("/") or "0"
@@ -155,4 +191,9 @@ def feast_connection_string(url: str) -> str:
     parts.append(f"db={db}")
     if u.scheme == "rediss":
         parts.append("ssl=true")
+    for key, value in parse_qsl(u.query):
+        if key in FEAST_TLS_PARAMS:
+            if "," in value:  # Feast splits its connection string on commas
+                raise ValueError(f"REDIS_URL: {key} must not contain a comma, got {value!r}")
+            parts.append(f"{key}={value}")
     return ",".join(parts)

@@ -10,13 +10,19 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qsl, quote, urlsplit
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fraud_scoring.redis_server import redact_url
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FRAUD_", extra="ignore")
+    # hide_input_in_errors: a validation error must not echo REDIS_URL (its password).
+    model_config = SettingsConfigDict(
+        env_prefix="FRAUD_", extra="ignore", hide_input_in_errors=True
+    )
 
     # --- storage -------------------------------------------------------------------
     redis_url: str | None = Field(
@@ -31,6 +37,13 @@ class Settings(BaseSettings):
         description="With REDIS_URL unset, let `serve` and `stream` start a private, empty "
         "Redis-protocol server (`--embedded-redis` sets it). Off by default: a scoring pod "
         "with a missing REDIS_URL must fail to start, not score on an empty store.",
+    )
+    redis_ca_file: Path | None = Field(
+        default=None,
+        description="PEM file of the CA that signed a rediss:// server's certificate (a "
+        "private CA). Added to REDIS_URL as ssl_ca_certs, so the service, the updater and "
+        "the batch job's Feast client all trust it; needs a rediss:// REDIS_URL. The same "
+        "can be written into REDIS_URL directly (rediss://host:6379/0?ssl_ca_certs=/path).",
     )
     data_dir: Path = Field(
         default=Path("data"),
@@ -166,6 +179,26 @@ class Settings(BaseSettings):
         ge=1000,
         description="Kafka: how soon a dead updater's partitions move to the others.",
     )
+    stream_retention_s: float = Field(
+        default=86_400.0,
+        ge=0,
+        description="Redis Streams: the updater trims its input stream (XTRIM MINID) of "
+        "entries appended more than this plus allowed_lateness_s ago, never ones a consumer "
+        "group has not acknowledged; 0: never trim. Default: the longest feature window.",
+    )
+    dead_letter_max_bytes: int = Field(
+        default=65_536,
+        ge=0,
+        description="Most bytes of a malformed event kept in its dead letter; the reason, "
+        "the original size and a 'truncated' flag are recorded beside it, so one huge "
+        "event cannot make the dead-letter write fail (Kafka refuses records over ~1 MB).",
+    )
+    kafka_dead_letter_replication: int = Field(
+        default=-1,
+        ge=-1,
+        description="Kafka: replication factor of the dead-letter topic when the updater "
+        "creates it; -1: the broker's default.replication.factor.",
+    )
     updater_metrics_port: int = Field(
         default=9108, ge=0, le=65535, description="Updater's Prometheus /metrics port (0: off)."
     )
@@ -174,8 +207,40 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://")):
-            raise ValueError(f"REDIS_URL must start with redis:// or rediss://, got {v!r}")
+            raise ValueError(
+                f"REDIS_URL must start with redis:// or rediss://, got {redact_url(v)!r}"
+            )
         return v or None
+
+    @field_validator("kafka_dead_letter_replication")
+    @classmethod
+    def _replication(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be at least 1, or -1 for the broker's default")
+        return v
+
+    @model_validator(mode="after")
+    def _ca_file_into_url(self) -> Settings:
+        """Carry ``redis_ca_file`` in REDIS_URL, the one thing every Redis client reads."""
+        if self.redis_ca_file is None or self.redis_url is None:
+            return self
+        url = self.redis_url
+        if not url.startswith("rediss://"):
+            raise ValueError(
+                f"FRAUD_REDIS_CA_FILE needs a rediss:// (TLS) REDIS_URL, got {redact_url(url)!r}"
+            )
+        if not self.redis_ca_file.is_file():
+            raise ValueError(f"FRAUD_REDIS_CA_FILE: no such file: {self.redis_ca_file}")
+        ca = str(self.redis_ca_file)
+        given = dict(parse_qsl(urlsplit(url).query)).get("ssl_ca_certs")
+        if given is not None and given != ca:
+            raise ValueError(
+                f"FRAUD_REDIS_CA_FILE ({ca}) disagrees with REDIS_URL's ssl_ca_certs ({given})"
+            )
+        if given is None:
+            sep = "&" if urlsplit(url).query else "?"
+            self.redis_url = f"{url}{sep}ssl_ca_certs={quote(ca, safe='/')}"
+        return self
 
 
 @lru_cache(maxsize=1)

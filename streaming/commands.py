@@ -3,9 +3,14 @@
 It reads the shared settings (``FRAUD_STREAM_SOURCE``, ``FRAUD_STREAM_NAME``,
 ``FRAUD_CONSUMER_GROUP``, ``FRAUD_KAFKA_BOOTSTRAP``, ``FRAUD_ALLOWED_LATENESS_S``,
 ``FRAUD_STREAM_BATCH_SIZE``, ``FRAUD_CLAIM_IDLE_MS``, ``FRAUD_KAFKA_SESSION_TIMEOUT_MS``,
-``FRAUD_UPDATER_METRICS_PORT``, ``REDIS_URL``); flags override them. With ``REDIS_URL``
-unset it refuses to start unless ``--embedded-redis`` asks for a private server that
-lives only as long as the command (useful for a quick look, nothing else).
+``FRAUD_UPDATER_METRICS_PORT``, ``FRAUD_STREAM_RETENTION_S``, ``FRAUD_DEAD_LETTER_MAX_BYTES``,
+``FRAUD_KAFKA_DEAD_LETTER_REPLICATION``, ``REDIS_URL``, ``FRAUD_REDIS_CA_FILE``); flags
+override them. With ``REDIS_URL`` unset it refuses to start unless ``--embedded-redis``
+asks for a private server that lives only as long as the command (useful for a quick
+look, nothing else).
+
+A fatal event-log error ends the command with exit status 1 and one clear log line
+(:class:`~streaming.sources.SourceFatal`), so that the orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def _redis_client(settings: Settings) -> Iterator[redis.Redis]:
 
 def run_stream(args: argparse.Namespace, settings: Settings) -> None:
     from streaming.metrics import UpdaterMetrics
-    from streaming.sources import KafkaSource, RedisStreamSource, Source
+    from streaming.sources import KafkaSource, RedisStreamSource, Source, SourceFatal
     from streaming.state import SessionWriter
     from streaming.updater import Updater
 
@@ -71,6 +76,8 @@ def run_stream(args: argparse.Namespace, settings: Settings) -> None:
                     "session.timeout.ms": session_timeout_ms,
                     "heartbeat.interval.ms": max(100, session_timeout_ms // 5),
                 },
+                dead_letter_max_bytes=settings.dead_letter_max_bytes,
+                dead_letter_replication=settings.kafka_dead_letter_replication,
             )
         else:  # "redis": the settings and --source admit no other value
             source = RedisStreamSource(
@@ -79,6 +86,11 @@ def run_stream(args: argparse.Namespace, settings: Settings) -> None:
                 group,
                 args.consumer,
                 claim_idle_ms=_or(args.claim_idle_ms, settings.claim_idle_ms),
+                dead_letter_max_bytes=settings.dead_letter_max_bytes,
+                # Entries are trimmed past the retention the session state keeps.
+                keep_s=settings.stream_retention_s + lateness
+                if settings.stream_retention_s
+                else None,
             )
         updater = Updater(
             source,
@@ -86,6 +98,8 @@ def run_stream(args: argparse.Namespace, settings: Settings) -> None:
             metrics,
             batch_size=_or(args.batch_size, settings.stream_batch_size),
             max_future_s=settings.max_future_skew_s,
+            # After a failover, reconnect so the retry reaches the new primary.
+            on_readonly=client.connection_pool.disconnect,
         )
 
         def on_term(signum: int, _frame: FrameType | None) -> None:
@@ -99,6 +113,9 @@ def run_stream(args: argparse.Namespace, settings: Settings) -> None:
         )
         try:
             updater.run(max_messages=args.max_messages, idle_exit_s=args.idle_exit_s)
+        except SourceFatal as exc:
+            log.error("updater stopped: %s", exc)
+            raise SystemExit(1) from exc
         finally:
             source.close()
 

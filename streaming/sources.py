@@ -6,11 +6,18 @@ crash replays the unacknowledged tail and nothing is lost. Malformed messages go
 dead-letter stream/topic (:meth:`Source.dead_letter`) before they are acknowledged.
 
 A source raises :class:`SourceUnavailable` (or ``redis.ConnectionError``) for failures
-worth retrying; the updater backs off and retries the same batch.
+worth retrying; the updater backs off and retries the same batch. It raises
+:class:`SourceFatal` for a failure no retry can mend (a fatal Kafka client error): the
+updater then ends, so that the orchestrator restarts the process with a fresh client.
+
+A dead letter keeps at most ``dead_letter_max_bytes`` of the event (the reason, the
+original size and ``truncated`` are recorded beside it): one oversized event must not
+make the dead letter itself fail and stall the partition behind it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -25,8 +32,29 @@ DEAD_LETTER_SUFFIX = ":dead-letter"  # Redis: <stream>:dead-letter
 KAFKA_DEAD_LETTER_SUFFIX = ".dead-letter"  # Kafka: <topic>.dead-letter
 
 
+DEAD_LETTER_MAX_BYTES = 65_536  # event bytes kept in a dead letter
+MAX_REASON_CHARS = 2_000
+
+
 class SourceUnavailable(RuntimeError):
     """The event log cannot be reached right now; retry later."""
+
+
+class SourceFatal(RuntimeError):
+    """The event log client failed for good (e.g. a fatal Kafka error); retrying in this
+    process cannot help, so the updater ends and its orchestrator restarts it."""
+
+
+def dead_letter_fields(raw: bytes, reason: str, max_bytes: int) -> tuple[bytes, dict[str, str]]:
+    """The payload and metadata of one dead letter: at most ``max_bytes`` of ``raw``, and
+    ``reason``, ``original_size`` (bytes) and ``truncated`` ("true"/"false")."""
+    payload = raw[:max_bytes]
+    meta = {
+        "reason": reason[:MAX_REASON_CHARS],
+        "original_size": str(len(raw)),
+        "truncated": "true" if len(payload) < len(raw) else "false",
+    }
+    return payload, meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +87,11 @@ class RedisStreamSource:
     has held for longer than ``claim_idle_ms`` (XAUTOCLAIM), so a consumer that died
     and never came back under the same name loses nothing either. Entries carry the
     event JSON in the field ``data``.
+
+    With ``keep_s`` set, every ``trim_interval_s`` it trims the stream of entries
+    appended more than ``keep_s`` seconds ago (``XTRIM MINID``, approximate), but never
+    an entry that a consumer group of the stream has not yet acknowledged: an updater
+    that was down longer than ``keep_s`` still finds its backlog.
     """
 
     def __init__(
@@ -70,12 +103,18 @@ class RedisStreamSource:
         claim_idle_ms: int = 30_000,
         claim_interval_s: float = 5.0,
         dead_letter_maxlen: int = 1_000_000,
+        dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
+        keep_s: float | None = None,
+        trim_interval_s: float = 60.0,
     ) -> None:
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
         self.dead_stream = stream + DEAD_LETTER_SUFFIX
         self.claim_idle_ms = claim_idle_ms
         self.claim_interval_s = claim_interval_s
         self.dead_letter_maxlen = dead_letter_maxlen
+        self.dead_letter_max_bytes = dead_letter_max_bytes
+        self.keep_s, self.trim_interval_s = keep_s, trim_interval_s
+        self._next_trim = 0.0
         self._own_pending = True  # drain our own PEL first
         self._next_claim = 0.0
         self._group_ready = False
@@ -156,13 +195,41 @@ class RedisStreamSource:
     def ack(self, messages: Sequence[Message]) -> None:
         if messages:
             self.client.xack(self.stream, self.group, *[m.ref for m in messages])
+        if self.keep_s is not None and time.monotonic() >= self._next_trim:
+            self._next_trim = time.monotonic() + self.trim_interval_s
+            self.trim()
+
+    def trim(self, now_s: float | None = None) -> int:
+        """Trim entries older than ``keep_s`` (before ``now_s``, epoch s; default now) that
+        every group has acknowledged; return how many were removed (approximate trimming
+        removes whole nodes only, so recent small streams may lose none)."""
+        if self.keep_s is None:
+            return 0
+        cutoff_ms = int(((time.time() if now_s is None else now_s) - self.keep_s) * 1000)
+        minid = (cutoff_ms, 0)
+        groups: Any = self.client.xinfo_groups(self.stream)
+        for g in groups:
+            # Keep everything a group has not read yet or not acknowledged.
+            minid = min(minid, _entry_id(g["last-delivered-id"], plus_one=True))
+            pending: Any = self.client.xpending(self.stream, g["name"])
+            if pending["pending"]:
+                minid = min(minid, _entry_id(pending["min"]))
+        trimmed: Any = self.client.xtrim(
+            self.stream, minid=f"{minid[0]}-{minid[1]}", approximate=True
+        )
+        removed = int(trimmed)
+        if removed:
+            log.info("trimmed %d entries older than %s from %s", removed, minid, self.stream)
+        return removed
 
     def dead_letter(self, items: Sequence[tuple[Message, str]]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for m, reason in items:
+            payload, meta = dead_letter_fields(m.raw, reason, self.dead_letter_max_bytes)
+            fields: dict[Any, Any] = {"data": payload, **meta, "source_id": str(m.ref)}
             pipe.xadd(
                 self.dead_stream,
-                {"data": m.raw, "reason": reason, "source_id": str(m.ref)},
+                fields,
                 maxlen=self.dead_letter_maxlen,
                 approximate=True,
             )
@@ -181,6 +248,13 @@ class RedisStreamSource:
         self.client.close()
 
 
+def _entry_id(raw: bytes | str, plus_one: bool = False) -> tuple[int, int]:
+    """A stream entry id as (ms, seq); ``plus_one``: the next id after it."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return (int(ms), int(seq or 0) + 1) if plus_one else (int(ms), int(seq or 0))
+
+
 # --- Kafka ------------------------------------------------------------------------------
 
 
@@ -191,7 +265,11 @@ class KafkaSource:
     updater. Offsets are committed synchronously after the batch's effect is in Redis;
     after a rebalance or crash, the new owner re-reads from the last commit and the
     idempotent apply absorbs the replay. Dead letters go to ``<topic>.dead-letter`` with
-    the reason in a ``reason`` header and are flushed before the offsets are committed.
+    the reason in a ``reason`` header (and ``original_size``, ``truncated``, ``source``)
+    and are flushed before the offsets are committed. The dead-letter topic is created
+    with ``dead_letter_replication`` replicas (-1: the broker's default).
+
+    A fatal client error (``KafkaError.fatal()``) raises :class:`SourceFatal`.
     """
 
     def __init__(
@@ -202,11 +280,14 @@ class KafkaSource:
         *,
         client_id: str = "session-updater",
         extra: dict[str, Any] | None = None,
+        dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
+        dead_letter_replication: int = -1,
     ) -> None:
         from confluent_kafka import Consumer, Producer
 
         self.topic = topic
         self.dead_topic = topic + KAFKA_DEAD_LETTER_SUFFIX
+        self.dead_letter_max_bytes = dead_letter_max_bytes
         conf = {
             "bootstrap.servers": bootstrap,
             "group.id": group,
@@ -222,7 +303,7 @@ class KafkaSource:
         self.producer = Producer(
             {"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": False}
         )
-        ensure_topic(bootstrap, self.dead_topic, partitions=1)
+        ensure_topic(bootstrap, self.dead_topic, 1, dead_letter_replication)
 
     def poll(self, max_messages: int, timeout_s: float) -> list[Message]:
         from confluent_kafka import KafkaError
@@ -231,8 +312,7 @@ class KafkaSource:
         for m in self.consumer.consume(num_messages=max_messages, timeout=timeout_s):
             err = m.error()
             if err is not None:
-                if err.fatal():
-                    raise SourceUnavailable(f"kafka: {err}")
+                raise_if_fatal(err, "consumer")
                 if err.code() != KafkaError._PARTITION_EOF:
                     log.warning("kafka consumer: %s", err)
                 continue
@@ -258,27 +338,83 @@ class KafkaSource:
                 offsets=[TopicPartition(t, p, o) for (t, p), o in nxt.items()], asynchronous=False
             )
         except KafkaException as exc:
+            raise_if_fatal(exc.args[0], "offset commit")
             # Typically a rebalance took the partition away: its new owner replays from
             # the last commit, and replays are harmless.
             log.warning("offset commit failed (%s); the events will be re-applied", exc)
 
     def dead_letter(self, items: Sequence[tuple[Message, str]]) -> None:
-        failed: list[str] = []
+        """Produce one dead letter per item and wait for all of them.
 
-        def report(err: Any, _msg: Any) -> None:
-            if err is not None:
-                failed.append(str(err))
-
+        A record the broker refuses as too large (its topic limit is below
+        ``dead_letter_max_bytes``) is sent again without the event bytes; any other
+        failure raises :class:`SourceUnavailable` (the updater retries the batch, so a
+        dead letter may be written twice) or :class:`SourceFatal`.
+        """
+        records = []
         for m, reason in items:
+            payload, meta = dead_letter_fields(m.raw, reason, self.dead_letter_max_bytes)
             topic, part, off = m.ref
-            self.producer.produce(
-                self.dead_topic,
-                value=m.raw,
-                on_delivery=report,
-                headers=[("reason", reason.encode()), ("source", f"{topic}/{part}/{off}".encode())],
-            )
-        if self.producer.flush(10.0) or failed:
-            raise SourceUnavailable(f"dead-letter produce failed: {failed or 'timeout'}")
+            records.append((payload, {**meta, "source": f"{topic}/{part}/{off}"}))
+        for _ in range(2):
+            too_large = self._produce_all(records)
+            if not too_large:
+                return
+            # Second round: the same records without the event bytes.
+            records = [(b"", {**meta, "truncated": "true"}) for _, meta in too_large]
+        raise SourceUnavailable(
+            "dead-letter produce failed: MSG_SIZE_TOO_LARGE even without the event bytes"
+        )
+
+    def _produce_all(
+        self, records: list[tuple[bytes, dict[str, str]]]
+    ) -> list[tuple[bytes, dict[str, str]]]:
+        """Produce and flush ``records``; return those refused as too large."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        too_large: list[tuple[bytes, dict[str, str]]] = []
+        failed: list[Any] = []  # KafkaErrors from delivery reports
+
+        def report(record: tuple[bytes, dict[str, str]], err: Any, _msg: Any) -> None:
+            # Runs inside poll()/flush(): record the outcome, raise after the flush.
+            if err is None:
+                return
+            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                too_large.append(record)
+            else:
+                failed.append(err)
+
+        for record in records:
+            value, meta = record
+            deadline = time.monotonic() + 10.0
+            while True:
+                try:
+                    self.producer.produce(
+                        self.dead_topic,
+                        value=value,
+                        headers=[(k, v.encode()) for k, v in meta.items()],
+                        on_delivery=functools.partial(report, record),
+                    )
+                    break
+                except BufferError:
+                    # The local queue is full: serve delivery reports to make room.
+                    if time.monotonic() > deadline:
+                        raise SourceUnavailable("dead-letter produce: local queue full") from None
+                    self.producer.poll(0.1)
+                except KafkaException as exc:
+                    err = exc.args[0]
+                    raise_if_fatal(err, "dead-letter producer")
+                    if err.code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                        raise SourceUnavailable(f"dead-letter produce failed: {err}") from exc
+                    too_large.append(record)
+                    break
+        unsent = self.producer.flush(10.0)
+        for err in failed:
+            raise_if_fatal(err, "dead-letter producer")
+        if unsent or failed:
+            reasons = [str(e) for e in failed] or [f"{unsent} not delivered in 10 s"]
+            raise SourceUnavailable(f"dead-letter produce failed: {reasons}")
+        return too_large
 
     def lag(self) -> int | None:
         """Messages behind the high watermark over the assigned partitions."""
@@ -304,13 +440,28 @@ class KafkaSource:
         self.producer.flush(5.0)
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    """Create ``topic`` unless it exists."""
+def raise_if_fatal(err: Any, what: str) -> None:
+    """Raise :class:`SourceFatal` when the ``KafkaError`` ``err`` is fatal: the client
+    instance is unusable from then on, so retrying in this process would loop forever."""
+    from confluent_kafka import KafkaError
+
+    if err.fatal() or err.code() == KafkaError._FATAL:
+        raise SourceFatal(
+            f"kafka {what}: fatal error {err.name()}: {err.str()}; the updater exits so "
+            "that it is restarted with a new client (unacknowledged events are replayed)"
+        )
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int, replication_factor: int = -1) -> None:
+    """Create ``topic`` unless it exists, with ``replication_factor`` replicas (-1: the
+    broker's ``default.replication.factor``)."""
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics([NewTopic(topic, partitions, 1)], operation_timeout=10)
+    futures = admin.create_topics(
+        [NewTopic(topic, partitions, replication_factor)], operation_timeout=10
+    )
     for fut in futures.values():
         try:
             fut.result(timeout=15)

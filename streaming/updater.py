@@ -10,7 +10,13 @@ One loop, one batch at a time, read top to bottom in :meth:`Updater.step`:
 
 When Redis (or the log) is unavailable, the step pauses and retries the same batch
 with exponential backoff: nothing is acknowledged that was not applied, so nothing is
-lost, and whatever was applied before the failure is applied again harmlessly.
+lost, and whatever was applied before the failure is applied again harmlessly. Redis
+answering ``READONLY`` (a failover left us on a replica) or ``OOM`` (maxmemory reached)
+counts as unavailable too; after ``READONLY`` the client's connections are dropped so the
+retry connects afresh (to the new primary, where the address follows the failover).
+
+A :class:`~streaming.sources.SourceFatal` error is not retried: it leaves :meth:`Updater.run`
+(after the totals are logged) so that the process ends and is restarted.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.BusyLoadingError,
+    redis.ReadOnlyError,  # a replica after failover: writes succeed again on the primary
+    redis.OutOfMemoryError,  # maxmemory reached: writes succeed once memory is freed
     SourceUnavailable,
 )
 
@@ -91,12 +99,16 @@ class Updater:
         backoff_max_s: float = 5.0,
         lag_interval_s: float = 1.0,
         max_future_s: float = 300.0,
+        on_readonly: Callable[[], None] | None = None,
     ) -> None:
+        """``on_readonly`` is called after Redis answered ``READONLY``, before the retry
+        (the command passes the client's ``connection_pool.disconnect``)."""
         self.source, self.writer, self.metrics = source, writer, metrics
         self.batch_size, self.poll_timeout_s = batch_size, poll_timeout_s
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.lag_interval_s = lag_interval_s
         self.max_future_s = max_future_s
+        self.on_readonly = on_readonly
         self.totals = Totals()
         self.stopping = threading.Event()
         self._next_lag = 0.0
@@ -111,6 +123,8 @@ class Updater:
             except RETRYABLE as exc:
                 self.metrics.retries.labels(what).inc()
                 log.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
+                if isinstance(exc, redis.ReadOnlyError) and self.on_readonly is not None:
+                    self.on_readonly()
                 if self.stopping.wait(delay * (0.5 + random.random() / 2)):
                     raise
                 delay = min(delay * 2, self.backoff_max_s)
