@@ -398,6 +398,14 @@ def test_redis_password_from_existing_secret() -> None:
         assert env["REDIS_URL"]["value"] == (
             "rediss://fraud:$(REDIS_PASSWORD)@fraud-redis.cache.example.internal:6380/2"
         )
+        # The private CA: mounted from its Secret and named by FRAUD_REDIS_CA_FILE.
+        ca_file = env["FRAUD_REDIS_CA_FILE"]["value"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "redis-ca"]
+        assert ca_file == mount["mountPath"] + "/ca.crt" and mount["readOnly"]
+    for pod in find(docs, "Deployment") + find(docs, "CronJob"):
+        spec = pod["spec"]["jobTemplate"]["spec"] if pod["kind"] == "CronJob" else pod["spec"]
+        volumes = spec["template"]["spec"]["volumes"]
+        assert {"name": "redis-ca", "secret": {"secretName": "fraud-redis-ca"}} in volumes
 
 
 def test_in_chart_redis_uses_the_official_valkey_image_and_a_generated_secret() -> None:

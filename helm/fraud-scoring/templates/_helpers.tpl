@@ -128,7 +128,16 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
 - name: REDIS_URL
   value: {{ printf "%s://%s/%d" $scheme $hostPort (int .Values.redis.db) | quote }}
 {{- end }}
+{{- if .Values.redis.caSecret }}
+{{- if not .Values.redis.tls }}
+{{- fail "redis.caSecret needs redis.tls: true" }}
 {{- end }}
+- name: FRAUD_REDIS_CA_FILE
+  value: {{ printf "%s/%s" (include "fraud-scoring.redisCaMountPath" .) .Values.redis.caSecretKey | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "fraud-scoring.redisCaMountPath" -}}/etc/fraud-scoring-redis-ca{{- end }}
 
 {{/* Shared pod pieces ------------------------------------------------------- */}}
 
@@ -187,6 +196,11 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
   readOnly: true
 - name: storage
   mountPath: {{ .Values.storage.mountPath }}
+{{- if .Values.redis.caSecret }}
+- name: redis-ca
+  mountPath: {{ include "fraud-scoring.redisCaMountPath" . }}
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{- define "fraud-scoring.storageClaimName" -}}
@@ -209,6 +223,11 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
 {{- fail "storage.volume must be set when storage.type is volume" }}
 {{- end }}
   {{- toYaml .Values.storage.volume | nindent 2 }}
+{{- end }}
+{{- with .Values.redis.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ . }}
 {{- end }}
 {{- end }}
 
