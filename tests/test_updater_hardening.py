@@ -74,7 +74,8 @@ def dead_letters(bootstrap: str, topic: str, n: int) -> list[tuple[bytes, dict[s
     def enough() -> bool:
         for m in dead.consume(10, 0.5):
             if m.error() is None:
-                headers = {k: v.decode() for k, v in m.headers() or []}
+                pairs: Any = m.headers() or []
+                headers = {k: v.decode() for k, v in pairs}
                 seen.append((m.value() or b"", headers))
         return len(seen) >= n
 
