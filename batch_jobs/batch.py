@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
-
 import redis
 from feast import FeatureStore
 from tqdm import tqdm

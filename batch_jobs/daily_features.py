@@ -191,7 +191,9 @@ def conform(tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
         try:
             out[view.name] = tables[view.name].select(schema.names).cast(schema)
         except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise DataError(f"{view.name}: result does not fit its declared columns: {exc}") from exc
+            raise DataError(
+                f"{view.name}: result does not fit its declared columns: {exc}"
+            ) from exc
     return out
 
 

@@ -58,9 +58,12 @@ def spark_session(master: str | None = None, conf: dict[str, str] | None = None)
 
 
 @contextlib.contextmanager
-def spark_run(master: str | None = None) -> Iterator[SparkSession]:
-    """A Spark session for one command, stopped when the block ends."""
-    spark = spark_session(master)
+def spark_run(
+    master: str | None = None, conf: dict[str, str] | None = None
+) -> Iterator[SparkSession]:
+    """A Spark session for one command (see :func:`spark_session`), stopped when the
+    block ends."""
+    spark = spark_session(master, conf)
     try:
         yield spark
     finally:
@@ -85,11 +88,7 @@ def compute_day_spark(spark: SparkSession, raw: Path, day: date) -> dict[str, pa
         if spark.read.parquet(own).isEmpty():
             raise DataError(f"{own}: no transactions on {day}")
         for name, files in inputs.views.items():
-            frame = (
-                spark.read.parquet(*files)
-                if files
-                else spark.createDataFrame([], _LABELS_DDL)
-            )
+            frame = spark.read.parquet(*files) if files else spark.createDataFrame([], _LABELS_DDL)
             frame.createOrReplaceTempView(name)
         tables = {
             view.name: spark.sql(_spark_sql(sql), args=inputs.params_of(sql)).toArrow()

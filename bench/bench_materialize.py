@@ -58,7 +58,9 @@ def main() -> None:
     start, end = snapshot_time(DAY), snapshot_time(DAY) + timedelta(seconds=1)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
-        write_day(data / "features", DAY, {v.name: snapshot(v, sizes[v.entity], rng) for v in VIEWS})
+        write_day(
+            data / "features", DAY, {v.name: snapshot(v, sizes[v.entity], rng) for v in VIEWS}
+        )
         for name in ("feast", "direct"):
             with embedded_redis() as url:
                 store = open_store(data, url)
