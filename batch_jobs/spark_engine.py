@@ -141,6 +141,6 @@ def point_in_time_join_spark(
             """
         )
         joined = joined.join(best, on="_row", how="left")
-    out = joined.orderBy("_row").toPandas()
+    out = pd.DataFrame(joined.orderBy("_row").toPandas())
     feature_cols = [f.name for v in VIEWS for f in view_features(v)]
     return sample.reset_index(drop=True).join(out[feature_cols])
