@@ -45,8 +45,10 @@ def spark_session(master: str | None = None, conf: dict[str, str] | None = None)
     """The active Spark session, or a new one on ``master`` (``None``: what spark-submit
     set, else ``local[*]``) with ``conf`` (Spark settings). Session time zone UTC:
     snapshot instants are UTC."""
-    builder = SparkSession.builder.appName("fraud-scoring").config(
-        "spark.sql.session.timeZone", "UTC"
+    builder = (
+        SparkSession.builder.appName("fraud-scoring")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.showConsoleProgress", "false")  # bars garble the CLI's output
     )
     if master:
         builder = builder.master(master)
