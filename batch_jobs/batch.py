@@ -11,21 +11,31 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import pyarrow as pa
 import redis
 from feast import FeatureStore
 from tqdm import tqdm
 
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
+from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
 from fraud_scoring.feast_store import online_key, open_store, stored_time
 from fraud_scoring.features import VIEWS
 
 log = logging.getLogger(__name__)
+
+# One day's snapshots from the raw history: daily_features.compute_day (DuckDB) or
+# spark_engine.compute_day_spark bound to a session.
+DayCompute = Callable[[Path, date], dict[str, pa.Table]]
+# "direct": batch_jobs/materialize.py writes Feast's Redis layout itself (the default,
+# tens of thousands of rows/s); "feast": FeatureStore.materialize (the reference path).
+Materializer = Literal["direct", "feast"]
 
 
 @dataclass
@@ -86,14 +96,18 @@ def run_batch(
     redis_url: str,
     feature_store_yaml: Path | None = None,
     materialize: bool = True,
+    compute: DayCompute = compute_day,
+    materializer: Materializer = "direct",
 ) -> BatchReport:
-    """Compute, write and (optionally) materialize the snapshots of ``days``."""
+    """Compute (with ``compute``: DuckDB unless told), write and (optionally)
+    materialize the snapshots of ``days``; both materializers leave the same Redis
+    state (tests/test_materialize.py)."""
     raw, feats = data_dir / "raw", data_dir / "features"
     t0 = time.perf_counter()
     rows = 0
     entities: set[tuple[str, str]] = set()  # Feast writes the newest row per entity
     for day in tqdm(days, desc="daily features", unit="day", disable=None):
-        tables = compute_day(raw, day)
+        tables = compute(raw, day)
         write_day(feats, day, tables)
         rows += sum(t.num_rows for t in tables.values())
         for view in VIEWS:
@@ -109,7 +123,10 @@ def run_batch(
     forget_recomputed(store, redis_url, entities, {int(snapshot_time(d).timestamp()) for d in days})
     # Materialize exactly the snapshots of these days: [first snapshot, last snapshot].
     start, end = snapshot_time(min(days)), snapshot_time(max(days)) + timedelta(seconds=1)
-    store.materialize(start_date=start, end_date=end)
+    if materializer == "feast":
+        store.materialize(start_date=start, end_date=end)
+    else:
+        materialize_days(store, redis_url, feats, days, start, end)
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 from datetime import UTC, date, datetime, timedelta
 
@@ -42,6 +43,11 @@ def configure_batch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="from_", type=iso_date, help="first day of a backfill range")
     p.add_argument("--to", type=iso_date, help="last day of a backfill range (inclusive)")
     p.add_argument("--no-materialize", action="store_true", help="write parquet only")
+    p.add_argument(
+        "--engine",
+        choices=["duckdb", "spark"],
+        help="engine of the daily features (default: FRAUD_BATCH_ENGINE, duckdb)",
+    )
 
 
 def run_batch(args: argparse.Namespace, settings: Settings) -> None:
@@ -55,16 +61,24 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
         days = batch.day_range(args.from_, args.to)
     else:
         days = [args.date or (datetime.now(UTC).date() - timedelta(days=1))]
-    # Parquet only (--no-materialize) needs no Redis: start none.
-    with (
-        contextlib.nullcontext("") if args.no_materialize else redis_url(settings.redis_url)
-    ) as url:
+    engine = args.engine or settings.batch_engine
+    with contextlib.ExitStack() as stack:
+        compute: batch.DayCompute = batch.compute_day
+        if engine == "spark":
+            from batch_jobs.spark_engine import compute_day_spark, spark_run
+
+            spark = stack.enter_context(spark_run(settings.spark_master))
+            compute = functools.partial(compute_day_spark, spark)
+        # Parquet only (--no-materialize) needs no Redis: start none.
+        url = "" if args.no_materialize else stack.enter_context(redis_url(settings.redis_url))
         r = batch.run_batch(
             settings.data_dir,
             days,
             url,
             settings.feature_store_yaml,
             materialize=not args.no_materialize,
+            compute=compute,
+            materializer=settings.materializer,
         )
     print(
         f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "
@@ -81,6 +95,12 @@ def configure_train(p: argparse.ArgumentParser) -> None:
         help="publish even when the holdout metrics fail a quality gate (recorded in the "
         "metadata); a window without enough frauds is refused all the same",
     )
+    p.add_argument(
+        "--engine",
+        choices=["duckdb", "spark"],
+        help="engine of the point-in-time join (default: FRAUD_BATCH_ENGINE, duckdb: "
+        "Feast's local offline store)",
+    )
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> None:
@@ -89,8 +109,24 @@ def run_train(args: argparse.Namespace, settings: Settings) -> None:
     cfg = TrainConfig(
         holdout_days=args.holdout_days, model_name=settings.model_name, force=args.force
     )
-    with redis_url(settings.redis_url) as url:
-        meta = train(settings.data_dir, url, settings.model_repo, cfg, settings.feature_store_yaml)
+    with contextlib.ExitStack() as stack:
+        pit_join = None
+        if (args.engine or settings.batch_engine) == "spark":
+            from batch_jobs.spark_engine import point_in_time_join_spark, spark_run
+
+            spark = stack.enter_context(spark_run(settings.spark_master))
+            pit_join = functools.partial(
+                point_in_time_join_spark, spark, settings.data_dir / "features"
+            )
+        url = stack.enter_context(redis_url(settings.redis_url))
+        meta = train(
+            settings.data_dir,
+            url,
+            settings.model_repo,
+            cfg,
+            settings.feature_store_yaml,
+            pit_join=pit_join,
+        )
     print(
         f"model {meta.name} version {meta.version}: "
         + ", ".join(f"{k}={v:.4f}" for k, v in meta.metrics.items())

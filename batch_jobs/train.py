@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -202,8 +202,13 @@ def train(
     model_repo: Path,
     cfg: TrainConfig,
     feature_store_yaml: Path | None = None,
+    pit_join: Callable[[pd.DataFrame], pd.DataFrame] | None = None,
 ) -> ModelMetadata:
     """Train, calibrate, evaluate and publish a model version; returns its metadata.
+
+    ``pit_join`` replaces Feast's point-in-time join of the batch features (e.g.
+    ``spark_engine.point_in_time_join_spark`` bound to a session and the features
+    folder); it must keep ``training_set.point_in_time_join``'s contract.
 
     Raises PublishRefused (nothing published) when a slice holds fewer than
     ``cfg.min_positives`` frauds, or, unless ``cfg.force``, when the served model's
@@ -228,8 +233,8 @@ def train(
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
-    with _phase(f"Feast point-in-time join of {len(sample):,} transactions"):
-        joined = point_in_time_join(store, sample)
+    with _phase(f"point-in-time join of {len(sample):,} transactions"):
+        joined = pit_join(sample) if pit_join else point_in_time_join(store, sample)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
         cols = feature_columns(joined, history)

@@ -89,6 +89,25 @@ def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3
     return _redis_key(project, ek, key_version)
 
 
+def online_keys(
+    project: str, join_key: str, entity_ids: list[str], key_version: int = 3
+) -> list[bytes]:
+    """:func:`online_key` of many entities of one join key, fast: the bytes before the
+    entity value are the same for every entity, so Feast serializes one key and the
+    others reuse its prefix (entity key serialization v3: ``<u32 length><value>``
+    follows the prefix, then the project). Other versions: one call per entity."""
+    if key_version != 3 or not entity_ids:
+        return [online_key(project, join_key, e, key_version) for e in entity_ids]
+    probe = online_key(project, join_key, "", key_version)
+    prefix = probe[: len(probe) - len(project) - 4]
+    tail = project.encode()
+    out = []
+    for e in entity_ids:
+        value = e.encode()
+        out.append(b"".join((prefix, len(value).to_bytes(4, "little"), value, tail)))
+    return out
+
+
 def online_field(view: str, feature: str) -> bytes:
     """The hash field of one feature of ``view`` in Feast's Redis layout (the 4-byte
     little-endian murmur3 of ``"<view>:<feature>"``)."""

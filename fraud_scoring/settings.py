@@ -62,6 +62,25 @@ class Settings(BaseSettings):
         description="Path of feature_store.yaml; default: the one shipped in feature_repo/.",
     )
 
+    # --- batch jobs ------------------------------------------------------------------
+    batch_engine: Literal["duckdb", "spark"] = Field(
+        default="duckdb",
+        description="Engine of the daily features and training's point-in-time join: "
+        "'duckdb' (one machine, nothing else needed) or 'spark' (pip install "
+        "'fraud-scoring[spark]', Java 17+; see docs/scale-out.md). Both run the same SQL.",
+    )
+    spark_master: str | None = Field(
+        default=None,
+        description="Spark master URL for the 'spark' engine (e.g. local[4], "
+        "spark://host:7077, k8s://...); unset: what spark-submit set, else local[*].",
+    )
+    materializer: Literal["direct", "feast"] = Field(
+        default="direct",
+        description="How `batch` fills the online store: 'direct' writes Feast's Redis "
+        "layout itself (tens of thousands of rows/s), 'feast' runs "
+        "FeatureStore.materialize (Feast's own path, a few thousand rows/s).",
+    )
+
     # --- scoring service -----------------------------------------------------------
     host: str = Field(
         default="127.0.0.1",
