@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -66,16 +66,23 @@ def spawn(
     wait_for: str = "/readyz",
     timeout_s: float = 60.0,
     output: int | IO[bytes] | None = None,
+    command: Sequence[str] = ("-m", "cli", "serve"),
+    cpus: str | None = None,
 ) -> ServiceProcess:
-    """Start ``fraud-scoring serve`` on a free loopback port with ``env`` added to this
-    process's environment; return once ``wait_for`` answers 200.
+    """Start ``fraud-scoring serve`` (or ``python *command``, which must listen on
+    FRAUD_HOST:FRAUD_PORT) on a free loopback port with ``env`` added to this process's
+    environment; return once ``wait_for`` answers 200. ``cpus`` (a ``taskset`` CPU list
+    such as ``"0"``) pins the process and all its threads to those cores.
 
     Raises ServiceStartError at once if the process exits, or after ``timeout_s``.
     """
     port = free_port()
     full_env = {**os.environ, **env, "FRAUD_HOST": "127.0.0.1", "FRAUD_PORT": str(port)}
+    argv = [sys.executable, *command]
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]  # taskset execs: proc.pid is the service
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "serve"],
+        argv,
         env=full_env,
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,
