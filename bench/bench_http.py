@@ -288,20 +288,18 @@ def measure(
     light = server.step(bodies, 50, seconds, mode)
     s.p50_light = light.p50
     results.append(light)
-    if half_rate is not None:
-        half = server.step(bodies, half_rate, seconds, mode)
-        s.cpu_half = half.cpu_ms
-        results.append(half)
     for rate in ladder:
         r = server.step(bodies, rate, seconds, mode)
         results.append(r)
         if not held(r):
+            time.sleep(1)  # let a backlog drain before the next step
             break
         s.held = rate
-    if half_rate is None:  # the ceiling: CPU at half its own held rate
-        half = server.step(bodies, s.held / 2, seconds, mode)
-        s.cpu_half = half.cpu_ms
-        results.append(half)
+    # CPU at half the ceiling's held rate (its own, for the ceiling itself).
+    half = server.step(bodies, half_rate or s.held / 2, seconds, mode + " half")
+    s.cpu_half = half.cpu_ms
+    results.append(half)
+    time.sleep(1)
     over_rate = 2 * (s.held or ladder[0])
     s.overload = server.step(bodies, over_rate, seconds, mode + " 2x")
     s.recovery = server.step(bodies, over_rate / 4, 1.0, mode + " rec")
