@@ -342,7 +342,7 @@ def main() -> None:
     p.add_argument("--modes", default="bare,naive,batched")
     p.add_argument(
         "--bare-ladder",
-        default="500,1000,1500,2000,2500,3000,3500,4000,5000",
+        default="1000,2000,3000,4000,5000,6000,7000,8000",
         help="rates (req/s) tried on the bare endpoint, rising; stops at the first not held",
     )
     p.add_argument("--workers", type=int, default=1, help="uvicorn workers of the service")
