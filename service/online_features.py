@@ -13,6 +13,7 @@ Either way the view's features become their declared defaults and are listed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,11 @@ def _value(v: bytes | None) -> Any:
     return None if kind is None or kind == "null_val" else getattr(pv, kind)
 
 
+# Cards and merchants recur: Feast's key serialisation (a protobuf per key) is worth
+# caching; 2^16 keys are a few MB.
+_online_key = functools.lru_cache(maxsize=1 << 16)(online_key)
+
+
 class OnlineFeatureReader:
     """Reads batch (Feast) and session features for many transactions at once."""
 
@@ -58,7 +64,7 @@ class OnlineFeatureReader:
         }
 
     def key(self, view: BatchView, entity_id: str) -> bytes:
-        return online_key(self.project, view.join_key, entity_id, self.eksv)
+        return _online_key(self.project, view.join_key, entity_id, self.eksv)
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
         """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline)."""
@@ -71,7 +77,6 @@ class OnlineFeatureReader:
         """Turn the pipeline's replies (in queue order) into defaulted feature columns."""
         n = len(txns)
         raw: dict[str, list[Any]] = {}
-        per_view_present: dict[str, np.ndarray] = {}
         missing: list[list[str]] = [[] for _ in range(n)]
         stale: list[list[str]] = [[] for _ in range(n)]
         for vi, view in enumerate(VIEWS):
@@ -91,16 +96,14 @@ class OnlineFeatureReader:
                         ok[i] = False
                         stale[i].extend(names)
                 for f, v in zip(feats, vals[:-1], strict=True):
-                    value = _value(v)
+                    # A row whose snapshot is missing or unusable reads as a hole too,
+                    # so one apply_defaults call below defaults every view at once.
+                    value = _value(v) if ok[i] else None
                     hole = value is None or value != value  # None or NaN
                     if hole and ok[i]:  # a hole in a usable snapshot: defaulted, flagged
                         missing[i].append(f.name)
                     raw.setdefault(f.name, []).append(value)
-            per_view_present[view.name] = ok
-        cols: dict[str, np.ndarray] = {}
-        for view in VIEWS:
-            sub = {f.name: raw[f.name] for f in view_features(view)}
-            cols.update(apply_defaults(sub, present=per_view_present[view.name]))
+        cols = apply_defaults(raw)
         cols.update(
             session.parse_session_results(
                 list(replies[len(VIEWS) * n :]),
