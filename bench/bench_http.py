@@ -12,9 +12,10 @@ The protocol (bench/README.md): the ceiling is ``bench.bare_app`` (same FastAPI/
 stack, pydantic body in, fixed answer out). Each server runs in its own subprocess (one
 uvicorn worker unless ``--workers``) pinned with ``taskset`` to the first core, the load
 generator to the second (when the machine has two or more; ``--no-pin`` to share).
-For each of bare, naive and batched: p50 at 50 req/s, CPU per request at half the bare
-endpoint's held rate, then a rising ladder to the highest rate held (p99 <= 10 ms, no
-errors, < 0.1 % shed), then 2x that rate (overload) and a short step back at half of it
+For each of bare, naive and batched: p50 at 50 req/s, a rising ladder to the highest
+rate held (p99 <= 10 ms, no errors, < 0.1 % shed; a step that fails gets one more try,
+the machine being shared), CPU per request at half the bare endpoint's held rate, then
+2x the held rate (overload) and a short step back at half of that
 (recovery). ``gen lag`` (p99 of how late the generator started requests) says when the
 generator itself fell behind; ``p99 sent`` (from the moment a request was written) is
 the part the server is answerable for. The summary prints the ratios against the goals.
@@ -291,8 +292,12 @@ def measure(
     for rate in ladder:
         r = server.step(bodies, rate, seconds, mode)
         results.append(r)
+        if not held(r):  # the machine is shared: a step gets one more try
+            time.sleep(1)  # let a backlog drain first
+            r = server.step(bodies, rate, seconds, mode + " again")
+            results.append(r)
         if not held(r):
-            time.sleep(1)  # let a backlog drain before the next step
+            time.sleep(1)
             break
         s.held = rate
     # CPU at half the ceiling's held rate (its own, for the ceiling itself).
@@ -376,8 +381,9 @@ def main() -> None:
                 bare_held = summaries["bare"].held or bare_ladder[0]
             finally:
                 server.service.stop()
-        # The service ladder: tenths of the bare endpoint's held rate, rising.
-        ladder = [float(round(bare_held * f / 10)) for f in range(2, 11)]
+        # The service ladder: from 5 % of the bare endpoint's held rate up to all of it.
+        fractions = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+        ladder = [float(round(bare_held * f)) for f in fractions]
         for mode in ("naive", "batched"):
             if mode not in modes:
                 continue
