@@ -150,6 +150,14 @@ class Settings(BaseSettings):
         "process sheds cheaply instead of letting every request wait.",
     )
     model_instances: int = Field(default=1, ge=1, description="ONNX Runtime sessions.")
+    inline_inference_max_batch: int = Field(
+        default=16,
+        ge=0,
+        description="A CPU micro-batch of at most this many rows runs the model on the event "
+        "loop: there it takes ~10-60 us, less than handing it to the ONNX thread (~50 us "
+        "of CPU, bench in bench/README.md). Larger batches, and any on CUDA, go to the "
+        "thread; 0: always the thread.",
+    )
     intra_op_threads: int = Field(default=1, ge=1, description="Threads per session.")
     request_timeout_ms: float = Field(
         default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."

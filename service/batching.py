@@ -6,8 +6,13 @@ transactions are submitted one by one) and hands each to ``run_batch`` (feature 
 inference for the whole micro-batch). Bounds, all from settings:
 
 * ``max_batch_size``: a batch never holds more items;
-* ``max_queue_delay``: the oldest item waits at most this long for the batch to fill
-  (with ``preferred_batch_sizes`` the worker flushes early when the batch reaches one);
+* batches form by themselves: when no batch is running, whatever is queued runs at once
+  (a lone request is not held), and requests that arrive while a batch runs queue up
+  for the next one;
+* ``max_queue_delay``: bounds how long the oldest item waits for company, which happens
+  only while another batch is already running (``concurrency`` > 1) or when
+  ``preferred_batch_sizes`` are set (then the worker waits for one, and flushes early
+  when the batch reaches one);
 * ``max_queue_size``: a submit beyond it fails at once with :class:`QueueFull`;
 * deadlines: a batch never waits past the earliest deadline it holds minus the
   measured batch time, and an item that can no longer make its deadline is failed with
@@ -18,7 +23,10 @@ the service's one handler); this module counts nothing itself.
 
 Cancellation: a caller that goes away (its awaiting task is cancelled, e.g. the client
 timed out) cancels its future; the worker drops cancelled items when it forms the batch,
-so they never run, never hang the queue and never hold a slot. Order is FIFO.
+so they never run, never hang the queue and never hold a slot. A caller may also pass
+``gone`` (e.g. "the HTTP client disconnected"), which the worker asks when it forms the
+batch: an item whose ``gone()`` is true is dropped the same way and fails with
+:class:`ClientGone`, so no watcher task per request is needed. Order is FIFO.
 Up to ``concurrency`` batches run at once (one per model instance).
 """
 
@@ -50,6 +58,14 @@ class QueueFull(Rejected):
         super().__init__(RejectReason.QUEUE_FULL, f"overloaded: {detail}")
 
 
+class ClientGone(Rejected):
+    """The caller's ``gone()`` said it went away before its batch ran; nobody reads the
+    answer, it is only counted (reason ``disconnected``)."""
+
+    def __init__(self) -> None:
+        super().__init__(RejectReason.DISCONNECTED, "the client went away")
+
+
 class DeadlineExceeded(Rejected):
     """The item's deadline passed (or cannot be met) before it reached the model."""
 
@@ -63,6 +79,16 @@ class _Item(Generic[T, R]):
     deadline: float  # time.monotonic()
     enqueued: float
     future: asyncio.Future[R]
+    gone: Callable[[], bool] | None = None
+
+    def dropped(self) -> bool:
+        """Cancelled by its caller, or its caller is gone (then failed with ClientGone)."""
+        if self.future.done():
+            return True
+        if self.gone is not None and self.gone():
+            self.future.set_exception(ClientGone())
+            return True
+        return False
 
 
 @dataclass
@@ -104,6 +130,7 @@ class Batcher(Generic[T, R]):
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task[None]] = set()
+        self._busy = 0  # batches between start and release of their slot
         self._worker: asyncio.Task[None] | None = None
         self.stats = stats or BatchStats()
 
@@ -136,8 +163,12 @@ class Batcher(Generic[T, R]):
         return self._ready_size()
 
     # -- request side --------------------------------------------------------------
-    async def submit(self, payload: T, deadline: float) -> R:
-        """Queue ``payload`` and wait for its result (or QueueFull / DeadlineExceeded)."""
+    async def submit(
+        self, payload: T, deadline: float, gone: Callable[[], bool] | None = None
+    ) -> R:
+        """Queue ``payload`` and wait for its result (or QueueFull / DeadlineExceeded, or
+        ClientGone when ``gone()`` is true as its batch forms; ``gone`` must be cheap and
+        must not block: it runs on the worker)."""
         now = time.monotonic()
         if len(self._queue) >= self.max_queue_size:
             # Cancelled requests wait in the deque until the worker sweeps them; they
@@ -148,7 +179,7 @@ class Batcher(Generic[T, R]):
         if deadline - now < self.stats.expected_batch_s(now):
             raise DeadlineExceeded("deadline shorter than the measured batch time")
         fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(payload, deadline, now, fut))
+        self._queue.append(_Item(payload, deadline, now, fut, gone))
         self._wakeup.set()
         # The caller's own timeout cancels ``fut`` through this await; the worker then
         # drops the item before the batch runs.
@@ -160,7 +191,7 @@ class Batcher(Generic[T, R]):
         now = time.monotonic()
         while self._queue:
             head = self._queue[0]
-            if head.future.done():  # cancelled by its caller
+            if head.dropped():  # cancelled by its caller, or the caller is gone
                 self._queue.popleft()
             elif head.deadline - now < self.stats.expected_batch_s(now):
                 self._queue.popleft()
@@ -187,17 +218,21 @@ class Batcher(Generic[T, R]):
             if not batch:
                 self._slots.release()
                 continue
+            self._busy += 1  # counted from here: the task may not start before the next turn
             task = asyncio.get_running_loop().create_task(self._execute(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
     async def _collect(self) -> list[_Item[T, R]]:
-        """Wait until the batch is full, a preferred size is reached, the oldest item
-        has waited max_queue_delay, or the earliest deadline forces a flush."""
+        """Take what is queued at once when no batch is running (and no preferred sizes
+        are set); else wait until the batch is full, a preferred size is reached, the
+        oldest item has waited max_queue_delay, or the earliest deadline forces a flush."""
         while True:
             head = self._live_head()
             if head is None:
                 return []
+            if self._busy == 0 and not self.preferred:
+                break  # nothing running: waiting would only add the delay to a lone request
             ready = self._ready_size()
             if ready >= self.max_batch_size or (self.preferred and ready in self.preferred):
                 break
@@ -218,7 +253,7 @@ class Batcher(Generic[T, R]):
         now = time.monotonic()
         while self._queue and len(batch) < self.max_batch_size:
             item = self._queue.popleft()
-            if item.future.done():
+            if item.dropped():
                 continue
             if item.deadline - now < self.stats.expected_batch_s(now):
                 item.future.set_exception(DeadlineExceeded("deadline passed in the queue"))
@@ -239,6 +274,7 @@ class Batcher(Generic[T, R]):
                     it.future.set_exception(exc)
             return
         finally:
+            self._busy -= 1
             self._slots.release()
         elapsed = time.monotonic() - start
         s = self.stats

@@ -8,9 +8,11 @@ app's lifespan yields the one :class:`Resources` object and handlers read it bac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +42,15 @@ class Resources:
     redis: aioredis.Redis
     models: ModelHolder
     scorer: Scorer
+    # The scorer as both paths call it (decisions counted per call).
+    score_batch: Callable[[Sequence[ScoreRequest]], Awaitable[list[ScoreResult]]]
     batcher: Batcher[ScoreRequest, ScoreResult] | None  # None: batching off (naive path)
     instruments: telemetry.Instruments
 
     def count_rejection(self, reason: RejectReason) -> None:
-        self.instruments.rejections.add(
-            1, {"reason": reason.value, "model_version": _version_label(self.models)}
-        )
+        self.instruments.rejections.labels(
+            reason=reason.value, model_version=_version_label(self.models)
+        ).inc()
 
     def answer(self, exc: Rejected) -> JSONResponse:
         """The one 503 answer: counted (unless ``exc`` says not), with Retry-After."""
@@ -106,17 +110,23 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
         scorer = Scorer(client, reader, models, settings, pool)
 
+        async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
+            """The scorer, plus the batch's decisions counted once per micro-batch."""
+            results = await scorer.score_requests(items)
+            instruments.count_decisions(Counter((r.decision, r.model_version) for r in results))
+            return results
+
         def on_batch(size: int, compute_s: float, waits: list[float]) -> None:
-            attrs = {"model_version": _version_label(models)}
-            instruments.batch_size.record(size, attrs)
-            instruments.compute_time.record(compute_s, attrs)
+            bound = instruments.bound(_version_label(models))
+            bound.batch_size.observe(size)
+            bound.compute_time.observe(compute_s)
             for w in waits:
-                instruments.queue_time.record(w, attrs)
+                bound.queue_time.observe(w)
 
         batcher: Batcher[ScoreRequest, ScoreResult] | None = None
         if settings.batching:
             batcher = Batcher(
-                scorer.score_requests,
+                score_batch,
                 max_batch_size=settings.max_batch_size,
                 max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
                 max_queue_size=settings.max_queue_size,
@@ -126,7 +136,19 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             )
             batcher.start()
             stack.push_async_callback(batcher.stop, drain_s=settings.drain_seconds)
-            queued = batcher
-            telemetry.observe_queue_depth(lambda: queued.depth)
-            stack.callback(telemetry.observe_queue_depth, None)
-        yield Resources(settings, client, models, scorer, batcher, instruments)
+            sampler = asyncio.get_running_loop().create_task(
+                _sample_depth(batcher, instruments), name="queue-depth"
+            )
+            stack.callback(sampler.cancel)
+        stack.callback(telemetry.worker_exited)
+        yield Resources(settings, client, models, scorer, score_batch, batcher, instruments)
+
+
+async def _sample_depth(
+    batcher: Batcher[ScoreRequest, ScoreResult], ins: telemetry.Instruments
+) -> None:
+    """Keep ``fraud_batch_queue_depth`` current (10 times a second): a gauge that is
+    set, unlike a scrape-time callback, also works across worker processes."""
+    while True:
+        ins.queue_depth.set(batcher.depth)
+        await asyncio.sleep(0.1)

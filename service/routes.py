@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import prometheus_client
@@ -31,7 +31,7 @@ from service.errors import NotReady, Rejected, RejectReason
 from service.model import load_configured
 from service.resources import Resources, resources
 from service.schemas import BatchIn, BatchOut, ScoreOut
-from service.scoring import ScoreRequest
+from service.scoring import ScoreRequest, ScoreResult
 
 router = APIRouter()
 
@@ -130,7 +130,7 @@ async def score(request: Request) -> Response:
     res = resources(request)
     deadline = _deadline(request, res)
     item = ScoreRequest(txn, _record(request))
-    return await _unless_client_leaves(request, res, _score_one(request, res, item, deadline))
+    return _json(await _score_one(request, res, item, deadline, client_gone(request)))
 
 
 @router.post(
@@ -156,98 +156,95 @@ async def score_many(request: Request, body: BatchIn) -> Response:
             ]
         )
     deadline = _deadline(request, res)
+    gone = client_gone(request)
     record = _record(request)
+    # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so no
+    # work is done for answers nobody will receive.
+    tasks = [
+        asyncio.ensure_future(_score_one(request, res, ScoreRequest(t, record), deadline, gone))
+        for t in body.transactions
+    ]
+    try:
+        return _json(BatchOut(results=list(await asyncio.gather(*tasks))))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
-    async def all_of_them() -> BatchOut:
-        # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so
-        # no work is done for answers nobody will receive.
-        tasks = [
-            asyncio.ensure_future(_score_one(request, res, ScoreRequest(t, record), deadline))
-            for t in body.transactions
-        ]
-        try:
-            return BatchOut(results=list(await asyncio.gather(*tasks)))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
 
-    return await _unless_client_leaves(request, res, all_of_them())
+def client_gone(request: Request) -> Callable[[], bool] | None:
+    """A cheap "has the client disconnected?" for the batcher, which asks it as the
+    request's micro-batch forms and drops the request if so (``ClientGone``): no watcher
+    task per request. uvicorn marks its request cycle (the owner of ``receive``)
+    ``disconnected`` when the connection drops; under another server this is None and a
+    request whose client left still runs (its answer is discarded)."""
+    cycle: Any = getattr(request.receive, "__self__", None)
+    if not isinstance(getattr(cycle, "disconnected", None), bool):
+        return None
+    return lambda: bool(cycle.disconnected)
 
 
 async def _score_one(
-    request: Request, res: Resources, item: ScoreRequest, deadline: float
+    request: Request,
+    res: Resources,
+    item: ScoreRequest,
+    deadline: float,
+    gone: Callable[[], bool] | None,
 ) -> ScoreOut:
     res.models.require()  # no model: 503 at once, nothing queued
-    txn = item.txn
     start = time.perf_counter()
+    if telemetry.tracing():
+        result = await _traced(request, res, item, deadline, gone)
+    else:  # no spans at all: even the no-op tracer costs a context switch per request
+        result = await _decide(res, item, deadline, gone)
+    total_ms = (time.perf_counter() - start) * 1e3
+    res.instruments.bound(result.model_version).request_duration.observe(total_ms / 1e3)
+    return ScoreOut.of(result, total_ms)
+
+
+async def _decide(
+    res: Resources, item: ScoreRequest, deadline: float, gone: Callable[[], bool] | None
+) -> ScoreResult:
+    """One decision through the micro-batcher (or, batching off, on its own)."""
+    try:
+        if res.batcher is not None:
+            # asyncio.timeout cancels the await (and so the queued item) at the deadline
+            # without wrapping it in a task as wait_for would.
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                return await res.batcher.submit(item, deadline, gone)
+        if deadline <= time.monotonic():
+            raise DeadlineExceeded("deadline passed")
+        return (await res.score_batch([item]))[0]
+    except TimeoutError as exc:
+        raise Rejected(RejectReason.TIMEOUT, "deadline exceeded: timed out") from exc
+
+
+async def _traced(
+    request: Request,
+    res: Resources,
+    item: ScoreRequest,
+    deadline: float,
+    gone: Callable[[], bool] | None,
+) -> ScoreResult:
+    """:func:`_decide` inside a ``score`` span with one child span per stage."""
     tracer = telemetry.tracer()
     received = request.scope.get(RECEIVED_NS, time.time_ns())
     with tracer.start_as_current_span(
-        "score", start_time=received, attributes={"transaction_id": txn.transaction_id}
+        "score", start_time=received, attributes={"transaction_id": item.txn.transaction_id}
     ):
         # Body parsing and validation ran before this handler, since ``received``.
         tracer.start_span("validation", start_time=received).end()
-        try:
-            if res.batcher is not None:
-                # asyncio.timeout cancels the await (and so the queued item) at the
-                # deadline without wrapping it in a task as wait_for would.
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                    result = await res.batcher.submit(item, deadline)
-            else:
-                if deadline <= time.monotonic():
-                    raise DeadlineExceeded("deadline passed")
-                result = (await res.scorer.score_requests([item]))[0]
-        except TimeoutError as exc:
-            raise Rejected(RejectReason.TIMEOUT, "deadline exceeded: timed out") from exc
+        result = await _decide(res, item, deadline, gone)
         for name, (s, e) in result.spans_ns.items():
             tracer.start_span(name, start_time=s).end(end_time=e)
-        total_ms = (time.perf_counter() - start) * 1e3
         trace.get_current_span().set_attribute("decision", result.decision)
-    res.instruments.decisions.add(
-        1, {"decision": result.decision, "model_version": result.model_version}
-    )
-    res.instruments.request_duration.record(total_ms / 1e3, {"model_version": result.model_version})
-    return ScoreOut.of(result, total_ms)
+    return result
 
 
 def _json(body: BaseModel) -> Response:
     # Serialized once here; returning a Response skips FastAPI's second validation pass
     # (the route's response_model still documents the schema).
     return Response(body.model_dump_json(), media_type="application/json")
-
-
-async def _unless_client_leaves(
-    request: Request, res: Resources, work: Awaitable[BaseModel]
-) -> Response:
-    """Run ``work`` unless the client disconnects first.
-
-    The body has been read, so the next ASGI message is ``http.disconnect``: a watcher
-    waits for it and cancels this handler, which cancels its queued micro-batch items;
-    the batcher drops them before their micro-batch runs (they never reach the model).
-    """
-    handler = asyncio.current_task()
-    assert handler is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        handler.cancel()
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        return _json(await work)
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        handler.uncancel()
-        res.count_rejection(RejectReason.DISCONNECTED)
-        return Response(status_code=499)  # nobody is listening; for the access log only
-    finally:
-        watcher.cancel()
 
 
 @router.post("/v1/models/reload")
@@ -290,9 +287,7 @@ async def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics() -> Response:
-    return Response(
-        prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST
-    )
+    return Response(telemetry.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
 
 # --- error answers -------------------------------------------------------------------

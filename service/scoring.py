@@ -193,7 +193,10 @@ class Scorer:
         wall1, t1 = time.time_ns(), time.perf_counter()
         model = self.models.require()  # one model for the whole batch, even during a swap
         x = F.assemble(model.meta.feature_names, cols)
-        scores = await asyncio.get_running_loop().run_in_executor(self.pool, model.predict, x)
+        if len(txns) <= self.settings.inline_inference_max_batch and not model.on_gpu:
+            scores = model.predict(x)  # cheaper than the thread handoff (settings)
+        else:
+            scores = await asyncio.get_running_loop().run_in_executor(self.pool, model.predict, x)
         wall2, t2 = time.time_ns(), time.perf_counter()
         policy = policy_for(model, self.settings)
         names = list(cols)

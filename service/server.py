@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 import httpx
@@ -16,6 +20,7 @@ import uvicorn
 from fraud_scoring.redis_server import free_port, require_redis
 from fraud_scoring.settings import Settings
 from service.errors import ServiceStartError
+from service.telemetry import MULTIPROC_ENV
 
 __all__ = ["ServiceProcess", "ServiceStartError", "app_factory", "serve", "spawn"]
 
@@ -26,6 +31,8 @@ def serve(settings: Settings) -> None:
     Raises ``RedisNotConfigured`` before anything starts when REDIS_URL is unset and
     ``embedded_redis`` is not (the lifespan checks the same, for other ways in)."""
     require_redis(settings.redis_url, settings.embedded_redis)
+    if settings.workers > 1:
+        _share_metrics()
     uvicorn.run(
         "service.server:app_factory",
         factory=True,
@@ -36,6 +43,20 @@ def serve(settings: Settings) -> None:
         log_level="info",
         access_log=False,
     )
+
+
+def _share_metrics() -> None:
+    """Put the workers' Prometheus metrics in one directory (``PROMETHEUS_MULTIPROC_DIR``,
+    a fresh temporary one unless set) so that any worker's ``/metrics`` answers for all:
+    set here, before uvicorn spawns the workers, because prometheus_client reads it on
+    import. A directory given by the user is emptied of a previous run's files first."""
+    given = os.environ.get(MULTIPROC_ENV)
+    if given:
+        for stale in Path(given).glob("*.db"):
+            stale.unlink()
+    else:
+        os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="fraud-metrics-")
+        atexit.register(shutil.rmtree, os.environ[MULTIPROC_ENV], ignore_errors=True)
 
 
 def app_factory():  # type: ignore[no-untyped-def]
@@ -66,16 +87,23 @@ def spawn(
     wait_for: str = "/readyz",
     timeout_s: float = 60.0,
     output: int | IO[bytes] | None = None,
+    command: Sequence[str] = ("-m", "cli", "serve"),
+    cpus: str | None = None,
 ) -> ServiceProcess:
-    """Start ``fraud-scoring serve`` on a free loopback port with ``env`` added to this
-    process's environment; return once ``wait_for`` answers 200.
+    """Start ``fraud-scoring serve`` (or ``python *command``, which must listen on
+    FRAUD_HOST:FRAUD_PORT) on a free loopback port with ``env`` added to this process's
+    environment; return once ``wait_for`` answers 200. ``cpus`` (a ``taskset`` CPU list
+    such as ``"0"``) pins the process and all its threads to those cores.
 
     Raises ServiceStartError at once if the process exits, or after ``timeout_s``.
     """
     port = free_port()
     full_env = {**os.environ, **env, "FRAUD_HOST": "127.0.0.1", "FRAUD_PORT": str(port)}
+    argv = [sys.executable, *command]
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]  # taskset execs: proc.pid is the service
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "serve"],
+        argv,
         env=full_env,
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,

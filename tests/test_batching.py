@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from service.batching import Batcher, DeadlineExceeded, QueueFull
+from service.batching import Batcher, BatchStats, DeadlineExceeded, QueueFull
 from tests.conftest import World, start_server, stop_server
 from tests.test_service import TXN, held_out_day
 
@@ -63,16 +63,64 @@ async def test_batches_fill_to_the_size_bound_under_load() -> None:
     assert rec.seen == list(range(40))  # FIFO
 
 
-async def test_light_load_flushes_at_the_time_bound() -> None:
+def recorded_waits(stats: BatchStats) -> list[float]:
+    """Hook ``stats`` so every batch's queue waits (as the batcher measured them) land in
+    the returned list."""
+    waits: list[float] = []
+    stats.on_batch = lambda _size, _compute_s, w: waits.extend(w)
+    return waits
+
+
+async def test_a_lone_request_is_not_held_when_the_executor_is_idle() -> None:
     rec = Recorder()
-    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.03, max_queue_size=10)
+    stats = BatchStats()
+    waits = recorded_waits(stats)
+    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.5, max_queue_size=10, stats=stats)
     b.start()
-    t0 = time.monotonic()
     assert await b.submit(7, far()) == 70
-    waited = time.monotonic() - t0
     await b.stop()
     assert rec.batches == [[7]]
-    assert waited >= 0.03
+    assert len(waits) == 1 and waits[0] < 0.05  # far under the 0.5 s delay: not held
+
+
+async def test_batches_form_while_the_executor_is_busy() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.5, max_queue_size=100)
+    b.start()
+    first = asyncio.create_task(b.submit(0, far()))
+    await eventually(lambda: bool(rec.batches))  # item 0 runs alone, at once
+    rest = [asyncio.create_task(b.submit(i, far())) for i in range(1, 6)]
+    await eventually(lambda: b.depth == 5)
+    rec.gate.set()
+    assert await asyncio.gather(first, *rest) == [0, 10, 20, 30, 40, 50]
+    await b.stop()
+    assert rec.batches == [[0], [1, 2, 3, 4, 5]]  # queued behind the running batch
+
+
+async def test_company_is_waited_for_at_most_the_delay_while_another_batch_runs() -> None:
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    stats = BatchStats()
+    waits = recorded_waits(stats)
+    b = Batcher(
+        rec,
+        max_batch_size=64,
+        max_queue_delay_s=0.03,
+        max_queue_size=10,
+        concurrency=2,
+        stats=stats,
+    )
+    b.start()
+    blocked = asyncio.create_task(b.submit(0, far()))
+    await eventually(lambda: bool(rec.batches))
+    second = asyncio.create_task(b.submit(1, far()))
+    await eventually(lambda: len(rec.batches) == 2)  # flushed by the time bound
+    rec.gate.set()
+    assert await asyncio.gather(blocked, second) == [0, 10]
+    await b.stop()
+    assert rec.batches == [[0], [1]]
+    assert max(waits) >= 0.03  # item 1 waited the delay for company, not longer than needed
 
 
 async def test_preferred_size_flushes_early() -> None:
@@ -146,16 +194,21 @@ async def test_expired_deadline_never_reaches_the_model() -> None:
 
 async def test_cancelled_requests_are_dropped_and_do_not_leak() -> None:
     rec = Recorder()
+    rec.gate = asyncio.Event()
     b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.05, max_queue_size=3)
     b.start()
+    blocker = asyncio.create_task(b.submit(-1, far()))
+    await eventually(lambda: bool(rec.batches))  # the model is busy: the next ones queue
     tasks = [asyncio.create_task(b.submit(i, far())) for i in range(3)]
     await eventually(lambda: b.depth == 3)
     tasks[1].cancel()  # client went away
+    rec.gate.set()
     done = await asyncio.gather(*tasks, return_exceptions=True)
-    assert done[0] == 0 and done[2] == 20
+    assert done[0] == 0 and done[2] == 20 and await blocker == -10
     assert isinstance(done[1], asyncio.CancelledError)
-    assert rec.seen == [0, 2]
+    assert rec.seen == [-1, 0, 2]
     assert b.depth == 0
+    rec.gate = None
     # the slot came back: the queue takes 3 again
     assert await asyncio.gather(*(b.submit(i, far()) for i in range(3))) == [0, 10, 20]
     # a caller timing out (wait_for) cancels the same way
@@ -262,8 +315,13 @@ def test_client_that_disconnects_is_dropped_before_the_model(world: World, tmp_p
 
     from tests.conftest import wait_until
 
+    # With a preferred size the batcher waits (500 ms) for company even when idle.
     srv = start_server(
-        world, tmp_path, FRAUD_MAX_QUEUE_DELAY_MS="500", FRAUD_REQUEST_TIMEOUT_MS="5000"
+        world,
+        tmp_path,
+        FRAUD_MAX_QUEUE_DELAY_MS="500",
+        FRAUD_PREFERRED_BATCH_SIZES="[64]",
+        FRAUD_REQUEST_TIMEOUT_MS="5000",
     )
     try:
         with httpx.Client(base_url=srv.url) as c:

@@ -406,3 +406,52 @@ def test_naive_path_serves_a_batch_larger_than_the_redis_pool(world: World, tmp_
         ]
     finally:
         stop_server(srv)
+
+
+def _sample_sum(text: str, name: str) -> float:
+    """Sum of every sample of ``name`` (all label sets) in a Prometheus exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_aggregate_across_workers(world: World, tmp_path: Path) -> None:
+    """With FRAUD_WORKERS=2 any worker's /metrics counts every worker's requests."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.conftest import wait_until
+
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    srv = start_server(
+        world, tmp_path, FRAUD_WORKERS="2", PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)
+    )
+    sent = 0
+
+    def one(i: int) -> int:
+        # A fresh connection each time, so the kernel hands requests to both workers.
+        with httpx.Client(base_url=srv.url, headers={"Connection": "close"}) as c:
+            return c.post("/v1/score", json={**TXN, "transaction_id": f"w-{i}"}).status_code
+
+    def both_workers_served() -> bool:
+        nonlocal sent
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(one, range(sent, sent + 16)))
+        assert codes == [200] * 16
+        sent += 16
+        return len(list(metrics_dir.glob("counter_*.db"))) >= 2  # a decision in each
+
+    try:
+        wait_until(both_workers_served, timeout=60, what="both workers to serve requests")
+        for _ in range(4):  # whichever worker answers the scrape, it reports all of them
+            with httpx.Client(base_url=srv.url, headers={"Connection": "close"}) as c:
+                text = c.get("/metrics").text
+            assert _sample_sum(text, "fraud_decisions_total") == sent
+            assert _sample_sum(text, "fraud_request_duration_seconds_count") == sent
+            assert "fraud_batch_queue_depth" in text
+    finally:
+        stop_server(srv)
