@@ -2,10 +2,10 @@
 
 Every subcommand reads the same settings (``fraud_scoring.settings``); flags override
 them. The subcommands come from each app folder's ``commands`` module (batch_jobs,
-service, streaming) plus the demo and the simulated feed here. Short jobs (simulate,
-batch, train, demo, emit) start a private Redis-protocol server for their own duration
-when ``REDIS_URL`` is unset; the long-running ``serve`` and ``stream`` refuse to unless
-given ``--embedded-redis``.
+service, streaming) plus the demo, the simulated feed and Feast's CLI (``feast``) here.
+Short jobs (simulate, batch, train, demo, emit, feast) start a private Redis-protocol
+server for their own duration when ``REDIS_URL`` is unset; the long-running ``serve`` and
+``stream`` refuse to unless given ``--embedded-redis``.
 
 Exit status: 0 done, 1 the job failed (missing data, bad model, Redis or service would
 not start), 2 bad input or configuration, 130 interrupted.
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 import batch_jobs.commands
 import service.commands
 import streaming.commands
-from cli import demo, emit
+from cli import demo, emit, feast_tools
 from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import RedisNotConfigured, RedisStartError
@@ -39,6 +39,7 @@ COMMANDS: list[Command] = [
     *streaming.commands.COMMANDS,
     demo.COMMAND,
     emit.COMMAND,
+    feast_tools.COMMAND,
 ]
 
 

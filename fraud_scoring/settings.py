@@ -45,6 +45,12 @@ class Settings(BaseSettings):
         "the batch job's Feast client all trust it; needs a rediss:// REDIS_URL. The same "
         "can be written into REDIS_URL directly (rediss://host:6379/0?ssl_ca_certs=/path).",
     )
+    redis_password_file: Path | None = Field(
+        default=None,
+        description="File holding the Redis password (a mounted Secret, so the password "
+        "is in no environment variable); trailing newlines are ignored. Put into REDIS_URL "
+        "(redis://[user@]host:port/db, without a password) for every Redis client.",
+    )
     data_dir: Path = Field(
         default=Path("data"),
         description="Root of raw history (data/raw), offline feature tables "
@@ -245,6 +251,30 @@ class Settings(BaseSettings):
         if v == 0:
             raise ValueError("must be at least 1, or -1 for the broker's default")
         return v
+
+    @model_validator(mode="after")
+    def _password_file_into_url(self) -> Settings:
+        """Carry ``redis_password_file``'s password in REDIS_URL."""
+        if self.redis_password_file is None:
+            return self
+        if self.redis_url is None:
+            raise ValueError("FRAUD_REDIS_PASSWORD_FILE needs REDIS_URL (the server's address)")
+        try:
+            password = self.redis_password_file.read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"FRAUD_REDIS_PASSWORD_FILE: cannot read: {exc}") from None
+        if not password:
+            raise ValueError(f"FRAUD_REDIS_PASSWORD_FILE: {self.redis_password_file} is empty")
+        u = urlsplit(self.redis_url)
+        if u.password is not None:
+            raise ValueError(
+                "REDIS_URL already carries a password; with FRAUD_REDIS_PASSWORD_FILE give "
+                f"it without one, got {redact_url(self.redis_url)!r}"
+            )
+        user, _, host = u.netloc.rpartition("@")
+        netloc = f"{user}:{quote(password, safe='')}@{host}"
+        self.redis_url = u._replace(netloc=netloc).geturl()
+        return self
 
     @model_validator(mode="after")
     def _ca_file_into_url(self) -> Settings:

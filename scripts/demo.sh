@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[cpu]"
+.venv/bin/python -m pip install -q -e ".[cpu,train]"
 exec .venv/bin/fraud-scoring demo "$@"

@@ -48,7 +48,7 @@ def _redis_client(settings: Settings) -> Iterator[redis.Redis]:
 
 
 def run_stream(args: argparse.Namespace, settings: Settings) -> None:
-    from streaming.metrics import UpdaterMetrics
+    from streaming.metrics import UpdaterMetrics, serve_http
     from streaming.sources import KafkaSource, RedisStreamSource, Source, SourceFatal
     from streaming.state import SessionWriter
     from streaming.updater import Updater
@@ -61,10 +61,8 @@ def run_stream(args: argparse.Namespace, settings: Settings) -> None:
     metrics = UpdaterMetrics.create()
     metrics_port = _or(args.metrics_port, settings.updater_metrics_port)
     with _redis_client(settings) as client:  # first: refuses when REDIS_URL is missing
-        if metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(metrics_port, registry=metrics.registry)
+        if metrics_port:  # /metrics and /readyz ("consuming")
+            serve_http(metrics, metrics_port, client.ping)
         source: Source
         if source_kind == "kafka":
             source = KafkaSource(
@@ -164,7 +162,8 @@ def configure_stream(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port",
         type=int,
-        help="Prometheus /metrics port, 0: off (default FRAUD_UPDATER_METRICS_PORT, 9108)",
+        help="port of Prometheus /metrics and /readyz, 0: off "
+        "(default FRAUD_UPDATER_METRICS_PORT, 9108)",
     )
     p.add_argument("--max-messages", type=int, help="stop after this many messages")
     p.add_argument("--idle-exit-s", type=float, help="stop after this long without events")

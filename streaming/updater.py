@@ -190,6 +190,7 @@ class Updater:
                     n = self.step()
                 except RETRYABLE:  # only raised once stopping
                     break
+                self.metrics.mark_step()  # what /readyz reads
                 now = time.monotonic()
                 if n:
                     last_busy = now

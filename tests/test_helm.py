@@ -148,7 +148,11 @@ def component(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def app_images(values: dict[str, Any] | None) -> set[str]:
     merged = _chart().merge_values(values or {})
-    return {merged["image"]["repository"], merged["gpu"]["image"]["repository"]}
+    return {
+        merged["image"]["repository"],
+        merged["jobsImage"]["repository"],
+        merged["gpu"]["image"]["repository"],
+    }
 
 
 def app_containers(docs: list[dict[str, Any]], values: dict[str, Any] | None) -> Iterator[Any]:
@@ -383,21 +387,41 @@ def test_feature_store_configmap_mirrors_feature_repo_and_is_mounted() -> None:
         assert any(storage.startswith(m["mountPath"] + "/") for m in c["volumeMounts"])
 
 
+def password_volume(workload: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
+    """The Secret volume FRAUD_REDIS_PASSWORD_FILE points into; the password is in no
+    environment variable of the container."""
+    env = env_of(c)
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c["env"]), c["name"]
+    path = env["FRAUD_REDIS_PASSWORD_FILE"]["value"]
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"]
+    (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+    assert path == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    return dict(volume)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_redis_password_in_app_environments(case: str) -> None:
+    for workload, c in app_containers(rendered_case(case), CASES[case]):
+        if "FRAUD_REDIS_PASSWORD_FILE" in env_of(c):
+            password_volume(workload, c)
+        url = urllib.parse.urlsplit(env_of(c)["REDIS_URL"]["value"])
+        assert url.password is None, f"{c['name']}: a password in REDIS_URL"
+
+
 def test_redis_password_from_existing_secret() -> None:
     docs = rendered_case("external-redis-existing-secret")
     assert find(docs, "Secret") == [], "an existing Secret is used, none created"
-    for _, c in app_containers(docs, CASES["external-redis-existing-secret"]):
-        names = [e["name"] for e in c["env"]]
-        # Dependent variable expansion only sees variables defined earlier.
-        assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")
+    for workload, c in app_containers(docs, CASES["external-redis-existing-secret"]):
         env = env_of(c)
-        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-            "name": "fraud-redis-credentials",
-            "key": "password",
-        }
         assert env["REDIS_URL"]["value"] == (
-            "rediss://fraud:$(REDIS_PASSWORD)@fraud-redis.cache.example.internal:6380/2"
+            "rediss://fraud@fraud-redis.cache.example.internal:6380/2"
         )
+        assert password_volume(workload, c)["secret"] == {
+            "secretName": "fraud-redis-credentials",
+            "items": [{"key": "password", "path": "password"}],
+            "defaultMode": 0o440,
+        }
         # The private CA: mounted from its Secret and named by FRAUD_REDIS_CA_FILE.
         ca_file = env["FRAUD_REDIS_CA_FILE"]["value"]
         (mount,) = [m for m in c["volumeMounts"] if m["name"] == "redis-ca"]
@@ -416,15 +440,11 @@ def test_in_chart_redis_uses_the_official_valkey_image_and_a_generated_secret() 
     secret = one(docs, "Secret")
     assert len(secret["data"]["redis-password"]) > 20
     service = one(docs, "Service", sts["metadata"]["name"])
-    for _, c in app_containers(docs, CASES["in-chart-redis"]):
+    for workload, c in app_containers(docs, CASES["in-chart-redis"]):
         env = env_of(c)
-        assert (
-            env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"]
-            == (secret["metadata"]["name"])
-        )
-        assert env["REDIS_URL"]["value"] == (
-            f"redis://:$(REDIS_PASSWORD)@{service['metadata']['name']}:6379/0"
-        )
+        volume = password_volume(workload, c)
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert env["REDIS_URL"]["value"] == f"redis://{service['metadata']['name']}:6379/0"
     policy = one(docs, "NetworkPolicy", sts["metadata"]["name"])
     peers = policy["spec"]["ingress"][0]["from"]
     assert peers == [
@@ -541,6 +561,30 @@ def test_images_are_multistage_nonroot_and_run_the_console_script(dockerfile: st
     assert uid and int(uid.group(1)) == _chart().values["podSecurityContext"]["runAsUser"]
 
 
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_images_build_with_the_classic_builder(dockerfile: str) -> None:
+    """No BuildKit-only syntax: no frontend fetched from a registry, no RUN --mount."""
+    text = (ROOT / dockerfile).read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, flags=re.M | re.I)
+    assert not re.search(r"^RUN\s+--", text, flags=re.M), "RUN flags need BuildKit"
+    assert "<<" not in text, "heredocs need BuildKit"
+
+
+def test_serving_pods_use_the_serving_image_and_jobs_the_jobs_image() -> None:
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert {"serve", "jobs"} <= set(stages)
+    docs = render({"jobsImage": {"repository": "registry.example/fraud-jobs"}})
+    for doc in docs:
+        if doc["kind"] not in POD_KINDS - {"Pod"}:
+            continue
+        component_name = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+        for c in containers(pod_spec(doc)):
+            if component_name in ("scoring", "streaming"):
+                assert c["image"] == "ghcr.io/example/fraud-scoring:0.1.0", c["name"]
+            elif component_name in ("batch", "training", "bootstrap"):
+                assert c["image"] == "registry.example/fraud-jobs:0.1.0-jobs", c["name"]
+
+
 def test_dockerignore_keeps_what_the_wheel_needs() -> None:
     ignored = {
         line.strip()
@@ -645,16 +689,26 @@ def expand(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$\([A-Za-z_][A-Za-z0-9_]*\)|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
 
 
-def container_env(c: dict[str, Any], docs: list[dict[str, Any]], pod_name: str) -> dict[str, str]:
-    """The environment the kubelet would give this container, from the rendered objects."""
+def container_env(
+    c: dict[str, Any],
+    docs: list[dict[str, Any]],
+    pod_name: str,
+    spec: dict[str, Any] | None = None,
+    files_dir: Path | None = None,
+) -> dict[str, str]:
+    """The environment the kubelet would give this container, from the rendered objects.
+
+    With ``spec`` (the pod's) and ``files_dir``, a variable naming a file inside a mounted
+    rendered Secret (FRAUD_REDIS_PASSWORD_FILE) is pointed at a copy in ``files_dir``.
+    """
+    import base64
+
     secrets = {s["metadata"]["name"]: s for s in find(docs, "Secret")}
     env: dict[str, str] = {}
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = expand(str(e["value"]), env)
         elif ref := e["valueFrom"].get("secretKeyRef"):
-            import base64
-
             data = secrets[ref["name"]]["data"][ref["key"]]
             env[e["name"]] = base64.b64decode(data).decode()
         elif ref := e["valueFrom"].get("fieldRef"):
@@ -662,6 +716,21 @@ def container_env(c: dict[str, Any], docs: list[dict[str, Any]], pod_name: str) 
             env[e["name"]] = pod_name
         else:
             raise AssertionError(f"unhandled env source {e}")
+    if spec is None or files_dir is None:
+        return env
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        secret = volumes[m["name"]].get("secret")
+        if secret is None or secret["secretName"] not in secrets:
+            continue
+        data = secrets[secret["secretName"]]["data"]
+        for item in secret.get("items", [{"key": k, "path": k} for k in data]):
+            pod_path = f"{m['mountPath']}/{item['path']}"
+            for name, value in env.items():
+                if value == pod_path:
+                    local = files_dir / f"{m['name']}-{item['path']}"
+                    local.write_bytes(base64.b64decode(data[item["key"]]))
+                    env[name] = str(local)
     return env
 
 
@@ -706,7 +775,7 @@ def running_scoring(
     """
     spec = pod_spec(component(docs, "scoring"))
     (c,) = spec["containers"]
-    env = container_env(c, docs, pod_name=f"{RELEASE}-fraud-scoring-7d9f-abcde")
+    env = container_env(c, docs, f"{RELEASE}-fraud-scoring-7d9f-abcde", spec, workdir)
     named_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert named_ports[c[probe]["httpGet"]["port"]] == int(env["FRAUD_PORT"])
@@ -756,9 +825,11 @@ def test_rendered_scoring_command_starts_and_answers_its_probes(tmp_path: Path) 
         pytest.skip(f"fraud-scoring CLI not written yet: {reason}")
     password = "rendered-s3cret"
     docs = render({"redis": {"password": password}})
-    (c,) = pod_spec(component(docs, "scoring"))["containers"]
-    env = container_env(c, docs, pod_name="x")
-    assert env["REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+    spec = pod_spec(component(docs, "scoring"))
+    (c,) = spec["containers"]
+    env = container_env(c, docs, "x", spec, tmp_path)
+    assert env["REDIS_URL"] == "redis://redis:6379/0"
+    assert Path(env["FRAUD_REDIS_PASSWORD_FILE"]).read_text() == password
     with (
         local_redis(password) as redis_port,
         running_scoring(docs, redis_port, tmp_path) as (
@@ -876,7 +947,12 @@ def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
     job = component(docs, "bootstrap")
     with local_redis(password) as redis_port:
         for c in containers(pod_spec(job)):
-            env = localize(container_env(c, docs, "bootstrap-x"), redis_port, workdir, fs_yaml)
+            env = localize(
+                container_env(c, docs, "bootstrap-x", pod_spec(job), workdir),
+                redis_port,
+                workdir,
+                fs_yaml,
+            )
             extra = SMALL_SIMULATION if c["args"][0] == "simulate" else []
             proc = subprocess.run(
                 cli_argv(c["args"] + extra),
@@ -924,7 +1000,7 @@ def test_rendered_streaming_command_runs_and_stops_on_sigterm(
     spec = pod_spec(deploy)
     (c,) = spec["containers"]
     env = localize(
-        container_env(c, docs, f"{RELEASE}-fraud-scoring-streaming-5c8d-x1y2z"),
+        container_env(c, docs, f"{RELEASE}-fraud-scoring-streaming-5c8d-x1y2z", spec, workdir),
         redis_port,
         workdir,
         workdir / "feature_store.yaml",
@@ -939,8 +1015,13 @@ def test_rendered_streaming_command_runs_and_stops_on_sigterm(
         text=True,
     )
     try:
-        path = c["livenessProbe"]["httpGet"]["path"]
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}{path}") == 200, 60, path, proc)
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert c[probe]["httpGet"]["port"] == "metrics"
+            path = c[probe]["httpGet"]["path"]
+            wait_until(
+                lambda p=path: http_get(f"http://127.0.0.1:{port}{p}") == 200, 60, path, proc
+            )
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=spec["terminationGracePeriodSeconds"])
     finally:

@@ -74,6 +74,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- include "fraud-scoring.imageRef" (dict "image" .Values.image "defaultTag" .Chart.AppVersion) }}
 {{- end }}
 
+{{- define "fraud-scoring.jobsImage" -}}
+{{- include "fraud-scoring.imageRef" (dict "image" .Values.jobsImage "defaultTag" (printf "%s-jobs" .Chart.AppVersion)) }}
+{{- end }}
+
 {{- define "fraud-scoring.gpuImage" -}}
 {{- include "fraud-scoring.imageRef" (dict "image" .Values.gpu.image "defaultTag" (printf "%s-gpu" .Chart.AppVersion)) }}
 {{- end }}
@@ -109,24 +113,20 @@ redis-password
 {{- end }}
 {{- end }}
 
-{{/* REDIS_PASSWORD (from the Secret) then REDIS_URL built from it with Kubernetes'
-dependent variable expansion; REDIS_PASSWORD must come first. */}}
+{{/* REDIS_URL without the password, and FRAUD_REDIS_PASSWORD_FILE naming the Secret's
+key mounted as a file (fraud-scoring puts it into the URL): the password is in no
+environment variable. */}}
 {{- define "fraud-scoring.redisEnv" -}}
 {{- $scheme := ternary "rediss" "redis" .Values.redis.tls }}
 {{- $inChart := .Values.redis.inChart.enabled }}
 {{- $hostPort := printf "%s:%d" (include "fraud-scoring.redisHost" .) (ternary 6379 (int .Values.redis.port) $inChart) }}
 {{- $user := ternary "" .Values.redis.username $inChart }}
+{{- $userinfo := ternary (printf "%s@" $user) "" (ne $user "") }}
+- name: REDIS_URL
+  value: {{ printf "%s://%s%s/%d" $scheme $userinfo $hostPort (int .Values.redis.db) | quote }}
 {{- if include "fraud-scoring.redisAuth" . }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "fraud-scoring.redisSecretName" . }}
-      key: {{ include "fraud-scoring.redisSecretKey" . }}
-- name: REDIS_URL
-  value: {{ printf "%s://%s:$(REDIS_PASSWORD)@%s/%d" $scheme $user $hostPort (int .Values.redis.db) | quote }}
-{{- else }}
-- name: REDIS_URL
-  value: {{ printf "%s://%s/%d" $scheme $hostPort (int .Values.redis.db) | quote }}
+- name: FRAUD_REDIS_PASSWORD_FILE
+  value: {{ printf "%s/password" (include "fraud-scoring.redisAuthMountPath" .) | quote }}
 {{- end }}
 {{- if .Values.redis.caSecret }}
 {{- if not .Values.redis.tls }}
@@ -138,6 +138,8 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
 {{- end }}
 
 {{- define "fraud-scoring.redisCaMountPath" -}}/etc/fraud-scoring-redis-ca{{- end }}
+
+{{- define "fraud-scoring.redisAuthMountPath" -}}/etc/fraud-scoring-redis-auth{{- end }}
 
 {{/* Shared pod pieces ------------------------------------------------------- */}}
 
@@ -201,6 +203,11 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
   mountPath: {{ include "fraud-scoring.redisCaMountPath" . }}
   readOnly: true
 {{- end }}
+{{- if include "fraud-scoring.redisAuth" . }}
+- name: redis-auth
+  mountPath: {{ include "fraud-scoring.redisAuthMountPath" . }}
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{- define "fraud-scoring.storageClaimName" -}}
@@ -229,6 +236,15 @@ dependent variable expansion; REDIS_PASSWORD must come first. */}}
   secret:
     secretName: {{ . }}
 {{- end }}
+{{- if include "fraud-scoring.redisAuth" . }}
+- name: redis-auth
+  secret:
+    secretName: {{ include "fraud-scoring.redisSecretName" . }}
+    items:
+      - key: {{ include "fraud-scoring.redisSecretKey" . }}
+        path: password
+    defaultMode: 0440
+{{- end }}
 {{- end }}
 
 {{/* Pod-level settings shared by every fraud-scoring pod. */}}
@@ -243,13 +259,13 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* A fraud-scoring container running one subcommand, for Jobs. The image's
+{{/* A fraud-scoring container running one subcommand, for Jobs (the jobs image). The image's
 entrypoint (tini -- fraud-scoring) runs it: only args are set, for every component.
 (dict "ctx" $ "name" "x" "args" (list ...) "resources" {...} "component" "x") */}}
 {{- define "fraud-scoring.jobContainer" -}}
 - name: {{ .name }}
-  image: {{ include "fraud-scoring.image" .ctx }}
-  imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+  image: {{ include "fraud-scoring.jobsImage" .ctx }}
+  imagePullPolicy: {{ .ctx.Values.jobsImage.pullPolicy }}
   args:
     {{- toYaml .args | nindent 4 }}
   env:

@@ -1,0 +1,73 @@
+"""``fraud-scoring feast ARGS...``: Feast's CLI on ``feature_repo/`` with the project's settings.
+
+``feature_repo/feature_store.yaml`` keeps two placeholders for the ``feast`` CLI, which
+expands them from the environment: ``${FRAUD_DATA_DIR}`` (must be absolute, or Feast
+resolves it inside ``feature_repo/``) and ``${FRAUD_FEAST_REDIS}`` (Feast's
+``host:port,password=...,db=N`` form, not a URL). This command sets both from the
+settings every other subcommand reads (``FRAUD_DATA_DIR``, resolved against the working
+directory; ``REDIS_URL`` and ``FRAUD_REDIS_CA_FILE``), adds ``-c <feature_repo>`` (and
+``-f`` when ``FRAUD_FEATURE_STORE_YAML`` is set), and runs Feast's CLI in this process,
+so ``fraud-scoring feast plan`` is ``feast -c feature_repo plan`` with nothing to set up.
+
+With ``REDIS_URL`` unset, like the other short commands, a private Redis-protocol server
+lives for the command's duration. The exit status is Feast's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from fraud_scoring.commands import Command
+from fraud_scoring.redis_server import feast_connection_string, redis_url
+from fraud_scoring.settings import Settings
+
+
+def feast_environment(settings: Settings, url: str) -> dict[str, str]:
+    """The variables ``feature_store.yaml`` and ``feature_repo/definitions.py`` read,
+    for the data dir in ``settings`` and the Redis at ``url``."""
+    return {
+        "FRAUD_DATA_DIR": str(settings.data_dir.resolve()),
+        "FRAUD_FEAST_REDIS": feast_connection_string(url),
+    }
+
+
+def feast_argv(settings: Settings, feast_args: list[str]) -> list[str]:
+    """Feast's command line: the repository (and the yaml, when configured) first."""
+    from fraud_scoring.feast_store import REPO_DIR  # imports Feast: only for this command
+
+    argv = ["--chdir", str(REPO_DIR)]
+    if settings.feature_store_yaml is not None:
+        argv += ["--feature-store-yaml", str(settings.feature_store_yaml.resolve())]
+    # argparse keeps a leading "--" in the remainder; it only separated our options.
+    return argv + (feast_args[1:] if feast_args[:1] == ["--"] else feast_args)
+
+
+def run_feast(args: argparse.Namespace, settings: Settings) -> None:
+    # Imported here: Feast's CLI module pulls in much more than the other commands need.
+    from feast.cli.cli import cli as feast_cli
+
+    with redis_url(settings.redis_url) as url:
+        # Through the environment: Feast expands the yaml's ${...} and imports
+        # definitions.py itself; this process runs nothing else afterwards.
+        os.environ.update(feast_environment(settings, url))
+        # standalone_mode: Feast's own error messages and exit status (SystemExit).
+        feast_cli.main(args=feast_argv(settings, args.feast_args), prog_name="feast")
+
+
+def configure_feast(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "feast_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="Feast's arguments, e.g. plan, apply, materialize START END, serve, ui "
+        "(`fraud-scoring feast -- --help` for Feast's help)",
+    )
+
+
+COMMAND = Command(
+    "feast",
+    "run Feast's CLI on feature_repo/ with this project's data dir and Redis",
+    run_feast,
+    configure_feast,
+)
