@@ -9,12 +9,15 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import redis
 
+from batch_jobs.decisions import LABEL_SCHEMA
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.settings import Settings
 from service.model import load_configured
@@ -144,3 +147,101 @@ def test_a_log_outage_does_not_fail_scoring(world: World, tmp_path: Path) -> Non
     finally:
         stop_server(srv)
         log_server.__exit__(None, None, None)
+
+
+def test_feedback_validates_and_is_idempotent(logged: Server, log_url: str) -> None:
+    good = {
+        "transaction_id": "fb-1",
+        "label": "fraud",
+        "source": "analyst",
+        "time": "2026-01-20T10:00:00+00:00",
+    }
+    with logged.client() as c:
+        for bad, field in [
+            ({**good, "label": "maybe"}, "label"),
+            ({**good, "source": "bank"}, "source"),
+            ({**good, "time": "2026-01-20T10:00:00"}, "time"),  # no time zone
+            ({k: v for k, v in good.items() if k != "transaction_id"}, "transaction_id"),
+            ({**good, "extra": 1}, "extra"),
+        ]:
+            r = c.post("/v1/feedback", json=bad)
+            assert r.status_code == 422, r.text
+            assert [e["field"] for e in r.json()["detail"]] == [field]
+        first = c.post("/v1/feedback", json=good)
+        again = c.post("/v1/feedback", json={**good, "time": "2026-01-21T00:00:00+00:00"})
+        other = c.post("/v1/feedback", json={**good, "source": "customer"})
+    assert first.status_code == again.status_code == other.status_code == 200
+    assert (first.json()["duplicate"], again.json()["duplicate"]) == (False, True)
+    assert other.json()["duplicate"] is False  # another source is another label
+    stored = [e for e in entries(log_url, "feedback") if e["transaction_id"] == "fb-1"]
+    assert [(e["source"], e["is_fraud"]) for e in stored] == [("analyst", True), ("customer", True)]
+    assert stored[0]["label_time"] == int(first.json()["label_time"] * 1e6)
+
+
+def test_compaction_is_idempotent_and_labels_join_by_arrival(
+    logged: Server, log_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batch_jobs.decisions import decisions_with_labels
+    from cli.main import main
+    from fraud_scoring.settings import get_settings
+    from fraud_scoring.storage import partition_file, read_partition, write_partition
+
+    ids = [f"cmp-{i}" for i in range(4)]
+    with logged.client() as c:
+        for tid in [*ids, ids[0]]:  # the last one a retry
+            assert c.post("/v1/score", json={**TXN, "transaction_id": tid}).status_code == 200
+        for tid, label in [(ids[0], "fraud"), (ids[1], "legitimate")]:
+            body = {
+                "transaction_id": tid,
+                "label": label,
+                "source": "analyst",
+                "time": TXN["event_time"],
+            }
+            assert c.post("/v1/feedback", json=body).status_code == 200
+    wait_until(lambda: {e["transaction_id"] for e in entries(log_url)} >= set(ids))
+    raw = tmp_path / "raw"
+    today = datetime.now(UTC).date()
+    # A chargeback for ids[2] arriving tomorrow, already in the label files.
+    tomorrow = datetime.combine(today + timedelta(days=1), datetime.min.time(), UTC)
+    write_partition(
+        raw,
+        "labels",
+        tomorrow.date(),
+        pa.Table.from_pylist(
+            [
+                {
+                    "transaction_id": ids[2],
+                    "label_time": tomorrow + timedelta(hours=1),
+                    "is_fraud": True,
+                }
+            ],
+            schema=LABEL_SCHEMA,
+        ),
+    )
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("FRAUD_DECISION_LOG_URL", log_url)
+    get_settings.cache_clear()
+    try:
+        assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
+        first = read_partition(raw, "decisions", today)
+        first_labels = read_partition(raw, "labels", today)
+        assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
+    finally:
+        get_settings.cache_clear()
+    assert read_partition(raw, "decisions", today).equals(first)
+    assert read_partition(raw, "labels", today).equals(first_labels)
+    assert partition_file(raw, "labels", tomorrow.date()).exists()
+    ours = [r for r in first.to_pylist() if r["transaction_id"] in ids]
+    assert sorted(r["transaction_id"] for r in ours) == ids  # the retry is not a row
+    assert all(len(r["features"]) > 0 and r["card_id"] == TXN["card_id"] for r in ours)
+
+    def labels_as_of(as_of: datetime) -> dict[str, bool | None]:
+        t = decisions_with_labels(raw, today, today, as_of).to_pylist()
+        return {r["transaction_id"]: r["is_fraud"] for r in t if r["transaction_id"] in ids}
+
+    now = datetime.now(UTC)
+    arrived = first_labels.column("label_time").to_pylist()
+    before_any = min(arrived) - timedelta(microseconds=1)
+    assert labels_as_of(before_any) == dict.fromkeys(ids)
+    assert labels_as_of(now) == {ids[0]: True, ids[1]: False, ids[2]: None, ids[3]: None}
+    assert labels_as_of(tomorrow + timedelta(hours=2))[ids[2]] is True
