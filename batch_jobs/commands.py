@@ -97,8 +97,12 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _compact(day: date, settings: Settings) -> None:
+    import redis
+
     from batch_jobs.decisions import compact_day
     from fraud_scoring.event_log import read_redis_day
+    from fraud_scoring.redis_server import redact_url
+    from fraud_scoring.storage import DataError
 
     url = settings.decision_log_url or settings.redis_url
     if settings.decision_log != "redis" or url is None:
@@ -106,12 +110,15 @@ def _compact(day: date, settings: Settings) -> None:
             "decisions compact reads the Redis decision log: needs FRAUD_DECISION_LOG=redis "
             "and FRAUD_DECISION_LOG_URL or REDIS_URL (reading a day from Kafka is not built)"
         )
-    r = compact_day(
-        settings.data_dir / "raw",
-        day,
-        (p for _, p in read_redis_day(url, settings.decision_log_stream, day)),
-        (p for _, p in read_redis_day(url, settings.feedback_stream, day)),
-    )
+    try:
+        r = compact_day(
+            settings.data_dir / "raw",
+            day,
+            (p for _, p in read_redis_day(url, settings.decision_log_stream, day)),
+            (p for _, p in read_redis_day(url, settings.feedback_stream, day)),
+        )
+    except redis.RedisError as exc:
+        raise DataError(f"reading the decision log at {redact_url(url)}: {exc}") from exc
     print(
         f"decisions {day}: {r.decisions:,} written to {settings.data_dir / 'raw' / 'decisions'} "
         f"({r.duplicates:,} repeated ids dropped), {r.labels:,} feedback label(s) merged"

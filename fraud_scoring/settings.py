@@ -254,10 +254,11 @@ class Settings(BaseSettings):
         "it new decisions are dropped and counted (fraud_decision_log_dropped).",
     )
     decision_log_retention_s: float = Field(
-        default=7 * 86_400.0,
+        default=3 * 86_400.0,
         ge=0,
         description="Redis: the log keeps entries (and its per-transaction_id dedup "
-        "markers) this long; the daily compaction must run within it. 0: forever.",
+        "markers) this long; the daily compaction of yesterday must run within it (3 days: "
+        "two days of slack for a failed run). 0: forever.",
     )
 
     @field_validator("redis_url")
