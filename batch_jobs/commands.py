@@ -1,4 +1,4 @@
-"""The batch subcommands: ``simulate``, ``batch`` and ``train``.
+"""The batch subcommands: ``simulate``, ``batch``, ``train``, ``evaluate``, ``decisions``.
 
 The heavy modules (DuckDB, Feast, LightGBM) are imported inside each command so that
 ``fraud-scoring --help`` and the other subcommands start without them.
@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
 import time
 from datetime import UTC, date, datetime, timedelta
 
 from fraud_scoring.commands import Command, UsageError, iso_date
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def configure_simulate(p: argparse.ArgumentParser) -> None:
@@ -85,6 +88,56 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
         f"materialized {r.materialized_rows:,} rows in {r.materialize_s:.1f}s "
         f"({r.materialize_rows_per_s:,.0f} rows/s)"
     )
+    # The decision loop's step: only where a log exists to read (a configured server).
+    if settings.decision_log == "redis" and (settings.decision_log_url or settings.redis_url):
+        for day in days:
+            _compact(day, settings)
+    elif settings.decision_log == "kafka":
+        log.warning("decision log on Kafka: compaction not implemented; step skipped")
+
+
+def _compact(day: date, settings: Settings) -> None:
+    import redis
+
+    from batch_jobs.decisions import compact_day
+    from fraud_scoring.event_log import read_redis_day
+    from fraud_scoring.redis_server import redact_url
+    from fraud_scoring.storage import DataError
+
+    url = settings.decision_log_url or settings.redis_url
+    if settings.decision_log != "redis" or url is None:
+        raise UsageError(
+            "decisions compact reads the Redis decision log: needs FRAUD_DECISION_LOG=redis "
+            "and FRAUD_DECISION_LOG_URL or REDIS_URL (reading a day from Kafka is not built)"
+        )
+    try:
+        r = compact_day(
+            settings.data_dir / "raw",
+            day,
+            (p for _, p in read_redis_day(url, settings.decision_log_stream, day)),
+            (p for _, p in read_redis_day(url, settings.feedback_stream, day)),
+        )
+    except redis.RedisError as exc:
+        raise DataError(f"reading the decision log at {redact_url(url)}: {exc}") from exc
+    print(
+        f"decisions {day}: {r.decisions:,} written to {settings.data_dir / 'raw' / 'decisions'} "
+        f"({r.duplicates:,} repeated ids dropped), {r.labels:,} feedback label(s) merged"
+    )
+
+
+def configure_decisions(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = sub.add_parser(
+        "compact",
+        help="write a day of the decision log to raw/decisions and its feedback to raw/labels",
+    )
+    c.add_argument(
+        "--date", type=iso_date, help="the UTC day the log stored (default: yesterday, UTC)"
+    )
+
+
+def run_decisions(args: argparse.Namespace, settings: Settings) -> None:
+    _compact(args.date or (datetime.now(UTC).date() - timedelta(days=1)), settings)
 
 
 def configure_train(p: argparse.ArgumentParser) -> None:
@@ -181,5 +234,11 @@ COMMANDS: list[Command] = [
         "re-run a model version's evaluation report (ONNX Runtime on its stored holdout)",
         run_evaluate,
         configure_evaluate,
+    ),
+    Command(
+        "decisions",
+        "the decision log: compact a day into the offline store (with feedback labels)",
+        run_decisions,
+        configure_decisions,
     ),
 ]

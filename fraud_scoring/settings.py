@@ -236,6 +236,37 @@ class Settings(BaseSettings):
         default=9108, ge=0, le=65535, description="Updater's Prometheus /metrics port (0: off)."
     )
 
+    # --- decision log and feedback (docs/decision-loop.md) ------------------------------
+    decision_log: Literal["redis", "kafka", "off"] = Field(
+        default="redis",
+        description="Where every decision (and every label sent to POST /v1/feedback) is "
+        "appended: 'redis' (a Redis stream), 'kafka' (a topic on kafka_bootstrap) or 'off' "
+        "(nothing recorded; feedback answers 503). Writing never blocks or fails scoring.",
+    )
+    decision_log_url: str | None = Field(
+        default=None,
+        description="Redis server of the decision log (redis://...); unset: REDIS_URL's.",
+    )
+    decision_log_stream: str = Field(
+        default="decisions", description="Redis stream / Kafka topic of the decisions."
+    )
+    feedback_stream: str = Field(
+        default="feedback", description="Redis stream / Kafka topic of the labels sent in."
+    )
+    decision_log_buffer: int = Field(
+        default=10_000,
+        ge=1,
+        description="Decisions held in memory while the log is slow or unreachable; past "
+        "it new decisions are dropped and counted (fraud_decision_log_dropped).",
+    )
+    decision_log_retention_s: float = Field(
+        default=3 * 86_400.0,
+        ge=0,
+        description="Redis: the log keeps entries (and its per-transaction_id dedup "
+        "markers) this long; the daily compaction of yesterday must run within it (3 days: "
+        "two days of slack for a failed run). 0: forever.",
+    )
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:

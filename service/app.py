@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from fraud_scoring.settings import Settings, get_settings
 from service.admission import AdmissionLimit
+from service.feedback import router as feedback_router
 from service.resources import STATE_KEY, Resources, open_resources
 from service.routes import EXCEPTION_HANDLERS, router
 
@@ -43,4 +44,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(AdmissionLimit, limit=settings.max_inflight)
     app.include_router(router)
+    app.include_router(feedback_router)
     return app

@@ -20,12 +20,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from starlette.responses import JSONResponse
 
+from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.model_repo import ModelError, ModelNotFound
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
 from service.batching import Batcher, BatchStats
+from service.decision_log import DecisionLog
 from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
@@ -46,6 +48,9 @@ class Resources:
     score_batch: Callable[[Sequence[ScoreRequest]], Awaitable[list[ScoreResult]]]
     batcher: Batcher[ScoreRequest, ScoreResult] | None  # None: batching off (naive path)
     instruments: telemetry.Instruments
+    # Decisions and labels go to the event log (None: FRAUD_DECISION_LOG=off).
+    decision_log: DecisionLog | None = None
+    feedback: Producer | None = None
 
     def count_rejection(self, reason: RejectReason) -> None:
         self.instruments.rejections.labels(
@@ -108,7 +113,25 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         stack.callback(pool.shutdown, wait=True)
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
-        scorer = Scorer(client, reader, models, settings, pool)
+        decision_log, feedback = None, None
+        if settings.decision_log != "off":
+            # Registered before the batcher: on exit the batcher drains first, then the log.
+            decision_log = DecisionLog(
+                log_producer(settings, url, settings.decision_log_stream),
+                settings.decision_log_buffer,
+            )
+            decision_log.start()
+            stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
+            feedback = log_producer(settings, url, settings.feedback_stream)
+            stack.push_async_callback(feedback.close)
+        scorer = Scorer(
+            client,
+            reader,
+            models,
+            settings,
+            pool,
+            on_scored=decision_log.submit if decision_log else None,
+        )
 
         async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
             """The scorer, plus the batch's decisions counted once per micro-batch."""
@@ -141,7 +164,30 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             )
             stack.callback(sampler.cancel)
         stack.callback(telemetry.worker_exited)
-        yield Resources(settings, client, models, scorer, score_batch, batcher, instruments)
+        yield Resources(
+            settings,
+            client,
+            models,
+            scorer,
+            score_batch,
+            batcher,
+            instruments,
+            decision_log,
+            feedback,
+        )
+
+
+def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:
+    """A producer for the stream/topic ``name`` of the configured event log (the log's own
+    Redis server when FRAUD_DECISION_LOG_URL is set, else ``redis_url``)."""
+    if settings.decision_log == "kafka":
+        return KafkaProducer(settings.kafka_bootstrap, name, timeout_s=settings.redis_timeout_s)
+    return RedisStreamProducer(
+        settings.decision_log_url or redis_url,
+        name,
+        retention_s=settings.decision_log_retention_s,
+        timeout_s=settings.redis_timeout_s,
+    )
 
 
 async def _sample_depth(

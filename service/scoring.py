@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +91,12 @@ def policy_for(model: LoadedModel, settings: Settings) -> Policy:
     )
 
 
+# Told of every scored micro-batch: the transactions, the model's input (one row each),
+# the feature names in the model's order, the results. Must not block (the decision log
+# only buffers).
+OnScored = Callable[[Sequence[Transaction], np.ndarray, Sequence[str], Sequence[ScoreResult]], None]
+
+
 class Scorer:
     def __init__(
         self,
@@ -99,8 +105,10 @@ class Scorer:
         models: ModelHolder,
         settings: Settings,
         pool: ThreadPoolExecutor,
+        on_scored: OnScored | None = None,
     ) -> None:
         self.redis = redis
+        self.on_scored = on_scored
         self.reader = reader
         self.models = models
         self.settings = settings
@@ -233,4 +241,6 @@ class Scorer:
                 "inference": (wall1, wall2),
                 "decision": (wall2, wall3),
             }
+        if self.on_scored is not None:
+            self.on_scored(txns, x, model.meta.feature_names, out)
         return out

@@ -1,0 +1,221 @@
+"""The decision log into the offline store, and labels joined back by arrival time.
+
+:func:`compact_day` reads one UTC day of the event log, *by the time the log stored each
+entry* (the decision time, or a label's arrival; the transaction's own event time is in
+the row), and writes:
+
+* ``raw/decisions/date=D/part-0.parquet``: that day's decisions, one row per
+  ``transaction_id`` (the first logged one; a retry the log let through is dropped);
+* the labels sent to ``POST /v1/feedback`` that day, merged into
+  ``raw/labels/date=<arrival day>/part-0.parquet`` beside the chargebacks, in their
+  columns (``card_id``, ``merchant_id``, ``event_time`` are null: a label carries only
+  its id), one per (``transaction_id``, source).
+
+Idempotent: a re-run rewrites the same rows (each partition replaced atomically; the
+labels merge keeps the distinct rows). The stream keeps entries for
+FRAUD_DECISION_LOG_RETENTION_S, so a day must be compacted within it.
+
+:func:`decisions_with_labels` is the labelled view, with training's point-in-time rule:
+a label counts only if it had arrived strictly before ``as_of``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from fraud_scoring.storage import (
+    DataError,
+    partition_days,
+    partition_file,
+    read_partition,
+    write_partition,
+)
+
+_TS = pa.timestamp("us", tz="UTC")
+_STRINGS = pa.list_(pa.string())
+DECISION_SCHEMA = pa.schema(
+    [
+        pa.field("transaction_id", pa.string(), nullable=False),
+        pa.field("decided_at", _TS),
+        pa.field("event_time", _TS),
+        pa.field("card_id", pa.string()),
+        pa.field("merchant_id", pa.string()),
+        pa.field("amount", pa.float64()),
+        pa.field("currency", pa.string()),
+        pa.field("country", pa.string()),
+        pa.field("channel", pa.string()),
+        pa.field("mcc", pa.string()),
+        pa.field("device_id", pa.string()),
+        pa.field("score", pa.float64()),
+        pa.field("decision", pa.string()),
+        pa.field("model_version", pa.string()),
+        pa.field("reasons", _STRINGS),
+        pa.field("missing", _STRINGS),
+        pa.field("stale", _STRINGS),
+        # Feature vectors differ between model versions: name -> value, in model order.
+        pa.field("features", pa.map_(pa.string(), pa.float64())),
+        pa.field("timing_ms", pa.map_(pa.string(), pa.float64())),
+        pa.field("challenger_version", pa.string()),
+        pa.field("challenger_score", pa.float64()),
+    ]
+)
+# The chargebacks' columns (batch_jobs/simulate.py): every label partition has exactly
+# these, as the readers scan the partitions as one table.
+LABEL_SCHEMA = pa.schema(
+    [
+        pa.field("transaction_id", pa.string()),
+        pa.field("card_id", pa.string()),
+        pa.field("merchant_id", pa.string()),
+        pa.field("event_time", _TS),
+        pa.field("label_time", _TS),
+        pa.field("is_fraud", pa.bool_()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    day: date
+    decisions: int  # rows in the day's partition
+    duplicates: int  # entries dropped as a repeated transaction_id
+    labels: int  # feedback labels merged (after dedup)
+
+
+def _time(v: str | int) -> datetime:
+    if isinstance(v, int):  # epoch microseconds
+        return datetime.fromtimestamp(v / 1e6, UTC)
+    return datetime.fromisoformat(v).astimezone(UTC)
+
+
+def decision_rows(payloads: Iterable[bytes]) -> tuple[list[dict], int]:
+    """Decision log entries as rows of DECISION_SCHEMA, the first per transaction_id;
+    and how many repeats were dropped. Raises DataError naming a malformed entry."""
+    rows: dict[str, dict] = {}
+    dropped = 0
+    for raw in payloads:
+        try:
+            e = json.loads(raw)
+            t = e["transaction"]
+            row = {
+                "transaction_id": e["transaction_id"],
+                "decided_at": _time(e["decided_at"]),
+                "event_time": _time(t["event_time"]),
+                **{k: t.get(k) for k in ("card_id", "merchant_id", "amount", "currency")},
+                **{k: t.get(k) for k in ("country", "channel", "mcc", "device_id")},
+                **{k: e[k] for k in ("score", "decision", "model_version", "reasons")},
+                **{k: e[k] for k in ("missing", "stale")},
+                "features": list(e["features"].items()),
+                "timing_ms": list(e["timing_ms"].items()),
+                "challenger_version": e.get("challenger_version"),
+                "challenger_score": e.get("challenger_score"),
+            }
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise DataError(f"malformed decision log entry ({exc!r}): {raw[:200]!r}") from exc
+        if row["transaction_id"] in rows:
+            dropped += 1
+        else:
+            rows[row["transaction_id"]] = row
+    return list(rows.values()), dropped
+
+
+def feedback_labels(payloads: Iterable[bytes]) -> pa.Table:
+    """Feedback entries as label rows (LABEL_SCHEMA), the first per (transaction_id,
+    source). Raises DataError naming a malformed entry."""
+    seen: set[tuple[str, str]] = set()
+    rows = []
+    for raw in payloads:
+        try:
+            e = json.loads(raw)
+            key = (e["transaction_id"], e["source"])
+            row = {
+                "transaction_id": e["transaction_id"],
+                "label_time": _time(e["label_time"]),
+                "is_fraud": bool(e["is_fraud"]),
+            }
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"malformed feedback entry ({exc!r}): {raw[:200]!r}") from exc
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return pa.Table.from_pylist(rows, schema=LABEL_SCHEMA)
+
+
+def merge_labels(raw: Path, day: date, new: pa.Table) -> int:
+    """Add ``new`` label rows to ``day``'s label partition (rows already there are kept
+    once: a re-run adds nothing); returns the partition's row count."""
+    if new.num_rows == 0:
+        return 0
+    old = (
+        read_partition(raw, "labels", day).select(LABEL_SCHEMA.names).cast(LABEL_SCHEMA)
+        if partition_file(raw, "labels", day).exists()
+        else LABEL_SCHEMA.empty_table()
+    )
+    con = duckdb.connect()
+    try:
+        con.register("labels", pa.concat_tables([old, new]))
+        merged = con.sql(
+            "SELECT DISTINCT * FROM labels ORDER BY label_time, transaction_id"
+        ).to_arrow_table()
+    finally:
+        con.close()
+    write_partition(raw, "labels", day, merged.cast(LABEL_SCHEMA))
+    return merged.num_rows
+
+
+def compact_day(
+    raw: Path, day: date, decisions: Iterable[bytes], feedback: Iterable[bytes]
+) -> CompactReport:
+    """Write ``day``'s decisions and merge its feedback labels (the payloads the log
+    stored that UTC day, in log order) under ``raw``; see the module's docstring."""
+    rows, dropped = decision_rows(decisions)
+    write_partition(raw, "decisions", day, pa.Table.from_pylist(rows, schema=DECISION_SCHEMA))
+    labels = feedback_labels(feedback)
+    # A label belongs to its arrival day's partition (the log stores it a moment later,
+    # so around midnight the two days can differ).
+    arrival = [t.date() for t in labels.column("label_time").to_pylist()]
+    for d in sorted(set(arrival)):
+        merge_labels(raw, d, labels.filter(pa.array([a == d for a in arrival])))
+    return CompactReport(day, len(rows), dropped, labels.num_rows)
+
+
+def decisions_with_labels(raw: Path, first: date, last: date, as_of: datetime) -> pa.Table:
+    """The decisions made on days ``first``..``last`` with the label known at ``as_of``
+    (timezone-aware): ``is_fraud`` and its ``label_time`` from the latest label that had
+    arrived strictly before ``as_of``, both null when none had. Raises DataError when no
+    decision partition is in the range."""
+    days = [d for d in partition_days(raw, "decisions") if first <= d <= last]
+    if not days:
+        raise DataError(f"no decision partitions under {raw / 'decisions'} for {first}..{last}")
+    dfiles = [str(partition_file(raw, "decisions", d)) for d in days]
+    lfiles = [str(partition_file(raw, "labels", d)) for d in partition_days(raw, "labels")]
+    con = duckdb.connect()
+    try:
+        labels = (
+            "SELECT transaction_id, label_time, is_fraud FROM read_parquet($l)"
+            if lfiles
+            else "SELECT NULL::VARCHAR AS transaction_id, NULL::TIMESTAMPTZ AS label_time,"
+            " NULL::BOOLEAN AS is_fraud WHERE false"
+        )
+        sql = f"""
+        WITH known AS (
+          SELECT transaction_id, arg_max(is_fraud, label_time) AS is_fraud,
+                 max(label_time) AS label_time
+          FROM ({labels}) WHERE label_time < $as_of GROUP BY transaction_id
+        )
+        SELECT d.*, known.is_fraud, known.label_time
+        FROM read_parquet($d) d LEFT JOIN known USING (transaction_id)
+        ORDER BY d.decided_at, d.transaction_id
+        """
+        params = {"d": dfiles, "as_of": as_of, **({"l": lfiles} if lfiles else {})}
+        return con.sql(sql, params=params).to_arrow_table()
+    except duckdb.Error as exc:
+        raise DataError(f"joining decisions with labels under {raw}: {exc}") from exc
+    finally:
+        con.close()

@@ -1,0 +1,185 @@
+"""Appending records to a durable log, and reading a day of it back.
+
+The writing half of the event log the streaming updater consumes (``streaming/sources.py``):
+the scoring service appends its decisions and the labels it is sent here, the daily batch
+job reads them back by day. One :class:`Producer` interface, two transports:
+
+* :class:`RedisStreamProducer` (local default): one Lua call per batch appends the records
+  with ``XADD`` and is idempotent on each record's key: a ``SET NX`` marker per key, kept
+  as long as the stream keeps its entries (``retention_s``), so a retried or replayed key
+  is one entry. The stream is trimmed (``XADD MINID ~``) to ``retention_s`` as it grows.
+* :class:`KafkaProducer` (production): keyed records on a topic; the broker cannot dedup
+  by key, so a retried key may appear twice there: readers (the compaction) keep the
+  first entry per key.
+
+A producer raises :class:`LogUnavailable` when the log cannot take the records now; the
+caller decides whether to retry (the decision log does, from its buffer).
+
+Entries are read back by the time the log stored them (:func:`read_redis_day`): the Redis
+entry id is its append time in ms, so one UTC day is one ``XRANGE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any, Protocol
+
+import redis
+import redis.asyncio as aioredis
+
+PAYLOAD_FIELD = "d"  # the stream entry's field holding the record (JSON bytes)
+KEY_FIELD = "k"  # ... and its idempotence key
+
+# KEYS[1]: the stream. ARGV: marker TTL (ms), MINID for trimming ("" for none), then
+# (marker key, record key, payload) triples. Returns how many records were new.
+_APPEND_LUA = """
+local n = 0
+for i = 3, #ARGV, 3 do
+  if redis.call('SET', ARGV[i], '1', 'NX', 'PX', ARGV[1]) then
+    if ARGV[2] ~= '' then
+      redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[2], '*', 'k', ARGV[i + 1], 'd', ARGV[i + 2])
+    else
+      redis.call('XADD', KEYS[1], '*', 'k', ARGV[i + 1], 'd', ARGV[i + 2])
+    end
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+class LogUnavailable(RuntimeError):
+    """The log did not take the records (unreachable, timed out, refused); retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    key: str  # idempotence key: the same key twice is one entry (e.g. a transaction_id)
+    payload: bytes
+
+
+class Producer(Protocol):
+    async def send(self, records: Sequence[LogRecord]) -> int:
+        """Append ``records`` (all or none); returns how many were new. Raises
+        LogUnavailable."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class RedisStreamProducer:
+    """Appends to the Redis stream ``stream`` at ``url``. ``timeout_s`` bounds every
+    call (connect included), so an unreachable server fails fast instead of hanging the
+    writer. Markers and stream entries live ``retention_s`` (0: forever)."""
+
+    def __init__(self, url: str, stream: str, retention_s: float, timeout_s: float) -> None:
+        self.stream = stream
+        self.retention_ms = int(retention_s * 1000)
+        self.client: Any = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self.script = self.client.register_script(_APPEND_LUA)
+
+    def marker(self, key: str) -> str:
+        # The stream's name as the hash tag: marker and stream share a Cluster slot.
+        return f"{{{self.stream}}}:seen:{key}"
+
+    async def send(self, records: Sequence[LogRecord]) -> int:
+        if not records:
+            return 0
+        now_ms = int(time.time() * 1000)
+        ttl = self.retention_ms or 10 * 365 * 86_400_000  # "forever": ten years
+        minid = f"{now_ms - self.retention_ms}-0" if self.retention_ms else ""
+        args: list[Any] = [ttl, minid]
+        for r in records:
+            args += [self.marker(r.key), r.key, r.payload]
+        try:
+            return int(await self.script(keys=[self.stream], args=args))
+        except (redis.RedisError, OSError) as exc:
+            raise LogUnavailable(f"Redis stream {self.stream!r}: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class KafkaProducer:
+    """Appends to the Kafka topic ``topic`` (records keyed by their key, so one key stays
+    on one partition). ``send`` waits up to ``timeout_s`` for the broker's acks; what is
+    not acknowledged by then is purged from the client's queue and LogUnavailable raised
+    (a purged record the broker did get is a duplicate the reader drops)."""
+
+    def __init__(self, bootstrap: str, topic: str, timeout_s: float) -> None:
+        from confluent_kafka import Producer as _Producer
+
+        self.topic = topic
+        self.timeout_s = timeout_s
+        self.producer = _Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "enable.idempotence": True,  # the client's own retries make no duplicates
+                "linger.ms": 5,
+            }
+        )
+
+    def _send(self, records: Sequence[LogRecord]) -> int:
+        from confluent_kafka import KafkaException
+
+        errors: list[str] = []
+
+        def delivered(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        try:
+            for r in records:
+                self.producer.produce(
+                    self.topic, key=r.key.encode(), value=r.payload, on_delivery=delivered
+                )
+        except (BufferError, KafkaException) as exc:
+            self.producer.purge()
+            raise LogUnavailable(f"Kafka topic {self.topic!r}: {exc}") from exc
+        left = self.producer.flush(self.timeout_s)
+        if left:
+            self.producer.purge()
+            self.producer.flush(0)
+            raise LogUnavailable(f"Kafka topic {self.topic!r}: {left} record(s) not acknowledged")
+        if errors:
+            raise LogUnavailable(f"Kafka topic {self.topic!r}: {errors[0]}")
+        return len(records)
+
+    async def send(self, records: Sequence[LogRecord]) -> int:
+        # The client blocks while it flushes: off the event loop.
+        return await asyncio.to_thread(self._send, records)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.producer.flush, self.timeout_s)
+
+
+def day_bounds_ms(day: date) -> tuple[int, int]:
+    """[start, end) of a UTC day in epoch milliseconds."""
+    start = datetime.combine(day, datetime.min.time(), UTC)
+    return int(start.timestamp() * 1000), int((start + timedelta(days=1)).timestamp() * 1000)
+
+
+def read_redis_day(
+    url: str, stream: str, day: date, page: int = 10_000
+) -> Iterator[tuple[int, bytes]]:
+    """The entries the stream stored during UTC ``day`` (by append time), in order, as
+    (append time in epoch ms, payload). Reads ``page`` entries per round trip."""
+    start_ms, end_ms = day_bounds_ms(day)
+    client: Any = redis.Redis.from_url(url)
+    try:
+        lo = f"{start_ms}-0"
+        while True:
+            batch = client.xrange(stream, min=lo, max=f"({end_ms}-0", count=page)
+            for entry_id, fields in batch:
+                yield int(entry_id.split(b"-")[0]), fields[PAYLOAD_FIELD.encode()]
+            if len(batch) < page:
+                return
+            lo = f"({batch[-1][0].decode()}"
+    finally:
+        client.close()

@@ -1,0 +1,247 @@
+"""The decision loop: every decision in the log (with the vector the model saw), a log
+outage that scoring does not feel, feedback labels, and the daily compaction into the
+offline store with labels joined by arrival time. Real service over HTTP, real
+Redis-protocol servers (the log on its own server, so a test can kill it)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import redis
+
+from batch_jobs.decisions import LABEL_SCHEMA
+from fraud_scoring.redis_server import embedded_redis
+from fraud_scoring.settings import Settings
+from service.model import load_configured
+from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.test_service import TXN, held_out_day
+
+
+@pytest.fixture(scope="module")
+def log_url() -> Iterator[str]:
+    with embedded_redis() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def logged(
+    world: World, log_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    srv = start_server(world, tmp_path_factory.mktemp("logged"), FRAUD_DECISION_LOG_URL=log_url)
+    yield srv
+    stop_server(srv)
+
+
+def entries(url: str, stream: str = "decisions") -> list[dict]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [json.loads(f[b"d"]) for _, f in client.xrange(stream)]
+    finally:
+        client.close()
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_every_decision_is_logged_with_the_vector_the_model_saw(
+    logged: Server, world: World, log_url: str
+) -> None:
+    rows = [{**r, "transaction_id": f"log-{r['transaction_id']}"} for r in held_out_day(world)]
+    sent = rows[:60]
+    with logged.client() as c:
+        answers = {}
+        for i in range(0, 50, 10):
+            r = c.post("/v1/score/batch", json={"transactions": sent[i : i + 10]})
+            assert r.status_code == 200, r.text
+            answers.update({a["transaction_id"]: a for a in r.json()["results"]})
+        for t in sent[50:]:
+            r = c.post("/v1/score", json=t)
+            assert r.status_code == 200, r.text
+            answers[t["transaction_id"]] = r.json()
+    ids = {t["transaction_id"] for t in sent}
+    got = wait_until(
+        lambda: (
+            (e := [x for x in entries(log_url) if x["transaction_id"] in ids])
+            and len(e) >= 60
+            and e
+        ),
+        what="60 log entries",
+    )
+    assert len(got) == 60
+    model = load_configured(Settings(model_repo=world.model_repo, execution_provider="cpu"))
+    names = model.meta.feature_names
+    x = np.array([[e["features"][n] for n in names] for e in got], dtype=np.float32)
+    assert all(list(e["features"]) == names for e in got)  # the model's order
+    # The logged vector is the one scored: the model gives the logged score back.
+    np.testing.assert_allclose(model.predict(x), [e["score"] for e in got], rtol=1e-6)
+    for e in got:
+        a = answers[e["transaction_id"]]
+        assert (e["score"], e["decision"], e["model_version"]) == (
+            a["score"],
+            a["decision"],
+            a["model_version"],
+        )
+        assert e["reasons"] == [r["code"] for r in a["reasons"]]
+        assert e["missing"] == a["features"]["missing"] and e["stale"] == a["features"]["stale"]
+        assert e["transaction"]["card_id"] == next(
+            t["card_id"] for t in sent if t["transaction_id"] == e["transaction_id"]
+        )
+        assert e["timing_ms"]["inference"] >= 0 and e["decided_at"] > 0
+        assert e["challenger_score"] is None
+
+
+def test_a_retried_transaction_id_is_one_entry(logged: Server, log_url: str) -> None:
+    txn = {**TXN, "transaction_id": "retried-1"}
+    with logged.client() as c:
+        for _ in range(3):
+            assert c.post("/v1/score", json=txn).status_code == 200
+        # A marker after it: once it is in, the retries before it were handled too.
+        assert (
+            c.post("/v1/score", json={**TXN, "transaction_id": "retried-after"}).status_code == 200
+        )
+    wait_until(lambda: any(e["transaction_id"] == "retried-after" for e in entries(log_url)))
+    assert sum(e["transaction_id"] == "retried-1" for e in entries(log_url)) == 1
+
+
+def test_a_log_outage_does_not_fail_scoring(world: World, tmp_path: Path) -> None:
+    rows = held_out_day(world)[:400]
+    log_server = embedded_redis()  # entered by hand: the test stops it under load
+    url = log_server.__enter__()
+    srv = start_server(world, tmp_path, FRAUD_DECISION_LOG_URL=url, FRAUD_DECISION_LOG_BUFFER="100")
+    try:
+        with srv.client() as c, ThreadPoolExecutor(8) as pool:
+
+            def score(t: dict) -> int:
+                tid = f"out-{t['transaction_id']}"
+                return c.post("/v1/score", json={**t, "transaction_id": tid}).status_code
+
+            assert set(pool.map(score, rows[:100])) == {200}
+            wait_until(lambda: len(entries(url)) >= 100, what="first 100 logged")
+            during = pool.map(score, rows[100:250])  # requests keep coming ...
+            log_server.__exit__(None, None, None)  # ... while the log's server dies
+            # 150 more than the buffer's 100 after it died: some must be dropped.
+            assert set(during) | set(pool.map(score, rows[250:400])) == {200}
+            m = wait_until(
+                lambda: (
+                    (t := c.get("/metrics").text) and metric(t, "fraud_decision_log_up") == 0 and t
+                ),
+                what="the log marked down",
+            )
+            # Scoring went on: what the buffer could not hold was dropped and counted.
+            assert metric(m, "fraud_decision_log_dropped_total") > 0
+            assert metric(m, "fraud_decision_log_buffered") <= 100
+            assert c.get("/readyz").status_code == 200  # still serving
+            after = {**TXN, "transaction_id": "after-outage"}
+            assert c.post("/v1/score", json=after).status_code == 200
+    finally:
+        stop_server(srv)
+        log_server.__exit__(None, None, None)
+
+
+def test_feedback_validates_and_is_idempotent(logged: Server, log_url: str) -> None:
+    good = {
+        "transaction_id": "fb-1",
+        "label": "fraud",
+        "source": "analyst",
+        "time": "2026-01-20T10:00:00+00:00",
+    }
+    with logged.client() as c:
+        for bad, field in [
+            ({**good, "label": "maybe"}, "label"),
+            ({**good, "source": "bank"}, "source"),
+            ({**good, "time": "2026-01-20T10:00:00"}, "time"),  # no time zone
+            ({k: v for k, v in good.items() if k != "transaction_id"}, "transaction_id"),
+            ({**good, "extra": 1}, "extra"),
+        ]:
+            r = c.post("/v1/feedback", json=bad)
+            assert r.status_code == 422, r.text
+            assert [e["field"] for e in r.json()["detail"]] == [field]
+        first = c.post("/v1/feedback", json=good)
+        again = c.post("/v1/feedback", json={**good, "time": "2026-01-21T00:00:00+00:00"})
+        other = c.post("/v1/feedback", json={**good, "source": "customer"})
+    assert first.status_code == again.status_code == other.status_code == 200
+    assert (first.json()["duplicate"], again.json()["duplicate"]) == (False, True)
+    assert other.json()["duplicate"] is False  # another source is another label
+    stored = [e for e in entries(log_url, "feedback") if e["transaction_id"] == "fb-1"]
+    assert [(e["source"], e["is_fraud"]) for e in stored] == [("analyst", True), ("customer", True)]
+    assert stored[0]["label_time"] == int(first.json()["label_time"] * 1e6)
+
+
+def test_compaction_is_idempotent_and_labels_join_by_arrival(
+    logged: Server, log_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batch_jobs.decisions import decisions_with_labels
+    from cli.main import main
+    from fraud_scoring.settings import get_settings
+    from fraud_scoring.storage import partition_file, read_partition, write_partition
+
+    ids = [f"cmp-{i}" for i in range(4)]
+    with logged.client() as c:
+        for tid in [*ids, ids[0]]:  # the last one a retry
+            assert c.post("/v1/score", json={**TXN, "transaction_id": tid}).status_code == 200
+        for tid, label in [(ids[0], "fraud"), (ids[1], "legitimate")]:
+            body = {
+                "transaction_id": tid,
+                "label": label,
+                "source": "analyst",
+                "time": TXN["event_time"],
+            }
+            assert c.post("/v1/feedback", json=body).status_code == 200
+    wait_until(lambda: {e["transaction_id"] for e in entries(log_url)} >= set(ids))
+    raw = tmp_path / "raw"
+    today = datetime.now(UTC).date()
+    # A chargeback for ids[2] arriving tomorrow, already in the label files.
+    tomorrow = datetime.combine(today + timedelta(days=1), datetime.min.time(), UTC)
+    write_partition(
+        raw,
+        "labels",
+        tomorrow.date(),
+        pa.Table.from_pylist(
+            [
+                {
+                    "transaction_id": ids[2],
+                    "label_time": tomorrow + timedelta(hours=1),
+                    "is_fraud": True,
+                }
+            ],
+            schema=LABEL_SCHEMA,
+        ),
+    )
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("FRAUD_DECISION_LOG_URL", log_url)
+    get_settings.cache_clear()
+    try:
+        assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
+        first = read_partition(raw, "decisions", today)
+        first_labels = read_partition(raw, "labels", today)
+        assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
+    finally:
+        get_settings.cache_clear()
+    assert read_partition(raw, "decisions", today).equals(first)
+    assert read_partition(raw, "labels", today).equals(first_labels)
+    assert partition_file(raw, "labels", tomorrow.date()).exists()
+    ours = [r for r in first.to_pylist() if r["transaction_id"] in ids]
+    assert sorted(r["transaction_id"] for r in ours) == ids  # the retry is not a row
+    assert all(len(r["features"]) > 0 and r["card_id"] == TXN["card_id"] for r in ours)
+
+    def labels_as_of(as_of: datetime) -> dict[str, bool | None]:
+        t = decisions_with_labels(raw, today, today, as_of).to_pylist()
+        return {r["transaction_id"]: r["is_fraud"] for r in t if r["transaction_id"] in ids}
+
+    now = datetime.now(UTC)
+    arrived = first_labels.column("label_time").to_pylist()
+    before_any = min(arrived) - timedelta(microseconds=1)
+    assert labels_as_of(before_any) == dict.fromkeys(ids)
+    assert labels_as_of(now) == {ids[0]: True, ids[1]: False, ids[2]: None, ids[3]: None}
+    assert labels_as_of(tomorrow + timedelta(hours=2))[ids[2]] is True
