@@ -14,6 +14,7 @@ service's micro-batches like single requests do.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -38,6 +39,7 @@ from service.resources import Resources, resources
 from service.schemas import BatchOut, ScoreOut
 from service.scoring import ScoreRequest, ScoreResult
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
@@ -378,7 +380,9 @@ async def readyz(request: Request) -> JSONResponse:
         # execute_command, not ping(): redis-py types ping() as "awaitable or bool".
         await asyncio.wait_for(res.redis.execute_command("PING"), timeout=1.0)
     except Exception as exc:  # any failure to reach Redis means not ready
-        problems["redis"] = f"unreachable: {exc!r}"
+        # /readyz is open: the cause (it names Redis's host:port) goes to the log only.
+        log.warning("readiness: Redis unreachable: %r", exc)
+        problems["redis"] = "feature store unreachable"
     if problems:
         raise NotReady(problems)
     model = res.models.require()
