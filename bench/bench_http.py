@@ -94,6 +94,7 @@ def start(
             "FRAUD_MODEL_REPO": str(world.model_repo),
             "FRAUD_BATCHING": str(batching).lower(),
             "FRAUD_REQUEST_TIMEOUT_MS": "50",
+            "FRAUD_MAX_EVENT_SKEW_S": "0",  # the simulated world lies in the past
             **extra,
         },
         output=subprocess.DEVNULL,

@@ -92,6 +92,8 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                 "REDIS_URL": url,
                 "FRAUD_DATA_DIR": str(settings.data_dir),
                 "FRAUD_MODEL_REPO": str(settings.model_repo),
+                # The demo replays simulated history: no bound on event time vs the clock.
+                "FRAUD_MAX_EVENT_SKEW_S": "0",
             }
         )
         base = service.url

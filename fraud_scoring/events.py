@@ -49,7 +49,8 @@ class Transaction(BaseModel):
     transaction_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
     card_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
     merchant_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
-    amount: float = Field(gt=0, lt=1e9, allow_inf_nan=False)
+    # strict: a number, never a boolean (true would be 1.0) or a numeric string.
+    amount: float = Field(gt=0, lt=1e9, allow_inf_nan=False, strict=True)
     currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$"), AfterValidator(_currency)]
     event_time: AwareDatetime
     country: Annotated[str, Field(pattern=r"^[A-Z]{2}$"), AfterValidator(_country)]

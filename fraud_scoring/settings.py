@@ -120,6 +120,27 @@ class Settings(BaseSettings):
         "so the next attempt of a burst counts it even while the event log lags. A "
         "request can opt out with the header X-Fraud-Record: false (what-if, replay).",
     )
+    auth: Literal["required", "off"] = Field(
+        default="off",
+        description="'required': every scoring, reload and metrics call needs an API key "
+        "with the right scope (keys in api_keys_file; see README, Security). 'off' (the "
+        "local default, tests and demo): anyone who reaches the port may call anything. "
+        "The Helm chart sets 'required'.",
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="The API keys file (JSON lines of {id, sha256, scopes}), needed when "
+        "auth is 'required'; re-read when it changes, so keys rotate without a restart. "
+        "`fraud-scoring keys create` adds keys to it.",
+    )
+    max_event_skew_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Live scoring refuses (422) an event_time further than this from the "
+        "server clock, before or after: a caller cannot step outside the velocity windows "
+        "by choosing its own clock. Replays of old transactions use replay mode "
+        "(X-Fraud-Record: false, admin scope), which lifts the bound; 0: no bound.",
+    )
     drain_seconds: float = Field(
         default=10.0, ge=0, description="Graceful shutdown: time to finish in-flight requests."
     )
@@ -154,6 +175,25 @@ class Settings(BaseSettings):
         description="Scoring requests admitted at once (parsed, queued or running); beyond "
         "it a request is answered 503 before its body is even parsed, so an overloaded "
         "process sheds cheaply instead of letting every request wait.",
+    )
+    max_body_bytes: int = Field(
+        default=1_048_576,
+        ge=1024,
+        description="Largest scoring request body in bytes (a full 256-transaction batch "
+        "is ~80 KB); larger ones are answered 413 before they are read.",
+    )
+    body_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A scoring request's body must arrive whole within this many seconds "
+        "or the request is answered 408 and its connection closed; until its body is in, "
+        "a request holds no in-flight slot.",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        description="Open connections plus running requests per worker (uvicorn's "
+        "limit_concurrency); past it new requests get 503 from uvicorn itself.",
     )
     model_instances: int = Field(default=1, ge=1, description="ONNX Runtime sessions.")
     inline_inference_max_batch: int = Field(
@@ -305,6 +345,12 @@ class Settings(BaseSettings):
         user, _, host = u.netloc.rpartition("@")
         netloc = f"{user}:{quote(password, safe='')}@{host}"
         self.redis_url = u._replace(netloc=netloc).geturl()
+        return self
+
+    @model_validator(mode="after")
+    def _keys_when_required(self) -> Settings:
+        if self.auth == "required" and self.api_keys_file is None:
+            raise ValueError("FRAUD_AUTH=required needs FRAUD_API_KEYS_FILE (the keys file)")
         return self
 
     @model_validator(mode="after")

@@ -1,43 +1,116 @@
-"""Admission: a bound on scoring requests in the process, enforced before any work."""
+"""Admission: a scoring request's body is read whole, bounded in size and time, and only
+then does the request count against the in-flight bound, before any other work."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import Rejected, RejectReason
 from service.resources import resources
 
-# Scope key: when the request was admitted (time.time_ns()), the start of its trace.
+# Scope key: when the request arrived (time.time_ns()), the start of its trace.
 RECEIVED_NS = "fraud_scoring.received_ns"
 
 
+class BodyProblem(Exception):
+    """The body could not be read whole: too large (413) or too slow (408)."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
 class AdmissionLimit:
-    """Pure ASGI middleware: at most ``limit`` scoring requests in the process at once.
+    """Pure ASGI middleware for the scoring and feedback paths (``/v1/score*``,
+    ``/v1/feedback``):
 
-    Past that, 503 + Retry-After at once (reason ``inflight``), before the body is read or
-    validated: under overload the time goes to the requests that can still meet their
-    deadlines. Other paths (health, metrics) are never limited."""
+    1. a declared ``Content-Length`` over ``max_body_bytes`` is answered 413 before
+       anything is read; a chunked body is cut (413) as soon as it passes the limit;
+    2. the body must arrive whole within ``body_timeout_s`` of the request, else 408
+       (``Connection: close``): a slow sender is cut, never waited for;
+    3. then at most ``limit`` requests are in the process at once. Past that, 503 +
+       Retry-After at once (reason ``inflight``). Reading a body does not count, so slow
+       senders cannot fill the slots of requests that are ready to score.
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    Other paths (health, metrics, reload) pass straight through."""
+
+    def __init__(
+        self, app: ASGIApp, limit: int, max_body_bytes: int, body_timeout_s: float
+    ) -> None:
         self.app, self.limit, self.inflight = app, limit, 0
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/score"):
+        if scope["type"] != "http" or not scope["path"].startswith(("/v1/score", "/v1/feedback")):
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED_NS] = time.time_ns()
+        try:
+            body = await self._read(scope, receive)
+        except BodyProblem as exc:
+            # Closing the connection: the rest of the body is not worth reading.
+            headers = {"Connection": "close"}
+            answer = JSONResponse({"detail": exc.detail}, exc.status, headers=headers)
+            await answer(scope, receive, send)
+            return
         if self.inflight >= self.limit:
-            more = True  # drain the unread body so the keep-alive connection stays usable
-            while more:
-                message = await receive()
-                more = message["type"] == "http.request" and message.get("more_body", False)
             overloaded = Rejected(RejectReason.INFLIGHT, "overloaded: too many requests in flight")
             await resources(scope).answer(overloaded)(scope, receive, send)
             return
         self.inflight += 1
-        scope[RECEIVED_NS] = time.time_ns()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, _Replayed(body, receive).receive, send)
         finally:
             self.inflight -= 1
+
+    async def _read(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise BodyProblem(413, f"body of {int(value)} bytes; at most {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        break  # the client left; the route sees an empty body and fails
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise BodyProblem(413, f"body larger than {limit} bytes")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise BodyProblem(
+                408, f"request body not received within {self.body_timeout_s:g} s"
+            ) from None
+        return b"".join(chunks)
+
+
+class _Replayed:
+    """What the app receives: the body already read, then the real ``receive`` (so a
+    disconnect is still seen). ``disconnected`` passes on uvicorn's flag, which the
+    batcher's "client gone" check reads (``service.routes.client_gone``)."""
+
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self._body: bytes | None = body
+        self._real = receive
+        self._cycle = getattr(receive, "__self__", None)
+
+    @property
+    def disconnected(self) -> bool | None:
+        flag = getattr(self._cycle, "disconnected", None)
+        return flag if isinstance(flag, bool) else None
+
+    async def receive(self) -> Message:
+        if self._body is not None:
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self._real()

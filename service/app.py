@@ -2,6 +2,7 @@
 
 * ``service.resources``: everything the service holds, created and closed in one place;
 * ``service.admission``: the in-flight bound, before any work;
+* ``service.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
 * ``service.routes``: the endpoints and the error answers (one for every 503);
 * ``service.schemas``: the response bodies; ``service.model``: the model and its watcher.
 """
@@ -11,30 +12,35 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from fraud_scoring.settings import Settings, get_settings
+from service import auth
 from service.admission import AdmissionLimit
 from service.feedback import router as feedback_router
-from service.resources import STATE_KEY, Resources, open_resources
+from service.resources import STATE_KEY, open_resources
 from service.routes import EXCEPTION_HANDLERS, router
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for ``settings`` (default: from the environment). Nothing connects until
     the lifespan starts; without REDIS_URL it refuses to start (RedisNotConfigured) unless
-    ``embedded_redis`` is set."""
+    ``embedded_redis`` is set, and with ``auth`` 'required' it refuses a keys file it
+    cannot read (KeysFileError)."""
     settings = settings or get_settings()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Resources]]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        # The keys first: a bad keys file stops the start before anything connects.
+        keyring = auth.keyring_for(settings)
         async with open_resources(settings) as res:
             # Start-up objects (Feast, pandas, the model) never die: move them out of the
             # collector's reach so full collections stay short on the request path.
             gc.collect()
             gc.freeze()
-            yield {STATE_KEY: res}
+            yield {STATE_KEY: res, auth.STATE_KEY: keyring}
 
     app = FastAPI(
         title="fraud-scoring",
@@ -42,7 +48,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
     )
-    app.add_middleware(AdmissionLimit, limit=settings.max_inflight)
+    app.add_middleware(
+        AdmissionLimit,
+        limit=settings.max_inflight,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     app.include_router(router)
-    app.include_router(feedback_router)
+    # Feedback is scored traffic's other half: the same `score` scope.
+    app.include_router(
+        feedback_router, dependencies=[Depends(auth.require_scope(auth.Scope.SCORE))]
+    )
     return app

@@ -1,24 +1,72 @@
-"""The service's subcommand: ``serve``."""
+"""The service's subcommands: ``serve`` and ``keys create``."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from fraud_scoring.commands import Command, add_embedded_redis
+from fraud_scoring.commands import Command, UsageError, add_embedded_redis
 from fraud_scoring.redis_server import require_redis
 from fraud_scoring.settings import Settings
+from service.auth import KeyEntry, Scope, append_key, keyring_for, new_key
 
 
 def run_serve(args: argparse.Namespace, settings: Settings) -> None:
-    # Refuse here, before uvicorn starts, so a missing REDIS_URL is one clear line and
-    # exit status 2 rather than a failed startup. The entry point has already turned
-    # --embedded-redis into FRAUD_EMBEDDED_REDIS, which the app's workers read.
+    # Refuse here, before uvicorn starts, so a missing REDIS_URL (or an unusable keys
+    # file) is one clear line and exit status 2 rather than a failed startup. The entry
+    # point has already turned --embedded-redis into FRAUD_EMBEDDED_REDIS, which the
+    # app's workers read.
     require_redis(settings.redis_url, settings.embedded_redis)
+    keyring_for(settings)
     from service.server import serve  # uvicorn and the app: only for this command
 
     serve(settings)
 
 
+def _configure_keys(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
+    create = sub.add_parser(
+        "create",
+        help="make a key: print it once (stdout), append its hash to the keys file",
+        description="Make an API key, print it once on stdout and append its SHA-256 "
+        "(never the key) to the keys file. A running service picks it up within a second.",
+    )
+    create.add_argument("--id", required=True, help="the key's name, e.g. checkout-2026-11")
+    create.add_argument(
+        "--scopes",
+        required=True,
+        help=f"comma-separated, from: {', '.join(s.value for s in Scope)}",
+    )
+    create.add_argument(
+        "--file",
+        type=Path,
+        default=None,
+        help="the keys file (default: FRAUD_API_KEYS_FILE)",
+    )
+
+
+def run_keys(args: argparse.Namespace, settings: Settings) -> None:
+    path = args.file or settings.api_keys_file
+    if path is None:
+        raise UsageError("keys create: give --file or set FRAUD_API_KEYS_FILE")
+    try:
+        scopes = frozenset(Scope(s.strip()) for s in args.scopes.split(",") if s.strip())
+    except ValueError:
+        raise UsageError(
+            f"--scopes: {args.scopes!r}; choose from {', '.join(s.value for s in Scope)}"
+        ) from None
+    if not scopes:
+        raise UsageError("--scopes: at least one scope")
+    key, digest = new_key(args.id)
+    append_key(path, KeyEntry(id=args.id, sha256=digest, scopes=scopes))
+    # The key itself goes to stdout only (not the log), so it can be piped into a Secret.
+    sys.stdout.write(key + "\n")
+
+
 COMMANDS: list[Command] = [
     Command("serve", "run the scoring API (FastAPI + uvicorn)", run_serve, add_embedded_redis),
+    Command(
+        "keys", "manage the scoring API's keys (see README, Security)", run_keys, _configure_keys
+    ),
 ]

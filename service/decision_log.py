@@ -138,7 +138,8 @@ class DecisionLog:
         log outage does not make the service unready, as scoring goes on)."""
         if self.last_error is None:
             return None
-        return f"unreachable ({self.last_error}); {len(self.pending)} decision(s) buffered"
+        # No error text: /readyz is open and the error names the log's host (it is logged).
+        return f"unreachable; {len(self.pending)} decision(s) buffered"
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="decision-log")

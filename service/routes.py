@@ -1,8 +1,11 @@
 """The HTTP surface: scoring, model reload, health, metrics, and the error answers.
 
-The life of a scoring request, top to bottom: admission (``service.admission``) → parse
-and validate → deadline from ``X-Request-Timeout-Ms`` → micro-batch (or the naive path)
-→ response. Any :class:`~service.errors.Rejected` becomes the one 503 answer
+The life of a scoring request, top to bottom: admission (``service.admission``: body
+read whole, bounded in size and time, then the in-flight bound) → the key's scope
+(``service.auth``) → JSON content type → parse and validate (the batch endpoint counts
+its items first) → the event-time bound (live mode) → deadline from
+``X-Request-Timeout-Ms`` → micro-batch (or the naive path) → response. Any
+:class:`~service.errors.Rejected` becomes the one 503 answer
 (:meth:`Resources.answer <service.resources.Resources.answer>`). Two kinds of batch meet
 here: the client's batch endpoint (``score_many``), whose transactions each join the
 service's micro-batches like single requests do.
@@ -11,39 +14,46 @@ service's micro-batches like single requests do.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import prometheus_client
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service import telemetry
 from service.admission import RECEIVED_NS
+from service.auth import AuthError, Scope, check_scope, require_scope
 from service.batching import DeadlineExceeded
 from service.errors import NotReady, Rejected, RejectReason
 from service.model import load_configured
 from service.resources import Resources, resources
-from service.schemas import BatchIn, BatchOut, ScoreOut
+from service.schemas import BatchOut, ScoreOut
 from service.scoring import ScoreRequest, ScoreResult
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 MAX_TIMEOUT_MS = 60_000
 RECORD_HEADER = "X-Fraud-Record"
+# Shown in problem lists: more than this many problems end in a count, not a list.
+MAX_PROBLEMS = 20
 _RECORD_DOC: dict[str, Any] = {
     "name": RECORD_HEADER,
     "in": "header",
     "required": False,
-    "description": "'false': score without joining the card's session state (what-if and "
-    "replay calls); default 'true' (unless FRAUD_RECORD_SCORED=false).",
+    "description": "'false': replay mode: score without joining the card's session state "
+    "and without the event-time bound (what-if, replay and backfill calls); needs the "
+    "'admin' scope when auth is on. Default 'true' (unless FRAUD_RECORD_SCORED=false).",
     "schema": {"type": "string", "enum": ["true", "false"]},
 }
 _TIMEOUT_DOC: dict[str, Any] = {
@@ -58,6 +68,44 @@ _TIMEOUT_DOC: dict[str, Any] = {
 
 class PayloadTooLarge(Exception):
     """More transactions than ``max_batch_request`` in one batch-endpoint call (413)."""
+
+
+class NotJson(Exception):
+    """The request's Content-Type is not JSON (415)."""
+
+
+_TRANSACTIONS = TypeAdapter(list[Transaction])
+
+
+def _invalid_body(errors: list[Any], *prefix: str | int) -> RequestValidationError:
+    """pydantic's errors as the one 422 answer, located under ``body`` (+ ``prefix``)."""
+    return RequestValidationError([{**e, "loc": ("body", *prefix, *e["loc"])} for e in errors])
+
+
+async def _json_body(request: Request) -> bytes:
+    """The body of a JSON request; :class:`NotJson` (415) for another Content-Type. The
+    body is already in memory (admission read it), so this does not wait."""
+    ctype = request.headers.get("content-type", "")
+    media = ctype.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise NotJson(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+    return await request.body()
+
+
+def _check_clock(txn: Transaction, max_skew_s: float, *loc: str | int) -> None:
+    """Live scoring: ``event_time`` within ``max_skew_s`` of this host's clock, else a
+    422 naming the field (0: no bound)."""
+    if max_skew_s and abs(txn.event_ts - time.time()) > max_skew_s:
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", *loc, "event_time"),
+                    "type": "value_error",
+                    "msg": f"more than {max_skew_s:g} s from the server clock; score old "
+                    f"transactions in replay mode ({RECORD_HEADER}: false, admin scope)",
+                }
+            ]
+        )
 
 
 def _deadline(request: Request, res: Resources) -> float:
@@ -86,11 +134,13 @@ def _deadline(request: Request, res: Resources) -> float:
 
 def _record(request: Request) -> bool:
     """Whether to record the request's transactions in session state (read-your-writes),
-    from the ``X-Fraud-Record`` header: 'true' (default) or 'false', else a 422."""
+    from the ``X-Fraud-Record`` header: 'true' (default, live mode) or 'false' (replay
+    mode: needs the ``admin`` scope when auth is on, else 403), else a 422."""
     raw = request.headers.get(RECORD_HEADER)
     if raw is None or raw.lower() == "true":
         return True
     if raw.lower() == "false":
+        check_scope(request, Scope.ADMIN, f"replay mode ({RECORD_HEADER}: false)")
         return False
     raise RequestValidationError(
         [
@@ -103,9 +153,13 @@ def _record(request: Request) -> bool:
     )
 
 
+_SCORE_SCOPE = [Depends(require_scope(Scope.SCORE))]
+
+
 @router.post(
     "/v1/score",
     response_model=ScoreOut,
+    dependencies=_SCORE_SCOPE,
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
         "requestBody": {
@@ -121,31 +175,79 @@ async def score(request: Request) -> Response:
     ``json.loads`` and no dependency solving); errors take the same 422 route as
     everywhere else.
     """
+    record = _record(request)
     try:
-        txn = Transaction.model_validate_json(await request.body())
+        txn = Transaction.model_validate_json(await _json_body(request))
     except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        ) from None
+        raise _invalid_body(exc.errors(include_url=False)) from None
     res = resources(request)
+    if record:
+        _check_clock(txn, res.settings.max_event_skew_s)
     deadline = _deadline(request, res)
-    item = ScoreRequest(txn, _record(request))
+    item = ScoreRequest(txn, record)
     return _json(await _score_one(request, res, item, deadline, client_gone(request)))
 
 
 @router.post(
     "/v1/score/batch",
     response_model=BatchOut,
-    openapi_extra={"parameters": [_TIMEOUT_DOC, _RECORD_DOC]},
+    dependencies=_SCORE_SCOPE,
+    openapi_extra={
+        "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["transactions"],
+                        "properties": {
+                            "transactions": {
+                                "type": "array",
+                                "minItems": 1,
+                                "items": Transaction.model_json_schema(),
+                            }
+                        },
+                    }
+                }
+            },
+        },
+    },
 )
-async def score_many(request: Request, body: BatchIn) -> Response:
+async def score_many(request: Request) -> Response:
     """The batch endpoint: score up to ``FRAUD_MAX_BATCH_REQUEST`` transactions under one
-    deadline; results keep the input order. One 503 fails the whole call."""
+    deadline; results keep the input order. One 503 fails the whole call.
+
+    The count is checked before any item is validated (413), so an oversized call costs
+    one JSON parse, not one validation per item."""
     res = resources(request)
+    record = _record(request)
+    raw = await _json_body(request)
+    try:
+        parsed = from_json(raw)
+    except ValueError as exc:
+        raise RequestValidationError(
+            [{"loc": ("body",), "type": "json_invalid", "msg": str(exc), "ctx": {"error": exc}}]
+        ) from None
+    items = parsed.get("transactions") if isinstance(parsed, dict) else None
+    if not isinstance(items, list):
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body", "transactions"),
+                    "type": "missing",
+                    "msg": "the body must be a JSON object with a 'transactions' list",
+                }
+            ]
+        )
     limit = res.settings.max_batch_request
-    if len(body.transactions) > limit:
-        raise PayloadTooLarge(f"{len(body.transactions)} transactions; at most {limit} per call")
-    if not body.transactions:
+    if len(items) > limit:
+        raise PayloadTooLarge(f"{len(items)} transactions; at most {limit} per call")
+    try:
+        transactions = _TRANSACTIONS.validate_python(items)
+    except ValidationError as exc:
+        raise _invalid_body(exc.errors(include_url=False), "transactions") from None
+    if not transactions:
         raise RequestValidationError(
             [
                 {
@@ -155,14 +257,16 @@ async def score_many(request: Request, body: BatchIn) -> Response:
                 }
             ]
         )
+    if record:
+        for i, txn in enumerate(transactions):
+            _check_clock(txn, res.settings.max_event_skew_s, "transactions", i)
     deadline = _deadline(request, res)
     gone = client_gone(request)
-    record = _record(request)
     # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so no
     # work is done for answers nobody will receive.
     tasks = [
         asyncio.ensure_future(_score_one(request, res, ScoreRequest(t, record), deadline, gone))
-        for t in body.transactions
+        for t in transactions
     ]
     try:
         return _json(BatchOut(results=list(await asyncio.gather(*tasks))))
@@ -247,7 +351,7 @@ def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-@router.post("/v1/models/reload")
+@router.post("/v1/models/reload", dependencies=[Depends(require_scope(Scope.ADMIN))])
 async def reload_model(request: Request) -> JSONResponse:
     """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure."""
     res = resources(request)
@@ -276,16 +380,24 @@ async def readyz(request: Request) -> JSONResponse:
         # execute_command, not ping(): redis-py types ping() as "awaitable or bool".
         await asyncio.wait_for(res.redis.execute_command("PING"), timeout=1.0)
     except Exception as exc:  # any failure to reach Redis means not ready
-        problems["redis"] = f"unreachable: {exc!r}"
+        # /readyz is open: the cause (it names Redis's host:port) goes to the log only.
+        log.warning("readiness: Redis unreachable: %r", exc)
+        problems["redis"] = "feature store unreachable"
     if problems:
         raise NotReady(problems)
     model = res.models.require()
-    return JSONResponse(
-        {"status": "ready", "model_version": model.version, "providers": model.providers}
-    )
+    body: dict[str, Any] = {
+        "status": "ready",
+        "model_version": model.version,
+        "providers": model.providers,
+    }
+    # Information only: scoring goes on (decisions buffered, then dropped and counted).
+    if res.decision_log is not None and (why := res.decision_log.readiness()) is not None:
+        body["decision_log"] = why
+    return JSONResponse(body)
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_scope(Scope.METRICS))])
 async def metrics() -> Response:
     return Response(telemetry.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
@@ -297,13 +409,17 @@ async def _rejected(request: Request, exc: Rejected) -> Response:
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = []
-    for e in exc.errors():
+    found = exc.errors()
+    for e in found[:MAX_PROBLEMS]:
         loc = [str(p) for p in e["loc"] if p != "body"]
         problem = e["msg"]
         if e["type"] == "json_invalid":
             problem = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
         errors.append({"field": ".".join(loc) or "body", "problem": problem})
-    return JSONResponse(status_code=422, content={"detail": errors})
+    content: dict[str, Any] = {"detail": errors}
+    if len(found) > MAX_PROBLEMS:
+        content["problems_total"] = len(found)  # the list shows the first MAX_PROBLEMS
+    return JSONResponse(status_code=422, content=content)
 
 
 async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
@@ -312,10 +428,20 @@ async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
     )
 
 
+async def _unauthorized(request: Request, exc: AuthError) -> JSONResponse:
+    return JSONResponse(status_code=exc.status, content={"detail": exc.detail}, headers=exc.headers)
+
+
+async def _not_json(request: Request, exc: NotJson) -> JSONResponse:
+    return JSONResponse(status_code=415, content={"detail": str(exc)})
+
+
 EXCEPTION_HANDLERS: dict[
     int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
 ] = {
     Rejected: _rejected,
     RequestValidationError: _invalid,
     PayloadTooLarge: _too_large,
+    AuthError: _unauthorized,
+    NotJson: _not_json,
 }

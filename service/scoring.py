@@ -146,11 +146,14 @@ class Scorer:
         try:
             replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
-            raise FeatureStoreUnavailable(f"feature store (Redis) unavailable: {exc}") from exc
+            # The cause (it names Redis's host:port) goes to the log, not to callers.
+            log.warning("feature read failed: %s", exc)
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
         reads, applied = replies[:n_reads], replies[n_reads:]
         for r in reads:
             if isinstance(r, Exception):
-                raise FeatureStoreUnavailable(f"feature store (Redis) read failed: {r}")
+                log.warning("feature read failed: %s", r)
+                raise FeatureStoreUnavailable("feature store unavailable: a read failed")
         if writes:
             await self._recorded(writes, applied)
         rows = self.reader.parse(reads, txns)

@@ -40,6 +40,12 @@ def serve(settings: Settings) -> None:
         port=settings.port,
         workers=settings.workers,
         timeout_graceful_shutdown=int(settings.drain_seconds),
+        # Connections plus running requests per worker: past it uvicorn answers 503.
+        limit_concurrency=settings.max_connections,
+        # Idle keep-alive connections are closed after 5 s (uvicorn's default, stated).
+        timeout_keep_alive=5,
+        # Headers and the request line: at most 16 KiB (h11) before a 400.
+        h11_max_incomplete_event_size=16 * 1024,
         log_level="info",
         access_log=False,
     )

@@ -141,7 +141,9 @@ def test_a_log_outage_does_not_fail_scoring(world: World, tmp_path: Path) -> Non
             # Scoring went on: what the buffer could not hold was dropped and counted.
             assert metric(m, "fraud_decision_log_dropped_total") > 0
             assert metric(m, "fraud_decision_log_buffered") <= 100
-            assert c.get("/readyz").status_code == 200  # still serving
+            ready = c.get("/readyz")
+            assert ready.status_code == 200  # still serving
+            assert ready.json()["decision_log"].startswith("unreachable")
             after = {**TXN, "transaction_id": "after-outage"}
             assert c.post("/v1/score", json=after).status_code == 200
     finally:

@@ -384,9 +384,13 @@ def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> Non
                     own_redis.close()  # Redis goes away
                     r = c.post("/v1/score", json=TXN)
                     assert r.status_code == 503, (batching, r.text)
-                    assert "feature store" in r.json()["detail"]
+                    assert r.json()["detail"].startswith("feature store unavailable")
                     assert r.headers["Retry-After"] == "1"
-                    assert c.get("/readyz").status_code == 503
+                    ready = c.get("/readyz")
+                    assert ready.status_code == 503
+                    assert ready.json()["redis"] == "feature store unreachable"
+                    for answer in (r.text, ready.text):  # no internals in answers
+                        assert "127.0.0.1" not in answer and "Connection" not in answer
                     assert "feature_store" in c.get("/metrics").text
             finally:
                 stop_server(srv)
