@@ -155,7 +155,7 @@ async def _score(world: BenchWorld, n: int) -> dict[str, Any]:
 
 def decision_log(world: BenchWorld, n: int) -> dict[str, Any]:
     """Bytes per decision-log entry (stream entry + its dedup marker)."""
-    client = redis.Redis.from_url(world.redis_url)
+    client: Any = redis.Redis.from_url(world.redis_url)
     stream = "footprint-decisions"
     client.delete(stream)
     scored = asyncio.run(_score(world, n))["scored"]
@@ -227,6 +227,15 @@ def main() -> None:
     res["batch_time_large_world"] = batch_time(
         raw, big.start + timedelta(days=big.days - 1), a.spark
     )
+    # The slope between the two worlds: the time each further raw row costs, without the
+    # fixed cost of a job (Spark's planning and scheduling is seconds even for no rows).
+    small, large = res["batch_time_bench_world"], res["batch_time_large_world"]
+    res["batch_marginal_us_per_raw_row"] = {
+        e: (large[e]["seconds"] - small[e]["seconds"])
+        / (large[e]["raw_rows_scanned"] - small[e]["raw_rows_scanned"])
+        * 1e6
+        for e in large
+    }
     report(res)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "footprint.json").write_text(json.dumps(res, indent=2))
@@ -251,6 +260,8 @@ def report(res: dict[str, Any]) -> None:
             rows.append((f"{world[11:]} {engine}: raw rows scanned", t["raw_rows_scanned"]))
             rows.append((f"{world[11:]} {engine}: seconds per day", t["seconds"]))
             rows.append((f"{world[11:]} {engine}: us per raw row", t["us_per_raw_row"]))
+    for engine, us in res["batch_marginal_us_per_raw_row"].items():
+        rows.append((f"{engine}: marginal us per raw row", us))
     for label, v in rows:
         log.info("%-48s %14s", label, f"{v:,.2f}" if v < 100 else f"{v:,.0f}")
 
