@@ -22,6 +22,7 @@ Scoring throughput is not measured here: the scale sheet cites bench/README.md
 (bench_http's held rate). Prints a table and writes bench/results/footprint.json.
 
     python -m bench.bench_footprint [--spark] [--batch-cards 30000]
+    python -m bench.bench_footprint --sheet   # the derived sheet from the last results
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -206,13 +208,74 @@ def batch_time(raw: Path, last: date, spark: bool) -> dict[str, Any]:
     return out
 
 
+# --- the derived sheet (docs/scale-sheet.md); each assumption is a named constant ----------
+# Figures measured elsewhere in this repository, cited rather than re-run:
+SCORING_HELD_PER_CORE = 1_800  # bench/README.md: bench_http, batched, one pinned core, run 1
+MATERIALIZE_ROWS_PER_S = 39_000  # docs/scale-out.md: bench_materialize, direct writer, low end
+HEADROOM = 1.5  # Redis memory: fragmentation, replication buffers, fork copy-on-write on save
+SHARD_GB = 25.0  # usable memory per Redis Cluster master
+UTILIZATION = 0.6  # scoring cores planned at 60 % of the held rate (p99 <= 10 ms there)
+UPDATER_UTILIZATION = 0.5  # updaters planned at half their measured events/s
+MEAN_TO_PEAK = 0.5  # the day's mean rate is half the peak decisions/s of the table
+MERCHANTS_PER_CARD = 0.1  # the simulated worlds' ratio (3,000 cards, 300 merchants)
+HISTORY_DAYS = 90  # a day's snapshot scans 90 days of raw history (the longest window)
+LOG_RETENTION_DAYS = 3  # FRAUD_DECISION_LOG_RETENTION_S default
+EXECUTOR_CORES = 80  # e.g. 20 executors x 4 cores, as in docs/scale-out.md's spark-submit
+CARDS = (1_000_000, 10_000_000, 100_000_000)
+RATES = (1_000, 10_000, 100_000)
+
+
+def sheet(res: dict[str, Any]) -> str:
+    """The derived tables as Markdown, from measured ``res`` and the constants above."""
+    bf, ss, dl = res["batch_features"], res["session_state"], res["decision_log"]
+    merchant_b = bf["merchant"]["bytes_per_entity"]
+    card_b = bf["card"]["bytes_per_entity"] + MERCHANTS_PER_CARD * merchant_b
+    active = ss["cards"] / CFG.cards  # share of cards with session state on a day
+    fixed_b, event_b = ss["fit_fixed_bytes"], ss["fit_bytes_per_event"]
+    updater = ss["updater"]["events_per_s"] * UPDATER_UTILIZATION
+    core_us = res["batch_marginal_us_per_raw_row"].get("spark_local", float("nan")) * (
+        res["batch_time_large_world"].get("spark_local", {}).get("cores", 1)
+    )
+    gb = 1e9
+    lines = [
+        "| cards | decisions/s (peak) | batch features GB | session GB | online store GB "
+        f"x{HEADROOM} | shards @ {SHARD_GB:.0f} GB | decision log GB (Redis, "
+        f"{LOG_RETENTION_DAYS} d) | scoring cores | updaters | nightly Spark min "
+        f"({EXECUTOR_CORES} cores) | materialize min |",
+        "|" + "---:|" * 11,
+    ]
+    for n in CARDS:
+        for r in RATES:
+            events_day = r * MEAN_TO_PEAK * 86_400
+            feast = n * card_b / gb
+            sess = (n * active * fixed_b + events_day * event_b) / gb
+            store = (feast + sess) * HEADROOM
+            dlog = events_day * LOG_RETENTION_DAYS * dl["bytes_per_entry"] / gb
+            cores = math.ceil(r / (SCORING_HELD_PER_CORE * UTILIZATION))
+            updaters = math.ceil(r / updater)
+            spark_min = events_day * HISTORY_DAYS * core_us / 1e6 / EXECUTOR_CORES / 60
+            mat_min = n * (1 + MERCHANTS_PER_CARD) / MATERIALIZE_ROWS_PER_S / 60
+            lines.append(
+                f"| {n / 1e6:,.0f}M | {r:,} | {feast:,.1f} | {sess:,.1f} | {store:,.1f} | "
+                f"{math.ceil(store / SHARD_GB)} | {dlog:,.0f} | {cores} | {updaters} | "
+                f"{spark_min:,.0f} | {mat_min:,.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--decisions", type=int, default=2000, help="transactions scored")
     p.add_argument("--batch-cards", type=int, default=30_000, help="cards of the batch world")
     p.add_argument("--spark", action="store_true", help="also time Spark local[*]")
+    p.add_argument(
+        "--sheet", action="store_true", help="print the derived sheet from the last results only"
+    )
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.sheet:
+        log.info("%s", sheet(json.loads((RESULTS / "footprint.json").read_text())))
+        return
     res: dict[str, Any] = {"machine_cpus": os.cpu_count()}
     with bench_world() as world:
         res["batch_features"] = batch_features(world)
@@ -239,7 +302,7 @@ def main() -> None:
     report(res)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "footprint.json").write_text(json.dumps(res, indent=2))
-    log.info("wrote %s", RESULTS / "footprint.json")
+    log.info("wrote %s\n\n%s", RESULTS / "footprint.json", sheet(res))
 
 
 def report(res: dict[str, Any]) -> None:
