@@ -9,7 +9,7 @@ import time
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import Rejected, RejectReason
+from service.errors import ErrorCode, Rejected, RejectReason, error_body
 from service.resources import resources
 
 # Scope key: when the request arrived (time.time_ns()), the start of its trace.
@@ -25,8 +25,9 @@ class BodyProblem(Exception):
 
 
 class AdmissionLimit:
-    """Pure ASGI middleware for the scoring and feedback paths (``/v1/score*``,
-    ``/v1/feedback``):
+    """Pure ASGI middleware for the scoring, feedback and inference paths (``/v1/score*``,
+    ``/v1/feedback``, ``/v2/models/.../infer``; the last answer in the inference
+    protocol's ``{"error": ...}`` shape):
 
     1. a declared ``Content-Length`` over ``max_body_bytes`` is answered 413 before
        anything is read; a chunked body is cut (413) as soon as it passes the limit;
@@ -45,7 +46,9 @@ class AdmissionLimit:
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(("/v1/score", "/v1/feedback")):
+        path = scope["path"] if scope["type"] == "http" else ""
+        oip = path.startswith("/v2/models/") and path.endswith("/infer")
+        if not (oip or path.startswith(("/v1/score", "/v1/feedback"))):
             await self.app(scope, receive, send)
             return
         scope[RECEIVED_NS] = time.time_ns()
@@ -54,12 +57,16 @@ class AdmissionLimit:
         except BodyProblem as exc:
             # Closing the connection: the rest of the body is not worth reading.
             headers = {"Connection": "close"}
-            answer = JSONResponse({"detail": exc.detail}, exc.status, headers=headers)
+            code = ErrorCode.TOO_LARGE if exc.status == 413 else ErrorCode.BODY_TIMEOUT
+            content = {"error": exc.detail} if oip else error_body(code, exc.detail)
+            answer = JSONResponse(content, exc.status, headers=headers)
             await answer(scope, receive, send)
             return
         if self.inflight >= self.limit:
             overloaded = Rejected(RejectReason.INFLIGHT, "overloaded: too many requests in flight")
-            await resources(scope).answer(overloaded)(scope, receive, send)
+            res = resources(scope)
+            reply = res.answer(overloaded, {"error": overloaded.detail} if oip else None)
+            await reply(scope, receive, send)
             return
         self.inflight += 1
         try:

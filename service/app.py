@@ -4,6 +4,7 @@
 * ``service.admission``: the in-flight bound, before any work;
 * ``service.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
 * ``service.routes``: the endpoints and the error answers (one for every 503);
+* ``service.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
 * ``service.schemas``: the response bodies; ``service.model``: the model and its watcher.
 """
 
@@ -15,9 +16,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi_offline import FastAPIOffline
 
 from fraud_scoring.settings import Settings, get_settings
-from service import auth
+from service import auth, oip
 from service.admission import AdmissionLimit
 from service.feedback import router as feedback_router
 from service.resources import STATE_KEY, open_resources
@@ -42,7 +44,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             gc.freeze()
             yield {STATE_KEY: res, auth.STATE_KEY: keyring}
 
-    app = FastAPI(
+    # /docs and /redoc serve Swagger UI's and ReDoc's assets from the installed
+    # fastapi-offline package, not a CDN: they render on a cluster without internet.
+    app = FastAPIOffline(
         title="fraud-scoring",
         version="0.1.0",
         lifespan=lifespan,
@@ -55,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body_timeout_s=settings.body_timeout_s,
     )
     app.include_router(router)
+    app.include_router(oip.router)
     # Feedback is scored traffic's other half: the same `score` scope.
     app.include_router(
         feedback_router, dependencies=[Depends(auth.require_scope(auth.Scope.SCORE))]

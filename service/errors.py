@@ -6,12 +6,67 @@ with a reason from the closed set :class:`RejectReason`. One handler turns it in
 ``503`` with ``Retry-After`` and counts it in ``fraud_rejections_total{reason}``. This
 module imports nothing else from the service, so the batcher can raise these types and
 stay free of HTTP and telemetry.
+
+Every error answer of the ``/v1`` API has one shape, :class:`ErrorOut`: ``detail`` is a
+list of :class:`Problem` (``field`` when one field is at fault, a stable ``code`` from
+:class:`ErrorCode` or :class:`RejectReason`, and a human ``message``). Build it with
+:func:`error_body`. (The ``/v2`` inference protocol has its own shape, ``{"error"}``.)
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field
+
+
+class ErrorCode(StrEnum):
+    """Stable ``code`` values of 4xx problems (503s use :class:`RejectReason`)."""
+
+    UNAUTHENTICATED = "unauthenticated"  # 401: no key, or an unknown one
+    FORBIDDEN = "forbidden"  # 403: the key lacks the scope
+    BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive in time
+    MODEL_REJECTED = "model_rejected"  # 409: the new model failed to load or validate
+    TOO_LARGE = "too_large"  # 413: body bytes or transactions over the limit
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: not JSON
+    INVALID_JSON = "invalid_json"  # 422: the body is not JSON
+    MISSING = "missing"  # 422: a required field is absent
+    INVALID = "invalid"  # 422: a field's value is not acceptable
+    LOG_OFF = "log_off"  # 503 on /v1/feedback: the event log is off
+    LOG_UNAVAILABLE = "log_unavailable"  # 503 on /v1/feedback: the log did not take it
+
+
+class Problem(BaseModel):
+    """One thing wrong with a request, or why it cannot be served now."""
+
+    field: str | None = Field(
+        default=None,
+        description="the field or header at fault, dotted (e.g. 'transactions.3.amount'); "
+        "absent when no single field is",
+    )
+    code: str = Field(description="stable, machine-readable; see the README's error codes")
+    message: str = Field(description="for people; may change between versions")
+
+
+class ErrorOut(BaseModel):
+    """Every error answer of the /v1 API."""
+
+    detail: list[Problem]
+    problems_total: int | None = Field(
+        default=None, description="422 only, when more problems were found than listed"
+    )
+    serving_version: str | None = Field(
+        default=None, description="409 only: the version that keeps serving"
+    )
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error answer with one problem."""
+    problem: dict[str, Any] = {"code": code, "message": message}
+    if field is not None:
+        problem["field"] = field
+    return {"detail": [problem]}
 
 
 class RejectReason(StrEnum):
@@ -31,7 +86,8 @@ class RejectReason(StrEnum):
 
 class Rejected(Exception):
     """The request cannot be served now; the caller should retry after ``retry_after_s``
-    or use its own fallback. Answered ``503`` with ``{"detail": detail}``."""
+    or use its own fallback. Answered ``503`` with one problem whose ``code`` is
+    ``reason``."""
 
     counted: ClassVar[bool] = True  # counted in fraud_rejections_total
 
@@ -43,7 +99,7 @@ class Rejected(Exception):
 
     def content(self) -> dict[str, Any]:
         """The JSON body of the 503 answer."""
-        return {"detail": self.detail}
+        return error_body(self.reason, self.detail)
 
 
 class NotReady(Rejected):
@@ -64,3 +120,23 @@ class NotReady(Rejected):
 class ServiceStartError(RuntimeError):
     """The service refused to start (e.g. no REDIS_URL), or its process exited or did not
     become ready in time."""
+
+
+_WHEN = {
+    401: "No API key, or an unknown one (`unauthenticated`); auth on only.",
+    403: "The key lacks the route's scope (`forbidden`); auth on only.",
+    408: "The body did not arrive within FRAUD_BODY_TIMEOUT_S (`body_timeout`).",
+    409: "The new model failed to load or validate (`model_rejected`); the old one serves.",
+    413: "The body is over FRAUD_MAX_BODY_BYTES, or has too many transactions (`too_large`).",
+    415: "Content-Type is not JSON (`unsupported_media_type`).",
+    422: "The body or a header is invalid (`invalid_json`, `missing`, `invalid`), one "
+    "problem per field.",
+    503: "Cannot be served now; retry after `Retry-After` seconds. `code` is the reason: "
+    + ", ".join(f"`{r}`" for r in RejectReason if r not in ("disconnected", "not_ready"))
+    + "; on /v1/feedback `log_off`, `log_unavailable`.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for ``statuses``, each with :class:`ErrorOut`."""
+    return {s: {"model": ErrorOut, "description": _WHEN[s]} for s in statuses}

@@ -29,6 +29,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable
 from fraud_scoring.events import ID_PATTERN
+from service.errors import ErrorCode, error_body, error_responses
 from service.resources import resources
 
 router = APIRouter()
@@ -57,7 +58,11 @@ def feedback_key(transaction_id: str, source: str) -> str:
     return f"{transaction_id}\x1f{source}"
 
 
-@router.post("/v1/feedback", response_model=FeedbackOut)
+@router.post(
+    "/v1/feedback",
+    response_model=FeedbackOut,
+    responses=error_responses(401, 403, 408, 413, 422, 503),
+)
 async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResponse:
     """Store one label. 200 with ``duplicate`` telling a retry from a new label; 422
     naming the field for a bad body; 503 (Retry-After) when the log cannot take it, or
@@ -65,7 +70,10 @@ async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResp
     res = resources(request)
     if res.feedback is None:
         return JSONResponse(
-            {"detail": "feedback needs the event log, which is off (FRAUD_DECISION_LOG=off)"},
+            error_body(
+                ErrorCode.LOG_OFF,
+                "feedback needs the event log, which is off (FRAUD_DECISION_LOG=off)",
+            ),
             status_code=503,
             headers={"Retry-After": "60"},
         )
@@ -84,7 +92,7 @@ async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResp
         )
     except LogUnavailable as exc:
         return JSONResponse(
-            {"detail": f"the label could not be stored now: {exc}"},
+            error_body(ErrorCode.LOG_UNAVAILABLE, f"the label could not be stored now: {exc}"),
             status_code=503,
             headers={"Retry-After": "1"},
         )

@@ -57,12 +57,15 @@ class Resources:
             reason=reason.value, model_version=_version_label(self.models)
         ).inc()
 
-    def answer(self, exc: Rejected) -> JSONResponse:
-        """The one 503 answer: counted (unless ``exc`` says not), with Retry-After."""
+    def answer(self, exc: Rejected, content: dict[str, Any] | None = None) -> JSONResponse:
+        """The one 503 answer: counted (unless ``exc`` says not), with Retry-After; the
+        body is ``exc.content()`` unless ``content`` is given (another protocol's shape)."""
         if exc.counted:
             self.count_rejection(exc.reason)
         return JSONResponse(
-            exc.content(), status_code=503, headers={"Retry-After": str(exc.retry_after_s)}
+            exc.content() if content is None else content,
+            status_code=503,
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
 
 

@@ -33,10 +33,17 @@ from service import telemetry
 from service.admission import RECEIVED_NS
 from service.auth import AuthError, Scope, check_scope, require_scope
 from service.batching import DeadlineExceeded
-from service.errors import NotReady, Rejected, RejectReason
+from service.errors import (
+    ErrorCode,
+    NotReady,
+    Rejected,
+    RejectReason,
+    error_body,
+    error_responses,
+)
 from service.model import load_configured
 from service.resources import Resources, resources
-from service.schemas import BatchOut, ScoreOut
+from service.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
 from service.scoring import ScoreRequest, ScoreResult
 
 log = logging.getLogger(__name__)
@@ -108,7 +115,7 @@ def _check_clock(txn: Transaction, max_skew_s: float, *loc: str | int) -> None:
         )
 
 
-def _deadline(request: Request, res: Resources) -> float:
+def request_deadline(request: Request, res: Resources) -> float:
     """The request's deadline (``time.monotonic()``) from the timeout header, else the
     configured default; a header that is not a number of ms in (0, 60000] is a 422."""
     raw = request.headers.get(TIMEOUT_HEADER)
@@ -160,11 +167,17 @@ _SCORE_SCOPE = [Depends(require_scope(Scope.SCORE))]
     "/v1/score",
     response_model=ScoreOut,
     dependencies=_SCORE_SCOPE,
+    responses=error_responses(401, 403, 408, 413, 415, 422, 503),
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": Transaction.model_json_schema()}},
+            "content": {
+                "application/json": {
+                    "schema": Transaction.model_json_schema(),
+                    "example": TXN_EXAMPLE,
+                }
+            },
         },
     },
 )
@@ -183,7 +196,7 @@ async def score(request: Request) -> Response:
     res = resources(request)
     if record:
         _check_clock(txn, res.settings.max_event_skew_s)
-    deadline = _deadline(request, res)
+    deadline = request_deadline(request, res)
     item = ScoreRequest(txn, record)
     return _json(await _score_one(request, res, item, deadline, client_gone(request)))
 
@@ -192,6 +205,7 @@ async def score(request: Request) -> Response:
     "/v1/score/batch",
     response_model=BatchOut,
     dependencies=_SCORE_SCOPE,
+    responses=error_responses(401, 403, 408, 413, 415, 422, 503),
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
         "requestBody": {
@@ -208,7 +222,8 @@ async def score(request: Request) -> Response:
                                 "items": Transaction.model_json_schema(),
                             }
                         },
-                    }
+                    },
+                    "example": {"transactions": [TXN_EXAMPLE]},
                 }
             },
         },
@@ -260,7 +275,7 @@ async def score_many(request: Request) -> Response:
     if record:
         for i, txn in enumerate(transactions):
             _check_clock(txn, res.settings.max_event_skew_s, "transactions", i)
-    deadline = _deadline(request, res)
+    deadline = request_deadline(request, res)
     gone = client_gone(request)
     # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so no
     # work is done for answers nobody will receive.
@@ -351,7 +366,17 @@ def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-@router.post("/v1/models/reload", dependencies=[Depends(require_scope(Scope.ADMIN))])
+class ReloadOut(BaseModel):
+    previous_version: str | None
+    serving_version: str
+
+
+@router.post(
+    "/v1/models/reload",
+    response_model=ReloadOut,
+    dependencies=[Depends(require_scope(Scope.ADMIN))],
+    responses=error_responses(401, 403, 409),
+)
 async def reload_model(request: Request) -> JSONResponse:
     """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure."""
     res = resources(request)
@@ -359,7 +384,8 @@ async def reload_model(request: Request) -> JSONResponse:
     try:
         new = await asyncio.to_thread(res.models.swap, lambda: load_configured(res.settings))
     except ModelError as exc:
-        return JSONResponse(status_code=409, content={"detail": str(exc), "serving_version": old})
+        body = error_body(ErrorCode.MODEL_REJECTED, str(exc))
+        return JSONResponse(status_code=409, content={**body, "serving_version": old})
     return JSONResponse({"previous_version": old, "serving_version": new.version})
 
 
@@ -397,7 +423,11 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-@router.get("/metrics", dependencies=[Depends(require_scope(Scope.METRICS))])
+@router.get(
+    "/metrics",
+    dependencies=[Depends(require_scope(Scope.METRICS))],
+    responses=error_responses(401, 403),
+)
 async def metrics() -> Response:
     return Response(telemetry.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
@@ -407,15 +437,19 @@ async def _rejected(request: Request, exc: Rejected) -> Response:
     return resources(request).answer(exc)
 
 
+# pydantic's error types as the API's stable codes; any other type is ``invalid``.
+_CODES = {"json_invalid": ErrorCode.INVALID_JSON, "missing": ErrorCode.MISSING}
+
+
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = []
     found = exc.errors()
     for e in found[:MAX_PROBLEMS]:
         loc = [str(p) for p in e["loc"] if p != "body"]
-        problem = e["msg"]
+        message, code = e["msg"], _CODES.get(e["type"], ErrorCode.INVALID)
         if e["type"] == "json_invalid":
-            problem = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
-        errors.append({"field": ".".join(loc) or "body", "problem": problem})
+            message = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+        errors.append({"field": ".".join(loc) or "body", "code": code, "message": message})
     content: dict[str, Any] = {"detail": errors}
     if len(found) > MAX_PROBLEMS:
         content["problems_total"] = len(found)  # the list shows the first MAX_PROBLEMS
@@ -424,16 +458,18 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
 
 async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
     return JSONResponse(
-        status_code=413, content={"detail": [{"field": "transactions", "problem": str(exc)}]}
+        status_code=413, content=error_body(ErrorCode.TOO_LARGE, str(exc), "transactions")
     )
 
 
 async def _unauthorized(request: Request, exc: AuthError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status, content={"detail": exc.detail}, headers=exc.headers)
+    code = ErrorCode.UNAUTHENTICATED if exc.status == 401 else ErrorCode.FORBIDDEN
+    return JSONResponse(error_body(code, exc.detail), exc.status, headers=exc.headers)
 
 
 async def _not_json(request: Request, exc: NotJson) -> JSONResponse:
-    return JSONResponse(status_code=415, content={"detail": str(exc)})
+    body = error_body(ErrorCode.UNSUPPORTED_MEDIA_TYPE, str(exc), "header.Content-Type")
+    return JSONResponse(status_code=415, content=body)
 
 
 EXCEPTION_HANDLERS: dict[

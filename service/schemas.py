@@ -5,10 +5,45 @@ A single transaction's request body is :class:`fraud_scoring.events.Transaction`
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from fraud_scoring.events import Transaction
 from service.scoring import ScoreResult
+
+# service.decision.DECISIONS as a type (a test keeps the two equal).
+Decision = Literal["approve", "review", "decline"]
+
+TXN_EXAMPLE: dict[str, Any] = {
+    "transaction_id": "t-000123",
+    "card_id": "c-42",
+    "merchant_id": "m-7",
+    "amount": 129.90,
+    "currency": "EUR",
+    "event_time": "2026-11-30T07:00:00+00:00",
+    "country": "DE",
+    "channel": "ecom",
+    "mcc": "5732",
+    "device_id": "d-9",
+}
+
+SCORE_EXAMPLE: dict[str, Any] = {
+    "transaction_id": "t-000123",
+    "decision": "review",
+    "score": 0.41,
+    "reasons": [{"code": "card_velocity_1h", "message": "6 transactions on the card in 1 h"}],
+    "model_version": "3",
+    "features": {"missing": [], "stale": ["merchant_fraud_rate_90d"]},
+    "timing": {
+        "queue_ms": 1.2,
+        "feature_read_ms": 0.8,
+        "inference_ms": 0.3,
+        "decision_ms": 0.05,
+        "total_ms": 2.4,
+        "batch_size": 8,
+    },
+}
 
 
 class ReasonOut(BaseModel):
@@ -34,8 +69,10 @@ class Timing(BaseModel):
 
 
 class ScoreOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [SCORE_EXAMPLE]})
+
     transaction_id: str
-    decision: str
+    decision: Decision
     score: float
     reasons: list[ReasonOut]
     model_version: str
@@ -50,7 +87,7 @@ class ScoreOut(BaseModel):
         queue_ms = max(total_ms - tm["feature_read"] - tm["inference"] - tm["decision"], 0.0)
         return cls(
             transaction_id=res.transaction_id,
-            decision=res.decision,
+            decision=cast(Decision, res.decision),  # validated against the Literal here
             score=res.score,
             reasons=[ReasonOut(code=r.code, message=r.message) for r in res.reasons],
             model_version=res.model_version,

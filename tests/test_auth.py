@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.test_protocols import check_against_openapi
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +88,34 @@ def test_probes_are_open(authed: AuthServer) -> None:
     with authed.srv.client() as c:
         assert c.get("/healthz").status_code == 200
         assert c.get("/readyz").status_code == 200
+        assert c.get("/v2/health/live").status_code == 200
+        assert c.get("/v2/health/ready").status_code == 200
+
+
+def test_auth_answers_match_the_published_schema(authed: AuthServer) -> None:
+    with authed.srv.client() as c:
+        spec = c.get("/openapi.json").json()
+        unauthenticated = c.post("/v1/score", json=live_txn())
+        forbidden = c.post("/v1/score", json=live_txn(), headers=bearer(authed.scraper))
+        reload = c.post("/v1/models/reload", headers=bearer(authed.scorer))
+        assert [r.status_code for r in (unauthenticated, forbidden, reload)] == [401, 403, 403]
+        check_against_openapi(spec, "POST", "/v1/score", unauthenticated)
+        check_against_openapi(spec, "POST", "/v1/score", forbidden)
+        check_against_openapi(spec, "POST", "/v1/models/reload", reload)
+        assert unauthenticated.json()["detail"][0]["code"] == "unauthenticated"
+        assert forbidden.json()["detail"][0]["code"] == "forbidden"
+
+
+def test_inference_protocol_needs_the_score_scope(authed: AuthServer) -> None:
+    """Metadata and inference need 'score'; answers keep the protocol's error shape."""
+    infer = "/v2/models/fraud/infer"
+    with authed.srv.client() as c:
+        for r in (c.get("/v2/models/fraud"), c.post(infer, json={})):
+            assert r.status_code == 401 and set(r.json()) == {"error"}
+            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+        r = c.get("/v2/models/fraud", headers=bearer(authed.scraper))
+        assert r.status_code == 403 and "lacks scope 'score'" in r.json()["error"]
+        assert c.get("/v2/models/fraud", headers=bearer(authed.scorer)).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -98,7 +127,7 @@ def test_scoring_needs_a_valid_key(authed: AuthServer, path: str, body: dict) ->
         r = c.post(path, json=body)
         assert r.status_code == 401
         assert r.headers["WWW-Authenticate"] == 'Bearer realm="fraud-scoring"'
-        assert "missing API key" in r.json()["detail"]
+        assert "missing API key" in r.json()["detail"][0]["message"]
         for wrong in (authed.scorer + "x", "checkout.nope", "nobody.x", "garbage"):
             r = c.post(path, json=body, headers=bearer(wrong))
             assert r.status_code == 401, wrong
@@ -113,11 +142,11 @@ def test_scopes_are_enforced_with_403(authed: AuthServer) -> None:
     with authed.srv.client() as c:
         r = c.post("/v1/score", json=live_txn(), headers=bearer(authed.scraper))
         assert r.status_code == 403
-        assert r.json()["detail"] == (
+        assert r.json()["detail"][0]["message"] == (
             "key 'prometheus' lacks scope 'score' needed for POST /v1/score"
         )
         r = c.post("/v1/models/reload", headers=bearer(authed.scorer))
-        assert r.status_code == 403 and "'admin'" in r.json()["detail"]
+        assert r.status_code == 403 and "'admin'" in r.json()["detail"][0]["message"]
         assert c.post("/v1/models/reload").status_code == 401
         r = c.post("/v1/models/reload", headers=bearer(authed.ops))
         assert r.status_code == 200 and r.json()["serving_version"] == "1"
@@ -136,7 +165,7 @@ def test_event_time_bound_and_admin_replay_mode(authed: AuthServer) -> None:
             r = c.post("/v1/score", json=live_txn(i, **patch), headers=bearer(authed.scorer))
             assert r.status_code == 422, r.text
             [problem] = r.json()["detail"]
-            assert problem["field"] == "event_time" and "600 s" in problem["problem"]
+            assert problem["field"] == "event_time" and "600 s" in problem["message"]
         batch = {"transactions": [live_txn(1), live_txn(2, **old)]}
         r = c.post("/v1/score/batch", json=batch, headers=bearer(authed.scorer))
         assert r.status_code == 422
@@ -144,7 +173,7 @@ def test_event_time_bound_and_admin_replay_mode(authed: AuthServer) -> None:
         # Replay mode: admin only; it scores old transactions (and records nothing).
         as_scorer, as_ops = {**replay, **bearer(authed.scorer)}, {**replay, **bearer(authed.ops)}
         r = c.post("/v1/score", json=live_txn(3, **old), headers=as_scorer)
-        assert r.status_code == 403 and "replay mode" in r.json()["detail"]
+        assert r.status_code == 403 and "replay mode" in r.json()["detail"][0]["message"]
         r = c.post("/v1/score", json=live_txn(3, **old), headers=as_ops)
         assert r.status_code == 200, r.text
         r = c.post("/v1/score/batch", json=batch, headers=as_ops)

@@ -293,10 +293,10 @@ def test_http_full_queue_gives_503_with_retry_after(world: World, tmp_path) -> N
         assert 200 in codes and 503 in codes, codes
         shed = [r for r in responses if r.status_code == 503]
         assert all(r.headers.get("Retry-After") for r in shed)
-        assert "overloaded" in shed[0].json()["detail"]
+        assert "overloaded" in shed[0].json()["detail"][0]["message"]
         with httpx.Client(base_url=srv.url) as c:  # an impossible deadline is refused
             r = c.post("/v1/score", json=TXN, headers={"X-Request-Timeout-Ms": "0.001"})
-            assert r.status_code == 503 and "deadline" in r.json()["detail"]
+            assert r.status_code == 503 and "deadline" in r.json()["detail"][0]["message"]
     finally:
         stop_server(srv)
 

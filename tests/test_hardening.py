@@ -65,7 +65,7 @@ def test_body_over_the_byte_limit_is_413_before_reading(hardened: Server) -> Non
     big = b'{"transactions": [' + b" " * 2_000_000 + b"]}"
     with hardened.client() as c:
         r = c.post("/v1/score/batch", content=big, headers={"content-type": "application/json"})
-    assert r.status_code == 413 and "at most 1048576" in r.json()["detail"]
+    assert r.status_code == 413 and "at most 1048576" in r.json()["detail"][0]["message"]
 
 
 def test_error_list_is_capped(hardened: Server) -> None:
@@ -114,7 +114,7 @@ def test_content_type_must_be_json(hardened: Server) -> None:
     with hardened.client() as c:
         for path in ("/v1/score", "/v1/score/batch"):
             r = c.post(path, content=b"{}", headers={"content-type": "text/plain"})
-            assert r.status_code == 415 and "application/json" in r.json()["detail"]
+            assert r.status_code == 415 and "application/json" in r.json()["detail"][0]["message"]
         utf8 = {"content-type": "application/json; charset=utf-8"}
         r = c.post("/v1/score", json=TXN, headers=utf8)
         assert r.status_code == 200

@@ -106,7 +106,7 @@ def test_bad_fields_get_422_naming_the_field(
         r = c.post("/v1/score", json=body)
     assert r.status_code == 422, r.text
     errors = r.json()["detail"]
-    assert any(e["field"] == field and fragment in e["problem"] for e in errors), errors
+    assert any(e["field"] == field and fragment in e["message"] for e in errors), errors
 
 
 def test_missing_field_and_non_json_body(server: Server) -> None:
@@ -117,7 +117,7 @@ def test_missing_field_and_non_json_body(server: Server) -> None:
         assert r.json()["detail"][0]["field"] == "card_id"
         r = c.post("/v1/score", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 422
-        assert "JSON" in r.json()["detail"][0]["problem"]
+        assert "JSON" in r.json()["detail"][0]["message"]
         r = c.post("/v1/score", headers={"X-Request-Timeout-Ms": "-3"}, json=TXN)
         assert r.status_code == 422
         assert r.json()["detail"][0]["field"] == "header.X-Request-Timeout-Ms"
@@ -222,7 +222,7 @@ def test_only_model_that_cannot_load_is_not_ready_until_a_good_one_appears(
             assert ready.status_code == 503 and problem in ready.json()["model"], ready.text
             r = c.post("/v1/score", json=TXN)
             assert r.status_code == 503 and r.headers["Retry-After"] == "5"
-            assert problem in r.json()["detail"]
+            assert problem in r.json()["detail"][0]["message"]
             assert 'reason="no_model"' in c.get("/metrics").text
             incoming = repo / "fraud" / ".incoming"
             shutil.copytree(resolve(world.model_repo, "fraud"), incoming)
@@ -272,7 +272,7 @@ def test_reload_keeps_old_model_when_new_one_is_broken(world: World, tmp_path: P
         (broken / "model.onnx").write_bytes(b"garbage")
         with srv.client() as c:
             r = c.post("/v1/models/reload")
-            assert r.status_code == 409 and "model.onnx" in r.json()["detail"]
+            assert r.status_code == 409 and "model.onnx" in r.json()["detail"][0]["message"]
             assert c.post("/v1/score", json=TXN).json()["model_version"] == "1"
             shutil.rmtree(broken)
             good = repo / "fraud" / "3"
@@ -384,7 +384,7 @@ def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> Non
                     own_redis.close()  # Redis goes away
                     r = c.post("/v1/score", json=TXN)
                     assert r.status_code == 503, (batching, r.text)
-                    assert r.json()["detail"].startswith("feature store unavailable")
+                    assert r.json()["detail"][0]["message"].startswith("feature store unavailable")
                     assert r.headers["Retry-After"] == "1"
                     ready = c.get("/readyz")
                     assert ready.status_code == 503

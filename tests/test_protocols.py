@@ -1,0 +1,182 @@
+"""The service speaks the ecosystem's protocols: real answers match the published OpenAPI
+document, the docs render from local assets, and a real Open Inference Protocol v2
+client (tritonclient) reaches the model. Real HTTP against ``fraud-scoring serve``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, get_args
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.http as triton
+from jsonschema import Draft202012Validator
+from tritonclient.utils import InferenceServerException
+
+from fraud_scoring.model_repo import load_metadata, resolve
+from service.decision import DECISIONS
+from service.errors import ErrorCode, RejectReason
+from service.schemas import Decision
+from tests.conftest import Server, World
+from tests.test_service import TXN
+
+CODES = {c.value for c in ErrorCode} | {r.value for r in RejectReason}
+
+
+def check_against_openapi(spec: dict[str, Any], method: str, path: str, r: httpx.Response) -> None:
+    """``r``'s status is documented for ``method path`` and its JSON body validates
+    against the documented schema; an error body's codes are documented codes."""
+    responses = spec["paths"][path][method.lower()]["responses"]
+    assert str(r.status_code) in responses, (path, r.status_code, sorted(responses))
+    schema = responses[str(r.status_code)]["content"]["application/json"]["schema"]
+    validator = Draft202012Validator({**schema, "components": spec["components"]})
+    body = r.json()
+    errors = [e.message for e in validator.iter_errors(body)]
+    assert not errors, (path, r.status_code, body, errors)
+    if r.status_code >= 400 and path.startswith("/v1"):
+        assert {p["code"] for p in body["detail"]} <= CODES, body
+
+
+def test_decision_enum_is_the_policys() -> None:
+    assert get_args(Decision) == DECISIONS
+
+
+def test_every_answer_matches_the_published_schema(server: Server) -> None:
+    """Valid calls and each error class, sent for real, validated against /openapi.json."""
+    with server.client() as c:
+        spec = c.get("/openapi.json").json()
+        assert spec["components"]["schemas"]["ScoreOut"]["properties"]["decision"]["enum"] == [
+            "approve",
+            "review",
+            "decline",
+        ]
+        score = spec["paths"]["/v1/score"]["post"]
+        assert {"401", "403", "408", "413", "415", "422", "503"} <= set(score["responses"])
+        assert "example" in score["requestBody"]["content"]["application/json"]
+
+        many = {"transactions": [TXN, {**TXN, "transaction_id": "p-2"}]}
+        calls: list[tuple[str, str, httpx.Response]] = [
+            ("POST", "/v1/score", c.post("/v1/score", json=TXN)),
+            ("POST", "/v1/score/batch", c.post("/v1/score/batch", json=many)),
+            ("POST", "/v1/score", c.post("/v1/score", json={**TXN, "amount": -1})),
+            ("POST", "/v1/score", c.post("/v1/score", json={"card_id": "c1"})),
+            (
+                "POST",
+                "/v1/score",
+                c.post("/v1/score", content=b"{", headers={"content-type": "application/json"}),
+            ),
+            (
+                "POST",
+                "/v1/score",
+                c.post("/v1/score", content=b"{}", headers={"content-type": "text/plain"}),
+            ),
+            (
+                "POST",
+                "/v1/score",
+                c.post("/v1/score", json=TXN, headers={"X-Request-Timeout-Ms": "nope"}),
+            ),
+            # A deadline no micro-batch can meet: 503 with a reason code.
+            (
+                "POST",
+                "/v1/score",
+                c.post("/v1/score", json=TXN, headers={"X-Request-Timeout-Ms": "0.001"}),
+            ),
+            (
+                "POST",
+                "/v1/score/batch",
+                c.post("/v1/score/batch", json={"transactions": [TXN] * 257}),
+            ),
+            ("POST", "/v1/models/reload", c.post("/v1/models/reload")),
+            ("POST", "/v1/feedback", c.post("/v1/feedback", json={"label": "maybe"})),
+        ]
+    statuses = [r.status_code for _, _, r in calls]
+    assert statuses == [200, 200, 422, 422, 422, 415, 422, 503, 413, 200, 422], statuses
+    for method, path, r in calls:
+        check_against_openapi(spec, method, path, r)
+    assert calls[4][2].json()["detail"][0]["code"] == "invalid_json"
+    assert calls[3][2].json()["detail"][0]["code"] == "missing"
+    assert calls[7][2].json()["detail"][0]["code"] in ("deadline", "timeout")
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_use_only_local_assets(server: Server, page: str) -> None:
+    """The docs pages reference no other host (they render without internet), and every
+    asset they reference answers 200."""
+    with server.client() as c:
+        html = c.get(page).text
+        urls = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html)
+        urls += re.findall(r"""url:\s*['"]([^'"]+)['"]""", html)
+        assert urls, html
+        remote = [u for u in urls if re.match(r"(https?:)?//", u)]
+        assert not remote, remote
+        assert re.search(r"https?://", html) is None, "a remote URL in the page"
+        for u in urls:
+            assert c.get(u).status_code == 200, u
+
+
+# --- Open Inference Protocol v2 ------------------------------------------------------
+def test_oip_client_reaches_the_model(server: Server, world: World) -> None:
+    """tritonclient's HTTP client: health, metadata, and inference equal to ONNX Runtime
+    on the same model file."""
+    path = resolve(world.model_repo, "fraud")
+    meta = load_metadata(path)
+    client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("fraud")
+        assert client.get_server_metadata()["name"] == "fraud-scoring"
+        md = client.get_model_metadata("fraud")
+        n = len(meta.features)
+        assert md["versions"] == [meta.version]
+        assert md["inputs"] == [{"name": meta.input_name, "datatype": "FP32", "shape": [-1, n]}]
+        assert md["parameters"]["feature_names"] == meta.feature_names
+        assert client.get_model_metadata("fraud", meta.version)["name"] == "fraud"
+
+        x = np.random.default_rng(7).uniform(0, 50, size=(5, n)).astype(np.float32)
+        inp = triton.InferInput(meta.input_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=False)
+        out = triton.InferRequestedOutput(meta.output_name, binary_data=False)
+        result = client.infer("fraud", [inp], outputs=[out], request_id="r-1")
+        got = result.as_numpy(meta.output_name)
+        session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+        want = session.run([meta.output_name], {meta.input_name: x})[0][:, 1]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert result.get_response()["id"] == "r-1"
+        assert result.get_response()["model_version"] == meta.version
+
+        versioned = client.infer("fraud", [inp], model_version=meta.version, outputs=[out])
+        np.testing.assert_allclose(versioned.as_numpy(meta.output_name), want, rtol=1e-6)
+        with pytest.raises(InferenceServerException, match="not served"):
+            client.infer("fraud", [inp], model_version="999", outputs=[out])
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            client.get_model_metadata("other")
+        bad = triton.InferInput(meta.input_name, [1, n - 1], "FP32")
+        bad.set_data_from_numpy(x[:1, : n - 1], binary_data=False)
+        with pytest.raises(InferenceServerException, match=rf"shape must be \[n, {n}\]"):
+            client.infer("fraud", [bad], outputs=[out])
+    finally:
+        client.close()
+
+
+def test_oip_errors_use_the_protocol_shape(server: Server) -> None:
+    with server.client() as c:
+        cases = [
+            c.post("/v2/models/fraud/infer", content=b"{"),
+            c.post("/v2/models/fraud/infer", json={"inputs": []}),
+            c.post(
+                "/v2/models/fraud/infer",
+                json={
+                    "inputs": [
+                        {"name": "input", "shape": [1, 2], "datatype": "INT64", "data": [1, 2]}
+                    ]
+                },
+            ),
+            c.get("/v2/models/nope"),
+            c.get("/v2/models/nope/ready"),
+        ]
+        assert [r.status_code for r in cases] == [400, 400, 400, 404, 404]
+        for r in cases:
+            assert set(r.json()) == {"error"} and r.json()["error"], r.text
+        assert c.get("/v2/health/live").json() == {"live": True}
