@@ -36,11 +36,18 @@ class Timing(BaseModel):
 class ScoreOut(BaseModel):
     transaction_id: str
     decision: str
-    score: float
+    score: float | None = Field(
+        description="the model's probability; null for a rules-only (degraded) decision"
+    )
     reasons: list[ReasonOut]
-    model_version: str
+    model_version: str = Field(description='"rules-only" for a degraded decision')
     features: FeatureStatus
     timing: Timing
+    degraded: bool = Field(
+        default=False,
+        description="true: the online store had no batch features or did not answer, and "
+        "FRAUD_DEGRADED_POLICY=rules decided on request and session features by rules only",
+    )
 
     @classmethod
     def of(cls, res: ScoreResult, total_ms: float) -> ScoreOut:
@@ -63,6 +70,7 @@ class ScoreOut(BaseModel):
                 total_ms=total_ms,
                 batch_size=int(tm["batch_size"]),
             ),
+            degraded=res.degraded is not None,
         )
 
 
