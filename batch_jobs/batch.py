@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,7 +25,7 @@ from tqdm import tqdm
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
 from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
-from fraud_scoring.feast_store import online_key, open_store, stored_time
+from fraud_scoring.feast_store import batch_marker_key, online_key, open_store, stored_time
 from fraud_scoring.features import VIEWS
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,18 @@ def forget_recomputed(
     return len(stale)
 
 
+def mark_materialized(redis_url: str, project: str) -> None:
+    """Set each view's marker (:func:`fraud_scoring.feast_store.batch_marker_key`) to now,
+    after its snapshots are written: the service reads a missing marker as "this store
+    holds no batch features" (e.g. Redis restarted empty) and applies its degraded policy."""
+    client: Any = redis.Redis.from_url(redis_url)
+    try:
+        now = datetime.now(UTC).isoformat()
+        client.mset({batch_marker_key(project, v.name): now for v in VIEWS})
+    finally:
+        client.close()
+
+
 def run_batch(
     data_dir: Path,
     days: list[date],
@@ -127,6 +139,7 @@ def run_batch(
         store.materialize(start_date=start, end_date=end)
     else:
         materialize_days(store, redis_url, feats, days, start, end)
+    mark_materialized(redis_url, store.project)
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(

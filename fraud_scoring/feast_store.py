@@ -108,6 +108,14 @@ def online_keys(
     return out
 
 
+def batch_marker_key(project: str, view: str) -> str:
+    """The key the batch job sets after it materializes ``view`` (value: the ISO time of
+    that run). The service checks it periodically: a Redis that restarted without
+    persistence lacks it, so "no batch features at all" is told apart from a card with
+    no history."""
+    return f"fraud_scoring:materialized:{project}:{view}"
+
+
 def online_field(view: str, feature: str) -> bytes:
     """The hash field of one feature of ``view`` in Feast's Redis layout (the 4-byte
     little-endian murmur3 of ``"<view>:<feature>"``)."""

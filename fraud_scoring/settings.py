@@ -101,6 +101,34 @@ class Settings(BaseSettings):
         description="Socket timeout of the service's Redis reads; a batch whose read "
         "fails or takes longer is answered 503 (never scored on made-up features).",
     )
+    degraded_policy: Literal["refuse", "rules"] = Field(
+        default="refuse",
+        description="When the online store holds no batch features for a view (the "
+        "batch job's marker is missing, e.g. Redis restarted without persistence) or is "
+        "unreachable (or its circuit breaker is open): 'refuse' answers 503 and /readyz "
+        "is 503; 'rules' decides on the request and session features with rules only "
+        "(no model score), marks the answer degraded: true, counts it in "
+        "fraud_degraded_decisions_total, and /readyz stays 200 with a degraded detail.",
+    )
+    breaker_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive failed Redis reads that open the circuit breaker: while "
+        "open, reads are not tried (answered at once per degraded_policy), so a hung "
+        "server costs one timeout, not one per request.",
+    )
+    breaker_open_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds the breaker stays open before one probe read is let through "
+        "(half-open); the probe's success closes it, its failure opens it again.",
+    )
+    batch_marker_check_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often a background task checks the batch job's per-view "
+        "markers (not per request).",
+    )
     max_batch_request: int = Field(
         default=256, ge=1, description="Most transactions one POST /v1/score/batch may carry."
     )

@@ -125,3 +125,37 @@ class Policy:
         fired.sort(key=lambda i: -self.importance.get(i.feature, 0.0))
         reasons.extend(Reason(i.code, i.message(features)) for i in fired)
         return decision, reasons
+
+
+# Rules-only decisions (degraded mode) use only what does not come from the batch job:
+# the request and the card's session counts.
+_SESSION_INDICATORS = tuple(i for i in INDICATORS if i.code.startswith("VELOCITY_"))
+
+
+def rules_only(
+    amount: float, session: Mapping[str, float], review_amount_limit: float
+) -> tuple[str, list[Reason]]:
+    """The degraded-mode decision without a model score: 'review' when the amount is over
+    the limit or a velocity indicator fires on the session counts, else 'approve'; never
+    'decline' (no model has judged it). ``session`` may be empty (store unreachable)."""
+    reasons = [
+        Reason(
+            "DEGRADED_RULES_ONLY",
+            "No batch features available; decided by rules on the request"
+            + (" and session features." if session else " only."),
+        )
+    ]
+    decision = "approve"
+    if amount > review_amount_limit:
+        decision = "review"
+        reasons.append(
+            Reason(
+                "RULE_AMOUNT_OVER_LIMIT",
+                f"Amount {amount:.2f} is over the review limit {review_amount_limit:.2f}.",
+            )
+        )
+    for i in _SESSION_INDICATORS:
+        if i.feature in session and i.fires(session):
+            decision = "review"
+            reasons.append(Reason(i.code, i.message(session)))
+    return decision, reasons

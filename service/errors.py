@@ -78,6 +78,7 @@ class RejectReason(StrEnum):
     DEADLINE = "deadline"  # the deadline passed, or cannot be met, before the model
     TIMEOUT = "timeout"  # the request's own deadline fired while it waited
     FEATURE_STORE = "feature_store"  # the online store (Redis) did not answer
+    NO_BATCH_FEATURES = "no_batch_features"  # the store holds no batch features (refuse)
     NO_MODEL = "no_model"  # no model loaded (none published yet, or it cannot load)
     SHUTTING_DOWN = "shutting_down"  # still queued when the service stopped
     DISCONNECTED = "disconnected"  # the client left first (answered 499, not 503)

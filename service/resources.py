@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 
 from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.feast_store import open_store
+from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import ModelError, ModelNotFound
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
@@ -32,6 +33,7 @@ from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
 from service.scoring import Scorer, ScoreRequest, ScoreResult
+from service.store_health import StoreHealth
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class Resources:
     # Decisions and labels go to the event log (None: FRAUD_DECISION_LOG=off).
     decision_log: DecisionLog | None = None
     feedback: Producer | None = None
+    # The breaker and batch-marker state of the online store (readiness reads it).
+    health: StoreHealth | None = None
 
     def count_rejection(self, reason: RejectReason) -> None:
         self.instruments.rejections.labels(
@@ -116,6 +120,19 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         stack.callback(pool.shutdown, wait=True)
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
+        health = StoreHealth(
+            client,
+            store.project,
+            [v.name for v in VIEWS],
+            failures=settings.breaker_failures,
+            open_s=settings.breaker_open_s,
+            check_s=settings.batch_marker_check_s,
+            on_presence=lambda view, present: instruments.batch_features_present.labels(
+                view=view
+            ).set(1 if present else 0),
+        )
+        watcher = asyncio.get_running_loop().create_task(health.watch(), name="batch-markers")
+        stack.callback(watcher.cancel)
         decision_log, feedback = None, None
         if settings.decision_log != "off":
             # Registered before the batcher: on exit the batcher drains first, then the log.
@@ -134,12 +151,15 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             settings,
             pool,
             on_scored=decision_log.submit if decision_log else None,
+            health=health,
         )
 
         async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
             """The scorer, plus the batch's decisions counted once per micro-batch."""
             results = await scorer.score_requests(items)
             instruments.count_decisions(Counter((r.decision, r.model_version) for r in results))
+            for cause, n in Counter(r.degraded for r in results if r.degraded).items():
+                instruments.degraded.labels(cause=cause).inc(n)
             return results
 
         def on_batch(size: int, compute_s: float, waits: list[float]) -> None:
@@ -177,6 +197,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             instruments,
             decision_log,
             feedback,
+            health,
         )
 
 

@@ -397,18 +397,30 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     """200 with the serving model, or 503 naming each part that is not ready and why
-    (``model``: e.g. "not loaded: <why it cannot load>"; ``redis``: unreachable)."""
+    (``model``: e.g. "not loaded: <why it cannot load>"; ``redis``: unreachable or the
+    circuit breaker open; ``batch_features``: the store holds none for a view). Under
+    FRAUD_DEGRADED_POLICY=rules the store's problems do not make it 503: the body says
+    ``degraded`` with the reasons instead."""
     res = resources(request)
     problems: dict[str, str] = {}
+    store: dict[str, str] = {}
     if (why := res.models.readiness()) is not None:
         problems["model"] = why
-    try:
-        # execute_command, not ping(): redis-py types ping() as "awaitable or bool".
-        await asyncio.wait_for(res.redis.execute_command("PING"), timeout=1.0)
-    except Exception as exc:  # any failure to reach Redis means not ready
-        # /readyz is open: the cause (it names Redis's host:port) goes to the log only.
-        log.warning("readiness: Redis unreachable: %r", exc)
-        problems["redis"] = "feature store unreachable"
+    if res.health is not None and res.health.is_open:
+        store["redis"] = "feature store unreachable (circuit open)"  # agree with the breaker
+    else:
+        try:
+            # execute_command, not ping(): redis-py types ping() as "awaitable or bool".
+            await asyncio.wait_for(res.redis.execute_command("PING"), timeout=1.0)
+        except Exception as exc:  # any failure to reach Redis means not ready
+            # /readyz is open: the cause (it names Redis's host:port) goes to the log only.
+            log.warning("readiness: Redis unreachable: %r", exc)
+            store["redis"] = "feature store unreachable"
+    if res.health is not None and res.health.absent_views:
+        store["batch_features"] = "none in the store for " + ", ".join(res.health.absent_views)
+    degraded = res.settings.degraded_policy == "rules"
+    if not degraded:
+        problems |= store
     if problems:
         raise NotReady(problems)
     model = res.models.require()
@@ -420,6 +432,8 @@ async def readyz(request: Request) -> JSONResponse:
     # Information only: scoring goes on (decisions buffered, then dropped and counted).
     if res.decision_log is not None and (why := res.decision_log.readiness()) is not None:
         body["decision_log"] = why
+    if degraded and store:
+        body["degraded"] = store  # deciding by rules only while these last
     return JSONResponse(body)
 
 

@@ -32,7 +32,13 @@ SCORE_EXAMPLE: dict[str, Any] = {
     "transaction_id": "t-000123",
     "decision": "review",
     "score": 0.41,
-    "reasons": [{"code": "card_velocity_1h", "message": "6 transactions on the card in 1 h"}],
+    "reasons": [
+        {
+            "code": "MODEL_SCORE_REVIEW",
+            "message": "Model score 0.41 is at or above the review threshold 0.0054.",
+        },
+        {"code": "VELOCITY_1H", "message": "9 transactions on this card in the last hour."},
+    ],
     "model_version": "3",
     "features": {"missing": [], "stale": ["merchant_fraud_rate_90d"]},
     "timing": {
@@ -73,11 +79,18 @@ class ScoreOut(BaseModel):
 
     transaction_id: str
     decision: Decision
-    score: float
+    score: float | None = Field(
+        description="the model's probability; null for a rules-only (degraded) decision"
+    )
     reasons: list[ReasonOut]
-    model_version: str
+    model_version: str = Field(description='"rules-only" for a degraded decision')
     features: FeatureStatus
     timing: Timing
+    degraded: bool = Field(
+        default=False,
+        description="true: the online store had no batch features or did not answer, and "
+        "FRAUD_DEGRADED_POLICY=rules decided on request and session features by rules only",
+    )
 
     @classmethod
     def of(cls, res: ScoreResult, total_ms: float) -> ScoreOut:
@@ -100,6 +113,7 @@ class ScoreOut(BaseModel):
                 total_ms=total_ms,
                 batch_size=int(tm["batch_size"]),
             ),
+            degraded=res.degraded is not None,
         )
 
 

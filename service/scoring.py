@@ -38,27 +38,19 @@ from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.settings import Settings
-from service.decision import Policy, Reason
-from service.errors import Rejected, RejectReason
+from service.decision import Policy, Reason, rules_only
 from service.model import LoadedModel, ModelHolder
 from service.online_features import OnlineFeatureReader
+from service.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
 
 log = logging.getLogger(__name__)
-
-
-class FeatureStoreUnavailable(Rejected):
-    """The online store (Redis) did not answer the batch's read: no decision is made on
-    made-up features; the API answers 503 so the caller applies its own fallback."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(RejectReason.FEATURE_STORE, detail)
 
 
 @dataclass
 class ScoreResult:
     transaction_id: str
     decision: str
-    score: float
+    score: float | None  # None: a rules-only (degraded) decision, no model score
     reasons: list[Reason]
     model_version: str
     missing: list[str]
@@ -66,6 +58,8 @@ class ScoreResult:
     timing_ms: dict[str, float] = field(default_factory=dict)
     # Wall-clock (ns) bounds of each stage, for per-request trace spans.
     spans_ns: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Degraded mode: why rules decided ("no_batch_features" | "feature_store"), else None.
+    degraded: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +100,10 @@ class Scorer:
         settings: Settings,
         pool: ThreadPoolExecutor,
         on_scored: OnScored | None = None,
+        health: StoreHealth | None = None,
     ) -> None:
         self.redis = redis
+        self.health = health
         self.on_scored = on_scored
         self.reader = reader
         self.models = models
@@ -143,12 +139,18 @@ class Scorer:
         n_reads = len(pipe)
         writes = self._to_record(txns, record)
         session.queue_apply(pipe, writes, self.limits)  # after the reads: none sees itself
+        if self.health is not None:
+            self.health.admit()  # an open breaker answers now, not after a timeout
         try:
             replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             # The cause (it names Redis's host:port) goes to the log, not to callers.
             log.warning("feature read failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
             raise FeatureStoreUnavailable("feature store unavailable") from exc
+        if self.health is not None:
+            self.health.succeeded()
         reads, applied = replies[:n_reads], replies[n_reads:]
         for r in reads:
             if isinstance(r, Exception):
@@ -189,6 +191,45 @@ class Scorer:
                 log.warning("recording scored transactions in session state failed: %s", r)
                 return
 
+    def _rules_only(
+        self,
+        txns: Sequence[Transaction],
+        cols: dict[str, np.ndarray] | None,
+        cause: str,
+        t0: float,
+    ) -> list[ScoreResult]:
+        """Degraded decisions: rules on the request and, when read (``cols``), the
+        session counts. Not sent to the decision log (it records model inputs)."""
+        out = []
+        for i, t in enumerate(txns):
+            sess = (
+                {}
+                if cols is None
+                else {n: float(cols[n][i]) for n in session.SESSION_NAMES if n in cols}
+            )
+            decision, reasons = rules_only(t.amount, sess, self.settings.review_amount_limit)
+            out.append(
+                ScoreResult(
+                    transaction_id=t.transaction_id,
+                    decision=decision,
+                    score=None,
+                    reasons=reasons,
+                    model_version="rules-only",
+                    missing=[],
+                    stale=[],
+                    degraded=cause,
+                )
+            )
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        for r in out:
+            r.timing_ms = {
+                "feature_read": elapsed_ms,
+                "inference": 0.0,
+                "decision": 0.0,
+                "batch_size": float(len(txns)),
+            }
+        return out
+
     async def score_requests(self, items: Sequence[ScoreRequest]) -> list[ScoreResult]:
         """:meth:`score_batch` for the micro-batcher's items."""
         return await self.score_batch([i.txn for i in items], [i.record for i in items])
@@ -197,10 +238,23 @@ class Scorer:
         self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
     ) -> list[ScoreResult]:
         """Decisions for one micro-batch, in input order; ``record`` as in
-        :meth:`read_features`. Raises FeatureStoreUnavailable when Redis does not answer
-        and Rejected(no_model) when no model is loaded."""
+        :meth:`read_features`. Raises Rejected(no_model) when no model is loaded. When the
+        store is unreachable (FeatureStoreUnavailable) or holds no batch features
+        (NoBatchFeatures), ``settings.degraded_policy`` 'refuse' raises, 'rules' returns
+        rules-only decisions (:func:`service.decision.rules_only`, ``degraded`` set)."""
         wall0, t0 = time.time_ns(), time.perf_counter()
-        cols, missing, stale = await self.read_features(txns, record)
+        refuse = self.settings.degraded_policy == "refuse"
+        absent = self.health.absent_views if self.health is not None else None
+        if absent and refuse:
+            raise NoBatchFeatures(absent)
+        try:
+            cols, missing, stale = await self.read_features(txns, record)
+        except FeatureStoreUnavailable:
+            if refuse:
+                raise
+            return self._rules_only(txns, None, "feature_store", t0)
+        if absent:
+            return self._rules_only(txns, cols, "no_batch_features", t0)
         wall1, t1 = time.time_ns(), time.perf_counter()
         model = self.models.require()  # one model for the whole batch, even during a swap
         x = F.assemble(model.meta.feature_names, cols)

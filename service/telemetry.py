@@ -54,6 +54,8 @@ class Instruments:
     rejections: Counter
     decisions: Counter
     queue_depth: Gauge
+    batch_features_present: Gauge
+    degraded: Counter
 
     def bound(self, model_version: str) -> Bound:
         """The instruments labelled with ``model_version`` (cached per version)."""
@@ -116,6 +118,18 @@ def setup() -> Instruments:
             "fraud_batch_queue_depth",
             "Requests waiting in the batcher's queue",
             multiprocess_mode="livesum",
+        ),
+        # 1: the batch job's marker for the view is in the store; 0: no batch features.
+        batch_features_present=Gauge(
+            "fraud_batch_features_present",
+            "Whether the online store holds the view's batch features (its marker)",
+            ("view",),
+            multiprocess_mode="livemin",
+        ),
+        degraded=Counter(
+            "fraud_degraded_decisions",
+            "Rules-only decisions (FRAUD_DEGRADED_POLICY=rules), by cause",
+            ("cause",),
         ),
     )
 

@@ -233,6 +233,14 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "bad pull policy": {"image": {"pullPolicy": "Sometimes"}},
     "password unsafe in a URL": {"redis": {"password": "p@ss/word"}},
     "list for map": {"scoring": {"nodeSelector": ["gpu"]}},
+    "unknown auth mode": {"scoring": {"auth": {"mode": "optional"}}},
+    "plaintext key in values": {
+        "scoring": {"auth": {"keys": [{"id": "a", "sha256": "a.s3cret", "scopes": ["score"]}]}}
+    },
+    "unknown scope": {
+        "scoring": {"auth": {"keys": [{"id": "a", "sha256": "0" * 64, "scopes": ["root"]}]}}
+    },
+    "unknown degraded policy": {"scoring": {"degradedPolicy": "guess"}},
 }
 
 
@@ -437,7 +445,7 @@ def test_in_chart_redis_uses_the_official_valkey_image_and_a_generated_secret() 
     sts = one(docs, "StatefulSet")
     (redis,) = pod_spec(sts)["containers"]
     assert redis["image"].startswith("docker.io/valkey/valkey:")
-    secret = one(docs, "Secret")
+    secret = one(docs, "Secret", f"{RELEASE}-fraud-scoring-redis-auth")
     assert len(secret["data"]["redis-password"]) > 20
     service = one(docs, "Service", sts["metadata"]["name"])
     for workload, c in app_containers(docs, CASES["in-chart-redis"]):
@@ -734,9 +742,12 @@ def container_env(
     return env
 
 
-def http_get(url: str) -> int:
+def http_get(url: str, key: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=5
+        ) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
@@ -819,17 +830,28 @@ def running_scoring(
         log.close()
 
 
+def new_key(key_id: str, scopes: list[str]) -> tuple[str, dict[str, Any]]:
+    """A fresh API key and its hashed ``scoring.auth.keys`` entry."""
+    from service.auth import new_key as make
+
+    key, sha256 = make(key_id)
+    return key, {"id": key_id, "sha256": sha256, "scopes": scopes}
+
+
 def test_rendered_scoring_command_starts_and_answers_its_probes(tmp_path: Path) -> None:
     """Default values plus a Redis password; no model yet, so /readyz answers 503."""
     if reason := _cli_missing_reason():
         pytest.skip(f"fraud-scoring CLI not written yet: {reason}")
     password = "rendered-s3cret"
-    docs = render({"redis": {"password": password}})
+    key, entry = new_key("scraper", ["metrics"])
+    docs = render({"redis": {"password": password}, "scoring": {"auth": {"keys": [entry]}}})
     spec = pod_spec(component(docs, "scoring"))
     (c,) = spec["containers"]
     env = container_env(c, docs, "x", spec, tmp_path)
     assert env["REDIS_URL"] == "redis://redis:6379/0"
     assert Path(env["FRAUD_REDIS_PASSWORD_FILE"]).read_text() == password
+    assert env["FRAUD_AUTH"] == "required"
+    assert json.loads(Path(env["FRAUD_API_KEYS_FILE"]).read_text())["id"] == "scraper"
     with (
         local_redis(password) as redis_port,
         running_scoring(docs, redis_port, tmp_path) as (
@@ -838,7 +860,8 @@ def test_rendered_scoring_command_starts_and_answers_its_probes(tmp_path: Path) 
         ),
     ):
         assert http_get(base + c["readinessProbe"]["httpGet"]["path"]) in (200, 503)
-        assert http_get(base + "/metrics") == 200
+        assert http_get(base + "/metrics") == 401
+        assert http_get(base + "/metrics", key) == 200
 
 
 # --- the helm test hook ----------------------------------------------------------------
@@ -846,6 +869,8 @@ def test_rendered_scoring_command_starts_and_answers_its_probes(tmp_path: Path) 
 
 class _StubScoring(http.server.BaseHTTPRequestHandler):
     answer: ClassVar[dict[str, Any]] = {}
+    # The one key it accepts (None: any caller), as the service with auth required.
+    key: ClassVar[str | None] = None
 
     def do_GET(self) -> None:
         self._reply(200 if self.path == "/readyz" else 404, {"status": "ok"})
@@ -853,6 +878,9 @@ class _StubScoring(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert self.path == "/v1/score" and body["amount"] > 0
+        if self.key is not None and self.headers.get("Authorization") != f"Bearer {self.key}":
+            self._reply(401, {"detail": "invalid API key"})
+            return
         self._reply(200, self.answer)
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
@@ -868,8 +896,8 @@ class _StubScoring(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def stub_scoring(answer: dict[str, Any]) -> Iterator[str]:
-    handler = type("Handler", (_StubScoring,), {"answer": answer})
+def stub_scoring(answer: dict[str, Any], key: str | None = None) -> Iterator[str]:
+    handler = type("Handler", (_StubScoring,), {"answer": answer, "key": key})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -907,20 +935,88 @@ def test_helm_test_hook_checks_the_scoring_answer(answer: dict[str, Any], passes
     (c,) = pod["spec"]["containers"]
     assert c["command"] == ["python", "-c"]
     service = one(docs, "Service", f"{RELEASE}-fraud-scoring")
-    rendered_env = {e["name"]: e["value"] for e in c["env"]}
+    rendered_env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert rendered_env["SCORING_URL"] == (
         f"http://{service['metadata']['name']}.{NAMESPACE}.svc:"
         f"{service['spec']['ports'][0]['port']}"
     )
-    with stub_scoring(copy.deepcopy(answer)) as url:
+    with stub_scoring(copy.deepcopy(answer), key="k.1") as url:
         proc = subprocess.run(
             [sys.executable, "-c", *c["args"]],
-            env={**rendered_env, "SCORING_URL": url, "PATH": os.environ["PATH"]},
+            env={**rendered_env, "SCORING_URL": url, "SCORING_API_KEY": "k.1"}
+            | {"PATH": os.environ["PATH"]},
             capture_output=True,
             text=True,
             timeout=30,
         )
     assert (proc.returncode == 0) == passes, proc.stdout + proc.stderr
+
+
+def test_auth_is_required_by_default_with_hashed_keys_mounted_read_only() -> None:
+    """Default values: FRAUD_AUTH=required, the keys file from a Secret the chart makes
+    from hashed entries (empty here: every call 401, and NOTES says so), mounted
+    read-only as a directory so rotation reaches running pods; the helm test pod and the
+    ServiceMonitor take their plaintext keys from Secrets the installer creates."""
+    docs = rendered_case("default")
+    spec = pod_spec(component(docs, "scoring"))
+    (c,) = spec["containers"]
+    env = env_of(c)
+    assert env["FRAUD_AUTH"]["value"] == "required"
+    keys_file = Path(env["FRAUD_API_KEYS_FILE"]["value"])
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(keys_file.parent)]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])["secret"]
+    secret = one(docs, "Secret", volume["secretName"])
+    assert secret["data"] == {"api-keys.jsonl": ""}
+    for other in ("streaming",):
+        assert "FRAUD_API_KEYS_FILE" not in env_of(containers(pod_spec(component(docs, other)))[0])
+    (test_c,) = one(docs, "Pod")["spec"]["containers"]
+    ref = env_of(test_c)["SCORING_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": f"{RELEASE}-fraud-scoring-test-key", "key": "api-key", "optional": True}
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert (
+        endpoint["authorization"]["credentials"]["name"] == f"{RELEASE}-fraud-scoring-metrics-key"
+    )
+    notes = render_raw(None)["fraud-scoring/templates/NOTES.txt"]
+    assert "no keys configured" in notes and "test-key" in notes
+
+
+def test_auth_keys_from_values_or_an_existing_secret_and_off() -> None:
+    key, entry = new_key("checkout", ["score"])
+    docs = render({"scoring": {"auth": {"keys": [entry]}}})
+    import base64
+
+    (secret,) = [s for s in find(docs, "Secret") if s["metadata"]["name"].endswith("api-keys")]
+    text = base64.b64decode(secret["data"]["api-keys.jsonl"]).decode()
+    assert [json.loads(line) for line in text.splitlines()] == [entry]
+    assert key not in json.dumps(docs)  # hashes only
+    docs = render({"scoring": {"auth": {"existingSecret": "ops-keys", "existingSecretKey": "k"}}})
+    assert not [s for s in find(docs, "Secret") if s["metadata"]["name"].endswith("api-keys")]
+    spec = pod_spec(component(docs, "scoring"))
+    volume = next(
+        v["secret"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "ops-keys"
+    )
+    assert volume["items"] == [{"key": "k", "path": "api-keys.jsonl"}]
+    docs = render({"scoring": {"auth": {"mode": "off"}}}, api_versions=(PROMETHEUS_OPERATOR_API,))
+    env = env_of(containers(pod_spec(component(docs, "scoring")))[0])
+    assert env["FRAUD_AUTH"]["value"] == "off" and "FRAUD_API_KEYS_FILE" not in env
+    assert "authorization" not in one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert "SCORING_API_KEY" not in env_of(one(docs, "Pod")["spec"]["containers"][0])
+
+
+def test_helm_test_hook_names_the_key_secret_on_401() -> None:
+    (c,) = one(rendered_case("default"), "Pod")["spec"]["containers"]
+    rendered_env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    with stub_scoring(GOOD_ANSWER, key="k.1") as url:
+        proc = subprocess.run(
+            [sys.executable, "-c", *c["args"]],
+            env=rendered_env | {"SCORING_URL": url, "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 1
+    assert "HTTP 401" in proc.stderr and f"{RELEASE}-fraud-scoring-test-key" in proc.stderr
 
 
 # --- end to end: the in-chart-redis demo release, locally --------------------------------
@@ -937,8 +1033,11 @@ def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
     the rendered bootstrap Job's steps run in order with their rendered environment."""
     if reason := _cli_missing_reason():
         pytest.skip(f"fraud-scoring CLI not written yet: {reason}")
-    docs = rendered_case("in-chart-redis")
-    secret = one(docs, "Secret")
+    key, entry = new_key("helm-test", ["score"])
+    values = copy.deepcopy(CASES["in-chart-redis"]) or {}
+    values.setdefault("scoring", {})["auth"] = {"keys": [entry]}
+    docs = render(values)
+    secret = one(docs, "Secret", f"{RELEASE}-fraud-scoring-redis-auth")
     import base64
 
     password = base64.b64decode(secret["data"]["redis-password"]).decode()
@@ -963,27 +1062,31 @@ def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
                 timeout=120,
             )
             assert proc.returncode == 0, (c["name"], (proc.stdout + proc.stderr)[-3000:])
-        yield docs, redis_port, workdir
+        yield docs, redis_port, workdir, key
 
 
-def test_rendered_bootstrap_job_publishes_a_model(demo_release: tuple[Any, int, Path]) -> None:
-    _, _, workdir = demo_release
+def test_rendered_bootstrap_job_publishes_a_model(
+    demo_release: tuple[Any, int, Path, str],
+) -> None:
+    _, _, workdir, _ = demo_release
     models = workdir / "models" / _chart().values["model"]["name"]
     assert [p for p in models.iterdir() if p.is_dir()], f"no model version under {models}"
 
 
 def test_helm_test_hook_passes_against_the_rendered_service(
-    demo_release: tuple[Any, int, Path],
+    demo_release: tuple[Any, int, Path, str],
 ) -> None:
-    docs, redis_port, workdir = demo_release
+    docs, redis_port, workdir, key = demo_release
     (test_c,) = one(docs, "Pod")["spec"]["containers"]
     with running_scoring(docs, redis_port, workdir) as (base, c):
         ready = c["readinessProbe"]["httpGet"]["path"]
         wait_until(lambda: http_get(base + ready) == 200, 60, f"{ready} with a model")
-        test_env = {e["name"]: e["value"] for e in test_c["env"]}
+        # The Secret the installer creates holds the plaintext key.
+        test_env = {e["name"]: e["value"] for e in test_c["env"] if "value" in e}
         proc = subprocess.run(
             [sys.executable, "-c", *test_c["args"]],
-            env=test_env | {"SCORING_URL": base, "PATH": os.environ["PATH"]},
+            env=test_env
+            | {"SCORING_URL": base, "SCORING_API_KEY": key, "PATH": os.environ["PATH"]},
             capture_output=True,
             text=True,
             timeout=60,
@@ -993,9 +1096,9 @@ def test_helm_test_hook_passes_against_the_rendered_service(
 
 
 def test_rendered_streaming_command_runs_and_stops_on_sigterm(
-    demo_release: tuple[Any, int, Path],
+    demo_release: tuple[Any, int, Path, str],
 ) -> None:
-    docs, redis_port, workdir = demo_release
+    docs, redis_port, workdir, _ = demo_release
     deploy = component(docs, "streaming")
     spec = pod_spec(deploy)
     (c,) = spec["containers"]

@@ -27,7 +27,9 @@ from fraud_scoring.storage import partition_file
 def _dump(url: str) -> dict[bytes, dict[bytes, bytes]]:
     client: Any = redis.Redis.from_url(url)
     try:
-        return {k: client.hgetall(k) for k in client.scan_iter(count=1000)}
+        # Feast's hashes only: the batch job's markers hold each run's own time.
+        keys = client.scan_iter(count=1000, _type="hash")
+        return {k: client.hgetall(k) for k in keys}
     finally:
         client.close()
 

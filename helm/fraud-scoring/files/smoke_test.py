@@ -3,6 +3,8 @@
 Standard library only, so it runs in the application image unchanged. Waits for
 /readyz (a fresh install may still be loading its first model) up to
 SMOKE_TIMEOUT_S, then exits 0 when the response carries a valid decision, 1 otherwise.
+With auth required, sends SCORING_API_KEY (a key with the score scope, from the Secret
+named in SCORING_API_KEY_SECRET, which the installer creates).
 """
 
 import json
@@ -15,6 +17,8 @@ from datetime import UTC, datetime
 
 BASE = os.environ["SCORING_URL"].rstrip("/")
 TIMEOUT_S = float(os.environ.get("SMOKE_TIMEOUT_S", "120"))
+API_KEY = os.environ.get("SCORING_API_KEY", "")
+KEY_SECRET = os.environ.get("SCORING_API_KEY_SECRET", "")
 
 
 def wait_ready() -> None:
@@ -46,17 +50,23 @@ def score() -> dict:
         "channel": "pos",
         "mcc": "5411",
     }
+    headers = {"Content-Type": "application/json", "X-Request-Timeout-Ms": "2000"}
+    if API_KEY:
+        headers["Authorization"] = f"Bearer {API_KEY}"
     req = urllib.request.Request(
-        BASE + "/v1/score",
-        data=json.dumps(txn).encode(),
-        headers={"Content-Type": "application/json", "X-Request-Timeout-Ms": "2000"},
-        method="POST",
+        BASE + "/v1/score", data=json.dumps(txn).encode(), headers=headers, method="POST"
     )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        sys.exit(f"FAIL: POST /v1/score answered HTTP {exc.code}: {exc.read()[:500]!r}")
+        hint = ""
+        if exc.code in (401, 403) and KEY_SECRET:
+            hint = (
+                f" (the test sends the key in Secret {KEY_SECRET!r}, key 'api-key': create "
+                "it with a key holding the score scope)"
+            )
+        sys.exit(f"FAIL: POST /v1/score answered HTTP {exc.code}{hint}: {exc.read()[:500]!r}")
 
 
 def check(body: dict) -> list[str]:

@@ -301,3 +301,32 @@ egress:
   {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* API keys (scoring.auth) ------------------------------------------------------ */}}
+
+{{- define "fraud-scoring.authRequired" -}}
+{{- if eq .Values.scoring.auth.mode "required" }}true{{ end }}
+{{- end }}
+
+{{- define "fraud-scoring.authSecretName" -}}
+{{- default (printf "%s-api-keys" (include "fraud-scoring.fullname" .)) .Values.scoring.auth.existingSecret }}
+{{- end }}
+
+{{- define "fraud-scoring.authSecretKey" -}}
+{{- if .Values.scoring.auth.existingSecret }}
+{{- .Values.scoring.auth.existingSecretKey }}
+{{- else -}}
+api-keys.jsonl
+{{- end }}
+{{- end }}
+
+{{- define "fraud-scoring.authMountPath" -}}/etc/fraud-scoring-auth{{- end }}
+
+{{/* Plaintext keys for the chart's own callers: Secrets the installer creates. */}}
+{{- define "fraud-scoring.testKeySecret" -}}
+{{- default (printf "%s-test-key" (include "fraud-scoring.fullname" .)) .Values.tests.apiKeySecret }}
+{{- end }}
+
+{{- define "fraud-scoring.metricsKeySecret" -}}
+{{- default (printf "%s-metrics-key" (include "fraud-scoring.fullname" .)) .Values.metrics.serviceMonitor.apiKeySecret }}
+{{- end }}

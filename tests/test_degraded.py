@@ -1,0 +1,157 @@
+"""The declared degraded mode and the Redis circuit breaker, over real HTTP against the
+test's own real Redis-protocol server (never the shared world's, which stays intact).
+
+* The store loses its batch features (FLUSHALL, as after a restart without persistence):
+  /readyz and ``fraud_batch_features_present`` say so, and FRAUD_DEGRADED_POLICY decides
+  the answer: ``refuse`` 503, ``rules`` a rules-only decision marked ``degraded``.
+* The server hangs (SIGSTOP of the test's own server): after FRAUD_BREAKER_FAILURES
+  timeouts the breaker opens and requests are answered at once; /readyz agrees; the
+  service recovers once the server answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from batch_jobs.batch import mark_materialized
+from fraud_scoring.features import VIEWS
+from fraud_scoring.redis_server import embedded_redis
+from tests.conftest import World, start_server, stop_server, wait_until
+from tests.test_service import TXN
+
+PROJECT = "fraud_scoring"  # feature_repo/feature_store.yaml
+FAST_CHECKS = {"FRAUD_BATCH_MARKER_CHECK_S": "0.1"}
+
+
+@pytest.fixture
+def own_redis() -> Iterator[str]:
+    """A server this test may flush or stop, holding the batch job's markers."""
+    with embedded_redis() as url:
+        mark_materialized(url, PROJECT)
+        yield url
+
+
+def txn(i: int, **over: object) -> dict[str, object]:
+    return TXN | {"transaction_id": f"degraded-{i}-{time.monotonic_ns()}"} | over
+
+
+def present(c: httpx.Client) -> dict[str, str]:
+    """``fraud_batch_features_present`` per view, from /metrics."""
+    out = {}
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("fraud_batch_features_present{"):
+            view = line.split('view="')[1].split('"')[0]
+            out[view] = line.rsplit(" ", 1)[1]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["refuse", "rules"])
+def test_flushed_store_is_declared_and_the_policy_applies(
+    world: World, tmp_path: Path, own_redis: str, policy: str
+) -> None:
+    srv = start_server(
+        world, tmp_path, REDIS_URL=own_redis, FRAUD_DEGRADED_POLICY=policy, **FAST_CHECKS
+    )
+    try:
+        with srv.client() as c:
+            ok = c.post("/v1/score", json=txn(0))
+            assert ok.status_code == 200 and ok.json()["degraded"] is False
+            assert set(present(c).values()) == {"1.0"}
+            redis.Redis.from_url(own_redis).flushall()  # a restart without persistence
+
+            wait_until(lambda: set(present(c).values()) == {"0.0"}, what="gauge at 0")
+            assert set(present(c)) == {v.name for v in VIEWS}
+            ready = c.get("/readyz")
+            big = c.post("/v1/score", json=txn(1, amount=9999.0))
+            if policy == "refuse":
+                assert ready.status_code == 503
+                assert ready.json()["batch_features"].startswith("none in the store for")
+                assert big.status_code == 503, big.text
+                assert big.json()["detail"][0]["code"] == "no_batch_features"
+                assert big.json()["detail"][0]["message"].startswith("no batch features")
+                assert 'reason="no_batch_features"' in c.get("/metrics").text
+            else:
+                assert ready.status_code == 200
+                assert "batch_features" in ready.json()["degraded"]
+                assert big.status_code == 200, big.text
+                body = big.json()
+                assert body["degraded"] is True and body["score"] is None
+                assert body["model_version"] == "rules-only"
+                assert body["decision"] == "review"  # the amount rule still holds
+                codes = [r["code"] for r in body["reasons"]]
+                assert codes[:2] == ["DEGRADED_RULES_ONLY", "RULE_AMOUNT_OVER_LIMIT"]
+                assert c.post("/v1/score", json=txn(2)).json()["decision"] == "approve"
+                assert 'fraud_degraded_decisions_total{cause="no_batch_features"} 2.0' in (
+                    c.get("/metrics").text
+                )
+
+            mark_materialized(own_redis, PROJECT)  # the batch job runs again
+            wait_until(
+                lambda: (r := c.get("/readyz")).status_code == 200 and "degraded" not in r.json(),
+                what="ready, not degraded",
+            )
+            assert c.post("/v1/score", json=txn(3)).json()["degraded"] is False
+    finally:
+        stop_server(srv)
+
+
+@contextlib.contextmanager
+def stopped(url: str) -> Iterator[None]:
+    """The server hangs (SIGSTOP: connections accepted by the kernel, no answers)."""
+    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_hung_store_opens_the_breaker_and_recovers(
+    world: World, tmp_path: Path, own_redis: str
+) -> None:
+    srv = start_server(
+        world,
+        tmp_path,
+        REDIS_URL=own_redis,
+        FRAUD_REDIS_TIMEOUT_S="0.3",
+        FRAUD_BREAKER_FAILURES="2",
+        FRAUD_BREAKER_OPEN_S="1",
+        FRAUD_BATCH_MARKER_CHECK_S="0.5",
+    )
+    try:
+        with srv.client() as c:
+            assert c.post("/v1/score", json=txn(0)).status_code == 200
+            with stopped(own_redis):
+                # Until the breaker opens, each request waits out the Redis timeout.
+                wait_until(
+                    lambda: c.get("/readyz").json().get("redis", "").endswith("(circuit open)"),
+                    what="breaker open",
+                )
+                answers = []
+                for i in range(20):
+                    t0 = time.perf_counter()
+                    r = c.post("/v1/score", json=txn(10 + i))
+                    answers.append((r.status_code, time.perf_counter() - t0))
+                    assert r.json()["detail"] == [
+                        {
+                            "code": "feature_store",
+                            "message": "feature store unavailable (circuit open)",
+                        }
+                    ]
+                # Answered at once, not after the 0.3 s timeout each; a half-open probe
+                # (one request a second) may still wait it out.
+                assert sum(s for _, s in answers) < 20 * 0.3 / 2, answers
+                assert {s for s, _ in answers} == {503}
+            wait_until(lambda: c.get("/readyz").status_code == 200, what="ready again")
+            assert c.post("/v1/score", json=txn(99)).status_code == 200
+    finally:
+        stop_server(srv)
