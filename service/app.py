@@ -5,7 +5,8 @@
 * ``service.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
 * ``service.routes``: the endpoints and the error answers (one for every 503);
 * ``service.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
-* ``service.schemas``: the response bodies; ``service.model``: the model and its watcher.
+* ``service.schemas``: the response bodies; ``service.model``: the model and its watcher;
+* ``service.telemetry``: metrics, and traces when ``OTEL_TRACES_EXPORTER`` is set.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 
 from fraud_scoring.settings import Settings, get_settings
-from service import auth, oip
+from service import auth, oip, telemetry
 from service.admission import AdmissionLimit
 from service.feedback import router as feedback_router
 from service.resources import STATE_KEY, open_resources
@@ -64,4 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(
         feedback_router, dependencies=[Depends(auth.require_scope(auth.Scope.SCORE))]
     )
+    # Server spans and HTTP metrics from OpenTelemetry's instrumentation, only when
+    # tracing is on (OTEL_TRACES_EXPORTER): off, requests pass through no extra layer.
+    telemetry.instrument_app(app)
     return app

@@ -345,18 +345,24 @@ async def _traced(
     deadline: float,
     gone: Callable[[], bool] | None,
 ) -> ScoreResult:
-    """:func:`_decide` inside a ``score`` span with one child span per stage."""
+    """:func:`_decide` inside a ``score`` span with one child span per stage, nested in
+    the request's server span (OpenTelemetry's instrumentation, which continued the
+    caller's ``traceparent``)."""
     tracer = telemetry.tracer()
     received = request.scope.get(RECEIVED_NS, time.time_ns())
+    # A child never starts before its parent: the server span may open after admission
+    # stamped ``received`` (its clock is read later in the same request).
+    parent_start = getattr(trace.get_current_span(), "start_time", None) or 0
+    start = max(received, parent_start)
     with tracer.start_as_current_span(
-        "score", start_time=received, attributes={"transaction_id": item.txn.transaction_id}
-    ):
-        # Body parsing and validation ran before this handler, since ``received``.
-        tracer.start_span("validation", start_time=received).end()
+        "score", start_time=start, attributes={"transaction_id": item.txn.transaction_id}
+    ) as span:
+        # Body parsing and validation ran before this handler, since ``start``.
+        tracer.start_span("validation", start_time=start).end()
         result = await _decide(res, item, deadline, gone)
         for name, (s, e) in result.spans_ns.items():
             tracer.start_span(name, start_time=s).end(end_time=e)
-        trace.get_current_span().set_attribute("decision", result.decision)
+        span.set_attribute("decision", result.decision)
     return result
 
 

@@ -10,23 +10,45 @@ workers). ``PROMETHEUS_MULTIPROC_DIR`` must be set before ``prometheus_client`` 
 imported, which is why the server, not this module, sets it.
 
 Traces are off unless ``OTEL_TRACES_EXPORTER`` names an exporter: ``console`` (stdout)
-or ``otlp`` (needs ``opentelemetry-exporter-otlp``); ``OTEL_SERVICE_NAME`` and the other
-standard ``OTEL_*`` variables apply as usual.
+or ``otlp`` (OTLP over HTTP/protobuf; ``OTEL_EXPORTER_OTLP_ENDPOINT`` and the other
+standard ``OTEL_*`` variables apply as usual). Off, nothing is instrumented and the hot
+path makes no spans at all. On, the project (not FastAPI's version) owns the telemetry:
+
+* OpenTelemetry's FastAPI instrumentation wraps the app (:func:`instrument_app`): one
+  server span per request (``http.request.method``, ``http.route``,
+  ``http.response.status_code``) continuing the caller's W3C ``traceparent``, and the
+  standard ``http.server.*`` metrics in ``/metrics`` (single-worker only: the
+  multiprocess collector reads prometheus_client's files, not OpenTelemetry's meters);
+  FastAPI's own instrumentation (0.16x) stands aside when it sees this middleware;
+* redis-py calls are spans (the batch's pipelined feature read, the session writes);
+* the resource carries ``service.name`` (``OTEL_SERVICE_NAME``, default
+  ``fraud-scoring``) and ``service.version`` (the installed package's version).
+
+``/metrics`` carries this project's families, the process/platform/GC ones and the HTTP
+ones; the ``feast_*`` families Feast registers on import (the service never records
+them) are left out.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from importlib import metadata
 
 import prometheus_client
+from fastapi import FastAPI
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +156,31 @@ def setup() -> Instruments:
     )
 
 
+# Families other libraries register on import that this service never records.
+_FOREIGN_PREFIXES = ("feast_",)
+
+
+class _OwnFamilies(Collector):
+    """``source``'s families less the foreign ones."""
+
+    def __init__(self, source: Collector) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        return (m for m in self._source.collect() if not m.name.startswith(_FOREIGN_PREFIXES))
+
+
 def exposition() -> bytes:
     """The ``/metrics`` body: this process's metrics, or every worker's in multiprocess
-    mode."""
+    mode; never the ``feast_*`` families."""
+    registry = CollectorRegistry(auto_describe=False)
     if MULTIPROC_ENV in os.environ:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-        return prometheus_client.generate_latest(registry)
-    return prometheus_client.generate_latest()
+        source = CollectorRegistry()
+        multiprocess.MultiProcessCollector(source)
+        registry.register(_OwnFamilies(source))
+    else:
+        registry.register(_OwnFamilies(prometheus_client.REGISTRY))
+    return prometheus_client.generate_latest(registry)
 
 
 def worker_exited() -> None:
@@ -150,42 +189,74 @@ def worker_exited() -> None:
         multiprocess.mark_process_dead(os.getpid())
 
 
-_tracing = False
+_provider: TracerProvider | None = None
 
 
 def tracing() -> bool:
     """Whether traces are exported; when not, the hot path skips making spans at all."""
-    return _tracing
+    return _provider is not None
+
+
+def _service_version() -> str:
+    try:
+        return metadata.version("fraud-scoring")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def _exporter() -> SpanExporter | None:
+    name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    if name not in ("none", ""):
+        log.warning("unknown OTEL_TRACES_EXPORTER %r; traces are off", name)
+    return None
 
 
 def _setup_traces() -> None:
-    global _tracing
-    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-    exporter = None
-    if exporter_name == "console":
-        exporter = ConsoleSpanExporter()
-    elif exporter_name == "otlp":
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore
-                OTLPSpanExporter,
-            )
-        except ImportError:
-            log.warning(
-                "OTEL_TRACES_EXPORTER=otlp but opentelemetry-exporter-otlp-proto-http "
-                "is not installed; traces are off"
-            )
-        else:
-            exporter = OTLPSpanExporter()
-    elif exporter_name not in ("none", ""):
-        log.warning("unknown OTEL_TRACES_EXPORTER %r; traces are off", exporter_name)
-    if exporter is not None:  # else the API's no-op tracer: spans cost nothing
-        resource = Resource.create(
-            {"service.name": os.environ.get("OTEL_SERVICE_NAME", "fraud-scoring")}
-        )
-        provider = TracerProvider(resource=resource)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-        trace.set_tracer_provider(provider)
-        _tracing = True
+    global _provider
+    exporter = _exporter()
+    if exporter is None:  # the API's no-op tracer; nothing instrumented
+        return
+    # The stable HTTP names (http.request.method, http.response.status_code, and the
+    # http.server.request.duration metric), not the instrumentations' old default.
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+    from opentelemetry.instrumentation.redis import RedisInstrumentor
+
+    resource = Resource.create(
+        {
+            SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "fraud-scoring"),
+            SERVICE_VERSION: _service_version(),
+        }
+    )
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    RedisInstrumentor().instrument(tracer_provider=provider)
+    _provider = provider
+
+
+def instrument_app(app: FastAPI) -> None:
+    """With tracing on (``OTEL_TRACES_EXPORTER``), wrap ``app`` in OpenTelemetry's
+    FastAPI instrumentation (server spans, ``traceparent``, ``http.server.*`` metrics);
+    with tracing off, leave it untouched. Sets the tracer up if :func:`setup` has not."""
+    setup()
+    if _provider is None:
+        return
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    FastAPIInstrumentor.instrument_app(
+        app, tracer_provider=_provider, meter_provider=_meter_provider(_provider.resource)
+    )
+
+
+@cache  # the reader registers itself with prometheus_client: once per process
+def _meter_provider(resource: Resource) -> MeterProvider:
+    return MeterProvider(resource=resource, metric_readers=[PrometheusMetricReader()])
 
 
 def tracer() -> trace.Tracer:
