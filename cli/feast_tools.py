@@ -52,7 +52,26 @@ def run_feast(args: argparse.Namespace, settings: Settings) -> None:
         # definitions.py itself; this process runs nothing else afterwards.
         os.environ.update(feast_environment(settings, url))
         # standalone_mode: Feast's own error messages and exit status (SystemExit).
-        feast_cli.main(args=feast_argv(settings, args.feast_args), prog_name="feast")
+        try:
+            feast_cli.main(args=feast_argv(settings, args.feast_args), prog_name="feast")
+        except SystemExit as done:
+            if done.code in (0, None) and _materializes(args.feast_args):
+                _mark(settings, url)
+            raise
+
+
+def _materializes(feast_args: list[str]) -> bool:
+    return any(a in ("materialize", "materialize-incremental") for a in feast_args)
+
+
+def _mark(settings: Settings, url: str) -> None:
+    """After Feast's own materialize, set the per-view markers the batch job sets: without
+    them the scoring service reads the store as holding no batch features (degraded)."""
+    from batch_jobs.batch import mark_materialized
+    from fraud_scoring.feast_store import open_store
+
+    project = open_store(settings.data_dir, url, settings.feature_store_yaml).project
+    mark_materialized(url, project)
 
 
 def configure_feast(p: argparse.ArgumentParser) -> None:
