@@ -46,7 +46,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -170,11 +170,19 @@ class _OwnFamilies(Collector):
         return (m for m in self._source.collect() if not m.name.startswith(_FOREIGN_PREFIXES))
 
 
+def _multiprocess() -> bool:
+    """Whether prometheus_client keeps values in files (decided once, when it was
+    imported). Not the environment variable at scrape time: importing Feast sets
+    ``PROMETHEUS_MULTIPROC_DIR`` to a directory of its own, after our metrics exist in
+    memory, and reading that directory would answer an empty ``/metrics``."""
+    return values.ValueClass is not values.MutexValue
+
+
 def exposition() -> bytes:
     """The ``/metrics`` body: this process's metrics, or every worker's in multiprocess
     mode; never the ``feast_*`` families."""
     registry = CollectorRegistry(auto_describe=False)
-    if MULTIPROC_ENV in os.environ:
+    if _multiprocess():
         source = CollectorRegistry()
         multiprocess.MultiProcessCollector(source)
         registry.register(_OwnFamilies(source))
@@ -185,7 +193,7 @@ def exposition() -> bytes:
 
 def worker_exited() -> None:
     """In multiprocess mode, drop this worker's live gauges (call on shutdown)."""
-    if MULTIPROC_ENV in os.environ:
+    if _multiprocess():
         multiprocess.mark_process_dead(os.getpid())
 
 

@@ -461,3 +461,16 @@ def test_metrics_aggregate_across_workers(world: World, tmp_path: Path) -> None:
             assert "fraud_batch_queue_depth" in text
     finally:
         stop_server(srv)
+
+
+def test_metrics_ignore_a_multiprocess_dir_set_after_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Importing Feast sets PROMETHEUS_MULTIPROC_DIR to a directory of its own after our
+    metrics already live in memory; /metrics must still answer them (it was empty)."""
+    from service import telemetry
+
+    if telemetry._multiprocess():
+        pytest.skip("this test process keeps prometheus_client values in files")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert b"python_gc_objects_collected_total" in telemetry.exposition()
