@@ -20,6 +20,7 @@ authentication when it includes it (``app.include_router(router, dependencies=[.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Literal
 
@@ -31,6 +32,8 @@ from fraud_scoring.event_log import LogRecord, LogUnavailable
 from fraud_scoring.events import ID_PATTERN
 from service.errors import ErrorCode, error_body, error_responses
 from service.resources import resources
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -91,8 +94,10 @@ async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResp
             [LogRecord(feedback_key(body.transaction_id, body.source), payload)]
         )
     except LogUnavailable as exc:
+        log.warning("feedback not stored: %s", exc)
         return JSONResponse(
-            error_body(ErrorCode.LOG_UNAVAILABLE, f"the label could not be stored now: {exc}"),
+            # The cause names the log's host: it goes to the log, not to the caller.
+            error_body(ErrorCode.LOG_UNAVAILABLE, "the label could not be stored now"),
             status_code=503,
             headers={"Retry-After": "1"},
         )
