@@ -104,7 +104,11 @@ def spawn(
     Raises ServiceStartError at once if the process exits, or after ``timeout_s``.
     """
     port = free_port()
-    full_env = {**os.environ, **env, "FRAUD_HOST": "127.0.0.1", "FRAUD_PORT": str(port)}
+    # Not the caller's metrics directory unless asked: importing Feast sets
+    # PROMETHEUS_MULTIPROC_DIR in the caller, and inherited it would put the child's
+    # prometheus_client in multiprocess mode over Feast's directory.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    full_env = {**inherited, **env, "FRAUD_HOST": "127.0.0.1", "FRAUD_PORT": str(port)}
     argv = [sys.executable, *command]
     if cpus is not None:
         argv = ["taskset", "-c", cpus, *argv]  # taskset execs: proc.pid is the service
