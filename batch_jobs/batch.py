@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import pyarrow as pa
-import redis
 from feast import FeatureStore
 from tqdm import tqdm
 
@@ -27,6 +26,7 @@ from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
 from fraud_scoring.feast_store import batch_marker_key, online_key, open_store, stored_time
 from fraud_scoring.features import VIEWS
+from fraud_scoring.redis_clients import sync_client
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def forget_recomputed(
     eksv = store.config.entity_key_serialization_version
     items = sorted(entities)
     keys = [online_key(store.project, views[v].join_key, e, eksv) for v, e in items]
-    client: Any = redis.Redis.from_url(redis_url)  # Feast keys are bytes
+    client = sync_client(redis_url)  # Feast keys are bytes
     try:
         pipe = client.pipeline(transaction=False)
         for (view, _), key in zip(items, keys, strict=True):
@@ -94,10 +94,13 @@ def mark_materialized(redis_url: str, project: str) -> None:
     """Set each view's marker (:func:`fraud_scoring.feast_store.batch_marker_key`) to now,
     after its snapshots are written: the service reads a missing marker as "this store
     holds no batch features" (e.g. Redis restarted empty) and applies its degraded policy."""
-    client: Any = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         now = datetime.now(UTC).isoformat()
-        client.mset({batch_marker_key(project, v.name): now for v in VIEWS})
+        pipe = client.pipeline(transaction=False)  # one SET each: on a cluster, other slots
+        for v in VIEWS:
+            pipe.set(batch_marker_key(project, v.name), now)
+        pipe.execute()
     finally:
         client.close()
 

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import redis
 from feast import FeatureStore
 from feast.infra.online_stores.redis import RedisOnlineStoreConfig
 from feast.protos.feast.types.Value_pb2 import Value
@@ -34,6 +33,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from fraud_scoring.feast_store import online_field, online_keys
 from fraud_scoring.features import VIEWS, BatchView, view_features
+from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.storage import DataError, read_partition
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def materialize_days(
     """Write every view's newest snapshot per entity over ``days`` into the online
     store, and record ``[start, end)`` as materialized in the registry (as
     ``FeatureStore.materialize(start, end)`` would). Returns the rows written."""
-    client: Any = redis.Redis.from_url(redis_url)  # Feast keys and values are bytes
+    client = sync_client(redis_url)  # one Redis or a cluster; Feast keys and values are bytes
     written = 0
     try:
         for view in VIEWS:

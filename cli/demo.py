@@ -13,10 +13,10 @@ import time
 from datetime import timedelta
 
 import httpx
-import redis
 
 from fraud_scoring.commands import Command
 from fraud_scoring.events import Transaction, raw_row_to_event
+from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from fraud_scoring.storage import read_partition
@@ -106,7 +106,7 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                 for r in read_partition(settings.data_dir / "raw", "transactions", d).to_pylist()
             ]
             rows.sort(key=lambda r: r["event_time"])
-            writer = SessionWriter(redis.Redis.from_url(url), settings.allowed_lateness_s)
+            writer = SessionWriter(sync_client(url), settings.allowed_lateness_s)
             events = [card_event(Transaction.model_validate(r)) for r in rows]
             applied = 0
             todays = [r for r in rows if r["event_time"].date() == last]

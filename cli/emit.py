@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable
 from datetime import date
 
-import redis
-
 from fraud_scoring.commands import Command, iso_date
+from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 
@@ -53,7 +52,7 @@ def run_emit(args: argparse.Namespace, settings: Settings) -> None:
         if producer.flush(30):
             raise RuntimeError("kafka: not every event was delivered within 30 s")
     else:  # "redis": the settings and --source admit no other value
-        with redis_url(settings.redis_url) as url, redis.Redis.from_url(url) as client:
+        with redis_url(settings.redis_url) as url, sync_client(url) as client:
 
             def send(batch: list[int]) -> None:
                 pipe = client.pipeline(transaction=False)

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Protocol
 
-import redis
-import redis.asyncio as aioredis
+from fraud_scoring.redis_clients import STORE_ERRORS, async_client, sync_client
 
 PAYLOAD_FIELD = "d"  # the stream entry's field holding the record (JSON bytes)
 KEY_FIELD = "k"  # ... and its idempotence key
@@ -79,9 +78,7 @@ class RedisStreamProducer:
     def __init__(self, url: str, stream: str, retention_s: float, timeout_s: float) -> None:
         self.stream = stream
         self.retention_ms = int(retention_s * 1000)
-        self.client: Any = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        self.client = async_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.script = self.client.register_script(_APPEND_LUA)
 
     def marker(self, key: str) -> str:
@@ -99,7 +96,7 @@ class RedisStreamProducer:
             args += [self.marker(r.key), r.key, r.payload]
         try:
             return int(await self.script(keys=[self.stream], args=args))
-        except (redis.RedisError, OSError) as exc:
+        except (*STORE_ERRORS, OSError) as exc:  # type: ignore[misc]
             raise LogUnavailable(f"Redis stream {self.stream!r}: {exc}") from exc
 
     async def close(self) -> None:
@@ -171,7 +168,7 @@ def read_redis_day(
     """The entries the stream stored during UTC ``day`` (by append time), in order, as
     (append time in epoch ms, payload). Reads ``page`` entries per round trip."""
     start_ms, end_ms = day_bounds_ms(day)
-    client: Any = redis.Redis.from_url(url)
+    client = sync_client(url)
     try:
         lo = f"{start_ms}-0"
         while True:

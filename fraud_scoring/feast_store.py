@@ -25,7 +25,7 @@ from feast.protos.feast.types.Value_pb2 import Value
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
-from fraud_scoring.redis_server import feast_connection_string
+from fraud_scoring.redis_server import feast_connection_string, feast_redis_type
 
 REPO_DIR = Path(__file__).resolve().parent.parent / "feature_repo"
 _REGISTRY = Path("feast") / "registry.db"  # under the data dir
@@ -34,7 +34,8 @@ _REGISTRY = Path("feast") / "registry.db"  # under the data dir
 def repo_config(data_dir: Path, redis_url: str, yaml_path: Path | None = None) -> RepoConfig:
     """Feast's configuration: ``yaml_path`` (default: the shipped feature_store.yaml) with
     the registry file placed at ``data_dir/feast/registry.db`` and the online store's
-    connection taken from ``redis_url``.
+    connection (and ``redis_type``: ``redis_cluster`` for a cluster URL) taken from
+    ``redis_url``.
 
     ``${...}`` placeholders in the yaml are not expanded here (they are for the ``feast``
     CLI); the two values they stand for are set from the arguments. Raises
@@ -62,7 +63,11 @@ def repo_config(data_dir: Path, redis_url: str, yaml_path: Path | None = None) -
     raw = {
         **raw,
         "registry": registry,
-        "online_store": {**online, "connection_string": feast_connection_string(redis_url)},
+        "online_store": {
+            **online,
+            "connection_string": feast_connection_string(redis_url),
+            "redis_type": feast_redis_type(redis_url),
+        },
     }
     try:
         config = RepoConfig(**raw)

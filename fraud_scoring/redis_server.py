@@ -16,11 +16,14 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import redis
+
+from fraud_scoring.redis_clients import check_cluster_url, is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +56,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iterator[str]:
-    """Start a private server on a free port; yield its redis:// URL; stop it on exit.
-
-    With ``password`` the server requires it (``requirepass``) and the URL carries it.
-    """
-    port = free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="fraud-redis-"))
+def _spawn(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A server process on ``port`` (loopback only, nothing kept on disk but what
+    ``extra`` asks for in ``workdir``)."""
     cmd = [
         server_binary(),
         "--port",
@@ -75,38 +73,180 @@ def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iter
         str(workdir),
         "--protected-mode",
         "yes",
-        *(["--requirepass", password] if password else []),
+        *extra,
     ]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
-    auth = f":{quote(password, safe='')}@" if password else ""
-    url = f"redis://{auth}127.0.0.1:{port}/0"
+
+
+def _await_ping(proc: subprocess.Popen[bytes], url: str, deadline: float) -> None:
+    """Wait until the server at ``url`` answers PING; raise RedisStartError if its
+    process exits first or ``deadline`` (monotonic) passes."""
+    client = redis.Redis.from_url(url)
     try:
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RedisStartError(f"{cmd[0]} exited with {proc.returncode}: {err.strip()}")
+                raise RedisStartError(f"{proc.args[0]} exited with {proc.returncode}: {err}")
             try:
                 client.ping()
-                break
+                return
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
-                    raise RedisStartError(f"{cmd[0]} did not answer on port {port}") from None
+                    raise RedisStartError(f"{proc.args[0]} did not answer at {url}") from None
                 time.sleep(0.02)
+    finally:
         client.close()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iterator[str]:
+    """Start a private server on a free port; yield its redis:// URL; stop it on exit.
+
+    With ``password`` the server requires it (``requirepass``) and the URL carries it.
+    """
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="fraud-redis-"))
+    proc = _spawn(port, workdir, *(["--requirepass", password] if password else []))
+    auth = f":{quote(password, safe='')}@" if password else ""
+    url = f"redis://{auth}127.0.0.1:{port}/0"
+    try:
+        _await_ping(proc, url, time.monotonic() + timeout_s)
         log.info("started embedded Redis-protocol server at %s", redact_url(url))
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclass
+class ClusterNode:
+    """One server of an :func:`embedded_cluster`: its port, process and node id."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    bus_port: int
+    node_id: str = ""
+    master_port: int | None = None  # None: a primary
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@dataclass
+class EmbeddedCluster:
+    """A running :func:`embedded_cluster`: ``url`` names it (node 0 plus ``cluster=true``)."""
+
+    url: str
+    nodes: list[ClusterNode] = field(default_factory=list)
+
+    def primaries(self) -> list[ClusterNode]:
+        return [n for n in self.nodes if n.master_port is None]
+
+    def replica_of(self, primary: ClusterNode) -> ClusterNode:
+        return next(n for n in self.nodes if n.master_port == primary.port)
+
+
+SLOTS = 16384  # Redis Cluster's hash slots
+
+
+@contextlib.contextmanager
+def embedded_cluster(
+    primaries: int = 3,
+    replicas: int = 0,
+    node_timeout_ms: int = 2000,
+    timeout_s: float = 30.0,
+) -> Iterator[EmbeddedCluster]:
+    """A private Redis Cluster on loopback for tests and benches: ``primaries`` servers
+    with ``--cluster-enabled yes`` sharing the 16,384 slots in even ranges, each with
+    ``replicas`` replicas, joined with ``CLUSTER ADDSLOTSRANGE``, ``CLUSTER MEET`` and
+    ``CLUSTER REPLICATE`` (no cluster CLI needed). Yields once every node reports
+    ``cluster_state:ok`` and every replica is in sync; stops every server on exit."""
+    workdir = Path(tempfile.mkdtemp(prefix="fraud-redis-cluster-"))
+    nodes: list[ClusterNode] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in range(primaries * (1 + replicas)):
+            port, bus = free_port(), free_port()
+            conf = f"nodes-{port}.conf"
+            proc = _spawn(
+                port,
+                workdir,
+                *("--cluster-enabled", "yes", "--cluster-config-file", conf),
+                *("--cluster-node-timeout", str(node_timeout_ms)),
+                # The bus port defaults to port + 10000, past 65535 for a high free port.
+                *("--cluster-port", str(bus)),
+                *("--repl-diskless-sync-delay", "0"),  # a replica syncs at once
+            )
+            nodes.append(ClusterNode(port, proc, bus))
+        clients = []
+        for n in nodes:
+            _await_ping(n.process, n.url, deadline)
+            c = redis.Redis.from_url(n.url, decode_responses=True)
+            clients.append(c)
+            n.node_id = c.execute_command("CLUSTER", "MYID")
+        for i in range(primaries):
+            lo, hi = SLOTS * i // primaries, SLOTS * (i + 1) // primaries - 1
+            clients[i].execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        for n in nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", n.port, n.bus_port)
+        _wait(lambda: all(_known(c) == len(nodes) for c in clients), deadline, "MEET")
+        for j, n in enumerate(nodes[primaries:]):
+            master = nodes[j % primaries]
+            n.master_port = master.port
+            cl = clients[primaries + j]
+            _wait(lambda cl=cl, m=master: _knows_primary(cl, m.node_id), deadline, "gossip")
+            cl.execute_command("CLUSTER", "REPLICATE", master.node_id)
+
+        def ready() -> bool:
+            for c, n in zip(clients, nodes, strict=True):
+                if c.cluster("info")["cluster_state"] != "ok":
+                    return False
+                if n.master_port is not None and c.info("replication").get(
+                    "master_link_status"
+                ) != "up":
+                    return False
+            return True
+
+        _wait(ready, deadline, "cluster_state:ok")
+        for c in clients:
+            c.close()
+        url = f"{nodes[0].url}?cluster=true"
+        log.info("started embedded Redis Cluster of %d nodes at %s", len(nodes), url)
+        yield EmbeddedCluster(url, nodes)
+    finally:
+        for n in nodes:
+            _stop(n.process)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _known(client: redis.Redis) -> int:
+    """How many nodes ``client``'s server knows and has a connection to."""
+    lines = str(client.execute_command("CLUSTER", "NODES")).splitlines()
+    return sum(1 for line in lines if " connected" in line and "handshake" not in line)
+
+
+def _knows_primary(client: redis.Redis, node_id: str) -> bool:
+    lines = str(client.execute_command("CLUSTER", "NODES")).splitlines()
+    return any(line.startswith(node_id) and "master" in line for line in lines)
+
+
+def _wait(cond: Callable[[], bool], deadline: float, what: str) -> None:
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RedisStartError(f"embedded cluster: timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 class RedisNotConfigured(ValueError):
@@ -174,7 +314,9 @@ def feast_connection_string(url: str) -> str:
     """Translate a redis:// URL into Feast's ``host:port,username=..,password=..,db=N,
     ssl=true`` form, with the URL's TLS query options (:data:`FEAST_TLS_PARAMS`, e.g.
     ``ssl_ca_certs`` for a private CA) passed on, so that Feast's Redis client trusts the
-    same CA as the service's and the updater's. Other query options are not passed."""
+    same CA as the service's and the updater's. Other query options are not passed. A
+    cluster URL (``cluster=true``) gives no ``db`` (Feast's cluster client refuses one);
+    Feast learns it is a cluster from ``redis_type`` (:func:`feast_redis_type`)."""
     u = urlsplit(url)
     if u.scheme not in ("redis", "rediss"):
         raise ValueError(
@@ -188,7 +330,10 @@ def feast_connection_string(url: str) -> str:
     db = (u.path or "/0").lstrip("/") or "0"
     if not db.isdigit():
         raise ValueError(f"REDIS_URL: database must be a number, got {db!r}")
-    parts.append(f"db={db}")
+    if is_cluster(url):
+        check_cluster_url(url)
+    else:
+        parts.append(f"db={db}")
     if u.scheme == "rediss":
         parts.append("ssl=true")
     for key, value in parse_qsl(u.query):
@@ -197,3 +342,9 @@ def feast_connection_string(url: str) -> str:
                 raise ValueError(f"REDIS_URL: {key} must not contain a comma, got {value!r}")
             parts.append(f"{key}={value}")
     return ",".join(parts)
+
+
+def feast_redis_type(url: str) -> str:
+    """Feast's ``online_store.redis_type`` for the Redis at ``url``: ``redis_cluster``
+    for a cluster URL, else ``redis``."""
+    return "redis_cluster" if is_cluster(url) else "redis"

@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, quote, urlsplit
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fraud_scoring.redis_clients import CLUSTER_PARAM, check_cluster_url, is_cluster
 from fraud_scoring.redis_server import redact_url
 
 
@@ -50,6 +51,14 @@ class Settings(BaseSettings):
         description="File holding the Redis password (a mounted Secret, so the password "
         "is in no environment variable); trailing newlines are ignored. Put into REDIS_URL "
         "(redis://[user@]host:port/db, without a password) for every Redis client.",
+    )
+    redis_cluster: bool = Field(
+        default=False,
+        description="The online store is a Redis Cluster and REDIS_URL names one of its "
+        "nodes (any; the others are found from it). Added to REDIS_URL as cluster=true, "
+        "which may also be written there directly, so the service, the updater, the "
+        "batch job and Feast (redis_type: redis_cluster) all use cluster clients. The "
+        "database must be 0. See docs/scale-out.md, Redis Cluster.",
     )
     data_dir: Path = Field(
         default=Path("data"),
@@ -300,6 +309,16 @@ class Settings(BaseSettings):
         description="Kafka: replication factor of the dead-letter topic when the updater "
         "creates it; -1: the broker's default.replication.factor.",
     )
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        description="The updater acknowledges a batch only once this many replicas of "
+        "each Redis primary it wrote hold the batch (WAIT, 1 s; fewer: the batch is "
+        "applied again). Replication is asynchronous: with 0, a primary that dies right "
+        "after a batch can take it along although its events were acknowledged; 1 makes "
+        "a failover to a replica lose nothing, and stalls the updater while no replica "
+        "answers.",
+    )
     updater_metrics_port: int = Field(
         default=9108, ge=0, le=65535, description="Updater's Prometheus /metrics port (0: off)."
     )
@@ -402,6 +421,24 @@ class Settings(BaseSettings):
         if given is None:
             sep = "&" if urlsplit(url).query else "?"
             self.redis_url = f"{url}{sep}ssl_ca_certs={quote(ca, safe='/')}"
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_into_url(self) -> Settings:
+        """Carry ``redis_cluster`` in REDIS_URL (``cluster=true``), as the CA file."""
+        if self.redis_url is None:
+            if self.redis_cluster:
+                raise ValueError("FRAUD_REDIS_CLUSTER needs REDIS_URL (a node of the cluster)")
+            return self
+        url = self.redis_url
+        given = dict(parse_qsl(urlsplit(url).query)).get(CLUSTER_PARAM)
+        if self.redis_cluster and given is not None and not is_cluster(url):
+            raise ValueError("FRAUD_REDIS_CLUSTER=true disagrees with REDIS_URL's cluster=false")
+        if self.redis_cluster and given is None:
+            sep = "&" if urlsplit(url).query else "?"
+            url = self.redis_url = f"{url}{sep}{CLUSTER_PARAM}=true"
+        if is_cluster(url):
+            check_cluster_url(url)
         return self
 
 

@@ -24,6 +24,7 @@ from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import ModelError, ModelNotFound
+from fraud_scoring.redis_clients import async_client, is_cluster
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
@@ -43,7 +44,7 @@ STATE_KEY = "fraud_scoring.resources"
 @dataclass(frozen=True)
 class Resources:
     settings: Settings
-    redis: aioredis.Redis
+    redis: Any  # redis.asyncio.Redis, or its RedisCluster (fraud_scoring.redis_clients)
     models: ModelHolder
     scorer: Scorer
     # The scorer as both paths call it (decisions counted per call).
@@ -105,17 +106,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         except ModelError as exc:
             log.error("no model can serve: %s; not ready, trying again", exc)
         stack.callback(watch_models(models, settings).cancel)
-        # A blocking pool: past 64 connections a read waits (up to the Redis timeout) for
-        # a free one instead of failing, e.g. a large batch call on the naive path.
-        client = aioredis.Redis.from_pool(  # the client owns (and closes) the pool
-            aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=64,
-                timeout=settings.redis_timeout_s,
-                socket_timeout=settings.redis_timeout_s,
-                socket_connect_timeout=settings.redis_timeout_s,
-            )
-        )
+        client = _store_client(url, settings)
         stack.push_async_callback(client.aclose)
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         stack.callback(pool.shutdown, wait=True)
@@ -199,6 +190,25 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             feedback,
             health,
         )
+
+
+def _store_client(url: str, settings: Settings) -> Any:
+    """The online store's asyncio client. One server: a blocking pool, so past 64
+    connections a read waits (up to the Redis timeout) for a free one instead of failing,
+    e.g. a large batch call on the naive path. A cluster: redis-py's cluster client (one
+    pipeline per node, sent concurrently); its per-node limit is above the in-flight
+    limit, which bounds the reads at once."""
+    timeouts = {
+        "socket_timeout": settings.redis_timeout_s,
+        "socket_connect_timeout": settings.redis_timeout_s,
+    }
+    if is_cluster(url):
+        return async_client(url, max_connections=settings.max_inflight + 64, **timeouts)
+    return aioredis.Redis.from_pool(  # the client owns (and closes) the pool
+        aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=64, timeout=settings.redis_timeout_s, **timeouts
+        )
+    )
 
 
 def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:

@@ -1,6 +1,7 @@
 """Scoring one micro-batch of transactions, top to bottom:
 
-read features and record the transactions (one pipelined round trip) → the shared
+read features and record the transactions (one pipelined round trip; on a Redis
+Cluster one pipeline per node, sent at once) → the shared
 assembly of every feature column → feature vector in the model's order → ONNX Runtime
 (off the event loop) → decision policy → results.
 
@@ -32,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
+from fraud_scoring.redis_clients import STORE_ERRORS
 from fraud_scoring.settings import Settings
 from service.decision import Policy, Reason, rules_only
 from service.model import LoadedModel, ModelHolder
@@ -143,7 +145,7 @@ class Scorer:
             self.health.admit()  # an open breaker answers now, not after a timeout
         try:
             replies = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except STORE_ERRORS as exc:
             # The cause (it names Redis's host:port) goes to the log, not to callers.
             log.warning("feature read failed: %s", exc)
             if self.health is not None:
@@ -184,7 +186,7 @@ class Scorer:
                 pipe = self.redis.pipeline(transaction=False)
                 session.queue_apply(pipe, writes, self.limits)
                 replies = await pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except STORE_ERRORS as exc:
                 replies = [exc]
         for r in replies:
             if isinstance(r, Exception):

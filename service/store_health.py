@@ -24,9 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from fraud_scoring.feast_store import batch_marker_key
+from fraud_scoring.redis_clients import STORE_ERRORS
 from service.errors import Rejected, RejectReason
 
 log = logging.getLogger(__name__)
@@ -128,8 +127,12 @@ class StoreHealth:
         except FeatureStoreUnavailable:
             return
         try:
-            found = await self.redis.execute_command("MGET", *self.markers)
-        except RedisError as exc:
+            # One GET each (not MGET): on a Redis Cluster the markers lie in other slots.
+            pipe = self.redis.pipeline(transaction=False)
+            for marker in self.markers:
+                pipe.get(marker)
+            found = await pipe.execute()
+        except STORE_ERRORS as exc:
             log.warning("batch marker check failed: %s", exc)
             self.failed()
             return

@@ -4,7 +4,8 @@ It reads the shared settings (``FRAUD_STREAM_SOURCE``, ``FRAUD_STREAM_NAME``,
 ``FRAUD_CONSUMER_GROUP``, ``FRAUD_KAFKA_BOOTSTRAP``, ``FRAUD_ALLOWED_LATENESS_S``,
 ``FRAUD_STREAM_BATCH_SIZE``, ``FRAUD_CLAIM_IDLE_MS``, ``FRAUD_KAFKA_SESSION_TIMEOUT_MS``,
 ``FRAUD_UPDATER_METRICS_PORT``, ``FRAUD_STREAM_RETENTION_S``, ``FRAUD_DEAD_LETTER_MAX_BYTES``,
-``FRAUD_KAFKA_DEAD_LETTER_REPLICATION``, ``REDIS_URL``, ``FRAUD_REDIS_CA_FILE``); flags
+``FRAUD_KAFKA_DEAD_LETTER_REPLICATION``, ``FRAUD_REDIS_WAIT_REPLICAS``, ``REDIS_URL``,
+``FRAUD_REDIS_CA_FILE``, ``FRAUD_REDIS_CLUSTER``); flags
 override them. With ``REDIS_URL`` unset it refuses to start unless ``--embedded-redis``
 asks for a private server that lives only as long as the command (useful for a quick
 look, nothing else).
@@ -22,11 +23,10 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TypeVar
-
-import redis
+from typing import Any, TypeVar
 
 from fraud_scoring.commands import Command, add_embedded_redis
+from fraud_scoring.redis_clients import drop_connections, sync_client
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 
@@ -35,10 +35,10 @@ T = TypeVar("T")
 
 
 @contextmanager
-def _redis_client(settings: Settings) -> Iterator[redis.Redis]:
+def _redis_client(settings: Settings) -> Iterator[Any]:
     with redis_url(settings.redis_url, allow_embedded=settings.embedded_redis) as url:
-        # socket_timeout must exceed the XREADGROUP block time.
-        client = redis.Redis.from_url(
+        # socket_timeout must exceed the XREADGROUP block time. One Redis or a cluster.
+        client = sync_client(
             url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30
         )
         try:
@@ -92,12 +92,12 @@ def run_stream(args: argparse.Namespace, settings: Settings) -> None:
             )
         updater = Updater(
             source,
-            SessionWriter(client, lateness),
+            SessionWriter(client, lateness, wait_replicas=settings.redis_wait_replicas),
             metrics,
             batch_size=_or(args.batch_size, settings.stream_batch_size),
             max_future_s=settings.max_future_skew_s,
             # After a failover, reconnect so the retry reaches the new primary.
-            on_readonly=client.connection_pool.disconnect,
+            on_readonly=lambda: drop_connections(client),
         )
 
         def on_term(signum: int, _frame: FrameType | None) -> None:

@@ -13,7 +13,10 @@ with exponential backoff: nothing is acknowledged that was not applied, so nothi
 lost, and whatever was applied before the failure is applied again harmlessly. Redis
 answering ``READONLY`` (a failover left us on a replica) or ``OOM`` (maxmemory reached)
 counts as unavailable too; after ``READONLY`` the client's connections are dropped so the
-retry connects afresh (to the new primary, where the address follows the failover).
+retry connects afresh (to the new primary, where the address follows the failover). On a
+Redis Cluster a failover shows as connection errors, ``CLUSTERDOWN``/``TRYAGAIN`` or
+uncovered slots until a replica takes over; redis-py's cluster client re-reads the slot
+map, and the step retries the same way.
 
 A :class:`~streaming.sources.SourceFatal` error is not retried: it leaves :meth:`Updater.run`
 (after the totals are logged) so that the process ends and is restarted.
@@ -32,8 +35,10 @@ from typing import TypeVar
 
 import redis
 from pydantic import ValidationError
+from redis.exceptions import RedisClusterException
 
 from fraud_scoring.events import Transaction
+from fraud_scoring.redis_clients import CLUSTER_RETRYABLE
 from fraud_scoring.session import to_us
 from streaming.metrics import UpdaterMetrics
 from streaming.sources import Message, Source, SourceUnavailable
@@ -48,6 +53,11 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     redis.BusyLoadingError,
     redis.ReadOnlyError,  # a replica after failover: writes succeed again on the primary
     redis.OutOfMemoryError,  # maxmemory reached: writes succeed once memory is freed
+    # Redis Cluster during a failover: TRYAGAIN, CLUSTERDOWN, and slots no live node
+    # serves until the replica takes over (RedisClusterException: redis-py's cluster
+    # client raises it when its slot map cannot be rebuilt yet).
+    *CLUSTER_RETRYABLE,
+    RedisClusterException,
     SourceUnavailable,
 )
 

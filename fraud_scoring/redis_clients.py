@@ -1,0 +1,103 @@
+"""Redis clients for the online store: one Redis, or a Redis Cluster, from one URL.
+
+Every part (the scoring service, the updater, the batch job, Feast) reaches the online
+store through ``REDIS_URL``. A Redis Cluster is named by the URL of any one of its
+nodes plus the query option ``cluster=true`` (``FRAUD_REDIS_CLUSTER=true`` adds it, see
+``fraud_scoring/settings.py``); the client finds the other nodes itself. The clients
+made here are ``redis.Redis`` / ``redis.asyncio.Redis`` for one server and redis-py's
+``RedisCluster`` (sync and asyncio) for a cluster; both offer the same commands and
+pipelines, so the code above them does not branch.
+
+On a cluster a pipeline is split by node: redis-py's cluster pipelines group the queued
+commands by the node owning each key's slot and send one pipeline per node (the asyncio
+one with ``asyncio.gather``, all at once; the sync one writes every node's commands
+before reading any reply), so a batch still costs one round trip in time. A command
+whose keys span slots fails (CROSSSLOT): the project's own multi-key commands keep their
+keys under one hash tag (``{card:<id>}``, ``{<stream>}``); Feast's keys are read one
+per command.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+CLUSTER_PARAM = "cluster"  # the URL query option that marks a Redis Cluster
+_TRUE = ("1", "true", "yes", "on")
+
+# Redis Cluster errors a retry can mend: a slot in migration or failover (TRYAGAIN,
+# CLUSTERDOWN, MASTERDOWN), a slot no node serves until the topology is read again.
+CLUSTER_RETRYABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+
+
+# What a failed store command raises: redis-py's errors, and its cluster client's own
+# (RedisClusterException: e.g. no node serves a slot while the topology is re-read).
+STORE_ERRORS: tuple[type[Exception], ...] = (
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+)
+
+
+def is_cluster(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (its query has ``cluster=true``). Raises
+    ValueError naming REDIS_URL for a value that is not a boolean."""
+    for key, value in parse_qsl(urlsplit(url).query):
+        if key == CLUSTER_PARAM:
+            if value.lower() not in (*_TRUE, "0", "false", "no", "off"):
+                raise ValueError(f"REDIS_URL: {CLUSTER_PARAM} must be true or false, got {value!r}")
+            return value.lower() in _TRUE
+    return False
+
+
+def client_url(url: str) -> str:
+    """``url`` without the ``cluster`` option, as redis-py's ``from_url`` takes it."""
+    u = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(u.query) if k != CLUSTER_PARAM]
+    return u._replace(query=urlencode(query)).geturl()
+
+
+def check_cluster_url(url: str) -> None:
+    """Raise ValueError (naming REDIS_URL) when a cluster URL selects a database other
+    than 0: Redis Cluster has only database 0."""
+    db = (urlsplit(url).path or "/0").lstrip("/") or "0"
+    if db != "0":
+        raise ValueError(f"REDIS_URL: a Redis Cluster has only database 0, got /{db}")
+
+
+def sync_client(url: str, **kwargs: Any) -> Any:
+    """A blocking client for ``url``: ``RedisCluster`` when it names a cluster, else
+    ``redis.Redis``. ``kwargs`` (timeouts, ...) go to every connection. Typed Any: the
+    two classes share their commands but not redis-py's annotations."""
+    if is_cluster(url):
+        check_cluster_url(url)
+        return RedisCluster.from_url(client_url(url), **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def async_client(url: str, **kwargs: Any) -> Any:
+    """An asyncio client for ``url``: ``redis.asyncio.RedisCluster`` when it names a
+    cluster, else ``redis.asyncio.Redis``. ``max_connections`` is per node on a cluster
+    (past it a command fails at once rather than waiting)."""
+    if is_cluster(url):
+        check_cluster_url(url)
+        return AsyncRedisCluster.from_url(client_url(url), **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
+def drop_connections(client: Any) -> None:
+    """Close a sync client's connections so that the next command connects afresh: to
+    the new primary after a failover (one server behind a moving address), or, on a
+    cluster, after the slot map is read again from the nodes still up."""
+    if isinstance(client, RedisCluster):
+        client.nodes_manager.initialize()
+    else:
+        client.connection_pool.disconnect()
