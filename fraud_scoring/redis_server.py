@@ -213,9 +213,10 @@ def embedded_cluster(
             for c, n in zip(clients, nodes, strict=True):
                 if c.cluster("info")["cluster_state"] != "ok":
                     return False
-                if n.master_port is not None and c.info("replication").get(
-                    "master_link_status"
-                ) != "up":
+                if (
+                    n.master_port is not None
+                    and c.info("replication").get("master_link_status") != "up"
+                ):
                     return False
             return True
 

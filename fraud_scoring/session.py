@@ -347,9 +347,15 @@ def queue_apply(
     ``EVALSHA`` needs the script loaded (``SCRIPT LOAD`` :data:`APPLY_LUA`): a reply that
     is a ``NoScriptError`` means the server lost it (restart, flush); load it and queue
     again (applying twice is harmless).
+
+    On a Redis Cluster pipeline the call goes to the node of the card's slot (both keys
+    carry the card's hash tag). It is queued with ``execute_command``: redis-py's cluster
+    pipelines refuse the ``evalsha`` method outright, whatever the keys, though they
+    route the command itself by its keys.
     """
     for card, evs in by_card.items():
-        pipe.evalsha(APPLY_SHA, 2, events_key(card), ids_key(card), *limits.args(evs))
+        args = limits.args(evs)
+        pipe.execute_command("EVALSHA", APPLY_SHA, 2, events_key(card), ids_key(card), *args)
     return len(by_card)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from fraud_scoring.redis_server import embedded_redis
+from fraud_scoring.redis_clients import is_cluster, sync_client
+from fraud_scoring.redis_server import EmbeddedCluster, embedded_cluster, embedded_redis
 from service.server import ServiceProcess, ServiceStartError, spawn
 
 SIM_START = date(2026, 1, 1)
@@ -42,6 +43,37 @@ class World:
 def redis_server() -> Iterator[str]:
     with embedded_redis() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedCluster]:
+    """A Redis Cluster of three primaries (no replicas) from the same server binary."""
+    with embedded_cluster(primaries=3) as cluster:
+        yield cluster
+
+
+def materialize_world(world: World, url: str) -> None:
+    """Empty the online store at ``url`` (one Redis database, or every primary of a
+    cluster) and fill it as the world's batch runs did: the batch job's own writer and
+    markers, over the snapshots of every day but the held-out last one."""
+    from batch_jobs.batch import mark_materialized
+    from batch_jobs.daily_features import snapshot_time
+    from batch_jobs.materialize import materialize_days
+    from fraud_scoring.feast_store import open_store
+
+    client = sync_client(url)
+    try:
+        if is_cluster(url):
+            client.flushall(target_nodes=client.PRIMARIES)
+        else:
+            client.flushdb()
+    finally:
+        client.close()
+    days = [world.start + timedelta(days=i) for i in range(world.days - 1)]
+    store = open_store(world.data_dir, url)
+    start, end = snapshot_time(days[0]), snapshot_time(days[-1]) + timedelta(seconds=1)
+    materialize_days(store, url, world.data_dir / "features", days, start, end)
+    mark_materialized(url, store.project)
 
 
 @pytest.fixture(scope="session")

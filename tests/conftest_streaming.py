@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 import pandas as pd
 import pytest
-import redis
 
 from batch_jobs.simulate import SimConfig, live_events
+from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import embedded_redis, free_port
 from tests.conftest import wait_until
 
@@ -37,8 +37,9 @@ def wait_for(
 
 
 def connect(url: str, **kw: Any) -> Any:
-    """A sync client, typed Any: redis-py's annotations mix sync and async return types."""
-    return redis.Redis.from_url(url, **kw)
+    """A sync client (a cluster client for a ``cluster=true`` URL), typed Any: redis-py's
+    annotations mix sync and async return types."""
+    return sync_client(url, **kw)
 
 
 @pytest.fixture

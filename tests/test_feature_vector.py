@@ -1,12 +1,16 @@
 """The whole vector the model sees: served (Redis through the real updater, the scorer's
 own read and assembly) equals the training frame's row, feature by feature; and the
 scorer's read-your-writes (a burst counts its own earlier attempts while the event log
-lags) over real HTTP, real Redis and a real updater process.
+lags) over real HTTP, real Redis and a real updater process. Both tests run twice: on
+one Redis and on a Redis Cluster of three primaries (``online_store``), where the
+service's batch read becomes one pipeline per node and the batch job, the updater and
+the service use cluster clients.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -14,18 +18,20 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import redis.asyncio as aioredis
+import pytest
 
 from batch_jobs.train import feature_columns, load_transactions
 from batch_jobs.training_set import point_in_time_join
 from fraud_scoring import features as F
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.feast_store import open_store
+from fraud_scoring.redis_clients import async_client
+from fraud_scoring.redis_server import EmbeddedCluster
 from fraud_scoring.settings import Settings
 from service.model import ModelHolder
 from service.online_features import OnlineFeatureReader
 from service.scoring import Scorer
-from tests.conftest import World, start_server, stop_server
+from tests.conftest import World, materialize_world, start_server, stop_server
 from tests.conftest_streaming import (
     connect,
     dump_state,
@@ -36,6 +42,22 @@ from tests.conftest_streaming import (
 )
 
 STREAM = "transactions"
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def online_store(request: pytest.FixtureRequest, world: World) -> Callable[[int], str]:
+    """``online_store(db)``: the URL of an online store holding the world's batch
+    features and no session state: database ``db`` of the world's server, or the test
+    cluster (it has database 0 only), emptied and materialized by the batch job."""
+    if request.param == "redis":
+        return lambda db: _private_db(world, db)
+    cluster: EmbeddedCluster = request.getfixturevalue("redis_cluster")
+
+    def fresh(_db: int) -> str:
+        materialize_world(world, cluster.url)
+        return cluster.url
+
+    return fresh
 
 
 def _private_db(world: World, db: int) -> str:
@@ -65,9 +87,11 @@ def _drain(url: str, log: Path, *args: str) -> None:
     assert p.wait(timeout=30) == 0, log.read_text()[-3000:]
 
 
-def test_served_vector_equals_the_training_row(world: World, tmp_path: Path) -> None:
+def test_served_vector_equals_the_training_row(
+    world: World, tmp_path: Path, online_store: Callable[[int], str]
+) -> None:
     """1,200 held-out transactions: every model feature served == the training frame's."""
-    url = _private_db(world, 2)
+    url = online_store(2)
     lateness = str(2 * 86400)
     raw = world.data_dir / "raw"
     day = world.last_day
@@ -129,7 +153,7 @@ def test_served_vector_equals_the_training_row(world: World, tmp_path: Path) -> 
 async def _served(
     url: str, project: str, txns: list[Transaction], settings: Settings
 ) -> dict[str, np.ndarray]:
-    client: Any = aioredis.Redis.from_url(url)
+    client = async_client(url)
     with ThreadPoolExecutor(1) as pool:
         scorer = Scorer(client, OnlineFeatureReader(project), ModelHolder(), settings, pool)
         try:
@@ -160,10 +184,12 @@ def _velocity(body: dict[str, Any]) -> str:
     return next((r["message"] for r in body["reasons"] if r["code"] == "VELOCITY_10M"), "")
 
 
-def test_a_burst_sees_its_own_earlier_attempts(world: World, tmp_path: Path) -> None:
+def test_a_burst_sees_its_own_earlier_attempts(
+    world: World, tmp_path: Path, online_store: Callable[[int], str]
+) -> None:
     """Updater stopped: the fifth attempt counts the four before it; the updater's later
     copies of the same events change nothing."""
-    url = _private_db(world, 3)
+    url = online_store(3)
     client = connect(url)
     srv = start_server(world, tmp_path, REDIS_URL=url)
     try:
