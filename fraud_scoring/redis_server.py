@@ -157,6 +157,16 @@ class EmbeddedCluster:
     def replica_of(self, primary: ClusterNode) -> ClusterNode:
         return next(n for n in self.nodes if n.master_port == primary.port)
 
+    def restart(self, node: ClusterNode) -> None:
+        """Start a stopped (or killed) node again with its own command line and cluster
+        config file: it rejoins the cluster, as a replica when its slots moved on."""
+        node.process = subprocess.Popen(
+            node.process.args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
 
 SLOTS = 16384  # Redis Cluster's hash slots
 

@@ -128,9 +128,12 @@ def dump_state(client: Any) -> dict[bytes, Any]:
     return out
 
 
-def start_updater(redis_url: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    """``fraud-scoring stream`` in a subprocess (its log in ``log``)."""
-    env = {**os.environ, "REDIS_URL": redis_url}
+def start_updater(
+    redis_url: str, log: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``fraud-scoring stream`` in a subprocess (its log in ``log``; ``env``: settings
+    added to the environment)."""
+    env = {**os.environ, "REDIS_URL": redis_url, **(env or {})}
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "cli", "stream", "--metrics-port", "0", *args],
