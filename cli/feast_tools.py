@@ -10,15 +10,21 @@ directory; ``REDIS_URL`` and ``FRAUD_REDIS_CA_FILE``), adds ``-c <feature_repo>`
 so ``fraud-scoring feast plan`` is ``feast -c feature_repo plan`` with nothing to set up.
 
 With ``REDIS_URL`` unset, like the other short commands, a private Redis-protocol server
-lives for the command's duration. The exit status is Feast's.
+lives for the command's duration. On a Redis Cluster (``FRAUD_REDIS_CLUSTER``) Feast is
+given a copy of the yaml with ``redis_type: redis_cluster``. The exit status is Feast's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
+from pathlib import Path
+
+import yaml
 
 from fraud_scoring.commands import Command
+from fraud_scoring.redis_clients import is_cluster
 from fraud_scoring.redis_server import feast_connection_string, redis_url
 from fraud_scoring.settings import Settings
 
@@ -32,13 +38,17 @@ def feast_environment(settings: Settings, url: str) -> dict[str, str]:
     }
 
 
-def feast_argv(settings: Settings, feast_args: list[str]) -> list[str]:
-    """Feast's command line: the repository (and the yaml, when configured) first."""
+def feast_argv(
+    settings: Settings, feast_args: list[str], yaml_path: Path | None = None
+) -> list[str]:
+    """Feast's command line: the repository (and the yaml: ``yaml_path``, else the
+    configured one, if any) first."""
     from fraud_scoring.feast_store import REPO_DIR  # imports Feast: only for this command
 
     argv = ["--chdir", str(REPO_DIR)]
-    if settings.feature_store_yaml is not None:
-        argv += ["--feature-store-yaml", str(settings.feature_store_yaml.resolve())]
+    yaml_path = yaml_path or settings.feature_store_yaml
+    if yaml_path is not None:
+        argv += ["--feature-store-yaml", str(yaml_path.resolve())]
     # argparse keeps a leading "--" in the remainder; it only separated our options.
     return argv + (feast_args[1:] if feast_args[:1] == ["--"] else feast_args)
 
@@ -47,17 +57,34 @@ def run_feast(args: argparse.Namespace, settings: Settings) -> None:
     # Imported here: Feast's CLI module pulls in much more than the other commands need.
     from feast.cli.cli import cli as feast_cli
 
-    with redis_url(settings.redis_url) as url:
+    with redis_url(settings.redis_url) as url, tempfile.TemporaryDirectory() as tmp:
         # Through the environment: Feast expands the yaml's ${...} and imports
         # definitions.py itself; this process runs nothing else afterwards.
         os.environ.update(feast_environment(settings, url))
+        yaml_path = cluster_yaml(settings, Path(tmp)) if is_cluster(url) else None
         # standalone_mode: Feast's own error messages and exit status (SystemExit).
         try:
-            feast_cli.main(args=feast_argv(settings, args.feast_args), prog_name="feast")
+            argv = feast_argv(settings, args.feast_args, yaml_path)
+            feast_cli.main(args=argv, prog_name="feast")
         except SystemExit as done:
             if done.code in (0, None) and _materializes(args.feast_args):
                 _mark(settings, url)
             raise
+
+
+def cluster_yaml(settings: Settings, workdir: Path) -> Path:
+    """A copy of the feature_store.yaml in use (``${...}`` kept for Feast to expand) with
+    ``online_store.redis_type: redis_cluster``, written into ``workdir``: the yaml cannot
+    take the type from a placeholder without breaking a plain ``feast`` call that does
+    not set it."""
+    from fraud_scoring.feast_store import REPO_DIR
+
+    source = settings.feature_store_yaml or REPO_DIR / "feature_store.yaml"
+    raw = yaml.safe_load(source.read_text())
+    raw["online_store"] = {**raw["online_store"], "redis_type": "redis_cluster"}
+    out = workdir / "feature_store.yaml"
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
 
 
 def _materializes(feast_args: list[str]) -> bool:

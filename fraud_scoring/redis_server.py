@@ -18,7 +18,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import redis
@@ -84,17 +86,18 @@ def _await_ping(proc: subprocess.Popen[bytes], url: str, deadline: float) -> Non
     """Wait until the server at ``url`` answers PING; raise RedisStartError if its
     process exits first or ``deadline`` (monotonic) passes."""
     client = redis.Redis.from_url(url)
+    binary = server_binary()
     try:
         while True:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RedisStartError(f"{proc.args[0]} exited with {proc.returncode}: {err}")
+                raise RedisStartError(f"{binary} exited with {proc.returncode}: {err}")
             try:
                 client.ping()
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
-                    raise RedisStartError(f"{proc.args[0]} did not answer at {url}") from None
+                    raise RedisStartError(f"{binary} did not answer at {url}") from None
                 time.sleep(0.02)
     finally:
         client.close()
@@ -200,7 +203,7 @@ def embedded_cluster(
                 *("--repl-diskless-sync-delay", "0"),  # a replica syncs at once
             )
             nodes.append(ClusterNode(port, proc, bus))
-        clients = []
+        clients: list[Any] = []  # typed Any: redis-py's annotations mix sync and async
         for n in nodes:
             _await_ping(n.process, n.url, deadline)
             c = redis.Redis.from_url(n.url, decode_responses=True)
@@ -216,7 +219,7 @@ def embedded_cluster(
             master = nodes[j % primaries]
             n.master_port = master.port
             cl = clients[primaries + j]
-            _wait(lambda cl=cl, m=master: _knows_primary(cl, m.node_id), deadline, "gossip")
+            _wait(partial(_knows_primary, cl, master.node_id), deadline, "gossip")
             cl.execute_command("CLUSTER", "REPLICATE", master.node_id)
 
         def ready() -> bool:

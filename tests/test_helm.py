@@ -266,6 +266,14 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
         "storage.volume must be set",
     ),
     "external redis without host": ({"redis": {"host": ""}}, "redis.host is required"),
+    "cluster in the chart": (
+        {"redis": {"cluster": True, "inChart": {"enabled": True}}},
+        "redis.cluster needs an external cluster",
+    ),
+    "cluster with a database": (
+        {"redis": {"cluster": True, "db": 2}},
+        "redis.cluster needs redis.db: 0",
+    ),
 }
 
 
@@ -415,6 +423,21 @@ def test_no_redis_password_in_app_environments(case: str) -> None:
             password_volume(workload, c)
         url = urllib.parse.urlsplit(env_of(c)["REDIS_URL"]["value"])
         assert url.password is None, f"{c['name']}: a password in REDIS_URL"
+
+
+def test_a_cluster_endpoint_reaches_every_app_container() -> None:
+    values = {"redis": {"host": "redis-cluster.cache", "cluster": True, "waitReplicas": 1}}
+    containers = list(app_containers(render(values), values))
+    assert containers
+    for _, c in containers:
+        env = env_of(c)
+        assert env["REDIS_URL"]["value"] == "redis://redis-cluster.cache:6379/0"
+        assert env["FRAUD_REDIS_CLUSTER"]["value"] == "true", c["name"]
+        if "FRAUD_REDIS_WAIT_REPLICAS" in env:
+            assert env["FRAUD_REDIS_WAIT_REPLICAS"]["value"] == "1"
+    assert any("FRAUD_REDIS_WAIT_REPLICAS" in env_of(c) for _, c in containers)
+    plain = render({})
+    assert all("FRAUD_REDIS_CLUSTER" not in env_of(c) for _, c in app_containers(plain, {}))
 
 
 def test_redis_password_from_existing_secret() -> None:

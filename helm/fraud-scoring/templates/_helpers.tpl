@@ -124,6 +124,16 @@ environment variable. */}}
 {{- $userinfo := ternary (printf "%s@" $user) "" (ne $user "") }}
 - name: REDIS_URL
   value: {{ printf "%s://%s%s/%d" $scheme $userinfo $hostPort (int .Values.redis.db) | quote }}
+{{- if .Values.redis.cluster }}
+{{- if $inChart }}
+{{- fail "redis.cluster needs an external cluster: the in-chart Redis is one server" }}
+{{- end }}
+{{- if ne (int .Values.redis.db) 0 }}
+{{- fail "redis.cluster needs redis.db: 0 (a Redis Cluster has database 0 only)" }}
+{{- end }}
+- name: FRAUD_REDIS_CLUSTER
+  value: "true"
+{{- end }}
 {{- if include "fraud-scoring.redisAuth" . }}
 - name: FRAUD_REDIS_PASSWORD_FILE
   value: {{ printf "%s/password" (include "fraud-scoring.redisAuthMountPath" .) | quote }}
