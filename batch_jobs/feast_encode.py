@@ -47,9 +47,7 @@ def tagged_varints(tag: int, values: npt.NDArray[np.int64]) -> pa.BinaryArray:
     varint (7 bits a byte, low group first, high bit set on all but the last; a negative
     number is its 64-bit two's complement, ten bytes)."""
     u = np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
-    groups = ((u[:, None] >> (np.arange(_MAX_VARINT, dtype=np.uint64) * 7)) & 0x7F).astype(
-        np.uint8
-    )
+    groups = ((u[:, None] >> (np.arange(_MAX_VARINT, dtype=np.uint64) * 7)) & 0x7F).astype(np.uint8)
     # Groups used: up to the highest non-zero one, at least one (zero is one 0x00 byte).
     nonzero = groups != 0
     used = np.where(nonzero.any(axis=1), _MAX_VARINT - np.argmax(nonzero[:, ::-1], axis=1), 1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import date, datetime
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ from fraud_scoring.storage import DataError, read_partition
 
 log = logging.getLogger(__name__)
 
-CHUNK = 20_000  # rows per pair of round trips (read the stored _ts, then write)
+CHUNK = 10_000  # rows per pair of round trips (read the stored _ts, then write)
+THREADS = 2  # chunks in flight, each on a connection of its own
 
 
 def newest_per_entity(features_dir: Path, view: BatchView, days: Iterable[date]) -> pa.Table:
@@ -88,9 +90,9 @@ def write_view(
     time (epoch seconds) is in ``recomputed`` is replaced (what
     ``batch.forget_recomputed`` arranges for Feast). Returns the rows written.
 
-    Two round trips per ``CHUNK`` rows, every command built column-wise
-    (:mod:`batch_jobs.resp`, :mod:`batch_jobs.feast_encode`): no Python work per row
-    but reading the replies."""
+    Two round trips per ``CHUNK`` rows, ``THREADS`` chunks at a time, every command
+    built column-wise (:mod:`batch_jobs.resp`, :mod:`batch_jobs.feast_encode`): no
+    Python work per row but reading the replies."""
     config = store.config
     online = config.online_store
     ttl = online.key_ttl_seconds if isinstance(online, RedisOnlineStoreConfig) else None
@@ -99,8 +101,8 @@ def write_view(
     feats = view_features(view)
     fields = [online_field(view.name, f.name) for f in feats]
     redo = np.fromiter(recomputed, dtype=np.int64) * 1_000_000_000
-    written = 0
-    for start in range(0, table.num_rows, CHUNK):
+
+    def write_chunk(start: int) -> int:
         chunk = table.slice(start, CHUNK)
         keys = online_key_column(
             store.project, view.join_key, chunk.column(view.join_key).combine_chunks(), eksv
@@ -112,7 +114,7 @@ def write_view(
         fresh = (stored == 0) | (nanos > stored) | np.isin(stored, redo)
         count = int(fresh.sum())
         if not count:
-            continue
+            return 0
         keep = pa.array(fresh)
         args: list[resp.Arg] = [b"HSET", keys.filter(keep), ts_field]
         args.append(timestamp_column(nanos[fresh]))
@@ -123,8 +125,12 @@ def write_view(
             expire = resp.commands([b"EXPIRE", keys.filter(keep), str(ttl).encode()])
             rows = pc.binary_join_element_wise(rows, expire, pa.scalar(b""))
         resp.round_trip(client, resp.stream(rows), count * (2 if ttl else 1))
-        written += count
-    return written
+        return count
+
+    # Chunks hold distinct entities (one row each), so they can go in any order; with
+    # two in flight one is encoded while Redis works on the other.
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="materialize") as pool:
+        return sum(pool.map(write_chunk, range(0, table.num_rows, CHUNK)))
 
 
 def materialize_days(

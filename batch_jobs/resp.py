@@ -14,14 +14,14 @@ the client's pooled connections and redis-py's parser reads the replies, so URL 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-Arg = bytes | pa.Array  # one argument for every row, or the row's own
+Arg: TypeAlias = bytes | pa.Array  # one argument for every row, or the row's own
 
 
 def commands(args: Sequence[Arg]) -> pa.BinaryArray:
