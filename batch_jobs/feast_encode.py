@@ -30,7 +30,6 @@ _SECONDS_TAG = 0x08  # Timestamp.seconds = 1, varint
 _NANOS_TAG = 0x10  # Timestamp.nanos = 2, varint
 
 _EMPTY = pa.scalar(b"", pa.binary())
-_MAX_VARINT = 10  # a negative int64 takes ten 7-bit groups
 
 
 def _binary(lengths: npt.NDArray[np.int64], data: npt.NDArray[np.uint8]) -> pa.BinaryArray:
@@ -47,16 +46,17 @@ def tagged_varints(tag: int, values: npt.NDArray[np.int64]) -> pa.BinaryArray:
     varint (7 bits a byte, low group first, high bit set on all but the last; a negative
     number is its 64-bit two's complement, ten bytes)."""
     u = np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
-    groups = ((u[:, None] >> (np.arange(_MAX_VARINT, dtype=np.uint64) * 7)) & 0x7F).astype(np.uint8)
+    # Only as many 7-bit groups as the largest value needs (counts: two, not ten).
+    width = max(1, -(-int(u.max(initial=0)).bit_length() // 7))
+    groups = ((u[:, None] >> (np.arange(width, dtype=np.uint64) * 7)) & 0x7F).astype(np.uint8)
     # Groups used: up to the highest non-zero one, at least one (zero is one 0x00 byte).
     nonzero = groups != 0
-    used = np.where(nonzero.any(axis=1), _MAX_VARINT - np.argmax(nonzero[:, ::-1], axis=1), 1)
-    col = np.arange(_MAX_VARINT)
-    groups |= np.where(col < used[:, None] - 1, 0x80, 0).astype(np.uint8)
-    out = np.empty((len(u), _MAX_VARINT + 1), dtype=np.uint8)
+    used = np.where(nonzero.any(axis=1), width - np.argmax(nonzero[:, ::-1], axis=1), 1)
+    groups |= np.where(np.arange(width) < used[:, None] - 1, 0x80, 0).astype(np.uint8)
+    out = np.empty((len(u), width + 1), dtype=np.uint8)
     out[:, 0] = tag
     out[:, 1:] = groups
-    keep = np.arange(_MAX_VARINT + 1) <= used[:, None]
+    keep = np.arange(width + 1) <= used[:, None]
     return _binary((used + 1).astype(np.int64), out[keep])
 
 
