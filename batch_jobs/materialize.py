@@ -1,5 +1,5 @@
 """Materialization straight into Feast's Redis layout: what ``FeatureStore.materialize``
-writes for the daily snapshots, at tens of thousands of rows a second.
+writes for the daily snapshots, at tens of thousands of rows a second on one process.
 
 Feast's own path (offline store read, per-row Python conversion, its Redis writer) runs
 at a few thousand rows a second here; a 10-million-card night would take hours. This
@@ -13,6 +13,10 @@ the registry as ``materialize`` does. The layout helpers are
 ``fraud_scoring.feast_store.online_key`` / ``online_field``, pinned by
 tests/test_feast_layout.py; that Feast's ``get_online_features`` reads back what this
 writer wrote is tested too (tests/test_materialize.py).
+
+Every value, key and Redis command is built a column at a time (batch_jobs/feast_encode.py,
+batch_jobs/resp.py, each held byte-equal to the library it stands in for by
+tests/test_feast_encode.py), so the only per-row Python left is reading Redis's replies.
 """
 
 from __future__ import annotations
