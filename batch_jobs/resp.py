@@ -66,7 +66,11 @@ def stream(rows: pa.BinaryArray | pa.ChunkedArray) -> bytes:
 def round_trip(client: redis.Redis, request: bytes, replies: int) -> list[Any]:
     """Send ``request`` (``replies`` commands in RESP) on one pooled connection of
     ``client`` and return the replies in order. A Redis error reply raises
-    ``redis.ResponseError`` (the connection is then dropped, its other replies unread)."""
+    ``redis.ResponseError`` (the connection is then dropped, its other replies unread).
+    ``client`` must be a plain ``redis.Redis``: the commands go to one server, so on a
+    Redis Cluster the caller first splits them by the node owning each key (TypeError)."""
+    if not isinstance(client, redis.Redis):
+        raise TypeError(f"round_trip needs a redis.Redis client, got {type(client).__name__}")
     pool = client.connection_pool
     conn = pool.get_connection()
     try:

@@ -126,6 +126,8 @@ def test_round_trip_returns_replies_and_raises_a_redis_error() -> None:
             # The dropped connection's unread reply does not leak into the next call.
             get = resp.stream(resp.commands([b"GET", keys]))
             assert resp.round_trip(client, get, 2) == [b"1", b"1"]
+            with pytest.raises(TypeError, match=r"redis\.Redis"):  # e.g. a cluster client
+                resp.round_trip(object(), get, 2)  # type: ignore[arg-type]
         finally:
             client.close()
 
