@@ -48,7 +48,7 @@ from service.model import LoadedModel, ModelHolder, load_configured, load_model
 log = logging.getLogger(__name__)
 
 CANARY_BUCKETS = 10_000  # the canary share moves in steps of 0.01 %
-MAX_PENDING = 2  # unfinished challenger runs (one running, one waiting) before skipping
+MAX_PENDING = 64  # unfinished challenger runs (micro-batches) before new ones are skipped
 
 
 @lru_cache(maxsize=65_536)
