@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 CANARY_BUCKETS = 10_000  # the canary share moves in steps of 0.01 %
 MAX_PENDING = 64  # unfinished challenger runs (micro-batches) before new ones are skipped
+LOG_EVERY_S = 30.0  # dropped runs are logged at most this often per reason
 
 
 @lru_cache(maxsize=65_536)
@@ -114,7 +116,8 @@ class Challenger:
         self.ins = _instruments()
         self._pool: ThreadPoolExecutor | None = None  # made on the first run
         self._pending = 0
-        self._last_error: str | None = None
+        self._dropped: dict[str, int] = {}  # runs dropped per reason since the last log line
+        self._logged_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._apply_lock = threading.Lock()
 
@@ -156,7 +159,7 @@ class Challenger:
         busy, fails, answers badly or is slower than ``challenger_timeout_ms``. Never
         raises (but a cancelled caller is cancelled)."""
         if self._pending >= MAX_PENDING:
-            self.ins.errors.labels(reason="busy").inc()
+            self._failed("busy", f"{MAX_PENDING} runs unfinished")
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="challenger")
@@ -178,7 +181,6 @@ class Challenger:
             self._failed("invalid", "output is not one finite score per row")
             return None
         self.ins.scored.inc(len(scores))
-        self._last_error = None
         return np.asarray(scores)
 
     def _finished(self, fut: asyncio.Future[np.ndarray]) -> None:
@@ -188,10 +190,18 @@ class Challenger:
 
     def _failed(self, reason: str, why: str) -> None:
         self.ins.errors.labels(reason=reason).inc()
-        if why != self._last_error:  # once per new problem, not once per batch
-            log.warning("challenger run dropped (%s); the serving model decides", why)
-            self._last_error = why
-        return None
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        now = time.monotonic()
+        # At most one line per reason every LOG_EVERY_S, not one per batch.
+        if now - self._logged_at.get(reason, -LOG_EVERY_S) >= LOG_EVERY_S:
+            log.warning(
+                "challenger: %d run(s) dropped (%s) since the last report, the last: %s; "
+                "the serving model decides",
+                self._dropped[reason],
+                reason,
+                why,
+            )
+            self._logged_at[reason], self._dropped[reason] = now, 0
 
     def later(self, job: Coroutine[Any, Any, None]) -> None:
         """Run ``job`` (a shadow run and its logging) after the batch's answers."""
