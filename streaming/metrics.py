@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from fraud_scoring.redis_clients import STORE_ERRORS
 
 # /readyz: the loop must have completed a step this recently. An idle step takes the
 # poll timeout (0.2 s); a full batch a few seconds at most.
@@ -128,7 +129,7 @@ def readiness(
         return f"last step {age:.0f}s ago (limit {max_age_s:.0f}s): Redis or the log is down"
     try:
         ping()
-    except redis.RedisError as exc:
+    except STORE_ERRORS as exc:
         return f"Redis unreachable: {type(exc).__name__}"
     return None
 
