@@ -62,6 +62,9 @@ TransactionId = Annotated[str, Path(min_length=1, max_length=128, pattern=ID_PAT
 class KeyFeature(BaseModel):
     name: str
     value: float | None
+    # 'missing' | 'stale': the value is the feature's default (the store had none, or
+    # only one too old); None: a value read or computed for this transaction.
+    flag: Literal["missing", "stale"] | None = None
 
 
 class ReviewItem(BaseModel):
@@ -170,7 +173,8 @@ def key_features(entry: dict[str, Any], importance: dict[str, float]) -> list[Ke
             break
         if name not in names:
             names.append(name)
-    return [KeyFeature(name=n, value=feats[n]) for n in dict.fromkeys(names)]
+    flags = {n: "stale" for n in entry["stale"]} | {n: "missing" for n in entry["missing"]}
+    return [KeyFeature(name=n, value=feats[n], flag=flags.get(n)) for n in dict.fromkeys(names)]
 
 
 def _summary(entry: dict[str, Any], importance: dict[str, float]) -> dict[str, Any]:

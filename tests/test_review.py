@@ -133,7 +133,7 @@ def test_review_decisions_are_queued_once_and_leave_on_a_label(
         assert (item["amount"], item["card_id"]) == (LIMIT + 500, "rv-api")
         assert item["merchant_id"] == txns[0]["merchant_id"]
         assert "RULE_AMOUNT_OVER_LIMIT" in [x["code"] for x in item["reasons"]]
-        assert item["key_features"][0] == {"name": "amount", "value": LIMIT + 500}
+        assert item["key_features"][0] == {"name": "amount", "value": LIMIT + 500, "flag": None}
         assert 0 <= item["score"] <= 1 and item["model_version"] == "1"
 
         detail = c.get(f"/v1/review/items/{ids[0]}")
@@ -141,6 +141,10 @@ def test_review_decisions_are_queued_once_and_leave_on_a_label(
         d = detail.json()
         assert d["queued"] is True and d["label"] is None
         assert d["features"]["amount"] == LIMIT + 500 and len(d["features"]) > 10
+        # A new card: its 30-day features are defaults, and the key features say so.
+        assert "card_txn_count_30d" in d["missing"]
+        for f in d["key_features"]:
+            assert (f["flag"] == "missing") == (f["name"] in d["missing"]), f
         # The card's history: its session state holds all three (scoring records them).
         history = [h["transaction_id"] for h in d["card_history"]]
         assert history == [t["transaction_id"] for t in reversed(txns)]
@@ -207,7 +211,7 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page = browser.new_page(viewport={"width": 1280, "height": 760})
             page.goto(f"{r.srv.url}/review")
             # Auth is on: the page asks for a key once, then keeps it for the tab.
             page.locator("#key").fill(r.analyst)
@@ -215,7 +219,7 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
             row = page.locator(f'#items tr[data-id="{target}"]')
             sync_api.expect(row).to_contain_text("5000.00")
             sync_api.expect(row).to_contain_text("RULE_AMOUNT_OVER_LIMIT")
-            sync_api.expect(row).to_contain_text("amount=5000")
+            sync_api.expect(row.locator(".kf").first).to_have_text("amount 5000")
             row.click()
             sync_api.expect(page.locator("#d-title")).to_contain_text("card rv-page")
             sync_api.expect(page.locator("#d-history tbody tr")).to_have_count(3)

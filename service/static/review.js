@@ -5,6 +5,7 @@
 
 const KEY = "fraud-scoring.api-key"; // sessionStorage: this tab only
 const PAGE = 50;
+const LIST_FEATURES = 4; // key features shown per row (all of them when opened)
 const $ = (id) => document.getElementById(id);
 let offset = 0;
 let openId = null;
@@ -63,6 +64,26 @@ function el(tag, text, cls) {
   return e;
 }
 
+// Key features as "name value" chips; a default (missing/stale) is greyed and says so.
+function features(list) {
+  const td = el("td");
+  const chips = el("div", null, "chips");
+  for (const f of list) {
+    const chip = el("span", f.name + " ", "kf" + (f.flag ? " " + f.flag : ""));
+    chip.append(el("b", fmtNum(f.value)));
+    if (f.flag) chip.title = f.flag + ": the feature's default";
+    chips.append(chip);
+  }
+  td.append(chips);
+  return td;
+}
+
+function cardAndMerchant(it) {
+  const td = el("td", it.card_id, "id");
+  td.append(el("br"), el("small", it.merchant_id));
+  return td;
+}
+
 function fmtTime(iso) {
   return iso.replace("T", " ").replace(/(\.\d+)?(\+00:00|Z)$/, "");
 }
@@ -86,13 +107,12 @@ async function loadList() {
     tr.dataset.id = it.transaction_id;
     tr.tabIndex = 0;
     tr.append(
-      el("td", fmtTime(it.decided_at)),
+      el("td", fmtTime(it.decided_at).slice(5), "time"),
       el("td", fmtAmount(it.amount, it.currency), "num"),
-      el("td", it.card_id),
-      el("td", it.merchant_id),
+      cardAndMerchant(it),
       el("td", fmtNum(it.score), "num"),
-      el("td", it.reasons.map((r) => r.code).join(", "), "codes"),
-      el("td", it.key_features.map((f) => f.name + "=" + fmtNum(f.value)).join("  "), "feats"),
+      el("td", it.reasons.map((r) => r.code).join("\n"), "codes"),
+      features(it.key_features.slice(0, LIST_FEATURES)),
     );
     if (it.transaction_id === openId) tr.classList.add("open");
     tr.addEventListener("click", () => openItem(it.transaction_id));
@@ -149,7 +169,9 @@ async function openItem(id) {
   }));
 
   $("d-key").tBodies[0].replaceChildren();
-  for (const f of d.key_features) row($("d-key"), [[f.name], [fmtNum(f.value), "num"]]);
+  for (const f of d.key_features) {
+    row($("d-key"), [[f.name], [fmtNum(f.value), "num"], [f.flag ? f.flag + " (default)" : "", "flag"]]);
+  }
 
   const hist = $("d-history");
   hist.tBodies[0].replaceChildren();
