@@ -173,7 +173,8 @@ def key_features(entry: dict[str, Any], importance: dict[str, float]) -> list[Ke
             break
         if name not in names:
             names.append(name)
-    flags = {n: "stale" for n in entry["stale"]} | {n: "missing" for n in entry["missing"]}
+    flags: dict[str, Literal["missing", "stale"]] = {n: "stale" for n in entry["stale"]}
+    flags |= {n: "missing" for n in entry["missing"]}
     return [KeyFeature(name=n, value=feats[n], flag=flags.get(n)) for n in dict.fromkeys(names)]
 
 

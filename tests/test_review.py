@@ -13,7 +13,6 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -108,7 +107,7 @@ def queued_ids(r: Reviewing) -> list[str]:
 
 def labels(r: Reviewing, transaction_id: str) -> list[dict[str, Any]]:
     """What the feedback log holds for ``transaction_id``."""
-    client = redis.Redis.from_url(r.log_url)
+    client: Any = redis.Redis.from_url(r.log_url)
     try:
         found = [json.loads(f[b"d"]) for _, f in client.xrange("feedback")]
     finally:
