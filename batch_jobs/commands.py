@@ -198,9 +198,20 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count the chargebacks that arrived since training (from FRAUD_DATA_DIR)",
     )
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="compare two model versions on the logged decisions both scored (a challenger "
+        "in shadow or canary) over --from..--to, labels as of now (docs/decision-loop.md)",
+    )
+    p.add_argument("--from", dest="from_", type=iso_date, help="first UTC day of the log")
+    p.add_argument("--to", type=iso_date, help="last UTC day of the log (inclusive)")
 
 
 def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
+    if args.compare:
+        return _compare(args, settings)
     from batch_jobs.evaluate import REPORT_DIR, evaluate_version
     from fraud_scoring.model_repo import resolve
 
@@ -208,6 +219,28 @@ def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
     evaluate_version(settings.model_repo, settings.model_name, args.version, data_dir)
     path = resolve(settings.model_repo, settings.model_name, args.version) / REPORT_DIR
     print(f"evaluation report: {path / 'report.md'}")
+
+
+def _compare(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.compare import compare, table_text, write_report
+
+    if not (args.from_ and args.to):
+        raise UsageError("--compare needs --from and --to (the days of the decision log)")
+    if args.from_ > args.to:
+        raise UsageError("--from must not be after --to")
+    a, b = args.compare
+    report = compare(
+        settings.data_dir / "raw",
+        settings.model_repo,
+        settings.model_name,
+        a,
+        b,
+        args.from_,
+        args.to,
+        as_of=datetime.now(UTC),
+    )
+    print(table_text(report))
+    print(f"comparison: {write_report(settings.data_dir / 'reports', report)}")
 
 
 COMMANDS: list[Command] = [

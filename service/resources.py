@@ -28,6 +28,7 @@ from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
 from service.batching import Batcher, BatchStats
+from service.challenger import Challenger
 from service.decision_log import DecisionLog
 from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
@@ -56,6 +57,8 @@ class Resources:
     feedback: Producer | None = None
     # The breaker and batch-marker state of the online store (readiness reads it).
     health: StoreHealth | None = None
+    # The challenger in shadow / canary (service/challenger.py); none loaded by default.
+    challenger: Challenger | None = None
     # Transactions decided 'review', for the analysts' page (None: the log is off).
     review: ReviewQueue | None = None
 
@@ -156,6 +159,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
             feedback = log_producer(settings, url, settings.feedback_stream)
             stack.push_async_callback(feedback.close)
+        challenger = Challenger(settings)
+        await asyncio.to_thread(challenger.load)
+        # After the log, before the batcher: on exit shadow runs finish into the log.
+        stack.push_async_callback(challenger.stop, drain_s=settings.drain_seconds)
         scorer = Scorer(
             client,
             reader,
@@ -164,6 +171,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             pool,
             on_scored=decision_log.submit if decision_log else None,
             health=health,
+            challenger=challenger,
         )
 
         async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
@@ -210,6 +218,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             decision_log,
             feedback,
             health,
+            challenger,
             review=review,
         )
 
