@@ -211,6 +211,8 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 760})
+            asked: list[str] = []
+            page.on("request", lambda req: asked.append(req.url))
             page.goto(f"{r.srv.url}/review")
             # Auth is on: the page asks for a key once, then keeps it for the tab.
             page.locator("#key").fill(r.analyst)
@@ -233,6 +235,8 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
             sync_api.expect(page.locator("#status")).to_contain_text(f"{target} marked fraud")
             sync_api.expect(page.locator("#d-state")).to_contain_text("Labelled fraud (analyst")
             sync_api.expect(row).to_have_count(0)  # the list was reloaded without it
+            # Works offline: every request went to the service itself.
+            assert asked and all(u.startswith(f"{r.srv.url}/") for u in asked), asked
         finally:
             browser.close()
 
