@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 
 from fraud_scoring.settings import Settings, get_settings
-from service import auth, oip, telemetry
+from service import auth, oip, review, telemetry
 from service.admission import AdmissionLimit
 from service.feedback import router as feedback_router
 from service.resources import STATE_KEY, open_resources
@@ -65,6 +65,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(
         feedback_router, dependencies=[Depends(auth.require_scope(auth.Scope.SCORE))]
     )
+    # The analysts' review queue: its API reads and writes need `admin`; the page is open.
+    app.include_router(review.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))])
+    app.include_router(review.page_router)
     # Server spans and HTTP metrics from OpenTelemetry's instrumentation, only when
     # tracing is on (OTEL_TRACES_EXPORTER): off, requests pass through no extra layer.
     telemetry.instrument_app(app)

@@ -51,7 +51,8 @@ class Scope(StrEnum):
     """What a key may do. Scopes do not imply each other: a key lists each it needs."""
 
     SCORE = "score"  # POST /v1/score, /v1/score/batch, /v1/feedback
-    ADMIN = "admin"  # POST /v1/models/reload, replay-mode scoring (X-Fraud-Record: false)
+    # POST /v1/models/reload, replay-mode scoring (X-Fraud-Record: false), /v1/review/*
+    ADMIN = "admin"
     METRICS = "metrics"  # GET /metrics (the Prometheus scraper's key)
 
 

@@ -9,7 +9,9 @@ a buffer that is full drops the *new* decisions and counts them. State on ``/met
 ``fraud_decision_log_written``, ``fraud_decision_log_dropped``,
 ``fraud_decision_log_buffered`` and ``fraud_decision_log_up`` (0 while the last write
 failed); :meth:`DecisionLog.readiness` says the same in words. A retried or replayed
-``transaction_id`` is one entry (the producer's idempotence key).
+``transaction_id`` is one entry (the producer's idempotence key). ``after_write`` is
+told of each written batch before it leaves the buffer (the review queue, fed from here
+so that it too costs scoring nothing).
 
 One entry (JSON): ``transaction_id``, ``decided_at`` (epoch µs, UTC), ``transaction`` (the
 request's fields), ``features`` (name → value, in the model's order, as given to the
@@ -28,7 +30,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -43,6 +45,11 @@ log = logging.getLogger(__name__)
 
 MAX_SEND = 512  # decisions per producer call
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between failed writes
+
+# Told of each batch once it is in the log (each decision with its log record), before
+# the batch leaves the buffer: the review queue (service/review_queue.py). Raising
+# LogUnavailable retries this call, with backoff, without writing the log again.
+AfterWrite = Callable[[Sequence[tuple[ScoreResult, LogRecord]]], Awaitable[object]]
 
 
 @dataclass(frozen=True)
@@ -110,8 +117,11 @@ class DecisionLog:
     """A bounded buffer of decisions and the task that writes them to ``producer``.
     :meth:`start` in the service's lifespan, :meth:`stop` on the way out."""
 
-    def __init__(self, producer: Producer, buffer_size: int) -> None:
+    def __init__(
+        self, producer: Producer, buffer_size: int, after_write: AfterWrite | None = None
+    ) -> None:
         self.producer = producer
+        self.after_write = after_write
         self.buffer_size = buffer_size
         self.pending: deque[_Pending] = deque()
         self.ins = _instruments()
@@ -171,13 +181,24 @@ class DecisionLog:
 
     async def _run(self) -> None:
         backoff = BACKOFF_S[0]
+        batch: list[_Pending] = []
+        records: list[LogRecord] = []
+        logged = False  # the batch is in the log; what is left is after_write
         while True:
-            if not self.pending:
-                self._wake.clear()
-                await self._wake.wait()
-            batch = [self.pending[i] for i in range(min(MAX_SEND, len(self.pending)))]
+            if not batch:
+                if not self.pending:
+                    self._wake.clear()
+                    await self._wake.wait()
+                batch = [self.pending[i] for i in range(min(MAX_SEND, len(self.pending)))]
+                records, logged = [encode(p) for p in batch], False
             try:
-                await self.producer.send([encode(p) for p in batch])
+                if not logged:
+                    await self.producer.send(records)
+                    logged = True
+                if self.after_write is not None:
+                    await self.after_write(
+                        [(p.result, r) for p, r in zip(batch, records, strict=True)]
+                    )
             except LogUnavailable as exc:
                 if self.last_error is None:
                     log.warning("decision log unreachable, buffering: %s", exc)
@@ -190,6 +211,7 @@ class DecisionLog:
                 self.pending.popleft()
             self.ins.written.inc(len(batch))
             self.ins.buffered.set(len(self.pending))
+            batch = []
             if self.last_error is not None:
                 log.info("decision log reachable again")
                 self.last_error = None

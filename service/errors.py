@@ -27,14 +27,15 @@ class ErrorCode(StrEnum):
     UNAUTHENTICATED = "unauthenticated"  # 401: no key, or an unknown one
     FORBIDDEN = "forbidden"  # 403: the key lacks the scope
     BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive in time
+    NOT_FOUND = "not_found"  # 404: no review item with that transaction_id
     MODEL_REJECTED = "model_rejected"  # 409: the new model failed to load or validate
     TOO_LARGE = "too_large"  # 413: body bytes or transactions over the limit
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: not JSON
     INVALID_JSON = "invalid_json"  # 422: the body is not JSON
     MISSING = "missing"  # 422: a required field is absent
     INVALID = "invalid"  # 422: a field's value is not acceptable
-    LOG_OFF = "log_off"  # 503 on /v1/feedback: the event log is off
-    LOG_UNAVAILABLE = "log_unavailable"  # 503 on /v1/feedback: the log did not take it
+    LOG_OFF = "log_off"  # 503 on /v1/feedback, /v1/review: the event log is off
+    LOG_UNAVAILABLE = "log_unavailable"  # 503 on /v1/feedback, /v1/review: the log's server
 
 
 class Problem(BaseModel):
@@ -127,6 +128,7 @@ _WHEN = {
     401: "No API key, or an unknown one (`unauthenticated`); auth on only.",
     403: "The key lacks the route's scope (`forbidden`); auth on only.",
     408: "The body did not arrive within FRAUD_BODY_TIMEOUT_S (`body_timeout`).",
+    404: "No review item with that transaction_id (`not_found`).",
     409: "The new model failed to load or validate (`model_rejected`); the old one serves.",
     413: "The body is over FRAUD_MAX_BODY_BYTES, or has too many transactions (`too_large`).",
     415: "Content-Type is not JSON (`unsupported_media_type`).",
@@ -134,7 +136,7 @@ _WHEN = {
     "problem per field.",
     503: "Cannot be served now; retry after `Retry-After` seconds. `code` is the reason: "
     + ", ".join(f"`{r}`" for r in RejectReason if r not in ("disconnected", "not_ready"))
-    + "; on /v1/feedback `log_off`, `log_unavailable`.",
+    + "; on /v1/feedback and /v1/review `log_off`, `log_unavailable`.",
 }
 
 

@@ -13,6 +13,9 @@ without sharing a volume or a lock.
 ``time`` the caller reports (kept as ``reported_time``): a label counts only from its
 arrival, so a back-dated label cannot leak into features or training sets of the past.
 
+A label also takes its transaction out of the analysts' review queue
+(``service/review_queue.py``); the review page's marks come through :func:`store_label`.
+
 Authentication: the router has no dependency of its own; the app adds the API's
 authentication when it includes it (``app.include_router(router, dependencies=[...])``).
 """
@@ -31,7 +34,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from fraud_scoring.event_log import LogRecord, LogUnavailable
 from fraud_scoring.events import ID_PATTERN
 from service.errors import ErrorCode, error_body, error_responses
-from service.resources import resources
+from service.resources import Resources, resources
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,14 @@ async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResp
     """Store one label. 200 with ``duplicate`` telling a retry from a new label; 422
     naming the field for a bad body; 503 (Retry-After) when the log cannot take it, or
     is off (FRAUD_DECISION_LOG=off)."""
-    res = resources(request)
+    return await store_label(resources(request), body)
+
+
+async def store_label(res: Resources, body: FeedbackIn) -> FeedbackOut | JSONResponse:
+    """The feedback path, for this route and the review page's marks: append the label
+    to the feedback log, then take the transaction out of the review queue (a queue that
+    does not answer is logged, not failed: the label is stored). The answer as the route
+    gives it: :class:`FeedbackOut`, or the 503 as a JSONResponse."""
     if res.feedback is None:
         return JSONResponse(
             error_body(
@@ -101,6 +111,14 @@ async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResp
             status_code=503,
             headers={"Retry-After": "1"},
         )
+    if res.review is not None:
+        label = {"is_fraud": record["is_fraud"], "source": body.source, "label_time": arrived_us}
+        try:
+            await res.review.resolve(body.transaction_id, label)
+        except LogUnavailable as exc:
+            log.warning(
+                "label stored, but %s stays in the review queue: %s", body.transaction_id, exc
+            )
     # Kafka cannot tell a duplicate at write time (the compaction drops it): "new" there.
     return FeedbackOut(
         transaction_id=body.transaction_id,

@@ -34,6 +34,7 @@ from service.decision_log import DecisionLog
 from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
+from service.review_queue import ReviewQueue
 from service.scoring import Scorer, ScoreRequest, ScoreResult
 from service.store_health import StoreHealth
 
@@ -59,6 +60,8 @@ class Resources:
     health: StoreHealth | None = None
     # The challenger in shadow / canary (service/challenger.py); none loaded by default.
     challenger: Challenger | None = None
+    # Transactions decided 'review', for the analysts' page (None: the log is off).
+    review: ReviewQueue | None = None
 
     def count_rejection(self, reason: RejectReason) -> None:
         self.instruments.rejections.labels(
@@ -127,12 +130,21 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         )
         watcher = asyncio.get_running_loop().create_task(health.watch(), name="batch-markers")
         stack.callback(watcher.cancel)
-        decision_log, feedback = None, None
+        decision_log, feedback, review = None, None, None
         if settings.decision_log != "off":
+            # The log's writer also feeds the review queue, on the log's Redis server.
+            review = ReviewQueue(
+                settings.decision_log_url or url,
+                settings.decision_log_stream,
+                settings.decision_log_retention_s,
+                settings.redis_timeout_s,
+            )
+            stack.push_async_callback(review.close)
             # Registered before the batcher: on exit the batcher drains first, then the log.
             decision_log = DecisionLog(
                 log_producer(settings, url, settings.decision_log_stream),
                 settings.decision_log_buffer,
+                after_write=review.add,
             )
             decision_log.start()
             stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
@@ -198,6 +210,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             feedback,
             health,
             challenger,
+            review=review,
         )
 
 

@@ -1,0 +1,248 @@
+"""The review queue and the analysts' page: decisions of 'review' enter the queue (once),
+leave it when a label arrives through the feedback path, and the page lists, opens and
+marks them in a real browser (Debian's ``chromium`` driven by Playwright; skipped with a
+message without either). A real service with auth on, the log on its own Redis server.
+
+``REVIEW_SCREENSHOT=path.png`` saves the page (an item open) for the README."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from fraud_scoring.redis_server import embedded_redis
+from service.auth import KeyEntry, Scope, append_key, new_key
+from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.test_protocols import check_against_openapi
+from tests.test_service import held_out_day
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+LIMIT = 1000.0  # FRAUD_REVIEW_AMOUNT_LIMIT: amounts above it are (at least) 'review'
+
+
+@dataclass
+class Reviewing:
+    srv: Server
+    log_url: str
+    scorer: str  # scope score: the payment system
+    analyst: str  # scope admin: the review page's user
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        c = self.srv.client()
+        if key:
+            c.headers["Authorization"] = f"Bearer {key}"
+        return c
+
+
+@pytest.fixture(scope="module")
+def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reviewing]:
+    tmp = tmp_path_factory.mktemp("review")
+    keys = tmp / "keys.jsonl"
+    made = {}
+    for key_id, scope in (("checkout", Scope.SCORE), ("analyst", Scope.ADMIN)):
+        key, digest = new_key(key_id)
+        append_key(keys, KeyEntry(id=key_id, sha256=digest, scopes=frozenset({scope})))
+        made[key_id] = key
+    with embedded_redis() as log_url:
+        srv = start_server(
+            world,
+            tmp,
+            FRAUD_AUTH="required",
+            FRAUD_API_KEYS_FILE=str(keys),
+            FRAUD_DECISION_LOG_URL=log_url,
+            # The model alone never decides review or decline here: the amount rule does.
+            FRAUD_REVIEW_THRESHOLD="1",
+            FRAUD_DECLINE_THRESHOLD="1",
+            FRAUD_REVIEW_AMOUNT_LIMIT=str(LIMIT),
+            FRAUD_MODEL_POLL_S="600",
+        )
+        try:
+            yield Reviewing(srv, log_url, made["checkout"], made["analyst"])
+        finally:
+            stop_server(srv)
+
+
+def card_txns(world: World, card: str, amounts: list[float]) -> list[dict[str, Any]]:
+    """Transactions of ``card`` (a card of its own, so no other test's session state
+    changes) at a real merchant of the held-out day, a minute apart."""
+    base = held_out_day(world)[0]
+    t0 = datetime.fromisoformat(base["event_time"])
+    return [
+        {
+            **{k: base[k] for k in ("merchant_id", "currency", "country", "channel", "mcc")},
+            "transaction_id": f"{card}-t{i}",
+            "card_id": card,
+            "amount": amount,
+            "event_time": (t0 + timedelta(minutes=i)).isoformat(),
+        }
+        for i, amount in enumerate(amounts)
+    ]
+
+
+def score(r: Reviewing, txns: list[dict[str, Any]]) -> list[str]:
+    with r.client(r.scorer) as c:
+        out = []
+        for t in txns:
+            a = c.post("/v1/score", json=t)
+            assert a.status_code == 200, a.text
+            out.append(a.json()["decision"])
+    return out
+
+
+def queued_ids(r: Reviewing) -> list[str]:
+    with r.client(r.analyst) as c:
+        a = c.get("/v1/review/items", params={"limit": 500})
+        assert a.status_code == 200, a.text
+        return [i["transaction_id"] for i in a.json()["items"]]
+
+
+def labels(r: Reviewing, transaction_id: str) -> list[dict[str, Any]]:
+    """What the feedback log holds for ``transaction_id``."""
+    client: Any = redis.Redis.from_url(r.log_url)
+    try:
+        found = [json.loads(f[b"d"]) for _, f in client.xrange("feedback")]
+    finally:
+        client.close()
+    return [e for e in found if e["transaction_id"] == transaction_id]
+
+
+def test_review_decisions_are_queued_once_and_leave_on_a_label(
+    reviewing: Reviewing, world: World
+) -> None:
+    r = reviewing
+    txns = card_txns(world, "rv-api", [LIMIT + 500, 20.0, LIMIT + 1500])
+    assert score(r, [*txns, txns[0]]) == ["review", "approve", "review", "review"]  # a retry
+    ids = [txns[0]["transaction_id"], txns[2]["transaction_id"]]
+    wait_until(lambda: set(ids) <= set(queued_ids(r)), what="both review decisions queued")
+    assert sorted(i for i in queued_ids(r) if i.startswith("rv-api")) == ids  # once each
+
+    with r.client(r.analyst) as c:
+        spec = c.get("/openapi.json").json()
+        page = c.get("/v1/review/items").json()
+        item = next(i for i in page["items"] if i["transaction_id"] == ids[0])
+        assert (item["amount"], item["card_id"]) == (LIMIT + 500, "rv-api")
+        assert item["merchant_id"] == txns[0]["merchant_id"]
+        assert "RULE_AMOUNT_OVER_LIMIT" in [x["code"] for x in item["reasons"]]
+        assert item["key_features"][0] == {"name": "amount", "value": LIMIT + 500, "flag": None}
+        assert 0 <= item["score"] <= 1 and item["model_version"] == "1"
+
+        detail = c.get(f"/v1/review/items/{ids[0]}")
+        check_against_openapi(spec, "GET", "/v1/review/items/{transaction_id}", detail)
+        d = detail.json()
+        assert d["queued"] is True and d["label"] is None
+        assert d["features"]["amount"] == LIMIT + 500 and len(d["features"]) > 10
+        # A new card: its 30-day features are defaults, and the key features say so.
+        assert "card_txn_count_30d" in d["missing"]
+        for f in d["key_features"]:
+            assert (f["flag"] == "missing") == (f["name"] in d["missing"]), f
+        # The card's history: its session state holds all three (scoring records them).
+        history = [h["transaction_id"] for h in d["card_history"]]
+        assert history == [t["transaction_id"] for t in reversed(txns)]
+
+        # A label from any source, through POST /v1/feedback, takes it out of the queue.
+        fb = {"transaction_id": ids[0], "label": "legitimate", "source": "chargeback"}
+        fb["time"] = txns[0]["event_time"]
+        with r.client(r.scorer) as s:
+            assert s.post("/v1/feedback", json=fb).status_code == 200
+        assert ids[0] not in queued_ids(r) and ids[1] in queued_ids(r)
+        d = c.get(f"/v1/review/items/{ids[0]}").json()
+        assert d["queued"] is False
+        assert (d["label"]["label"], d["label"]["source"]) == ("legitimate", "chargeback")
+
+    # Scored again after its label (a late retry): it does not come back.
+    score(r, [txns[0]])
+    marker = card_txns(world, "rv-api-after", [LIMIT + 1])
+    score(r, marker)
+    wait_until(lambda: marker[0]["transaction_id"] in queued_ids(r), what="the marker queued")
+    assert ids[0] not in queued_ids(r)
+
+
+def test_review_api_validates_and_needs_admin(reviewing: Reviewing) -> None:
+    r = reviewing
+    with r.client() as c:
+        spec = c.get("/openapi.json").json()
+        assert c.get("/review").status_code == 200  # the page itself is open
+        assert c.get("/v1/review/items").status_code == 401
+    with r.client(r.scorer) as c:
+        a = c.get("/v1/review/items")
+        assert a.status_code == 403 and "'admin'" in a.json()["detail"][0]["message"]
+        a = c.post("/v1/review/items/x/label", json={"label": "fraud"})
+        assert a.status_code == 403
+    with r.client(r.analyst) as c:
+        for params, field in [({"limit": 0}, "query.limit"), ({"offset": -1}, "query.offset")]:
+            a = c.get("/v1/review/items", params=params)
+            assert a.status_code == 422 and a.json()["detail"][0]["field"] == field
+        a = c.get("/v1/review/items/no-such-id")
+        assert a.status_code == 404
+        assert a.json()["detail"] == [
+            {
+                "field": "transaction_id",
+                "code": "not_found",
+                "message": "no review item for 'no-such-id' (never decided 'review', or expired)",
+            }
+        ]
+        check_against_openapi(spec, "GET", "/v1/review/items/{transaction_id}", a)
+        label = "/v1/review/items/no-such-id/label"
+        assert c.post(label, json={"label": "fraud"}).status_code == 404
+        for body, field in [({"label": "maybe"}, "label"), ({"label": "fraud", "x": 1}, "x")]:
+            a = c.post(label, json=body)
+            assert a.status_code == 422 and a.json()["detail"][0]["field"] == field
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
+def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world: World) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    r = reviewing
+    txns = card_txns(world, "rv-page", [LIMIT + 250, 35.0, LIMIT + 4000])
+    assert score(r, txns) == ["review", "approve", "review"]
+    target = txns[2]["transaction_id"]
+    wait_until(lambda: target in queued_ids(r), what="the item queued")
+
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 760})
+            asked: list[str] = []
+            page.on("request", lambda req: asked.append(req.url))
+            page.goto(f"{r.srv.url}/review")
+            # Auth is on: the page asks for a key once, then keeps it for the tab.
+            page.locator("#key").fill(r.analyst)
+            page.locator("#key-form button[type=submit]").click()
+            row = page.locator(f'#items tr[data-id="{target}"]')
+            sync_api.expect(row).to_contain_text("5000.00")
+            sync_api.expect(row).to_contain_text("RULE_AMOUNT_OVER_LIMIT")
+            sync_api.expect(row.locator(".kf").first).to_have_text("amount 5000")
+            row.click()
+            sync_api.expect(page.locator("#d-title")).to_contain_text("card rv-page")
+            sync_api.expect(page.locator("#d-history tbody tr")).to_have_count(3)
+            sync_api.expect(page.locator("#d-reasons")).to_contain_text("over the review limit")
+            if shot := os.environ.get("REVIEW_SCREENSHOT"):
+                page.screenshot(path=shot)
+            page.reload()  # the key is kept in sessionStorage: no second prompt
+            sync_api.expect(row).to_be_visible()
+            assert page.locator("#key-form").is_hidden()
+            row.click()
+            page.locator("#mark-fraud").click()
+            sync_api.expect(page.locator("#status")).to_contain_text(f"{target} marked fraud")
+            sync_api.expect(page.locator("#d-state")).to_contain_text("Labelled fraud (analyst")
+            sync_api.expect(row).to_have_count(0)  # the list was reloaded without it
+            # Works offline: every request went to the service itself.
+            assert asked and all(u.startswith(f"{r.srv.url}/") for u in asked), asked
+        finally:
+            browser.close()
+
+    # Stored as POST /v1/feedback stores a label, and out of the queue.
+    [stored] = labels(r, target)
+    assert (stored["is_fraud"], stored["source"]) == (True, "analyst")
+    assert stored["label_time"] >= stored["reported_time"] - 1_000_000
+    assert target not in queued_ids(r)
+    assert txns[0]["transaction_id"] in queued_ids(r)  # the other one waits
