@@ -278,8 +278,8 @@ def read_kafka_day(
                 if ts >= stop_ms:
                     open_parts.discard(part)
                     done.append(TP(topic, part))
-                elif start_ms <= ts < end_ms and m.value() is not None:
-                    yield ts, m.value()
+                elif start_ms <= ts < end_ms and (value := m.value()) is not None:
+                    yield ts, value
             if done:
                 consumer.pause(done)
     finally:
