@@ -307,6 +307,13 @@ def test_decision_log_settings_reach_the_scoring_and_batch_pods(
     assert env["FRAUD_DECISION_LOG"]["value"] == "kafka"
     assert env["FRAUD_KAFKA_BOOTSTRAP"]["value"] == "kafka-0.kafka:9092"
     assert "FRAUD_DECISION_LOG_URL" not in env
+    # The kube-prometheus-stack example: Kafka log, rules and dashboard labelled for it.
+    example = rendered_case("external-redis-existing-secret")
+    env = env_of(containers(pod_spec(component(example, "scoring")))[0])
+    assert env["FRAUD_DECISION_LOG_STREAM"]["value"] == "fraud-decisions"
+    assert {r["labels"]["team"] for r in rules(example)} == {"risk"}
+    (rule,) = find(example, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     with pytest.raises(HelmRenderError, match=r"needs streaming\.kafka\.bootstrapServers"):
         render({"decisionLog": {"backend": "kafka"}})
 
