@@ -11,11 +11,13 @@ partition's end is found by fetching (end-of-partition), which tansu gets right.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fraud_scoring.event_log import LogUnavailable, day_bounds_ms, read_kafka_day
 from fraud_scoring.redis_server import free_port
@@ -108,15 +110,32 @@ def test_decisions_on_kafka_compact_like_redis(
     from fraud_scoring.storage import read_partition
 
     ids = [f"kafka-{i}" for i in range(12)]
+    unavailable: Counter[tuple[str, str]] = Counter()
+    cards: dict[str, str] = {}
     with kafka_logged.client() as c:
-        for tid in [*ids, ids[0], ids[1]]:  # two retries: Kafka keeps both
-            assert c.post("/v1/score", json={**TXN, "transaction_id": tid}).status_code == 200
+        for i, tid in enumerate([*ids, ids[0], ids[1]]):  # two retries: Kafka keeps both
+            # Every other one from a card the store has never seen: its features missing.
+            card = TXN["card_id"] if i % 2 else f"new-card-{i}"
+            cards.setdefault(tid, card)  # the first entry per id is the one compacted
+            r = c.post("/v1/score", json={**TXN, "transaction_id": tid, "card_id": card})
+            assert r.status_code == 200, r.text
+            for state in ("missing", "stale"):
+                unavailable.update((f, state) for f in r.json()["features"][state])
         for tid, label in [(ids[0], "fraud"), (ids[1], "legitimate")]:
             body = {"transaction_id": tid, "label": label, "source": "analyst"}
             r = c.post("/v1/feedback", json=body | {"time": TXN["event_time"]})
             assert r.status_code == 200, r.text
         metrics = c.get("/metrics").text
     assert "fraud_decision_log_up 1.0" in metrics
+    # The responses' missing/stale flags, counted per feature on /metrics.
+    counted = {
+        (m.labels["feature"], m.labels["state"]): int(m.value)
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "fraud_features_unavailable"
+        for m in family.samples
+        if m.name.endswith("_total")
+    }
+    assert unavailable and counted == dict(unavailable)
     today = datetime.now(UTC).date()
 
     def logged() -> list[dict]:
@@ -145,7 +164,7 @@ def test_decisions_on_kafka_compact_like_redis(
     assert read_partition(raw, "labels", today).equals(labels)
     rows = first.to_pylist()
     assert sorted(r["transaction_id"] for r in rows) == sorted(ids)  # retries dropped
-    assert all(r["card_id"] == TXN["card_id"] and r["features"] for r in rows)
+    assert all(r["card_id"] == cards[r["transaction_id"]] and r["features"] for r in rows)
     assert {r["transaction_id"]: r["is_fraud"] for r in labels.to_pylist()} == {
         ids[0]: True,
         ids[1]: False,
