@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 
 from fraud_scoring.commands import Command, UsageError, iso_date
@@ -89,36 +90,51 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
         f"({r.materialize_rows_per_s:,.0f} rows/s)"
     )
     # The decision loop's step: only where a log exists to read (a configured server).
-    if settings.decision_log == "redis" and (settings.decision_log_url or settings.redis_url):
+    if settings.decision_log == "kafka" or (
+        settings.decision_log == "redis" and (settings.decision_log_url or settings.redis_url)
+    ):
         for day in days:
             _compact(day, settings)
-    elif settings.decision_log == "kafka":
-        log.warning("decision log on Kafka: compaction not implemented; step skipped")
+
+
+def _log_reader(settings: Settings) -> tuple[Callable[[str, date], Iterator[bytes]], str]:
+    """Payloads of one stream/topic of the configured log for a UTC day, and where the log
+    is (for messages)."""
+    from fraud_scoring.event_log import read_kafka_day, read_redis_day
+    from fraud_scoring.redis_server import redact_url
+
+    if settings.decision_log == "kafka":
+        bootstrap = settings.kafka_bootstrap
+        return (
+            lambda name, day: (p for _, p in read_kafka_day(bootstrap, name, day)),
+            f"Kafka {bootstrap}",
+        )
+    url = settings.decision_log_url or settings.redis_url
+    if settings.decision_log != "redis" or url is None:
+        raise UsageError(
+            "decisions compact reads the decision log: needs FRAUD_DECISION_LOG=redis with "
+            "FRAUD_DECISION_LOG_URL or REDIS_URL, or FRAUD_DECISION_LOG=kafka"
+        )
+    return (lambda name, day: (p for _, p in read_redis_day(url, name, day))), redact_url(url)
 
 
 def _compact(day: date, settings: Settings) -> None:
     import redis
 
     from batch_jobs.decisions import compact_day
-    from fraud_scoring.event_log import read_redis_day
-    from fraud_scoring.redis_server import redact_url
+    from fraud_scoring.event_log import LogUnavailable
     from fraud_scoring.storage import DataError
 
-    url = settings.decision_log_url or settings.redis_url
-    if settings.decision_log != "redis" or url is None:
-        raise UsageError(
-            "decisions compact reads the Redis decision log: needs FRAUD_DECISION_LOG=redis "
-            "and FRAUD_DECISION_LOG_URL or REDIS_URL (reading a day from Kafka is not built)"
-        )
+    read, where = _log_reader(settings)
     try:
         r = compact_day(
             settings.data_dir / "raw",
             day,
-            (p for _, p in read_redis_day(url, settings.decision_log_stream, day)),
-            (p for _, p in read_redis_day(url, settings.feedback_stream, day)),
+            read(settings.decision_log_stream, day),
+            read(settings.feedback_stream, day),
         )
-    except redis.RedisError as exc:
-        raise DataError(f"reading the decision log at {redact_url(url)}: {exc}") from exc
+    except (redis.RedisError, LogUnavailable) as exc:
+        raise DataError(f"reading the decision log at {where}: {exc}") from exc
     print(
         f"decisions {day}: {r.decisions:,} written to {settings.data_dir / 'raw' / 'decisions'} "
         f"({r.duplicates:,} repeated ids dropped), {r.labels:,} feedback label(s) merged"

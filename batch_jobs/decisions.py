@@ -100,8 +100,10 @@ def _time(v: str | int) -> datetime:
 
 
 def decision_rows(payloads: Iterable[bytes]) -> tuple[list[dict], int]:
-    """Decision log entries as rows of DECISION_SCHEMA, the first per transaction_id;
-    and how many repeats were dropped. Raises DataError naming a malformed entry."""
+    """Decision log entries as rows of DECISION_SCHEMA, the first per transaction_id (in
+    ``payloads``' order), sorted by (decided_at, transaction_id) so that a re-run writes
+    the same file whatever order the log's partitions were read in; and how many repeats
+    were dropped. Raises DataError naming a malformed entry."""
     rows: dict[str, dict] = {}
     dropped = 0
     for raw in payloads:
@@ -131,7 +133,7 @@ def decision_rows(payloads: Iterable[bytes]) -> tuple[list[dict], int]:
             dropped += 1
         else:
             rows[row["transaction_id"]] = row
-    return list(rows.values()), dropped
+    return sorted(rows.values(), key=lambda r: (r["decided_at"], r["transaction_id"])), dropped
 
 
 def feedback_labels(payloads: Iterable[bytes]) -> pa.Table:

@@ -15,8 +15,12 @@ job reads them back by day. One :class:`Producer` interface, two transports:
 A producer raises :class:`LogUnavailable` when the log cannot take the records now; the
 caller decides whether to retry (the decision log does, from its buffer).
 
-Entries are read back by the time the log stored them (:func:`read_redis_day`): the Redis
-entry id is its append time in ms, so one UTC day is one ``XRANGE``.
+Entries are read back by the time the log stored them: the Redis entry id is its append
+time in ms, so one UTC day is one ``XRANGE`` (:func:`read_redis_day`); a Kafka record's
+timestamp is its produce time (or the broker's append time, with
+``message.timestamp.type=LogAppendTime``), so a day is each partition read from the first
+offset stamped at or after the day's start (``offsets_for_times``) until records are
+stamped past its end (:func:`read_kafka_day`).
 """
 
 from __future__ import annotations
@@ -180,3 +184,100 @@ def read_redis_day(
             lo = f"({batch[-1][0].decode()}"
     finally:
         client.close()
+
+
+# A Kafka partition is read until a record stamped this long after the day's end: records
+# are stamped by the producers' clocks, so the day's last ones can sit behind a few of the
+# next day's (service replicas' clocks, a retried send).
+KAFKA_DAY_MARGIN_S = 300.0
+
+
+def read_kafka_day(
+    bootstrap: str,
+    topic: str,
+    day: date,
+    *,
+    margin_s: float = KAFKA_DAY_MARGIN_S,
+    timeout_s: float = 30.0,
+    page: int = 10_000,
+) -> Iterator[tuple[int, bytes]]:
+    """The records of ``topic`` stamped during UTC ``day`` (record timestamp, epoch ms),
+    as (timestamp ms, value): each partition in offset order, partitions interleaved
+    (records keyed by an id share a partition, so "the first per id" keeps its meaning).
+
+    Each partition is read from the first offset stamped at or after the day's start
+    (``offsets_for_times``) until a record stamped ``margin_s`` past the day's end, or
+    the partition's end at the time of reading; records stamped outside the day are
+    skipped. A broker that answers the timestamp lookup with an earlier offset (the tansu
+    broker the tests use answers 0) only makes the read longer, never different.
+    Nothing is committed (no consumer group state). A missing topic is an empty day.
+    Raises LogUnavailable when the brokers do not answer within ``timeout_s``.
+    """
+    from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException
+    from confluent_kafka import TopicPartition as TP
+
+    start_ms, end_ms = day_bounds_ms(day)
+    stop_ms = end_ms + int(margin_s * 1000)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "fraud-scoring-log-reader",  # never joined nor committed: assign()
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    try:
+        try:
+            meta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+            if meta is None or meta.error is not None:
+                if meta is None or meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    return
+                raise LogUnavailable(f"Kafka topic {topic!r}: {meta.error}")
+            starts = consumer.offsets_for_times(
+                [TP(topic, p, start_ms) for p in sorted(meta.partitions)], timeout=timeout_s
+            )
+        except KafkaException as exc:
+            raise LogUnavailable(f"Kafka topic {topic!r}: {exc}") from exc
+        # Offset -1: nothing stamped at or after the day's start in that partition.
+        todo = [tp for tp in starts if tp.offset >= 0]
+        open_parts = {tp.partition for tp in todo}
+        if not todo:
+            return
+        consumer.assign(todo)
+        last_progress = time.monotonic()
+        while open_parts:
+            if time.monotonic() - last_progress > timeout_s:
+                raise LogUnavailable(
+                    f"Kafka topic {topic!r}: no progress for {timeout_s:.0f}s while reading "
+                    f"partitions {sorted(open_parts)}"
+                )
+            done = []
+            for m in consumer.consume(num_messages=page, timeout=1.0):
+                err = m.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    if err.fatal():
+                        raise LogUnavailable(f"Kafka topic {topic!r}: {err}")
+                    continue  # transient (a broker reconnecting): librdkafka retries
+                part = m.partition()
+                if part not in open_parts:
+                    continue
+                if err is not None:
+                    ts = stop_ms  # end of the partition at the time of reading
+                else:
+                    ts_type, ts = m.timestamp()
+                    if ts_type == TIMESTAMP_NOT_AVAILABLE:
+                        raise LogUnavailable(
+                            f"Kafka topic {topic!r}: a record without a timestamp (partition "
+                            f"{part}, offset {m.offset()}); needs message format v1 or later"
+                        )
+                last_progress = time.monotonic()
+                if ts >= stop_ms:
+                    open_parts.discard(part)
+                    done.append(TP(topic, part))
+                elif start_ms <= ts < end_ms and (value := m.value()) is not None:
+                    yield ts, value
+            if done:
+                consumer.pause(done)
+    finally:
+        consumer.close()

@@ -171,6 +171,9 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             instruments.count_decisions(Counter((r.decision, r.model_version) for r in results))
             for cause, n in Counter(r.degraded for r in results if r.degraded).items():
                 instruments.degraded.labels(cause=cause).inc(n)
+            instruments.count_unavailable(
+                (f for r in results for f in r.missing), (f for r in results for f in r.stale)
+            )
             return results
 
         def on_batch(size: int, compute_s: float, waits: list[float]) -> None:

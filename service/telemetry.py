@@ -31,6 +31,7 @@ them) are left out.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Iterable
@@ -78,6 +79,7 @@ class Instruments:
     queue_depth: Gauge
     batch_features_present: Gauge
     degraded: Counter
+    features_unavailable: Counter
 
     def bound(self, model_version: str) -> Bound:
         """The instruments labelled with ``model_version`` (cached per version)."""
@@ -87,6 +89,13 @@ class Instruments:
         """Add ``{(decision, model_version): n}`` to ``fraud_decisions_total``."""
         for (decision, version), n in counts.items():
             self.decisions.labels(decision=decision, model_version=version).inc(n)
+
+    def count_unavailable(self, missing: Iterable[str], stale: Iterable[str]) -> None:
+        """Add a batch's missing and stale feature names (one entry per decision that
+        lacked the feature) to ``fraud_features_unavailable_total{feature, state}``."""
+        for state, names in (("missing", missing), ("stale", stale)):
+            for feature, n in collections.Counter(names).items():
+                self.features_unavailable.labels(feature=feature, state=state).inc(n)
 
 
 @lru_cache(maxsize=16)  # a few versions over a process's life
@@ -152,6 +161,13 @@ def setup() -> Instruments:
             "fraud_degraded_decisions",
             "Rules-only decisions (FRAUD_DEGRADED_POLICY=rules), by cause",
             ("cause",),
+        ),
+        # Per feature: decisions that used its explicit default (missing) or that had
+        # it past its view's TTL (stale); the flags each response carries, summed.
+        features_unavailable=Counter(
+            "fraud_features_unavailable",
+            "Decisions made without a feature's value, by feature and state (missing|stale)",
+            ("feature", "state"),
         ),
     )
 

@@ -185,7 +185,7 @@ def test_every_object_is_valid_kubernetes(case: str, kube_version: str) -> None:
     docs = render(CASES[case], api_versions=(PROMETHEUS_OPERATOR_API,), kube_version=kube_version)
     assert docs
     for doc in docs:
-        if doc["kind"] in {"ServiceMonitor", "PodMonitor"}:
+        if doc["kind"] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}:
             continue  # CRDs: kubernetes-validate has no schema; checked on their own below
         kubernetes_validate.validate(doc, kube_version, strict=True)
 
@@ -387,7 +387,7 @@ def _strip_mirror_note(text: str, first_line: str) -> str:
 
 def test_feature_store_configmap_mirrors_feature_repo_and_is_mounted() -> None:
     docs = rendered_case("default")
-    cm = one(docs, "ConfigMap")
+    cm = one(docs, "ConfigMap", f"{RELEASE}-fraud-scoring-config")
     shipped = (ROOT / "feature_repo" / "feature_store.yaml").read_text()
     mirrored = _strip_mirror_note(cm["data"]["feature_store.yaml"], shipped.splitlines()[0])
     assert mirrored == shipped.strip()
@@ -793,7 +793,9 @@ def localize(env: dict[str, str], redis_port: int, workdir: Path, fs_yaml: Path)
 def write_feature_store_yaml(docs: list[dict[str, Any]], workdir: Path) -> Path:
     """The file the pods read from the rendered ConfigMap."""
     path = workdir / "feature_store.yaml"
-    path.write_text(one(docs, "ConfigMap")["data"]["feature_store.yaml"])
+    path.write_text(
+        one(docs, "ConfigMap", f"{RELEASE}-fraud-scoring-config")["data"]["feature_store.yaml"]
+    )
     return path
 
 

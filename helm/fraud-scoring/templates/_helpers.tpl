@@ -177,6 +177,25 @@ environment variable. */}}
 - name: FRAUD_KAFKA_BOOTSTRAP
   value: {{ . | quote }}
 {{- end }}
+{{- with $.Values.decisionLog }}
+{{- if and (eq .backend "kafka") (not $.Values.streaming.kafka.bootstrapServers) }}
+{{- fail "decisionLog.backend kafka needs streaming.kafka.bootstrapServers" }}
+{{- end }}
+- name: FRAUD_DECISION_LOG
+  value: {{ .backend | quote }}
+{{- if .url }}
+- name: FRAUD_DECISION_LOG_URL
+  value: {{ .url | quote }}
+{{- end }}
+- name: FRAUD_DECISION_LOG_STREAM
+  value: {{ .stream | quote }}
+- name: FRAUD_FEEDBACK_STREAM
+  value: {{ .feedbackStream | quote }}
+- name: FRAUD_DECISION_LOG_RETENTION_S
+  value: {{ .retentionSeconds | quote }}
+- name: FRAUD_DECISION_LOG_BUFFER
+  value: {{ .buffer | int64 | quote }}
+{{- end }}
 - name: HOME
   value: /tmp
 - name: K8S_POD_NAME
@@ -339,4 +358,15 @@ api-keys.jsonl
 
 {{- define "fraud-scoring.metricsKeySecret" -}}
 {{- default (printf "%s-metrics-key" (include "fraud-scoring.fullname" .)) .Values.metrics.serviceMonitor.apiKeySecret }}
+{{- end }}
+
+{{/* PromQL label matchers selecting this release's series, as the Prometheus Operator
+labels what the ServiceMonitor (job: the Service's name) and the PodMonitor (job:
+<namespace>/<name>) scrape. */}}
+{{- define "fraud-scoring.promScoring" -}}
+namespace="{{ .Release.Namespace }}",job="{{ include "fraud-scoring.fullname" . }}"
+{{- end }}
+
+{{- define "fraud-scoring.promStreaming" -}}
+namespace="{{ .Release.Namespace }}",job="{{ .Release.Namespace }}/{{ include "fraud-scoring.fullname" . }}-streaming"
 {{- end }}
