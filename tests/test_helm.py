@@ -1157,3 +1157,26 @@ def test_rendered_streaming_command_runs_and_stops_on_sigterm(
             proc.kill()
         output = proc.communicate(timeout=10)[0]
     assert proc.returncode in (0, -signal.SIGTERM), output[-3000:]
+
+
+def test_challenger_values_reach_the_scoring_pods() -> None:
+    """model.challengerVersion / model.canaryPercent become the service's settings."""
+    docs = render({"model": {"challengerVersion": "4", "canaryPercent": 5}})
+    envs = [
+        {e["name"]: e.get("value") for e in c.get("env", [])}
+        for d in docs
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+    assert envs and all(e["FRAUD_CHALLENGER_VERSION"] == "4" for e in envs)
+    assert all(e["FRAUD_CANARY_PERCENT"] == "5" for e in envs)
+    assert not any("FRAUD_CHALLENGER_VERSION" in e for e in _default_envs())
+
+
+def _default_envs() -> list[dict[str, Any]]:
+    return [
+        {e["name"]: e.get("value") for e in c.get("env", [])}
+        for d in render()
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]

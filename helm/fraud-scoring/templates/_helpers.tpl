@@ -167,6 +167,14 @@ environment variable. */}}
   value: {{ $.Values.model.name | quote }}
 - name: FRAUD_MODEL_VERSION
   value: {{ $.Values.model.version | quote }}
+{{- with $.Values.model.challengerVersion }}
+- name: FRAUD_CHALLENGER_VERSION
+  value: {{ . | quote }}
+{{- end }}
+{{- if $.Values.model.canaryPercent }}
+- name: FRAUD_CANARY_PERCENT
+  value: {{ $.Values.model.canaryPercent | quote }}
+{{- end }}
 - name: FRAUD_FEATURE_STORE_YAML
   value: {{ printf "%s/feature_store.yaml" (include "fraud-scoring.configMountPath" $) | quote }}
 - name: FRAUD_STREAM_SOURCE
