@@ -220,6 +220,14 @@ class Settings(BaseSettings):
         "or the request is answered 408 and its connection closed; until its body is in, "
         "a request holds no in-flight slot.",
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request line and headers must arrive whole within this many seconds "
+        "of the connection opening (or of a request's first byte on a kept-alive "
+        "connection), else 408 and the connection is closed; uvicorn itself has no header "
+        "read timeout (service/connection.py).",
+    )
     max_connections: int = Field(
         default=1000,
         ge=1,
