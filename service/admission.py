@@ -55,19 +55,22 @@ class WorkShares:
 
     * the process then holds at most ``capacity`` (a call heavier than the whole
       capacity still runs when nothing else does: it is never refused for ever), and
-    * its client, if it already holds work, stays within its fair share: ``capacity``
-      divided by the clients seen in the last ``window_s`` seconds or holding work.
+    * its client, if it already holds work, stays within its fair share (``capacity``
+      divided by the clients seen in the last ``window_s`` seconds or holding work), or,
+      over it, leaves a reserve of ``capacity / 8`` free for each other client.
 
-    A client alone may use the whole capacity. When a second one calls, the first is held
-    to half from its next call on, so the other's calls are admitted as soon as the
-    first one's work in process drains (a fraction of a second: the capacity is two
-    micro-batches). Each client may always hold one call, whatever its share.
+    A client alone may use the whole capacity. When a second one calls, the first may go
+    over its half only as far as the reserve allows, so the second's calls are admitted
+    as soon as the first one's work in process drains (a fraction of a second: the
+    capacity is two micro-batches), and capacity the second does not use is not wasted.
+    Each client may always hold one call, whatever its share.
     """
 
     def __init__(self, capacity: int, window_s: float = SHARE_WINDOW_S) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity, self.window_s = capacity, window_s
+        self.reserve = max(1, capacity // 8)
         self.total = 0
         self.held: dict[str, int] = {}
         self._seen: dict[str, float] = {}
@@ -83,8 +86,12 @@ class WorkShares:
             )
         held = self.held.get(client, 0)
         if held:
-            share = self.capacity / self._active(now)
-            if held + weight > share:
+            active = self._active(now)
+            share = self.capacity / active
+            # Over its share, a key may still use room nobody else uses, but leaves a
+            # reserve free for each other key that calls.
+            reserve = self.reserve * (active - 1)
+            if held + weight > share and self.total + weight + reserve > self.capacity:
                 return Rejected(
                     RejectReason.CLIENT_SHARE,
                     f"overloaded: key {client!r} holds {held} transactions in process, its "

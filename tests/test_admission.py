@@ -44,12 +44,18 @@ def test_a_second_key_halves_the_first_keys_share() -> None:
     first = shares.refusal("light", 1, now=0.1)
     assert first is not None and first.reason == RejectReason.INFLIGHT
     shares.release("heavy", 32)
-    # ... and from then on the heavy key is held to half: its next batch is refused
-    # while the light key's single calls are admitted.
+    # ... and from then on the heavy key is held to its half plus what leaves the
+    # reserve (64 / 8) free: its next batch is refused, the light key's calls admitted.
     over = shares.refusal("heavy", 32, now=0.2)
     assert over is not None and over.reason == RejectReason.CLIENT_SHARE
     assert "holds 32 transactions" in over.detail and "share is 32 of 64" in over.detail
     assert shares.refusal("light", 1, now=0.2) is None
+    # Over its share, a key may use what the others leave: 32 + 16 + 8 reserved <= 64.
+    assert shares.refusal("heavy", 16, now=0.2) is None
+    shares.take("heavy", 16)
+    assert shares.refusal("heavy", 16, now=0.2) is not None  # would eat the reserve
+    assert shares.refusal("light", 1, now=0.2) is None
+    shares.release("heavy", 16)
     # The light key gone quiet for longer than the window: the heavy one has it all.
     assert shares.refusal("heavy", 32, now=1.5) is None
 
@@ -60,7 +66,7 @@ def test_every_key_may_hold_one_call_whatever_its_share() -> None:
         shares.refusal(key, 1, now=0.0)
     assert shares.refusal("a", 32, now=0.0) is None  # more than 21, but a holds nothing
     shares.take("a", 32)
-    assert shares.refusal("a", 1, now=0.0) is not None
+    assert shares.refusal("a", 32, now=0.0) is not None  # 64 leaves no reserve for b, c
 
 
 @dataclass
