@@ -77,16 +77,13 @@ class WorkShares:
 
     def refusal(self, client: str, weight: int, now: float) -> Rejected | None:
         """Why a call of ``weight`` transactions from ``client`` cannot be admitted now,
-        or None. Records that ``client`` called (it then counts for the shares)."""
+        or None: ``client_share`` when the client is over its share (the caller that
+        should back off), else ``inflight`` when the capacity is full. Records that
+        ``client`` called (it then counts for the shares)."""
         self._seen[client] = now
-        if self.total and self.total + weight > self.capacity:
-            return Rejected(
-                RejectReason.INFLIGHT,
-                f"overloaded: {self.total} of {self.capacity} transactions in process",
-            )
         held = self.held.get(client, 0)
-        if held:
-            active = self._active(now)
+        active = self._active(now) if held else 1
+        if active > 1:
             share = self.capacity / active
             # Over its share, a key may still use room nobody else uses, but leaves a
             # reserve free for each other key that calls.
@@ -97,6 +94,11 @@ class WorkShares:
                     f"overloaded: key {client!r} holds {held} transactions in process, its "
                     f"share is {share:.0f} of {self.capacity} while other keys are calling",
                 )
+        if self.total and self.total + weight > self.capacity:
+            return Rejected(
+                RejectReason.INFLIGHT,
+                f"overloaded: {self.total} of {self.capacity} transactions in process",
+            )
         return None
 
     def take(self, client: str, weight: int) -> None:
