@@ -137,6 +137,26 @@ def versions(repo: Path, name: str) -> list[int]:
     )
 
 
+FilesSignature = tuple[tuple[str, int, int], ...]
+
+
+def files_signature(path: Path) -> FilesSignature:
+    """``(relative path, size, mtime_ns)`` of every file under a version's directory,
+    sorted: it changes when any file is written, e.g. when a half-copied version's copy
+    completes. Empty when the directory is gone."""
+    if not path.is_dir():
+        return ()
+    found = []
+    for f in path.rglob("*"):
+        try:
+            st = f.stat()
+        except OSError:  # removed while listing
+            continue
+        if f.is_file():
+            found.append((str(f.relative_to(path)), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(found))
+
+
 def resolve(repo: Path, name: str, version: str = "latest") -> Path:
     """Directory of the requested version; raises ModelError when absent."""
     if version == "latest":

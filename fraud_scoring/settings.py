@@ -229,11 +229,14 @@ class Settings(BaseSettings):
         default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
     )
     max_inflight: int = Field(
-        default=48,
-        ge=1,
-        description="Scoring requests admitted at once (parsed, queued or running); beyond "
-        "it a request is answered 503 before its body is even parsed, so an overloaded "
-        "process sheds cheaply instead of letting every request wait.",
+        default=0,
+        ge=0,
+        description="Admission capacity in transactions (a batch-endpoint call weighs its "
+        "transaction count, any other call 1): work admitted at once, parsed, queued or "
+        "running. Beyond it, or beyond a key's fair share of it, a call is answered 503 at "
+        "once, before its items are validated. 0 (default): two full micro-batches per "
+        "model instance (2 x max_batch_size x model_instances, 128), so the model always "
+        "has the next batch waiting and nothing queues for longer than two batches take.",
     )
     max_body_bytes: int = Field(
         default=1_048_576,
@@ -247,6 +250,14 @@ class Settings(BaseSettings):
         description="A scoring request's body must arrive whole within this many seconds "
         "or the request is answered 408 and its connection closed; until its body is in, "
         "a request holds no in-flight slot.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request line and headers must arrive whole within this many seconds "
+        "of the connection opening (or of a request's first byte on a kept-alive "
+        "connection), else 408 and the connection is closed; uvicorn itself has no header "
+        "read timeout (service/connection.py).",
     )
     max_connections: int = Field(
         default=1000,
@@ -421,6 +432,12 @@ class Settings(BaseSettings):
         if self.auth == "required" and self.api_keys_file is None:
             raise ValueError("FRAUD_AUTH=required needs FRAUD_API_KEYS_FILE (the keys file)")
         return self
+
+    @property
+    def admission_capacity(self) -> int:
+        """Transactions admitted at once: ``max_inflight``, or when it is 0, two full
+        micro-batches per model instance."""
+        return self.max_inflight or 2 * self.max_batch_size * self.model_instances
 
     @model_validator(mode="after")
     def _ca_file_into_url(self) -> Settings:

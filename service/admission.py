@@ -1,19 +1,42 @@
-"""Admission: a scoring request's body is read whole, bounded in size and time, and only
-then does the request count against the in-flight bound, before any other work."""
+"""Admission: a scoring request's body is read whole, bounded in size and time; then the
+request is weighed in transactions and admitted against the process's capacity and its
+caller's fair share, before any other work.
+
+Why by work and not by request: a batch-endpoint call of 32 transactions costs the model
+32 times what a single call does. Counted as one request, a few batch callers fill the
+queue while the in-flight bound still looks half empty, and every call then waits past
+its deadline. Weighed in transactions, the process holds at most ``capacity``
+transactions of work (two full micro-batches per model instance by default), so what is
+admitted finishes in time and the rest is refused at once.
+
+Why per client: one caller's batch calls must not starve another caller's single calls.
+A client is the API key's id (auth on); with auth off every caller is one client,
+``anonymous``: the process has no identity for them it could trust (behind an ingress
+every connection comes from the ingress, and ``X-Forwarded-For`` is the caller's to
+write), so fairness between callers needs keys."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from pydantic_core import from_json
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import auth
 from service.errors import ErrorCode, Rejected, RejectReason, error_body
 from service.resources import resources
 
 # Scope key: when the request arrived (time.time_ns()), the start of its trace.
 RECEIVED_NS = "fraud_scoring.received_ns"
+# Scope key: the batch endpoint's body as admission parsed it to count the transactions;
+# the route validates it without parsing the bytes again.
+PARSED_BODY = "fraud_scoring.parsed_body"
+BATCH_PATH = "/v1/score/batch"
+# A client that called within this many seconds counts for the fair share.
+SHARE_WINDOW_S = 1.0
 
 
 class BodyProblem(Exception):
@@ -22,6 +45,95 @@ class BodyProblem(Exception):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
         self.status, self.detail = status, detail
+
+
+class WorkShares:
+    """Transactions admitted and not yet answered, in all and per client, against
+    ``capacity``. Not thread-safe: one per event loop (per uvicorn worker).
+
+    A call weighing ``w`` transactions is admitted when
+
+    * the process then holds at most ``capacity`` (a call heavier than the whole
+      capacity still runs when nothing else does: it is never refused for ever), and
+    * its client, if it already holds work, stays within its fair share (``capacity``
+      divided by the clients seen in the last ``window_s`` seconds or holding work), or,
+      over it, leaves a reserve of ``capacity / 8`` free for each other client.
+
+    A client alone may use the whole capacity. When a second one calls, the first may go
+    over its half only as far as the reserve allows, so the second's calls are admitted
+    as soon as the first one's work in process drains (a fraction of a second: the
+    capacity is two micro-batches), and capacity the second does not use is not wasted.
+    Each client may always hold one call, whatever its share.
+    """
+
+    def __init__(self, capacity: int, window_s: float = SHARE_WINDOW_S) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity, self.window_s = capacity, window_s
+        self.reserve = max(1, capacity // 8)
+        self.total = 0
+        self.held: dict[str, int] = {}
+        self._seen: dict[str, float] = {}
+
+    def refusal(self, client: str, weight: int, now: float) -> Rejected | None:
+        """Why a call of ``weight`` transactions from ``client`` cannot be admitted now,
+        or None: ``client_share`` when the client is over its share (the caller that
+        should back off), else ``inflight`` when the capacity is full. Records that
+        ``client`` called (it then counts for the shares)."""
+        self._seen[client] = now
+        held = self.held.get(client, 0)
+        active = self._active(now) if held else 1
+        if active > 1:
+            share = self.capacity / active
+            # Over its share, a key may still use room nobody else uses, but leaves a
+            # reserve free for each other key that calls.
+            reserve = self.reserve * (active - 1)
+            if held + weight > share and self.total + weight + reserve > self.capacity:
+                return Rejected(
+                    RejectReason.CLIENT_SHARE,
+                    f"overloaded: key {client!r} holds {held} transactions in process, its "
+                    f"share is {share:.0f} of {self.capacity} while other keys are calling",
+                )
+        if self.total and self.total + weight > self.capacity:
+            return Rejected(
+                RejectReason.INFLIGHT,
+                f"overloaded: {self.total} of {self.capacity} transactions in process",
+            )
+        return None
+
+    def take(self, client: str, weight: int) -> None:
+        self.total += weight
+        self.held[client] = self.held.get(client, 0) + weight
+
+    def release(self, client: str, weight: int) -> None:
+        self.total -= weight
+        left = self.held[client] - weight
+        if left:
+            self.held[client] = left
+        else:
+            del self.held[client]
+
+    def _active(self, now: float) -> int:
+        """Clients seen within the window or holding work (forgetting the others)."""
+        cutoff = now - self.window_s
+        for client in [c for c, t in self._seen.items() if t < cutoff and c not in self.held]:
+            del self._seen[client]
+        return len(self._seen)
+
+
+def client_of(scope: Scope) -> str | None:
+    """Who the request counts for: the API key's id (the key verified, and the principal
+    kept for the route's scope check), ``anonymous`` with auth off, None for a missing
+    or invalid key (the route answers 401 at once; such a call weighs nothing)."""
+    ring: auth.KeyRing | None = scope["state"].get(auth.STATE_KEY)
+    if ring is None:
+        return auth.ANONYMOUS.key_id
+    try:
+        who = ring.authenticate(auth.presented_key(Headers(scope=scope)))
+    except auth.AuthError:
+        return None
+    scope[auth.PRINCIPAL_KEY] = who
+    return who.key_id
 
 
 class AdmissionLimit:
@@ -33,17 +145,26 @@ class AdmissionLimit:
        anything is read; a chunked body is cut (413) as soon as it passes the limit;
     2. the body must arrive whole within ``body_timeout_s`` of the request, else 408
        (``Connection: close``): a slow sender is cut, never waited for;
-    3. then at most ``limit`` requests are in the process at once. Past that, 503 +
-       Retry-After at once (reason ``inflight``). Reading a body does not count, so slow
-       senders cannot fill the slots of requests that are ready to score.
+    3. then the call is weighed (the batch endpoint: its number of transactions, counted
+       on the parsed JSON before any item is validated; any other call: 1) and admitted
+       by :class:`WorkShares` against ``capacity``. Refused: 503 + Retry-After at once
+       (reason ``inflight`` or ``client_share``), without parsing the body when even a
+       weight of 1 would be refused. Reading a body does not count, so slow senders
+       cannot hold the capacity that requests ready to score need.
 
     Other paths (health, metrics, reload) pass straight through."""
 
     def __init__(
-        self, app: ASGIApp, limit: int, max_body_bytes: int, body_timeout_s: float
+        self,
+        app: ASGIApp,
+        capacity: int,
+        max_body_bytes: int,
+        body_timeout_s: float,
+        max_batch_request: int,
     ) -> None:
-        self.app, self.limit, self.inflight = app, limit, 0
+        self.app, self.shares = app, WorkShares(capacity)
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.max_batch_request = max_batch_request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
@@ -62,17 +183,40 @@ class AdmissionLimit:
             answer = JSONResponse(content, exc.status, headers=headers)
             await answer(scope, receive, send)
             return
-        if self.inflight >= self.limit:
-            overloaded = Rejected(RejectReason.INFLIGHT, "overloaded: too many requests in flight")
-            res = resources(scope)
-            reply = res.answer(overloaded, {"error": overloaded.detail} if oip else None)
+        replayed = _Replayed(body, receive).receive
+        client = client_of(scope)
+        if client is None:  # no valid key: answered 401 before any work
+            await self.app(scope, replayed, send)
+            return
+        now = time.monotonic()
+        weight = 1
+        refused = self.shares.refusal(client, 1, now)
+        if refused is None and path == BATCH_PATH:
+            weight = self._weigh(scope, body)
+            if weight > 1:
+                refused = self.shares.refusal(client, weight, now)
+        if refused is not None:
+            reply = resources(scope).answer(refused, {"error": refused.detail} if oip else None)
             await reply(scope, receive, send)
             return
-        self.inflight += 1
+        self.shares.take(client, weight)
         try:
-            await self.app(scope, _Replayed(body, receive).receive, send)
+            await self.app(scope, replayed, send)
         finally:
-            self.inflight -= 1
+            self.shares.release(client, weight)
+
+    def _weigh(self, scope: Scope, body: bytes) -> int:
+        """The batch endpoint's number of transactions (one JSON parse, kept in the scope
+        for the route); 1 for a body the route refuses at once (not JSON, no list, more
+        than ``max_batch_request`` transactions)."""
+        try:
+            parsed = from_json(body)
+        except ValueError:
+            return 1
+        scope[PARSED_BODY] = parsed
+        items = parsed.get("transactions") if isinstance(parsed, dict) else None
+        n = len(items) if isinstance(items, list) else 0
+        return n if 1 <= n <= self.max_batch_request else 1
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes

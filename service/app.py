@@ -1,7 +1,7 @@
 """The scoring API, composed: resources made in the lifespan, admission, routes, errors.
 
 * ``service.resources``: everything the service holds, created and closed in one place;
-* ``service.admission``: the in-flight bound, before any work;
+* ``service.admission``: admission by work (transactions) and per key, before any work;
 * ``service.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
 * ``service.routes``: the endpoints and the error answers (one for every 503);
 * ``service.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
@@ -55,9 +55,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(
         AdmissionLimit,
-        limit=settings.max_inflight,
+        capacity=settings.admission_capacity,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
+        max_batch_request=settings.max_batch_request,
     )
     app.include_router(router)
     app.include_router(oip.router)

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # Lifespan-state key of the running service's :class:`KeyRing` (None: auth is off).
 STATE_KEY = "fraud_scoring.keyring"
+# Scope key of the request's authenticated :class:`Principal` (set by admission or here).
+PRINCIPAL_KEY = "fraud_scoring.principal"
 KEY_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 RELOAD_CHECK_S = 1.0
 
@@ -208,12 +210,12 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 def principal(request: Request) -> Principal:
     """The caller (cached on the request); :data:`ANONYMOUS` when auth is off."""
-    found: Principal | None = request.scope.get("fraud_scoring.principal")
+    found: Principal | None = request.scope.get(PRINCIPAL_KEY)
     if found is not None:
         return found
     ring: KeyRing | None = request.scope["state"].get(STATE_KEY)
     found = ANONYMOUS if ring is None else ring.authenticate(presented_key(request.headers))
-    request.scope["fraud_scoring.principal"] = found
+    request.scope[PRINCIPAL_KEY] = found
     return found
 
 

@@ -74,7 +74,8 @@ class RejectReason(StrEnum):
     """Why a scoring request got no decision: the ``reason`` label values of
     ``fraud_rejections_total`` (a closed set, so dashboards can rely on it)."""
 
-    INFLIGHT = "inflight"  # admission limit: too many requests in the process
+    INFLIGHT = "inflight"  # admission: the process holds its capacity in transactions
+    CLIENT_SHARE = "client_share"  # admission: the caller's key holds its fair share
     QUEUE_FULL = "queue_full"  # the micro-batch queue is at max_queue_size
     DEADLINE = "deadline"  # the deadline passed, or cannot be met, before the model
     TIMEOUT = "timeout"  # the request's own deadline fired while it waited
@@ -82,6 +83,7 @@ class RejectReason(StrEnum):
     NO_BATCH_FEATURES = "no_batch_features"  # the store holds no batch features (refuse)
     NO_MODEL = "no_model"  # no model loaded (none published yet, or it cannot load)
     SHUTTING_DOWN = "shutting_down"  # still queued when the service stopped
+    DRAINING = "draining"  # arrived on an open connection after SIGTERM
     DISCONNECTED = "disconnected"  # the client left first (answered 499, not 503)
     NOT_READY = "not_ready"  # the readiness probe (not counted: not a scoring request)
 

@@ -26,9 +26,11 @@ import onnxruntime as ort
 
 from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import (
+    FilesSignature,
     ModelError,
     ModelMetadata,
     ModelNotFound,
+    files_signature,
     load_metadata,
     resolve,
     versions,
@@ -228,10 +230,14 @@ def watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
     version cannot load: each poll tries again, and a new problem is logged once) and,
     with version 'latest', for newer versions, which are swapped in atomically. While a
     model serves, a newer version that fails to load or validate is logged once and
-    skipped; the serving model stays."""
+    skipped, the serving model stays, and it is tried again when its files change (size
+    or mtime of any file: e.g. a version that was half-copied when first seen)."""
+
+    base = settings.model_repo / settings.model_name
 
     async def watch() -> None:
-        failed: set[int] = set()
+        # Versions that failed while a model served, with their files' signature then.
+        failed: dict[int, FilesSignature] = {}
         while True:
             await asyncio.sleep(settings.model_poll_s)
             try:
@@ -239,14 +245,17 @@ def watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
             except Exception:  # e.g. the repository changing under the scan: try again
                 log.exception("model watch failed; keeping the current model")
 
-    async def look(failed: set[int]) -> None:
+    async def look(failed: dict[int, FilesSignature]) -> None:
         found = versions(settings.model_repo, settings.model_name)
+        newest = found[-1] if found else None
+        # Taken before loading: files that change during the attempt count as changed.
+        signature = files_signature(base / str(newest)) if newest is not None else ()
         current = models.current
         if current is not None and (
             settings.model_version != "latest"
-            or not found
-            or found[-1] <= int(current.version)
-            or found[-1] in failed
+            or newest is None
+            or newest <= int(current.version)
+            or failed.get(newest) == signature  # failed before, files unchanged since
         ):
             return
         if current is None and settings.model_version == "latest" and not found:
@@ -262,8 +271,11 @@ def watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
                 if models.problem != before:
                     log.error("no model can serve: %s; trying again", models.problem)
                 return
-            log.exception("cannot serve the new model; keeping the current one")
-            if found:
-                failed.add(found[-1])
+            log.exception(
+                "cannot serve the new model; keeping the current one (tried again when "
+                "its files change)"
+            )
+            if newest is not None:
+                failed[newest] = signature
 
     return asyncio.get_running_loop().create_task(watch(), name="model-watch")

@@ -1,7 +1,8 @@
 """The HTTP surface: scoring, model reload, health, metrics, and the error answers.
 
 The life of a scoring request, top to bottom: admission (``service.admission``: body
-read whole, bounded in size and time, then the in-flight bound) → the key's scope
+read whole, bounded in size and time, then weighed in transactions against the capacity
+and the key's fair share) → the key's scope
 (``service.auth``) → JSON content type → parse and validate (the batch endpoint counts
 its items first) → the event-time bound (live mode) → deadline from
 ``X-Request-Timeout-Ms`` → micro-batch (or the naive path) → response. Any
@@ -31,7 +32,7 @@ from pydantic_core import from_json
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service import telemetry
-from service.admission import RECEIVED_NS
+from service.admission import PARSED_BODY, RECEIVED_NS
 from service.auth import AuthError, Scope, check_scope, require_scope
 from service.batching import DeadlineExceeded
 from service.challenger import LineupChange
@@ -83,6 +84,7 @@ class NotJson(Exception):
 
 
 _TRANSACTIONS = TypeAdapter(list[Transaction])
+_UNPARSED = object()
 
 
 def _invalid_body(errors: list[Any], *prefix: str | int) -> RequestValidationError:
@@ -239,12 +241,15 @@ async def score_many(request: Request) -> Response:
     res = resources(request)
     record = _record(request)
     raw = await _json_body(request)
-    try:
-        parsed = from_json(raw)
-    except ValueError as exc:
-        raise RequestValidationError(
-            [{"loc": ("body",), "type": "json_invalid", "msg": str(exc), "ctx": {"error": exc}}]
-        ) from None
+    # Admission parsed it already to weigh the call (counted in transactions).
+    parsed = request.scope.get(PARSED_BODY, _UNPARSED)
+    if parsed is _UNPARSED:
+        try:
+            parsed = from_json(raw)
+        except ValueError as exc:
+            raise RequestValidationError(
+                [{"loc": ("body",), "type": "json_invalid", "msg": str(exc), "ctx": {"error": exc}}]
+            ) from None
     items = parsed.get("transactions") if isinstance(parsed, dict) else None
     if not isinstance(items, list):
         raise RequestValidationError(

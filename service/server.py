@@ -39,13 +39,17 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         workers=settings.workers,
+        # httptools plus a header size limit (431), a header read timeout (408) and a
+        # drain that answers 503 on open keep-alive connections (service/connection.py).
+        # A string: workers import it themselves, and this module stays light to import.
+        http="service.connection:GuardedHttpTools",
+        # In-flight requests get this long after SIGTERM; so do idle keep-alive
+        # connections, to receive their 503 "draining" instead of a closed socket.
         timeout_graceful_shutdown=int(settings.drain_seconds),
         # Connections plus running requests per worker: past it uvicorn answers 503.
         limit_concurrency=settings.max_connections,
         # Idle keep-alive connections are closed after 5 s (uvicorn's default, stated).
         timeout_keep_alive=5,
-        # Headers and the request line: at most 16 KiB (h11) before a 400.
-        h11_max_incomplete_event_size=16 * 1024,
         log_level="info",
         access_log=False,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +144,51 @@ def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
     assert rows.missing == [["card_amount_mean_30d"]] and rows.stale == [[]]
     assert rows.columns["card_amount_mean_30d"][0] == 0.0  # its declared default
     assert rows.columns["card_txn_count_30d"][0] == 3
+
+
+async def test_a_failed_version_is_tried_again_when_its_files_change(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new version seen half-copied (truncated ONNX file) is refused and the old one
+    keeps serving; once its copy completes (the file's size and mtime change) the
+    watcher tries it again and swaps it in. Unchanged, it is not tried again."""
+    import asyncio
+    import json
+    import logging
+    import shutil
+
+    from fraud_scoring.model_repo import resolve
+    from fraud_scoring.settings import Settings
+    from service.model import ModelHolder, watch_models
+
+    src = resolve(world.model_repo, "fraud")
+    repo = tmp_path / "repo"
+    shutil.copytree(src, repo / "fraud" / "1")
+    models = ModelHolder()
+    models.swap(lambda: load_model(repo, "fraud", "1", producible_features()))
+    onnx = (src / "model.onnx").read_bytes()
+    v2 = repo / "fraud" / "2"
+    shutil.copytree(src, v2)
+    meta = json.loads((v2 / "metadata.json").read_text())
+    (v2 / "metadata.json").write_text(json.dumps({**meta, "version": "2"}))
+    (v2 / "model.onnx").write_bytes(onnx[: len(onnx) // 2])  # the copy is half done
+
+    async def until(cond: Callable[[], bool]) -> None:
+        async with asyncio.timeout(30):
+            while not cond():
+                await asyncio.sleep(0.02)
+
+    def failures() -> int:
+        return sum("cannot serve the new model" in r.getMessage() for r in caplog.records)
+
+    settings = Settings(model_repo=repo, model_poll_s=0.05, execution_provider="cpu")
+    caplog.set_level(logging.ERROR, logger="service.model")
+    task = watch_models(models, settings)
+    try:
+        await until(lambda: failures() == 1)  # the half-copied version refused
+        assert models.current is not None and models.current.version == "1"
+        (v2 / "model.onnx").write_bytes(onnx)  # the copy completes
+        await until(lambda: models.current is not None and models.current.version == "2")
+    finally:
+        task.cancel()
+    assert failures() == 1  # refused once, never retried while its files were unchanged

@@ -1,0 +1,145 @@
+"""Admission by work, per key: a batch call weighs its transactions, and one key's batch
+calls cannot starve another key's single calls. The rules on their own, then over real
+HTTP against a served model with two API keys."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from service.admission import WorkShares
+from service.auth import KeyEntry, Scope, append_key, new_key
+from service.errors import RejectReason
+from tests.conftest import Server, World, start_server, stop_server
+from tests.test_service import TXN
+
+CAPACITY = 64
+BATCH = 32
+
+
+def test_a_call_weighs_its_transactions_against_the_capacity() -> None:
+    shares = WorkShares(capacity=64)
+    assert shares.refusal("a", 40, now=0.0) is None
+    shares.take("a", 40)
+    refused = shares.refusal("a", 32, now=0.0)  # 72 transactions > 64
+    assert refused is not None and refused.reason == RejectReason.INFLIGHT
+    assert shares.refusal("a", 24, now=0.0) is None  # exactly the capacity
+    shares.release("a", 40)
+    assert shares.total == 0 and shares.held == {}
+    # A call heavier than the whole capacity still runs when nothing else does.
+    assert shares.refusal("a", 100, now=0.0) is None
+
+
+def test_a_second_key_halves_the_first_keys_share() -> None:
+    shares = WorkShares(capacity=64, window_s=1.0)
+    for _ in range(2):  # alone, a key may use everything
+        assert shares.refusal("heavy", 32, now=0.0) is None
+        shares.take("heavy", 32)
+    # The other key's first call finds the capacity full ...
+    first = shares.refusal("light", 1, now=0.1)
+    assert first is not None and first.reason == RejectReason.INFLIGHT
+    shares.release("heavy", 32)
+    # ... and from then on the heavy key is held to its half plus what leaves the
+    # reserve (64 / 8) free: its next batch is refused, the light key's calls admitted.
+    over = shares.refusal("heavy", 32, now=0.2)
+    assert over is not None and over.reason == RejectReason.CLIENT_SHARE
+    assert "holds 32 transactions" in over.detail and "share is 32 of 64" in over.detail
+    assert shares.refusal("light", 1, now=0.2) is None
+    # Over its share, a key may use what the others leave: 32 + 16 + 8 reserved <= 64.
+    assert shares.refusal("heavy", 16, now=0.2) is None
+    shares.take("heavy", 16)
+    assert shares.refusal("heavy", 16, now=0.2) is not None  # would eat the reserve
+    assert shares.refusal("light", 1, now=0.2) is None
+    shares.release("heavy", 16)
+    # The light key gone quiet for longer than the window: the heavy one has it all.
+    assert shares.refusal("heavy", 32, now=1.5) is None
+
+
+def test_every_key_may_hold_one_call_whatever_its_share() -> None:
+    shares = WorkShares(capacity=64, window_s=1.0)
+    for key in ("a", "b", "c"):  # three keys: shares of 21
+        shares.refusal(key, 1, now=0.0)
+    assert shares.refusal("a", 32, now=0.0) is None  # more than 21, but a holds nothing
+    shares.take("a", 32)
+    assert shares.refusal("a", 32, now=0.0) is not None  # 64 leaves no reserve for b, c
+
+
+@dataclass
+class TwoKeys:
+    srv: Server
+    heavy: str
+    light: str
+
+
+@pytest.fixture(scope="module")
+def two_keys(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoKeys]:
+    tmp = tmp_path_factory.mktemp("admission")
+    keys_file = tmp / "keys.jsonl"
+    keys = {}
+    for key_id in ("heavy", "light"):
+        key, digest = new_key(key_id)
+        append_key(keys_file, KeyEntry(id=key_id, sha256=digest, scopes=frozenset({Scope.SCORE})))
+        keys[key_id] = key
+    srv = start_server(
+        world,
+        tmp,
+        FRAUD_AUTH="required",
+        FRAUD_API_KEYS_FILE=str(keys_file),
+        FRAUD_MAX_INFLIGHT=str(CAPACITY),
+        FRAUD_MODEL_POLL_S="600",
+    )
+    yield TwoKeys(srv, keys["heavy"], keys["light"])
+    stop_server(srv)
+
+
+def test_a_heavy_key_is_shed_while_another_keys_single_calls_are_admitted(
+    two_keys: TwoKeys,
+) -> None:
+    """Eight connections of the heavy key send 32-transaction batches without pause
+    while the light key sends single calls one after the other. Counted per request the
+    heavy key's 8 calls would fit in 64 and never be refused; counted in transactions it
+    holds at most its half (one call of 32), its other calls get 503 ``client_share``, and
+    every single call of the light key is scored."""
+    batch = {"transactions": [{**TXN, "transaction_id": f"hv-{i}"} for i in range(BATCH)]}
+    heavy_answers: list[httpx.Response] = []
+    stop = threading.Event()
+    light = httpx.Client(
+        base_url=two_keys.srv.url, timeout=10, headers={"X-API-Key": two_keys.light}
+    )
+    # The light key calls first, so it counts for the shares before the flood starts.
+    assert light.post("/v1/score", json={**TXN, "transaction_id": "lt-first"}).status_code == 200
+
+    def flood() -> None:
+        auth = {"Authorization": f"Bearer {two_keys.heavy}"}
+        with httpx.Client(base_url=two_keys.srv.url, timeout=10, headers=auth) as c:
+            while not stop.is_set():
+                heavy_answers.append(c.post("/v1/score/batch", json=batch))
+
+    floods = [threading.Thread(target=flood) for _ in range(8)]
+    for t in floods:
+        t.start()
+    try:
+        singles = [
+            light.post("/v1/score", json={**TXN, "transaction_id": f"lt-{i}"}) for i in range(30)
+        ]
+    finally:
+        stop.set()
+        for t in floods:
+            t.join()
+        light.close()
+    assert [r.status_code for r in singles] == [200] * 30, [r.text for r in singles[:3]]
+    served = [r for r in heavy_answers if r.status_code == 200]
+    shed = [r for r in heavy_answers if r.status_code == 503]
+    assert served and len(served) + len(shed) == len(heavy_answers)
+    assert all(len(r.json()["results"]) == BATCH for r in served)
+    problems = [r.json()["detail"][0] for r in shed]
+    assert {p["code"] for p in problems} == {"client_share"}, problems[:3]
+    assert all(r.headers["Retry-After"] == "1" for r in shed)
+    # The weight held is the batch's transaction count, not one per request.
+    held = {int(re.search(r"holds (\d+) transactions", p["message"])[1]) for p in problems}  # type: ignore[index]
+    assert held == {BATCH}, held
