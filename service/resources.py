@@ -29,6 +29,7 @@ from fraud_scoring.settings import Settings
 from service import telemetry
 from service.batching import Batcher, BatchStats
 from service.decision_log import DecisionLog
+from service.drift import DriftMonitor
 from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
@@ -144,15 +145,16 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
             feedback = log_producer(settings, url, settings.feedback_stream)
             stack.push_async_callback(feedback.close)
-        scorer = Scorer(
-            client,
-            reader,
-            models,
-            settings,
-            pool,
-            on_scored=decision_log.submit if decision_log else None,
-            health=health,
-        )
+        drift = DriftMonitor(models, settings.drift_window)
+        if settings.drift_window > 0:
+            stack.callback(drift.start().cancel)
+        sinks = [drift.observe, *([decision_log.submit] if decision_log else [])]
+
+        def on_scored(*batch: Any) -> None:
+            for sink in sinks:  # each only counts or buffers: no I/O here
+                sink(*batch)
+
+        scorer = Scorer(client, reader, models, settings, pool, on_scored=on_scored, health=health)
 
         async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
             """The scorer, plus the batch's decisions counted once per micro-batch."""
