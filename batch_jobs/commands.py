@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 
 from fraud_scoring.commands import Command, UsageError, iso_date
 from fraud_scoring.redis_server import redis_url
@@ -198,16 +199,83 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count the chargebacks that arrived since training (from FRAUD_DATA_DIR)",
     )
+    served = p.add_argument_group("served traffic (docs/decision-loop.md, part 4)")
+    served.add_argument(
+        "--served",
+        action="store_true",
+        help="report on the compacted decision log instead (every model version in it)",
+    )
+    served.add_argument(
+        "--from", dest="from_", type=iso_date, help="first UTC decision day (default: --to)"
+    )
+    served.add_argument(
+        "--to", type=iso_date, help="last UTC decision day (default: --from, else yesterday)"
+    )
+    served.add_argument(
+        "--as-of",
+        type=_aware_time,
+        help="count the labels that had arrived before this time (RFC 3339; default: now)",
+    )
+    served.add_argument(
+        "--out", type=Path, help="report folder (default: FRAUD_DATA_DIR/reports/served-D1_D2)"
+    )
+
+
+def _aware_time(v: str) -> datetime:
+    t = datetime.fromisoformat(v)
+    if t.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{v!r} has no time zone (e.g. +00:00)")
+    return t
 
 
 def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
     from batch_jobs.evaluate import REPORT_DIR, evaluate_version
     from fraud_scoring.model_repo import resolve
 
+    if args.served:
+        _evaluate_served(args, settings)
+        return
+    if args.from_ or args.to or args.as_of or args.out:
+        raise UsageError("--from, --to, --as-of and --out go with --served")
+
     data_dir = settings.data_dir if args.refresh_labels else None
     evaluate_version(settings.model_repo, settings.model_name, args.version, data_dir)
     path = resolve(settings.model_repo, settings.model_name, args.version) / REPORT_DIR
     print(f"evaluation report: {path / 'report.md'}")
+
+
+def _evaluate_served(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.served_report import served_report, write_served_report
+
+    if args.refresh_labels or args.version != "latest":
+        raise UsageError("--served reports every version in the log, with labels as of --as-of")
+    last = args.to or args.from_ or (datetime.now(UTC).date() - timedelta(days=1))
+    first = args.from_ or last
+    if first > last:
+        raise UsageError(f"--from {first} is after --to {last}")
+    folder = args.out or settings.data_dir / "reports" / f"served-{first}_{last}"
+    data = served_report(
+        settings.data_dir / "raw",
+        first,
+        last,
+        args.as_of or datetime.now(UTC),
+        settings.model_repo,
+        settings.model_name,
+    )
+    write_served_report(folder, data)
+    for v, vd in data["versions"].items():
+        a, drift = vd["as_decided"], vd["drift"]
+        psi = (
+            f"score PSI {drift['score_psi']:.3f}, shifted: {', '.join(drift['shifted']) or 'none'}"
+            if drift["reference"]
+            else "no reference"
+        )
+        print(
+            f"model v{v}: {vd['rows']:,} decisions, {vd['frauds']} known frauds; flagged "
+            f"precision {a['flagged_precision']:.1%} recall {a['flagged_recall']:.1%}; "
+            f"ECE {vd['metrics']['ece']:.4f}; {psi}"
+        )
+    print(f"served-traffic report: {folder / 'report.md'}")
 
 
 COMMANDS: list[Command] = [
@@ -231,7 +299,8 @@ COMMANDS: list[Command] = [
     ),
     Command(
         "evaluate",
-        "re-run a model version's evaluation report (ONNX Runtime on its stored holdout)",
+        "re-run a model version's evaluation report (ONNX Runtime on its stored holdout), "
+        "or --served: report on the logged decisions",
         run_evaluate,
         configure_evaluate,
     ),

@@ -1,20 +1,31 @@
-"""Drift on served traffic: the reference stored with a model, the vectorised bin counts
-and PSI, and the service's gauges (real service over HTTP: requests shifted in one
-feature raise that feature's PSI gauge while the others stay low)."""
+"""Drift and quality on served traffic: the reference stored with a model, the vectorised
+bin counts and PSI, the service's gauges (real service over HTTP: requests shifted in one
+feature raise that feature's PSI gauge while the others stay low) and ``evaluate
+--served`` on the same decisions, logged and compacted."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
+from batch_jobs.decisions import compact_day
+from batch_jobs.served_report import served_report, write_served_report
 from fraud_scoring.drift import Binner, load_reference, psi, reference_bins
+from fraud_scoring.event_log import read_redis_day
 from fraud_scoring.model_repo import load_metadata, resolve
+from fraud_scoring.redis_server import embedded_redis
 from service.drift import SCORE_BUCKETS, observe_many
 from tests.conftest import World, start_server, stop_server, wait_until
+from tests.test_decision_log import metric
 from tests.test_service import held_out_day
 
 
@@ -111,42 +122,135 @@ UNRELATED = (
 )
 
 
-def test_psi_gauge_rises_for_the_shifted_feature_only(world: World, tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Drifted:
+    """A real service that scored a window of the held-out day, then the same number of
+    transactions with twenty times their amount; its /metrics after each half, and its
+    decision log compacted into ``raw`` (with the world's chargebacks beside it)."""
+
+    before: dict[str, float]
+    after: dict[str, float]
+    metrics: str
+    raw: Path
+    day: date
+    window: int
+
+
+@pytest.fixture(scope="module")
+def drifted(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drifted]:
     # Spread over the whole day (the file is in event-time order: hours would shift).
     day = held_out_day(world)
     rows = [day[i] for i in np.random.default_rng(5).permutation(len(day))]
     window = 600
-    srv = start_server(world, tmp_path, FRAUD_DRIFT_WINDOW=str(window), FRAUD_DECISION_LOG="off")
+    tmp = tmp_path_factory.mktemp("drift")
     replay = {"X-Fraud-Record": "false"}  # leave the cards' session state alone
+    with embedded_redis() as log_url:
+        srv = start_server(
+            world, tmp, FRAUD_DRIFT_WINDOW=str(window), FRAUD_DECISION_LOG_URL=log_url
+        )
+        try:
+            with srv.client() as c:
 
-    def send(batch: list[dict]) -> None:
-        for i in range(0, len(batch), 200):
-            body = {"transactions": batch[i : i + 200]}
-            r = c.post("/v1/score/batch", json=body, headers=replay)
-            assert r.status_code == 200, r.text
+                def send(batch: list[dict]) -> None:
+                    for i in range(0, len(batch), 200):
+                        body = {"transactions": batch[i : i + 200]}
+                        r = c.post("/v1/score/batch", json=body, headers=replay)
+                        assert r.status_code == 200, r.text
 
+                wait_until(lambda: "fraud_drift_reference 1.0" in c.get("/metrics").text)
+                send(rows[:window])
+                before = wait_until(
+                    lambda: (p := _psi(c.get("/metrics").text)) and len(p) > 20 and p,
+                    what="PSI gauges",
+                )
+                # The same kind of transactions with twenty times the amount fill the window.
+                shifted = [
+                    {**t, "transaction_id": f"x-{t['transaction_id']}", "amount": t["amount"] * 20}
+                    for t in rows[window : 2 * window]
+                ]
+                send(shifted)
+                after = wait_until(
+                    lambda: (p := _psi(c.get("/metrics").text)) and p["amount"] > 1.0 and p,
+                    what="the amount's PSI to rise",
+                )
+                metrics = c.get("/metrics").text
+                wait_until(
+                    lambda: (
+                        metric(c.get("/metrics").text, "fraud_decision_log_written_total")
+                        >= 2 * window
+                    ),
+                    what="every decision logged",
+                )
+        finally:
+            stop_server(srv)
+        raw = tmp / "raw"
+        shutil.copytree(world.data_dir / "raw" / "labels", raw / "labels")
+        today = datetime.now(UTC).date()
+        for d in (today - timedelta(days=1), today):  # a run across midnight
+            compact_day(
+                raw,
+                d,
+                (p for _, p in read_redis_day(log_url, "decisions", d)),
+                (p for _, p in read_redis_day(log_url, "feedback", d)),
+            )
+    yield Drifted(before, after, metrics, raw, today, window)
+
+
+def test_psi_gauge_rises_for_the_shifted_feature_only(drifted: Drifted) -> None:
+    before, after = drifted.before, drifted.after
+    assert before["amount"] < 0.1 and all(before[f] < 0.1 for f in UNRELATED), before
+    assert after["amount"] > 1.0 and all(after[f] < 0.1 for f in UNRELATED), after
+    count = re.search(r'^fraud_score_count\{model_version="\d+"\} (\S+)$', drifted.metrics, re.M)
+    assert count and float(count.group(1)) >= 2 * drifted.window
+
+
+def test_served_report_on_the_logged_decisions(
+    drifted: Drifted, world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cli.main import main
+    from fraud_scoring.settings import get_settings
+
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(drifted.raw.parent))
+    monkeypatch.setenv("FRAUD_MODEL_REPO", str(world.model_repo))
+    get_settings.cache_clear()
+    out = tmp_path / "report"
+    day = drifted.day.isoformat()
     try:
-        with srv.client() as c:
-            wait_until(lambda: "fraud_drift_reference 1.0" in c.get("/metrics").text)
-            send(rows[:window])
-            before = wait_until(
-                lambda: (p := _psi(c.get("/metrics").text)) and len(p) > 20 and p,
-                what="PSI gauges",
-            )
-            assert before["amount"] < 0.1 and all(before[f] < 0.1 for f in UNRELATED), before
-            # The same transactions with twenty times the amount fill the next window.
-            shifted = [
-                {**t, "transaction_id": f"x-{t['transaction_id']}", "amount": t["amount"] * 20}
-                for t in rows[window : 2 * window]
-            ]
-            send(shifted)
-            after = wait_until(
-                lambda: (p := _psi(c.get("/metrics").text)) and p["amount"] > 1.0 and p,
-                what="the amount's PSI to rise",
-            )
-            assert all(after[f] < 0.1 for f in UNRELATED), after
-            text = c.get("/metrics").text
-            count = re.search(r'^fraud_score_count\{model_version="\d+"\} (\S+)$', text, re.M)
-            assert count and float(count.group(1)) >= 2 * window
+        args = ["evaluate", "--served", "--from", day, "--to", day, "--out", str(out)]
+        assert main(args) == 0
+        assert main(["evaluate", "--from", day]) == 2  # --from goes with --served
     finally:
-        stop_server(srv)
+        get_settings.cache_clear()
+    data = json.loads((out / "served.json").read_text())
+    assert data["rows"] == 2 * drifted.window
+    assert sum(r["approve"] + r["review"] + r["decline"] for r in data["decisions_per_day"]) == (
+        2 * drifted.window
+    )
+    (version, v), *others = data["versions"].items()
+    assert not others and v["rows"] == 2 * drifted.window
+    # The held-out day's chargebacks (simulated, long arrived) label its frauds.
+    assert v["frauds"] == data["labels"]["fraud"] > 0
+    assert 0 < v["as_decided"]["flagged_recall"] <= 1 and "pr_auc" in v["metrics"]
+    assert v["reliability"] and v["metrics"]["ece"] >= 0
+    drift = v["drift"]
+    assert drift["reference"] and "amount" in drift["shifted"]
+    assert all(drift["features"][f] < 0.1 for f in UNRELATED)
+    for name in ("report.md", "decisions_per_day.png", f"v{version}-psi.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / f"v{version}-reliability.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_served_report_without_a_reference(drifted: Drifted, world: World, tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(world.model_repo, repo)
+    for f in repo.glob("fraud/*/reference.json"):
+        f.unlink()  # as a version trained before references were stored
+    data = served_report(drifted.raw, drifted.day, drifted.day, datetime.now(UTC), repo, "fraud")
+    (v,) = data["versions"].values()
+    assert v["drift"] == {
+        "reference": False,
+        "why": "no reference (trained before references were stored)",
+    }
+    assert v["at_thresholds"]["flagged_recall"] >= 0  # the rest of the report stands
+    write_served_report(tmp_path / "out", data)
+    assert "no reference" in (tmp_path / "out" / "report.md").read_text()
