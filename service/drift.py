@@ -140,6 +140,7 @@ class DriftMonitor:
         self.ins = _instruments()
         self.window: _Window | None = None
         self._version: str | None = None  # the version whose reference was looked for
+        self._exported: set[str] = set()  # features given a PSI gauge so far
 
     def observe(
         self,
@@ -198,12 +199,18 @@ class DriftMonitor:
         self.ins.reference.set(1 if w is not None else 0)
         self.ins.window_rows.set(w.rows if w is not None else 0)
         if w is None or w.rows < MIN_ROWS:
-            self.ins.feature_psi.clear()
-            self.ins.score_psi.set(float("nan"))  # no value: an alert's comparison is false
+            # No value: NaN, which an alert's comparison never matches. (Not clear(): it
+            # does nothing in multiprocess mode.)
+            for name in self._exported:
+                self.ins.feature_psi.labels(feature=name).set(float("nan"))
+            self.ins.score_psi.set(float("nan"))
             return
         values = w.binner.psi(w.total, w.expected)
+        for name in self._exported.difference(w.features):  # an earlier version's input
+            self.ins.feature_psi.labels(feature=name).set(float("nan"))
         for name, v in zip(w.features, values[:-1], strict=True):
             self.ins.feature_psi.labels(feature=name).set(float(v))
+        self._exported.update(w.features)
         self.ins.score_psi.set(float(values[-1]))
 
     def start(self) -> asyncio.Task[None]:
