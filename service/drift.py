@@ -183,7 +183,7 @@ class DriftMonitor:
         bins = [ref.features[n] for n in names] + [score_bins]
         binner = Binner.of(bins)
         self.window = _Window(
-            version=version,
+            version=model.version,
             features=list(names),
             binner=binner,
             expected=expected_shares(bins),
