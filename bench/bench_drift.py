@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 import timeit
-from functools import partial
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
