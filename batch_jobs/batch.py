@@ -4,7 +4,8 @@ Idempotent per day: re-running a day replaces that day's parquet and writes its 
 to Redis. Feast's Redis writer keeps the newest snapshot per entity (it skips a row
 not newer than the stored one), so backfilling an old day never overwrites a newer
 online value; and when a re-run day's snapshot is the one online, its stored time is
-cleared first (:func:`forget_recomputed`) so that corrected values replace it.
+cleared first (:func:`forget_recomputed`; the direct writer applies the same rule
+while it writes) so that corrected values replace it.
 """
 
 from __future__ import annotations
@@ -132,13 +133,14 @@ def run_batch(
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
     t1 = time.perf_counter()
-    forget_recomputed(store, redis_url, entities, {int(snapshot_time(d).timestamp()) for d in days})
+    recomputed = {int(snapshot_time(d).timestamp()) for d in days}
     # Materialize exactly the snapshots of these days: [first snapshot, last snapshot].
     start, end = snapshot_time(min(days)), snapshot_time(max(days)) + timedelta(seconds=1)
     if materializer == "feast":
+        forget_recomputed(store, redis_url, entities, recomputed)
         store.materialize(start_date=start, end_date=end)
-    else:
-        materialize_days(store, redis_url, feats, days, start, end)
+    else:  # one read of the stored times serves both rules
+        materialize_days(store, redis_url, feats, days, start, end, recomputed)
     mark_materialized(redis_url, store.project)
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)

@@ -199,25 +199,41 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count the chargebacks that arrived since training (from FRAUD_DATA_DIR)",
     )
-    served = p.add_argument_group("served traffic (docs/decision-loop.md, part 4)")
-    served.add_argument(
+    logged = p.add_argument_group("on the decision log (docs/decision-loop.md)")
+    logged.add_argument(
         "--served",
         action="store_true",
-        help="report on the compacted decision log instead (every model version in it)",
+        help="report on the compacted decisions instead: quality, calibration, decision mix "
+        "and drift of every model version in them",
     )
-    served.add_argument(
-        "--from", dest="from_", type=iso_date, help="first UTC decision day (default: --to)"
+    logged.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="compare two model versions on the logged decisions both scored (a challenger "
+        "in shadow or canary) over --from..--to, labels as of now",
     )
-    served.add_argument(
-        "--to", type=iso_date, help="last UTC decision day (default: --from, else yesterday)"
+    logged.add_argument(
+        "--from",
+        dest="from_",
+        type=iso_date,
+        help="first UTC day of the log (--served: default --to)",
     )
-    served.add_argument(
+    logged.add_argument(
+        "--to",
+        type=iso_date,
+        help="last UTC day of the log, inclusive (--served: default --from, else yesterday)",
+    )
+    logged.add_argument(
         "--as-of",
         type=_aware_time,
-        help="count the labels that had arrived before this time (RFC 3339; default: now)",
+        help="--served: count the labels that had arrived before this time (RFC 3339; "
+        "default: now)",
     )
-    served.add_argument(
-        "--out", type=Path, help="report folder (default: FRAUD_DATA_DIR/reports/served-D1_D2)"
+    logged.add_argument(
+        "--out",
+        type=Path,
+        help="--served: report folder (default: FRAUD_DATA_DIR/reports/served-D1_D2)",
     )
 
 
@@ -232,11 +248,16 @@ def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
     from batch_jobs.evaluate import REPORT_DIR, evaluate_version
     from fraud_scoring.model_repo import resolve
 
+    if args.served and args.compare:
+        raise UsageError("--served and --compare are two reports: one at a time")
+    if args.compare:
+        return _compare(args, settings)
     if args.served:
-        _evaluate_served(args, settings)
-        return
+        return _evaluate_served(args, settings)
     if args.from_ or args.to or args.as_of or args.out:
-        raise UsageError("--from, --to, --as-of and --out go with --served")
+        raise UsageError(
+            "--from and --to go with --served or --compare; --as-of, --out with --served"
+        )
 
     data_dir = settings.data_dir if args.refresh_labels else None
     evaluate_version(settings.model_repo, settings.model_name, args.version, data_dir)
@@ -276,6 +297,28 @@ def _evaluate_served(args: argparse.Namespace, settings: Settings) -> None:
             f"ECE {vd['metrics']['ece']:.4f}; {psi}"
         )
     print(f"served-traffic report: {folder / 'report.md'}")
+
+
+def _compare(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.compare import compare, table_text, write_report
+
+    if not (args.from_ and args.to):
+        raise UsageError("--compare needs --from and --to (the days of the decision log)")
+    if args.from_ > args.to:
+        raise UsageError("--from must not be after --to")
+    a, b = args.compare
+    report = compare(
+        settings.data_dir / "raw",
+        settings.model_repo,
+        settings.model_name,
+        a,
+        b,
+        args.from_,
+        args.to,
+        as_of=datetime.now(UTC),
+    )
+    print(table_text(report))
+    print(f"comparison: {write_report(settings.data_dir / 'reports', report)}")
 
 
 COMMANDS: list[Command] = [

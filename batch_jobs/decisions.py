@@ -64,6 +64,11 @@ DECISION_SCHEMA = pa.schema(
         pa.field("timing_ms", pa.map_(pa.string(), pa.float64())),
         pa.field("challenger_version", pa.string()),
         pa.field("challenger_score", pa.float64()),
+        # Which model decided ("champion" | "challenger", the canary): model_version and
+        # score are the decider's; the champion's are kept beside them.
+        pa.field("routed_to", pa.string()),
+        pa.field("champion_version", pa.string()),
+        pa.field("champion_score", pa.float64()),
     ]
 )
 # The chargebacks' columns (batch_jobs/simulate.py): every label partition has exactly
@@ -115,6 +120,10 @@ def decision_rows(payloads: Iterable[bytes]) -> tuple[list[dict], int]:
                 "timing_ms": list(e["timing_ms"].items()),
                 "challenger_version": e.get("challenger_version"),
                 "challenger_score": e.get("challenger_score"),
+                # Entries from before the canary: the champion always decided.
+                "routed_to": e.get("routed_to", "champion"),
+                "champion_version": e.get("champion_version", e["model_version"]),
+                "champion_score": e.get("champion_score", e["score"]),
             }
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise DataError(f"malformed decision log entry ({exc!r}): {raw[:200]!r}") from exc
@@ -210,7 +219,7 @@ def decisions_with_labels(raw: Path, first: date, last: date, as_of: datetime) -
           FROM ({labels}) WHERE label_time < $as_of GROUP BY transaction_id
         )
         SELECT d.*, known.is_fraud, known.label_time
-        FROM read_parquet($d) d LEFT JOIN known USING (transaction_id)
+        FROM read_parquet($d, union_by_name = true) d LEFT JOIN known USING (transaction_id)
         ORDER BY d.decided_at, d.transaction_id
         """
         params = {"d": dfiles, "as_of": as_of, **({"l": lfiles} if lfiles else {})}

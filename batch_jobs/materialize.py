@@ -1,5 +1,5 @@
 """Materialization straight into Feast's Redis layout: what ``FeatureStore.materialize``
-writes for the daily snapshots, at tens of thousands of rows a second.
+writes for the daily snapshots, at tens of thousands of rows a second on one process.
 
 Feast's own path (offline store read, per-row Python conversion, its Redis writer) runs
 at a few thousand rows a second here; a 10-million-card night would take hours. This
@@ -13,55 +13,40 @@ the registry as ``materialize`` does. The layout helpers are
 ``fraud_scoring.feast_store.online_key`` / ``online_field``, pinned by
 tests/test_feast_layout.py; that Feast's ``get_online_features`` reads back what this
 writer wrote is tested too (tests/test_materialize.py).
+
+Every value, key and Redis command is built a column at a time (batch_jobs/feast_encode.py,
+batch_jobs/resp.py, each held byte-equal to the library it stands in for by
+tests/test_feast_encode.py), so the only per-row Python left is reading Redis's replies.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from datetime import UTC, date, datetime
+from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 from feast import FeatureStore
 from feast.infra.online_stores.redis import RedisOnlineStoreConfig
-from feast.protos.feast.types.Value_pb2 import Value
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from fraud_scoring.feast_store import online_field, online_keys
+from batch_jobs import resp
+from batch_jobs.feast_encode import timestamp_column, timestamp_nanos, value_column
+from fraud_scoring.feast_store import online_field, online_key_column
 from fraud_scoring.features import VIEWS, BatchView, view_features
 from fraud_scoring.storage import DataError, read_partition
 
 log = logging.getLogger(__name__)
 
-CHUNK = 5_000  # rows per pipelined round trip (two: read _ts, then write)
-
-# How Feast's Redis store encodes each declared dtype (feast.type_map for these types).
-_ENCODERS: dict[str, Callable[[Any], bytes]] = {
-    "float32": lambda v: Value(float_val=v).SerializeToString(),
-    "int64": lambda v: Value(int64_val=v).SerializeToString(),
-    "string": lambda v: Value(string_val=v).SerializeToString(),
-}
-_NULL = Value().SerializeToString()  # Feast writes a missing value as an empty Value
-_FLOAT_TAG = Value(float_val=1.0).SerializeToString()[:1]  # field 6, fixed 32 bits
-
-
-def encode_column(dtype: str, column: pa.ChunkedArray) -> list[bytes]:
-    """Each value of ``column`` as Feast stores it: a serialized ``Value`` proto. A
-    float32 column without nulls is encoded all at once (tag byte + 4 little-endian
-    bytes, exactly what protobuf writes); everything else one proto per value."""
-    if dtype == "float32" and column.null_count == 0:
-        packed = np.empty(len(column), dtype=[("tag", "u1"), ("value", "<f4")])
-        packed["tag"] = _FLOAT_TAG[0]
-        packed["value"] = column.to_numpy()
-        raw = packed.tobytes()
-        return [raw[i : i + 5] for i in range(0, len(raw), 5)]
-    enc = _ENCODERS[dtype]
-    return [_NULL if v is None else enc(v) for v in column.to_pylist()]
+CHUNK = 10_000  # rows per pair of round trips (read the stored _ts, then write)
+THREADS = 2  # chunks in flight, each on a connection of its own
 
 
 def newest_per_entity(features_dir: Path, view: BatchView, days: Iterable[date]) -> pa.Table:
@@ -72,6 +57,8 @@ def newest_per_entity(features_dir: Path, view: BatchView, days: Iterable[date])
     if not tables:
         raise DataError(f"no day given to materialize for {view.name}")
     table = pa.concat_tables(tables)
+    if len(tables) == 1 and pc.count_distinct(table.column(view.join_key)).as_py() == len(table):
+        return table  # one day's snapshot: one row per entity already, no sort needed
     order = pc.sort_indices(
         table, sort_keys=[(view.join_key, "ascending"), ("event_timestamp", "descending")]
     )
@@ -85,24 +72,33 @@ def newest_per_entity(features_dir: Path, view: BatchView, days: Iterable[date])
     return table.filter(mask)
 
 
-def _timestamp(instant: datetime) -> bytes:
-    ts = Timestamp()
-    ts.FromDatetime(instant if instant.tzinfo else instant.replace(tzinfo=UTC))
-    return ts.SerializeToString()
+def _stored_nanos(replies: list[bytes | None]) -> npt.NDArray[np.int64]:
+    """Epoch nanoseconds of each stored ``_ts`` reply (0 where none), parsing each
+    distinct value once: a night's keys hold a few snapshot times between them."""
+    nanos: dict[bytes | None, int] = {None: 0, b"": 0}
+    for raw in set(replies) - nanos.keys():
+        ts = Timestamp()
+        ts.ParseFromString(raw)
+        nanos[raw] = ts.seconds * 1_000_000_000 + ts.nanos
+    return np.fromiter((nanos[r] for r in replies), dtype=np.int64, count=len(replies))
 
 
-def _nanos(raw: bytes | None) -> int:
-    if not raw:
-        return 0
-    ts = Timestamp()
-    ts.ParseFromString(raw)
-    return ts.seconds * 1_000_000_000 + ts.nanos
-
-
-def write_view(store: FeatureStore, client: Any, view: BatchView, table: pa.Table) -> int:
+def write_view(
+    store: FeatureStore,
+    client: Any,
+    view: BatchView,
+    table: pa.Table,
+    recomputed: Collection[int] = (),
+) -> int:
     """Write ``table`` (one row per entity: join key, ``event_timestamp`` and the view's
     features) to Redis in Feast's layout; rows whose entity already holds a snapshot at
-    least as new are skipped, as Feast skips them. Returns the rows written."""
+    least as new are skipped, as Feast skips them, except that a stored snapshot whose
+    time (epoch seconds) is in ``recomputed`` is replaced (what
+    ``batch.forget_recomputed`` arranges for Feast). Returns the rows written.
+
+    Two round trips per ``CHUNK`` rows, ``THREADS`` chunks at a time, every command
+    built column-wise (:mod:`batch_jobs.resp`, :mod:`batch_jobs.feast_encode`): no
+    Python work per row but reading the replies."""
     config = store.config
     online = config.online_store
     ttl = online.key_ttl_seconds if isinstance(online, RedisOnlineStoreConfig) else None
@@ -110,35 +106,37 @@ def write_view(store: FeatureStore, client: Any, view: BatchView, table: pa.Tabl
     ts_field = f"_ts:{view.name}".encode()
     feats = view_features(view)
     fields = [online_field(view.name, f.name) for f in feats]
-    written = 0
-    for start in range(0, table.num_rows, CHUNK):
+    redo = np.fromiter(recomputed, dtype=np.int64) * 1_000_000_000
+
+    def write_chunk(start: int) -> int:
         chunk = table.slice(start, CHUNK)
-        keys = online_keys(
-            store.project, view.join_key, chunk.column(view.join_key).to_pylist(), eksv
+        keys = online_key_column(
+            store.project, view.join_key, chunk.column(view.join_key).combine_chunks(), eksv
         )
-        instants = chunk.column("event_timestamp").to_pylist()
-        stamps = {t: _timestamp(t) for t in set(instants)}
-        nanos = {t: _nanos(stamp) for t, stamp in stamps.items()}
-        columns = [encode_column(f.dtype, chunk.column(f.name)) for f in feats]
-        # execute_command: redis-py's per-command helpers cost more than the write itself.
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.execute_command("HGET", key, ts_field)
-        stored = pipe.execute()
-        pipe = client.pipeline(transaction=False)
-        for i, (key, instant, prev) in enumerate(zip(keys, instants, stored, strict=True)):
-            stamp = stamps[instant]
-            if prev and nanos[instant] <= _nanos(prev):
-                continue  # Feast keeps the stored snapshot: not older than this one
-            args = [key, ts_field, stamp]
-            for field, column in zip(fields, columns, strict=True):
-                args += (field, column[i])
-            pipe.execute_command("HSET", *args)
-            if ttl:
-                pipe.execute_command("EXPIRE", key, ttl)
-            written += 1
-        pipe.execute()
-    return written
+        nanos = timestamp_nanos(chunk.column("event_timestamp"))
+        read = resp.stream(resp.commands([b"HGET", keys, ts_field]))
+        stored = _stored_nanos(resp.round_trip(client, read, len(keys)))
+        # Feast skips a row unless it is newer than the stored snapshot.
+        fresh = (stored == 0) | (nanos > stored) | np.isin(stored, redo)
+        count = int(fresh.sum())
+        if not count:
+            return 0
+        keep = pa.array(fresh)
+        args: list[resp.Arg] = [b"HSET", keys.filter(keep), ts_field]
+        args.append(timestamp_column(nanos[fresh]))
+        for field, feat in zip(fields, feats, strict=True):
+            args += (field, value_column(feat.dtype, chunk.column(feat.name).filter(keep)))
+        rows = resp.commands(args)
+        if ttl:
+            expire = resp.commands([b"EXPIRE", keys.filter(keep), str(ttl).encode()])
+            rows = pc.binary_join_element_wise(rows, expire, pa.scalar(b""))
+        resp.round_trip(client, resp.stream(rows), count * (2 if ttl else 1))
+        return count
+
+    # Chunks hold distinct entities (one row each), so they can go in any order; with
+    # two in flight one is encoded while Redis works on the other.
+    with ThreadPoolExecutor(THREADS, thread_name_prefix="materialize") as pool:
+        return sum(pool.map(write_chunk, range(0, table.num_rows, CHUNK)))
 
 
 def materialize_days(
@@ -148,15 +146,19 @@ def materialize_days(
     days: list[date],
     start: datetime,
     end: datetime,
+    recomputed: Collection[int] = (),
 ) -> int:
     """Write every view's newest snapshot per entity over ``days`` into the online
     store, and record ``[start, end)`` as materialized in the registry (as
-    ``FeatureStore.materialize(start, end)`` would). Returns the rows written."""
+    ``FeatureStore.materialize(start, end)`` would). An entity whose stored snapshot
+    time (epoch seconds) is in ``recomputed`` takes the new values even when they are
+    not newer (a re-run day's corrected snapshot). Returns the rows written."""
     client: Any = redis.Redis.from_url(redis_url)  # Feast keys and values are bytes
     written = 0
     try:
         for view in VIEWS:
-            written += write_view(store, client, view, newest_per_entity(features_dir, view, days))
+            table = newest_per_entity(features_dir, view, days)
+            written += write_view(store, client, view, table, recomputed)
             store.registry.apply_materialization(
                 store.get_feature_view(view.name), store.project, start, end
             )

@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import yaml
 from feast import FeatureStore, RepoConfig
 from feast.infra.online_stores.helpers import _mmh3, _redis_key
@@ -92,20 +94,35 @@ def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3
 def online_keys(
     project: str, join_key: str, entity_ids: list[str], key_version: int = 3
 ) -> list[bytes]:
-    """:func:`online_key` of many entities of one join key, fast: the bytes before the
-    entity value are the same for every entity, so Feast serializes one key and the
-    others reuse its prefix (entity key serialization v3: ``<u32 length><value>``
-    follows the prefix, then the project). Other versions: one call per entity."""
-    if key_version != 3 or not entity_ids:
+    """:func:`online_key` of many entities of one join key (see :func:`online_key_column`)."""
+    if key_version != 3:
         return [online_key(project, join_key, e, key_version) for e in entity_ids]
+    column = online_key_column(project, join_key, pa.array(entity_ids, pa.string()))
+    keys: list[bytes] = column.to_pylist()
+    return keys
+
+
+def online_key_column(
+    project: str, join_key: str, entity_ids: pa.Array, key_version: int = 3
+) -> pa.BinaryArray:
+    """:func:`online_key` of each entity id in ``entity_ids`` (strings, no nulls), built
+    column-wise: the bytes before the entity value are the same for every entity, so
+    Feast serializes one key and the others reuse its prefix (entity key serialization
+    v3: ``<u32 length><value>`` follows the prefix, then the project). Other versions:
+    one Feast call per entity."""
+    if key_version != 3:
+        ids = entity_ids.to_pylist()
+        return pa.array([online_key(project, join_key, e, key_version) for e in ids], pa.binary())
     probe = online_key(project, join_key, "", key_version)
     prefix = probe[: len(probe) - len(project) - 4]
-    tail = project.encode()
-    out = []
-    for e in entity_ids:
-        value = e.encode()
-        out.append(b"".join((prefix, len(value).to_bytes(4, "little"), value, tail)))
-    return out
+    utf8 = entity_ids.cast(pa.binary())
+    lengths = pc.binary_length(utf8).to_numpy(zero_copy_only=False).astype("<u4")
+    length_bytes = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(4), len(lengths), [None, pa.py_buffer(lengths.tobytes())]
+    ).cast(pa.binary())
+    return pc.binary_join_element_wise(
+        pa.scalar(prefix), length_bytes, utf8, pa.scalar(project.encode()), pa.scalar(b"")
+    )
 
 
 def batch_marker_key(project: str, view: str) -> str:

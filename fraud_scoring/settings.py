@@ -63,6 +63,28 @@ class Settings(BaseSettings):
     model_version: str = Field(
         default="latest", description="'latest' (highest integer version) or a pinned version."
     )
+    # The challenger (docs/decision-loop.md, part 5).
+    challenger_version: str | None = Field(
+        default=None,
+        pattern=r"^[0-9]+$",
+        description="A second model version (pinned) scored on every micro-batch in "
+        "shadow: its score is logged, never used, unless canary_percent routes the card "
+        "to it. Unset: no challenger. One that cannot load is refused (logged, on "
+        "/readyz and fraud_challenger_errors_total) and the serving model decides alone.",
+    )
+    canary_percent: float = Field(
+        default=0.0,
+        ge=0,
+        le=100,
+        description="Share of cards (a stable blake2b hash of card_id, in steps of 0.01) "
+        "whose decisions the challenger makes, with its own score and thresholds.",
+    )
+    challenger_timeout_ms: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest a micro-batch waits for the challenger: past it a canary "
+        "card is decided by the serving model and the shadow score is logged as null.",
+    )
     feature_store_yaml: Path | None = Field(
         default=None,
         description="Path of feature_store.yaml; default: the one shipped in feature_repo/.",

@@ -14,8 +14,10 @@ failed); :meth:`DecisionLog.readiness` says the same in words. A retried or repl
 One entry (JSON): ``transaction_id``, ``decided_at`` (epoch µs, UTC), ``transaction`` (the
 request's fields), ``features`` (name → value, in the model's order, as given to the
 model), ``missing``, ``stale``, ``score``, ``model_version``, ``decision``, ``reasons``
-(codes), ``timing_ms``, ``challenger_version`` and ``challenger_score`` (null until a
-challenger runs).
+(codes), ``timing_ms``, ``challenger_version`` and ``challenger_score`` (null when no
+challenger ran), ``routed_to`` (``champion`` | ``challenger``: which model decided, the
+one ``model_version`` and ``score`` are of, and whose vector ``features`` is),
+``champion_version`` and ``champion_score``.
 """
 
 from __future__ import annotations
@@ -95,8 +97,11 @@ def encode(p: _Pending) -> LogRecord:
         "decision": r.decision,
         "reasons": [x.code for x in r.reasons],
         "timing_ms": r.timing_ms,
-        "challenger_version": None,
-        "challenger_score": None,
+        "challenger_version": r.challenger_version,
+        "challenger_score": r.challenger_score,
+        "routed_to": r.routed_to,
+        "champion_version": r.champion_version,
+        "champion_score": r.champion_score,
     }
     return LogRecord(r.transaction_id, json.dumps(body, separators=(",", ":")).encode())
 

@@ -28,6 +28,7 @@ from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
 from service.batching import Batcher, BatchStats
+from service.challenger import Challenger
 from service.decision_log import DecisionLog
 from service.drift import DriftMonitor
 from service.errors import Rejected, RejectReason
@@ -56,6 +57,8 @@ class Resources:
     feedback: Producer | None = None
     # The breaker and batch-marker state of the online store (readiness reads it).
     health: StoreHealth | None = None
+    # The challenger in shadow / canary (service/challenger.py); none loaded by default.
+    challenger: Challenger | None = None
 
     def count_rejection(self, reason: RejectReason) -> None:
         self.instruments.rejections.labels(
@@ -145,6 +148,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
             feedback = log_producer(settings, url, settings.feedback_stream)
             stack.push_async_callback(feedback.close)
+        challenger = Challenger(settings)
+        await asyncio.to_thread(challenger.load)
+        # After the log, before the batcher: on exit shadow runs finish into the log.
+        stack.push_async_callback(challenger.stop, drain_s=settings.drain_seconds)
         drift = DriftMonitor(models, settings.drift_window)
         if settings.drift_window > 0:
             stack.callback(drift.start().cancel)
@@ -154,7 +161,16 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             for sink in sinks:  # each only counts or buffers: no I/O here
                 sink(*batch)
 
-        scorer = Scorer(client, reader, models, settings, pool, on_scored=on_scored, health=health)
+        scorer = Scorer(
+            client,
+            reader,
+            models,
+            settings,
+            pool,
+            on_scored=on_scored,
+            health=health,
+            challenger=challenger,
+        )
 
         async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
             """The scorer, plus the batch's decisions counted once per micro-batch."""
@@ -200,6 +216,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             decision_log,
             feedback,
             health,
+            challenger,
         )
 
 

@@ -14,6 +14,7 @@ service's micro-batches like single requests do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -33,6 +34,7 @@ from service import telemetry
 from service.admission import RECEIVED_NS
 from service.auth import AuthError, Scope, check_scope, require_scope
 from service.batching import DeadlineExceeded
+from service.challenger import LineupChange
 from service.errors import (
     ErrorCode,
     NotReady,
@@ -41,7 +43,6 @@ from service.errors import (
     error_body,
     error_responses,
 )
-from service.model import load_configured
 from service.resources import Resources, resources
 from service.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
 from service.scoring import ScoreRequest, ScoreResult
@@ -375,24 +376,41 @@ def _json(body: BaseModel) -> Response:
 class ReloadOut(BaseModel):
     previous_version: str | None
     serving_version: str
+    challenger_version: str | None = None
+    canary_percent: float = 0.0
 
 
 @router.post(
     "/v1/models/reload",
     response_model=ReloadOut,
     dependencies=[Depends(require_scope(Scope.ADMIN))],
-    responses=error_responses(401, 403, 409),
+    responses=error_responses(401, 403, 409, 415, 422),
+    openapi_extra={
+        "requestBody": {
+            "required": False,
+            "content": {"application/json": {"schema": LineupChange.model_json_schema()}},
+        }
+    },
 )
 async def reload_model(request: Request) -> JSONResponse:
-    """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure."""
+    """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure.
+    An optional body (:class:`~service.challenger.LineupChange`) changes this process's
+    champion version, challenger and canary share: promotion and rollback."""
     res = resources(request)
     old = res.models.current.version if res.models.current else None
+    change = LineupChange()
+    if (await request.body()).strip():
+        try:
+            change = LineupChange.model_validate_json(await _json_body(request))
+        except ValidationError as exc:
+            raise _invalid_body(exc.errors(include_url=False)) from None
+    assert res.challenger is not None  # open_resources always makes one
     try:
-        new = await asyncio.to_thread(res.models.swap, lambda: load_configured(res.settings))
+        new = await asyncio.to_thread(res.challenger.apply, res.models, change)
     except ModelError as exc:
         body = error_body(ErrorCode.MODEL_REJECTED, str(exc))
         return JSONResponse(status_code=409, content={**body, "serving_version": old})
-    return JSONResponse({"previous_version": old, "serving_version": new.version})
+    return JSONResponse({"previous_version": old, **dataclasses.asdict(new)})
 
 
 @router.get("/healthz")
@@ -438,6 +456,8 @@ async def readyz(request: Request) -> JSONResponse:
     # Information only: scoring goes on (decisions buffered, then dropped and counted).
     if res.decision_log is not None and (why := res.decision_log.readiness()) is not None:
         body["decision_log"] = why
+    if res.challenger is not None and (why := res.challenger.readiness()) is not None:
+        body["challenger"] = why  # information only: the serving model decides alone
     if degraded and store:
         body["degraded"] = store  # deciding by rules only while these last
     return JSONResponse(body)

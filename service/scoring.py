@@ -24,6 +24,7 @@ the naive path (batching off) calls it with one transaction per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.settings import Settings
+from service.challenger import Challenger
 from service.decision import Policy, Reason, rules_only
 from service.model import LoadedModel, ModelHolder
 from service.online_features import OnlineFeatureReader
@@ -60,6 +62,13 @@ class ScoreResult:
     spans_ns: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Degraded mode: why rules decided ("no_batch_features" | "feature_store"), else None.
     degraded: str | None = None
+    # The challenger (service/challenger.py): which model decided ("champion" |
+    # "challenger"; ``model_version`` names it), and both models' scores. For the log only.
+    routed_to: str = "champion"
+    champion_version: str | None = None
+    champion_score: float | None = None
+    challenger_version: str | None = None
+    challenger_score: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +80,16 @@ class ScoreRequest:
     record: bool = True
 
 
-def policy_for(model: LoadedModel, settings: Settings) -> Policy:
+def policy_for(model: LoadedModel, settings: Settings, *, overrides: bool = True) -> Policy:
+    """The decision policy for ``model``: its own thresholds, or the settings' threshold
+    overrides when ``overrides`` (the serving model; a challenger keeps its own)."""
     th = model.meta.thresholds_for(model.variant)
     return Policy(
         review_threshold=settings.review_threshold
-        if settings.review_threshold is not None
+        if overrides and settings.review_threshold is not None
         else th.review,
         decline_threshold=settings.decline_threshold
-        if settings.decline_threshold is not None
+        if overrides and settings.decline_threshold is not None
         else th.decline,
         review_amount_limit=settings.review_amount_limit,
         importance=model.meta.feature_importance,
@@ -101,8 +112,10 @@ class Scorer:
         pool: ThreadPoolExecutor,
         on_scored: OnScored | None = None,
         health: StoreHealth | None = None,
+        challenger: Challenger | None = None,
     ) -> None:
         self.redis = redis
+        self.challenger = challenger
         self.health = health
         self.on_scored = on_scored
         self.reader = reader
@@ -262,14 +275,31 @@ class Scorer:
             scores = model.predict(x)  # cheaper than the thread handoff (settings)
         else:
             scores = await asyncio.get_running_loop().run_in_executor(self.pool, model.predict, x)
+        ch = self.challenger.current if self.challenger is not None else None
+        canary = self.challenger.canary([t.card_id for t in txns]) if self.challenger else None
+        ch_x, ch_scores = None, None
+        if ch is not None and self.challenger is not None and canary is not None:
+            # A routed card waits for its decider: the challenger runs now, on the whole
+            # batch (its shadow scores come with it). Failed or late: the champion decides.
+            ch_x = self._challenger_matrix(ch, model, x, cols)
+            ch_scores = await self.challenger.run(ch, ch_x)
+            if ch_scores is None:
+                canary = None
         wall2, t2 = time.time_ns(), time.perf_counter()
         policy = policy_for(model, self.settings)
+        ch_policy = (
+            policy_for(ch, self.settings, overrides=False)
+            if ch is not None and canary is not None
+            else policy
+        )
         names = list(cols)
         out = []
         for i, t in enumerate(txns):
             row = {n: cols[n][i] for n in names if cols[n].dtype != object}
-            decision, reasons = policy.decide(
-                float(scores[i]),
+            routed = canary is not None and bool(canary[i])
+            score = float(ch_scores[i]) if routed and ch_scores is not None else float(scores[i])
+            decision, reasons = (ch_policy if routed else policy).decide(
+                score,
                 row,
                 card_known="card_txn_count_30d" not in missing[i]
                 and "card_txn_count_30d" not in stale[i],
@@ -278,11 +308,18 @@ class Scorer:
                 ScoreResult(
                     transaction_id=t.transaction_id,
                     decision=decision,
-                    score=float(scores[i]),
+                    score=score,
                     reasons=reasons,
-                    model_version=model.version,
+                    model_version=ch.version if routed and ch is not None else model.version,
                     missing=missing[i],
                     stale=stale[i],
+                    routed_to="challenger" if routed else "champion",
+                    champion_version=model.version,
+                    champion_score=float(scores[i]),
+                    challenger_version=ch.version
+                    if ch is not None and ch_scores is not None
+                    else None,
+                    challenger_score=float(ch_scores[i]) if ch_scores is not None else None,
                 )
             )
         wall3, t3 = time.time_ns(), time.perf_counter()
@@ -298,6 +335,68 @@ class Scorer:
                 "inference": (wall1, wall2),
                 "decision": (wall2, wall3),
             }
-        if self.on_scored is not None:
-            self.on_scored(txns, x, model.meta.feature_names, out)
+        if self.on_scored is None:
+            return out
+        # Shadow scores go only to the decision log: without one, no shadow run.
+        shadow = self.settings.decision_log != "off"
+        if ch is not None and ch_x is None and self.challenger is not None and shadow:
+            self.challenger.later(self._shadow(ch, model, x, cols, txns, out))
+        else:
+            self._log(txns, x, model, ch_x, ch, out)
         return out
+
+    @staticmethod
+    def _challenger_matrix(
+        ch: LoadedModel, model: LoadedModel, x: np.ndarray, cols: dict[str, np.ndarray]
+    ) -> np.ndarray:
+        """The challenger's input: the champion's own matrix when both list the same
+        features, else one assembled in the challenger's order from the same columns
+        (its features are producible: checked at load)."""
+        if ch.meta.feature_names == model.meta.feature_names:
+            return x
+        return F.assemble(ch.meta.feature_names, cols)
+
+    async def _shadow(
+        self,
+        ch: LoadedModel,
+        model: LoadedModel,
+        x: np.ndarray,
+        cols: dict[str, np.ndarray],
+        txns: Sequence[Transaction],
+        out: list[ScoreResult],
+    ) -> None:
+        """After the answers: the challenger's scores on the batch, then the log (copies of
+        the results: the answers already went out with the originals)."""
+        assert self.challenger is not None
+        ch_x = self._challenger_matrix(ch, model, x, cols)
+        scores = await self.challenger.run(ch, ch_x)
+        if scores is not None:
+            out = [
+                dataclasses.replace(r, challenger_version=ch.version, challenger_score=float(s))
+                for r, s in zip(out, scores, strict=True)
+            ]
+        self._log(txns, x, model, ch_x, ch, out)
+
+    def _log(
+        self,
+        txns: Sequence[Transaction],
+        x: np.ndarray,
+        model: LoadedModel,
+        ch_x: np.ndarray | None,
+        ch: LoadedModel | None,
+        out: Sequence[ScoreResult],
+    ) -> None:
+        """Hand the batch to ``on_scored``, each row with the vector of the model that
+        decided it (the champion's rows and the canary's rows as two calls)."""
+        assert self.on_scored is not None
+        routed = [i for i, r in enumerate(out) if r.routed_to == "challenger"]
+        if not routed or ch is None or ch_x is None:
+            self.on_scored(txns, x, model.meta.feature_names, out)
+            return
+        kept = [i for i, r in enumerate(out) if r.routed_to != "challenger"]
+        for rows, m, names in (
+            (kept, x, model.meta.feature_names),
+            (routed, ch_x, ch.meta.feature_names),
+        ):
+            if rows:
+                self.on_scored([txns[i] for i in rows], m[rows], names, [out[i] for i in rows])

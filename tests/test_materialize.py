@@ -3,7 +3,8 @@
 The same two simulated days are materialized once by ``FeatureStore.materialize`` and
 once by the direct writer, each into a Redis of its own: every key and every hash field
 must be byte for byte the same, and Feast's ``get_online_features`` must read back the
-snapshot values from the direct writer's Redis.
+snapshot values from the direct writer's Redis. With ``key_ttl_seconds`` set, both
+paths also leave every key expiring.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import redis
+import yaml
 
 from batch_jobs.batch import run_batch
 from batch_jobs.simulate import SimConfig, simulate
-from fraud_scoring.feast_store import open_store
+from fraud_scoring.feast_store import REPO_DIR, open_store
 from fraud_scoring.features import VIEWS, view_features
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.storage import partition_file
@@ -64,3 +66,28 @@ def test_direct_writer_leaves_feasts_exact_redis_state(tmp_path: Path) -> None:
                         sample[f.name].to_numpy(),
                         err_msg=f.name,
                     )
+
+
+def test_direct_writer_sets_the_key_ttl_as_feast_does(tmp_path: Path) -> None:
+    ttl = 7 * 86_400
+    config = yaml.safe_load((REPO_DIR / "feature_store.yaml").read_text())
+    config["online_store"]["key_ttl_seconds"] = ttl
+    store_yaml = tmp_path / "feature_store.yaml"
+    store_yaml.write_text(yaml.safe_dump(config))
+    cfg = SimConfig(cards=40, merchants=8, days=2, seed=5)
+    simulate(cfg, tmp_path / "raw")
+    days = [cfg.start + timedelta(days=i) for i in range(cfg.days)]
+    with embedded_redis() as feast_url, embedded_redis() as direct_url:
+        ttls = {}
+        for url, how in ((feast_url, "feast"), (direct_url, "direct")):
+            run_batch(tmp_path, days, url, store_yaml, materializer=how)  # type: ignore[arg-type]
+            client: Any = redis.Redis.from_url(url)
+            try:
+                ttls[how] = {k: client.ttl(k) for k in client.scan_iter(_type="hash")}
+            finally:
+                client.close()
+        assert _dump(direct_url) == _dump(feast_url)
+    assert ttls["direct"].keys() == ttls["feast"].keys()
+    assert len(ttls["direct"]) > 40
+    for how in ("feast", "direct"):
+        assert all(ttl - 60 <= t <= ttl for t in ttls[how].values()), how
