@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 
 from fraud_scoring.commands import Command, UsageError, iso_date
 from fraud_scoring.redis_server import redis_url
@@ -214,27 +215,104 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count the chargebacks that arrived since training (from FRAUD_DATA_DIR)",
     )
-    p.add_argument(
+    logged = p.add_argument_group("on the decision log (docs/decision-loop.md)")
+    logged.add_argument(
+        "--served",
+        action="store_true",
+        help="report on the compacted decisions instead: quality, calibration, decision mix "
+        "and drift of every model version in them",
+    )
+    logged.add_argument(
         "--compare",
         nargs=2,
         metavar=("A", "B"),
         help="compare two model versions on the logged decisions both scored (a challenger "
-        "in shadow or canary) over --from..--to, labels as of now (docs/decision-loop.md)",
+        "in shadow or canary) over --from..--to, labels as of now",
     )
-    p.add_argument("--from", dest="from_", type=iso_date, help="first UTC day of the log")
-    p.add_argument("--to", type=iso_date, help="last UTC day of the log (inclusive)")
+    logged.add_argument(
+        "--from",
+        dest="from_",
+        type=iso_date,
+        help="first UTC day of the log (--served: default --to)",
+    )
+    logged.add_argument(
+        "--to",
+        type=iso_date,
+        help="last UTC day of the log, inclusive (--served: default --from, else yesterday)",
+    )
+    logged.add_argument(
+        "--as-of",
+        type=_aware_time,
+        help="--served: count the labels that had arrived before this time (RFC 3339; "
+        "default: now)",
+    )
+    logged.add_argument(
+        "--out",
+        type=Path,
+        help="--served: report folder (default: FRAUD_DATA_DIR/reports/served-D1_D2)",
+    )
+
+
+def _aware_time(v: str) -> datetime:
+    t = datetime.fromisoformat(v)
+    if t.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{v!r} has no time zone (e.g. +00:00)")
+    return t
 
 
 def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
-    if args.compare:
-        return _compare(args, settings)
     from batch_jobs.evaluate import REPORT_DIR, evaluate_version
     from fraud_scoring.model_repo import resolve
+
+    if args.served and args.compare:
+        raise UsageError("--served and --compare are two reports: one at a time")
+    if args.compare:
+        return _compare(args, settings)
+    if args.served:
+        return _evaluate_served(args, settings)
+    if args.from_ or args.to or args.as_of or args.out:
+        raise UsageError(
+            "--from and --to go with --served or --compare; --as-of, --out with --served"
+        )
 
     data_dir = settings.data_dir if args.refresh_labels else None
     evaluate_version(settings.model_repo, settings.model_name, args.version, data_dir)
     path = resolve(settings.model_repo, settings.model_name, args.version) / REPORT_DIR
     print(f"evaluation report: {path / 'report.md'}")
+
+
+def _evaluate_served(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.served_report import served_report, write_served_report
+
+    if args.refresh_labels or args.version != "latest":
+        raise UsageError("--served reports every version in the log, with labels as of --as-of")
+    last = args.to or args.from_ or (datetime.now(UTC).date() - timedelta(days=1))
+    first = args.from_ or last
+    if first > last:
+        raise UsageError(f"--from {first} is after --to {last}")
+    folder = args.out or settings.data_dir / "reports" / f"served-{first}_{last}"
+    data = served_report(
+        settings.data_dir / "raw",
+        first,
+        last,
+        args.as_of or datetime.now(UTC),
+        settings.model_repo,
+        settings.model_name,
+    )
+    write_served_report(folder, data)
+    for v, vd in data["versions"].items():
+        a, drift = vd["as_decided"], vd["drift"]
+        psi = (
+            f"score PSI {drift['score_psi']:.3f}, shifted: {', '.join(drift['shifted']) or 'none'}"
+            if drift["reference"]
+            else "no reference"
+        )
+        print(
+            f"model v{v}: {vd['rows']:,} decisions, {vd['frauds']} known frauds; flagged "
+            f"precision {a['flagged_precision']:.1%} recall {a['flagged_recall']:.1%}; "
+            f"ECE {vd['metrics']['ece']:.4f}; {psi}"
+        )
+    print(f"served-traffic report: {folder / 'report.md'}")
 
 
 def _compare(args: argparse.Namespace, settings: Settings) -> None:
@@ -280,7 +358,8 @@ COMMANDS: list[Command] = [
     ),
     Command(
         "evaluate",
-        "re-run a model version's evaluation report (ONNX Runtime on its stored holdout)",
+        "re-run a model version's evaluation report (ONNX Runtime on its stored holdout), "
+        "or --served: report on the logged decisions",
         run_evaluate,
         configure_evaluate,
     ),

@@ -299,13 +299,6 @@ def report_data(
         row["frauds"] = int(y[m].sum())
         row["frauds_flagged"] = int((y[m] & (decision[m] != "approve")).sum())
         per_day.append(row)
-    log_p = np.log10(np.clip(p, 1e-9, 1.0))
-    edges = np.linspace(-9, 0, 37)
-    hist = {
-        "log10_edges": edges.tolist(),
-        "fraud_share": _hist_share(log_p[y == 1], w[y == 1], edges),
-        "legit_share": _hist_share(log_p[y == 0], w[y == 0], edges),
-    }
     return {
         "model": meta.name,
         "version": meta.version,
@@ -316,10 +309,21 @@ def report_data(
         "metrics": served_metrics(h, p, th, costs),
         "reliability": [b.model_dump() for b in reliability(y, p, w)],
         "pr_curve": {"precision": prec[keep].tolist(), "recall": rec[keep].tolist()},
-        "score_histogram": hist,
+        "score_histogram": score_histogram(y, p, w),
         "pattern_recall": patterns,
         "segment_recall": segments,
         "decisions_per_day": per_day,
+    }
+
+
+def score_histogram(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, list[float]]:
+    """Share of each class's (weighted) rows per bin of log10(probability)."""
+    log_p = np.log10(np.clip(p, 1e-9, 1.0))
+    edges = np.linspace(-9, 0, 37)
+    return {
+        "log10_edges": edges.tolist(),
+        "fraud_share": _hist_share(log_p[y == 1], w[y == 1], edges),
+        "legit_share": _hist_share(log_p[y == 0], w[y == 0], edges),
     }
 
 
@@ -331,68 +335,90 @@ def _hist_share(v: np.ndarray, w: np.ndarray, edges: np.ndarray) -> list[float]:
 def report_files(data: dict[str, Any]) -> dict[str, bytes]:
     """The report as files: ``evaluation.json`` (``data``), four PNG figures and
     ``report.md`` that shows them."""
+    return {
+        "evaluation.json": json.dumps(data, indent=2).encode(),
+        **figures(data),
+        "report.md": _markdown(data).encode(),
+    }
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing into files only (never a display)."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: never a display
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def png(fig: Any) -> bytes:
+    """``fig`` as PNG bytes (the figure is closed)."""
+    plt = pyplot()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def figures(data: dict[str, Any], rows: str = "holdout") -> dict[str, bytes]:
+    """The report's PNG figures from its data (``pr_curve``, ``reliability``,
+    ``metrics.ece``, ``score_histogram`` with ``thresholds``, ``decisions_per_day``; a
+    figure whose key is absent is left out); ``rows`` names the rows in the titles."""
+    plt = pyplot()
     figs: dict[str, bytes] = {}
 
     def save(name: str, fig: Any) -> None:
-        buf = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buf, format="png", dpi=100)
-        plt.close(fig)
-        figs[name] = buf.getvalue()
+        figs[name] = png(fig)
 
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot(data["pr_curve"]["recall"], data["pr_curve"]["precision"])
-    ax.set(xlabel="recall", ylabel="precision", title="Precision-recall (holdout, served)")
-    save("pr_curve.png", fig)
+    if "pr_curve" in data:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot(data["pr_curve"]["recall"], data["pr_curve"]["precision"])
+        ax.set(xlabel="recall", ylabel="precision", title=f"Precision-recall ({rows}, served)")
+        save("pr_curve.png", fig)
 
-    fig, ax = plt.subplots(figsize=(5, 4))
-    rel = data["reliability"]
-    ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
-    ax.plot([b["mean_probability"] for b in rel], [b["fraud_rate"] for b in rel], "o-")
-    ax.set(
-        xscale="symlog",
-        yscale="symlog",
-        xlabel="mean predicted probability",
-        ylabel="observed fraud rate",
-        title=f"Reliability (ECE {data['metrics']['ece']:.4f})",
-    )
-    ax.set_xscale("symlog", linthresh=1e-3)
-    ax.set_yscale("symlog", linthresh=1e-3)
-    save("reliability.png", fig)
+    if "reliability" in data:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        rel = data["reliability"]
+        ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
+        ax.plot([b["mean_probability"] for b in rel], [b["fraud_rate"] for b in rel], "o-")
+        ax.set(
+            xscale="symlog",
+            yscale="symlog",
+            xlabel="mean predicted probability",
+            ylabel="observed fraud rate",
+            title=f"Reliability (ECE {data['metrics']['ece']:.4f})",
+        )
+        ax.set_xscale("symlog", linthresh=1e-3)
+        ax.set_yscale("symlog", linthresh=1e-3)
+        save("reliability.png", fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    hist = data["score_histogram"]
-    e = np.asarray(hist["log10_edges"])
-    for key, label in (("legit_share", "legitimate"), ("fraud_share", "fraud")):
-        ax.stairs(hist[key], e, label=label)
-    for name in ("review", "decline"):
-        t = data["thresholds"][name]
-        ax.axvline(np.log10(max(t, 1e-9)), ls=":", c="k")
-        ax.annotate(name, (np.log10(max(t, 1e-9)), 0.9), xycoords=("data", "axes fraction"))
-    ax.set(xlabel="log10(probability)", ylabel="share of class", title="Scores by class")
-    ax.legend()
-    save("score_histogram.png", fig)
+    if "score_histogram" in data:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        hist = data["score_histogram"]
+        e = np.asarray(hist["log10_edges"])
+        for key, label in (("legit_share", "legitimate"), ("fraud_share", "fraud")):
+            ax.stairs(hist[key], e, label=label)
+        for name in ("review", "decline"):
+            t = data["thresholds"][name]
+            ax.axvline(np.log10(max(t, 1e-9)), ls=":", c="k")
+            ax.annotate(name, (np.log10(max(t, 1e-9)), 0.9), xycoords=("data", "axes fraction"))
+        ax.set(xlabel="log10(probability)", ylabel="share of class", title="Scores by class")
+        ax.legend()
+        save("score_histogram.png", fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    per_day = data["decisions_per_day"]
-    x = np.arange(len(per_day))
-    for d, off in (("review", -0.2), ("decline", 0.2)):
-        ax.bar(x + off, [r[d] for r in per_day], width=0.4, label=d)
-    ax.set_xticks(x, [r["day"] for r in per_day], rotation=30)
-    ax.set(ylabel="transactions", title="Reviews and declines per day (holdout)")
-    ax.legend()
-    save("decisions_per_day.png", fig)
-
-    return {
-        "evaluation.json": json.dumps(data, indent=2).encode(),
-        **figs,
-        "report.md": _markdown(data).encode(),
-    }
+    if "decisions_per_day" in data:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        per_day = data["decisions_per_day"]
+        x = np.arange(len(per_day))
+        for d, off in (("review", -0.2), ("decline", 0.2)):
+            ax.bar(x + off, [r[d] for r in per_day], width=0.4, label=d)
+        ax.set_xticks(x, [r["day"] for r in per_day], rotation=30)
+        ax.set(ylabel="transactions", title=f"Reviews and declines per day ({rows})")
+        ax.legend()
+        save("decisions_per_day.png", fig)
+    return figs
 
 
 def _markdown(d: dict[str, Any]) -> str:

@@ -55,6 +55,7 @@ from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
 from fraud_scoring import session
+from fraud_scoring.drift import REFERENCE_FILE, build_reference
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.model_repo import (
     Calibration,
@@ -328,11 +329,31 @@ def train(
         overridden_gates=failed,
     )
     files[HOLDOUT_FILE] = hold.to_parquet()
+    files[REFERENCE_FILE] = reference_json(X[va | ho], w[va | ho], names, files, split)
     report = report_files(report_data(meta, hold, scores["default"], labels_as_of))
     files.update({f"{REPORT_DIR}/{k}": v for k, v in report.items()})
     meta = publish(model_repo, cfg.model_name, files, meta)
     log.info("published %s", model_repo / cfg.model_name / meta.version)
     return meta
+
+
+def reference_json(
+    x: np.ndarray, w: np.ndarray, names: list[str], files: dict[str, bytes], split: Split
+) -> bytes:
+    """The version's reference distribution (``fraud_scoring.drift``): the validation and
+    holdout rows, the latest before serving starts and weighted back to every transaction
+    (training's negatives are sampled without weights), and each variant's served score
+    on them."""
+    variants = {"default": "model.onnx", "tensor": TENSOR_FILE}
+    ref = build_reference(
+        names,
+        x,
+        w,
+        {v: served_scores(files[f], x) for v, f in variants.items()},
+        source="validation+holdout, weighted back to every transaction",
+        window=(split.at(split.valid_start), snapshot_time(split.holdout_last)),
+    )
+    return ref.model_dump_json(indent=1).encode()
 
 
 def _check_positives(label: np.ndarray, part: np.ndarray, split: Split, cfg: TrainConfig) -> None:

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import httpx
 
-from fraud_scoring.commands import Command
+from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import redis_url
@@ -37,7 +37,14 @@ def _pick(rows: list[dict], n_fraud: int = 4, n_normal: int = 4) -> list[dict]:
     return chosen
 
 
-def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = False) -> None:
+def run_demo(
+    settings: Settings,
+    cards: int,
+    days: int,
+    keep_serving: bool = False,
+    live_seconds: float | None = None,
+    live_share: float = 0.5,
+) -> None:
     # Imported here: they take seconds, and every other subcommand (and --help) would
     # pay for them when the entry point imports this module.
     from batch_jobs.batch import day_range, run_batch
@@ -132,6 +139,14 @@ def run_demo(settings: Settings, cards: int, days: int, keep_serving: bool = Fal
                             f"    defaults used: missing={len(res['features']['missing'])} "
                             f"stale={len(res['features']['stale'])}"
                         )
+            if live_seconds is not None:
+                from cli.live_day import run_live_day
+
+                _step(f"a day of live traffic in {live_seconds:g}s: updater, log, labels, report")
+                report = run_live_day(
+                    settings, url, base, last, live_seconds, live_share, settings.data_dir
+                )
+                print(f"served-traffic report (evaluate --served): {report / 'report.md'}")
             if keep_serving:
                 print(f"\nserving at {base} (Ctrl-C to stop)")
                 service.proc.wait()
@@ -143,15 +158,45 @@ def configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cards", type=int, default=3000, help="cards to simulate")
     p.add_argument("--days", type=int, default=21, help="days to simulate (at least 12)")
     p.add_argument("--keep-serving", action="store_true", help="leave the API running")
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="then play the held-out day as live traffic with the updater, compact the "
+        "decision log, join labels and write the served-traffic report",
+    )
+    p.add_argument(
+        "--live-seconds",
+        type=float,
+        default=60.0,
+        help="wall-clock seconds the live day is compressed into (default 60)",
+    )
+    p.add_argument(
+        "--live-share",
+        type=float,
+        default=0.5,
+        help="share of the cards whose transactions the live day plays (default 0.5)",
+    )
 
 
 def _run(args: argparse.Namespace, settings: Settings) -> None:
-    run_demo(settings, cards=args.cards, days=args.days, keep_serving=args.keep_serving)
+    if args.live_seconds <= 0:
+        raise UsageError(f"--live-seconds must be positive, got {args.live_seconds:g}")
+    if not 0 < args.live_share <= 1:
+        raise UsageError(f"--live-share must be in (0, 1], got {args.live_share:g}")
+    run_demo(
+        settings,
+        cards=args.cards,
+        days=args.days,
+        keep_serving=args.keep_serving,
+        live_seconds=args.live_seconds if args.live else None,
+        live_share=args.live_share,
+    )
 
 
 COMMAND = Command(
     "demo",
-    "simulate, batch, train, serve and score a few transactions",
+    "simulate, batch, train, serve and score a few transactions (--live: then a day of "
+    "live traffic through the decision loop)",
     _run,
     configure_demo,
 )

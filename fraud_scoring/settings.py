@@ -387,6 +387,15 @@ class Settings(BaseSettings):
         "two days of slack for a failed run). 0: forever.",
     )
 
+    # --- drift on served traffic (docs/decision-loop.md, part 4) ------------------------
+    drift_window: int = Field(
+        default=10_000,
+        ge=0,
+        description="Scored transactions in the rolling window of the fraud_feature_psi and "
+        "fraud_score_psi gauges (against the serving model's reference.json); 0: no PSI "
+        "gauges (the fraud_score histogram stays).",
+    )
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:

@@ -31,6 +31,7 @@ from service import telemetry
 from service.batching import Batcher, BatchStats
 from service.challenger import Challenger
 from service.decision_log import DecisionLog
+from service.drift import DriftMonitor
 from service.errors import Rejected, RejectReason
 from service.model import ModelHolder, load_configured, watch_models
 from service.online_features import OnlineFeatureReader
@@ -154,13 +155,22 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         await asyncio.to_thread(challenger.load)
         # After the log, before the batcher: on exit shadow runs finish into the log.
         stack.push_async_callback(challenger.stop, drain_s=settings.drain_seconds)
+        drift = DriftMonitor(models, settings.drift_window)
+        if settings.drift_window > 0:
+            stack.callback(drift.start().cancel)
+        sinks = [drift.observe, *([decision_log.submit] if decision_log else [])]
+
+        def on_scored(*batch: Any) -> None:
+            for sink in sinks:  # each only counts or buffers: no I/O here
+                sink(*batch)
+
         scorer = Scorer(
             client,
             reader,
             models,
             settings,
             pool,
-            on_scored=decision_log.submit if decision_log else None,
+            on_scored=on_scored,
             health=health,
             challenger=challenger,
         )

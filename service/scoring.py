@@ -338,8 +338,10 @@ class Scorer:
                 "decision": (wall2, wall3),
             }
         if self.on_scored is None:
-            return out  # shadow scores go only to the log: without one, no shadow run
-        if ch is not None and ch_x is None and self.challenger is not None:
+            return out
+        # Shadow scores go only to the decision log: without one, no shadow run.
+        shadow = self.settings.decision_log != "off"
+        if ch is not None and ch_x is None and self.challenger is not None and shadow:
             self.challenger.later(self._shadow(ch, model, x, cols, txns, out))
         else:
             self._log(txns, x, model, ch_x, ch, out)

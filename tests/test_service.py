@@ -176,6 +176,8 @@ def test_health_ready_and_metrics(server: Server) -> None:
         "fraud_decisions_total",
         "fraud_request_duration_seconds_bucket",
         "fraud_batch_queue_depth",
+        "fraud_score_bucket",  # the score distribution (service/drift.py)
+        "fraud_drift_reference",
     ):
         assert name in text, name
     assert 'model_version="1"' in text
@@ -458,6 +460,7 @@ def test_metrics_aggregate_across_workers(world: World, tmp_path: Path) -> None:
                 text = c.get("/metrics").text
             assert _sample_sum(text, "fraud_decisions_total") == sent
             assert _sample_sum(text, "fraud_request_duration_seconds_count") == sent
+            assert _sample_sum(text, "fraud_score_count") == sent  # bulk-observed per batch
             assert "fraud_batch_queue_depth" in text
     finally:
         stop_server(srv)
