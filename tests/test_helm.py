@@ -664,7 +664,10 @@ def rendered_commands() -> list[list[str]]:
 
 
 def _env_for_cli() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAUD_", "REDIS_"))}
+    # A pod has none of these; PROMETHEUS_MULTIPROC_DIR is set in this process by importing
+    # Feast, and would put the rendered service's /metrics in multiprocess mode.
+    skip = ("FRAUD_", "REDIS_", "PROMETHEUS_MULTIPROC_", "prometheus_multiproc_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
     return env
 
