@@ -176,8 +176,21 @@ def test_a_keys_share_comes_from_the_keys_file(tmp_path: Path) -> None:
     an out-of-range share in the file is refused naming the line and field."""
     keys = tmp_path / "keys.jsonl"
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "keys", "create", "--id", "gold", "--scopes", "score"]
-        + ["--share", "3", "--file", str(keys)],
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "keys",
+            "create",
+            "--id",
+            "gold",
+            "--scopes",
+            "score",
+            "--share",
+            "3",
+            "--file",
+            str(keys),
+        ],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
