@@ -56,8 +56,10 @@ class WorkShares:
     * the process then holds at most ``capacity`` (a call heavier than the whole
       capacity still runs when nothing else does: it is never refused for ever), and
     * its client, if it already holds work, stays within its fair share (``capacity``
-      divided by the clients seen in the last ``window_s`` seconds or holding work), or,
-      over it, leaves a reserve of ``capacity / 8`` free for each other client.
+      split between the clients seen in the last ``window_s`` seconds or holding work,
+      in proportion to their ``share``: the key's weight from the keys file, 1 by
+      default), or, over it, leaves a reserve of ``capacity / 8`` free for each other
+      client.
 
     A client alone may use the whole capacity. When a second one calls, the first may go
     over its half only as far as the reserve allows, so the second's calls are admitted
@@ -74,17 +76,23 @@ class WorkShares:
         self.total = 0
         self.held: dict[str, int] = {}
         self._seen: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
 
-    def refusal(self, client: str, weight: int, now: float) -> Rejected | None:
+    def refusal(
+        self, client: str, weight: int, now: float, client_share: float = 1.0
+    ) -> Rejected | None:
         """Why a call of ``weight`` transactions from ``client`` cannot be admitted now,
         or None: ``client_share`` when the client is over its share (the caller that
         should back off), else ``inflight`` when the capacity is full. Records that
-        ``client`` called (it then counts for the shares)."""
+        ``client`` called, with its weight ``client_share`` (it then counts for the
+        shares)."""
         self._seen[client] = now
+        self._weights[client] = client_share
         held = self.held.get(client, 0)
         active = self._active(now) if held else 1
         if active > 1:
-            share = self.capacity / active
+            total_weight = sum(self._weights[c] for c in self._seen)
+            share = self.capacity * client_share / total_weight
             # Over its share, a key may still use room nobody else uses, but leaves a
             # reserve free for each other key that calls.
             reserve = self.reserve * (active - 1)
@@ -117,23 +125,23 @@ class WorkShares:
         """Clients seen within the window or holding work (forgetting the others)."""
         cutoff = now - self.window_s
         for client in [c for c, t in self._seen.items() if t < cutoff and c not in self.held]:
-            del self._seen[client]
+            del self._seen[client], self._weights[client]
         return len(self._seen)
 
 
-def client_of(scope: Scope) -> str | None:
-    """Who the request counts for: the API key's id (the key verified, and the principal
-    kept for the route's scope check), ``anonymous`` with auth off, None for a missing
-    or invalid key (the route answers 401 at once; such a call weighs nothing)."""
+def client_of(scope: Scope) -> auth.Principal | None:
+    """Who the request counts for: the API key's principal (the key verified, and the
+    principal kept for the route's scope check), ``anonymous`` with auth off, None for a
+    missing or invalid key (the route answers 401 at once; such a call weighs nothing)."""
     ring: auth.KeyRing | None = scope["state"].get(auth.STATE_KEY)
     if ring is None:
-        return auth.ANONYMOUS.key_id
+        return auth.ANONYMOUS
     try:
         who = ring.authenticate(auth.presented_key(Headers(scope=scope)))
     except auth.AuthError:
         return None
     scope[auth.PRINCIPAL_KEY] = who
-    return who.key_id
+    return who
 
 
 class AdmissionLimit:
@@ -184,17 +192,17 @@ class AdmissionLimit:
             await answer(scope, receive, send)
             return
         replayed = _Replayed(body, receive).receive
-        client = client_of(scope)
-        if client is None:  # no valid key: answered 401 before any work
+        who = client_of(scope)
+        if who is None:  # no valid key: answered 401 before any work
             await self.app(scope, replayed, send)
             return
-        now = time.monotonic()
+        client, now = who.key_id, time.monotonic()
         weight = 1
-        refused = self.shares.refusal(client, 1, now)
+        refused = self.shares.refusal(client, 1, now, who.share)
         if refused is None and path == BATCH_PATH:
             weight = self._weigh(scope, body)
             if weight > 1:
-                refused = self.shares.refusal(client, weight, now)
+                refused = self.shares.refusal(client, weight, now, who.share)
         if refused is not None:
             reply = resources(scope).answer(refused, {"error": refused.detail} if oip else None)
             await reply(scope, receive, send)

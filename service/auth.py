@@ -6,6 +6,10 @@ secret); the service only ever holds its SHA-256, in the keys file
 
     {"id": "ops-2026-11", "sha256": "<hex of sha256(whole key)>", "scopes": ["score"]}
 
+An optional ``"share"`` (default 1, in (0, 1000]) is the key's weight in admission's fair
+shares under overload (:class:`service.admission.WorkShares`): a key with share 3 gets
+three times the capacity of a key with share 1 while both are calling.
+
 Callers send ``Authorization: Bearer <key>`` (or ``X-API-Key: <key>``). A route states
 what it needs with ``Depends(require_scope(Scope.SCORE))``; :func:`check_scope` does the
 same inside a handler (e.g. replay mode needs ``admin`` only when asked for).
@@ -66,14 +70,17 @@ class KeyEntry(BaseModel):
     id: str = Field(pattern=KEY_ID_PATTERN)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     scopes: frozenset[Scope] = Field(min_length=1)
+    # Weight in admission's fair shares under overload (1: an equal share).
+    share: float = Field(default=1.0, gt=0, le=1000)
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the key's id (safe to log) and its scopes."""
+    """Who is calling: the key's id (safe to log), its scopes and its admission share."""
 
     key_id: str
     scopes: frozenset[Scope]
+    share: float = 1.0
 
 
 ANONYMOUS = Principal("anonymous", frozenset(Scope))  # auth off: everything allowed
@@ -133,7 +140,11 @@ def append_key(path: Path, entry: KeyEntry) -> None:
     file already has."""
     if path.exists() and entry.id in read_keys(path):
         raise KeysFileError(f"keys file {path} already has a key with id {entry.id!r}")
-    line = json.dumps({"id": entry.id, "sha256": entry.sha256, "scopes": sorted(entry.scopes)})
+    fields: dict[str, object] = {"id": entry.id, "sha256": entry.sha256}
+    fields["scopes"] = sorted(entry.scopes)
+    if entry.share != 1.0:
+        fields["share"] = entry.share
+    line = json.dumps(fields)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(line + "\n")
@@ -186,7 +197,7 @@ class KeyRing:
         digest = hashlib.sha256(key.encode()).hexdigest()
         if entry is None or not hmac.compare_digest(digest, entry.sha256):
             raise AuthError(401, "invalid API key", "invalid_token")
-        return Principal(entry.id, entry.scopes)
+        return Principal(entry.id, entry.scopes, entry.share)
 
 
 def keyring_for(settings: Settings) -> KeyRing | None:

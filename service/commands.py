@@ -39,6 +39,12 @@ def _configure_keys(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, from: {', '.join(s.value for s in Scope)}",
     )
     create.add_argument(
+        "--share",
+        type=float,
+        default=1.0,
+        help="the key's weight in admission's fair shares under overload (default 1)",
+    )
+    create.add_argument(
         "--file",
         type=Path,
         default=None,
@@ -58,8 +64,10 @@ def run_keys(args: argparse.Namespace, settings: Settings) -> None:
         ) from None
     if not scopes:
         raise UsageError("--scopes: at least one scope")
+    if not 0 < args.share <= 1000:
+        raise UsageError(f"--share: must be in (0, 1000], got {args.share:g}")
     key, digest = new_key(args.id)
-    append_key(path, KeyEntry(id=args.id, sha256=digest, scopes=scopes))
+    append_key(path, KeyEntry(id=args.id, sha256=digest, scopes=scopes, share=args.share))
     # The key itself goes to stdout only (not the log), so it can be piped into a Secret.
     sys.stdout.write(key + "\n")
 

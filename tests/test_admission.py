@@ -4,14 +4,19 @@ HTTP against a served model with two API keys."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 
+from service import auth
 from service.admission import WorkShares
 from service.auth import KeyEntry, Scope, append_key, new_key
 from service.errors import RejectReason
@@ -20,6 +25,7 @@ from tests.test_service import TXN
 
 CAPACITY = 64
 BATCH = 32
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_call_weighs_its_transactions_against_the_capacity() -> None:
@@ -58,6 +64,26 @@ def test_a_second_key_halves_the_first_keys_share() -> None:
     shares.release("heavy", 16)
     # The light key gone quiet for longer than the window: the heavy one has it all.
     assert shares.refusal("heavy", 32, now=1.5) is None
+
+
+def test_a_keys_share_weighs_its_part_of_the_capacity() -> None:
+    """A key with share 3 (keys file ``"share": 3``) gets 3/4 of the capacity against a
+    key of share 1, the other 1/4."""
+    shares = WorkShares(capacity=64, window_s=1.0)
+    assert shares.refusal("light", 1, now=0.0, client_share=1.0) is None
+    shares.take("light", 1)
+    assert shares.refusal("gold", 32, now=0.0, client_share=3.0) is None
+    shares.take("gold", 32)
+    # gold holds 32 of its 48 (64 * 3/4): 16 more fit in its share.
+    assert shares.refusal("gold", 16, now=0.1, client_share=3.0) is None
+    shares.take("gold", 16)
+    over = shares.refusal("gold", 8, now=0.1, client_share=3.0)
+    assert over is not None and over.reason == RejectReason.CLIENT_SHARE
+    assert "share is 48 of 64" in over.detail
+    # The light key holding work is held to its quarter (16).
+    shares.take("light", 15)
+    refused = shares.refusal("light", 8, now=0.1, client_share=1.0)
+    assert refused is not None and "share is 16 of 64" in refused.detail
 
 
 def test_every_key_may_hold_one_call_whatever_its_share() -> None:
@@ -143,3 +169,37 @@ def test_a_heavy_key_is_shed_while_another_keys_single_calls_are_admitted(
     # The weight held is the batch's transaction count, not one per request.
     held = {int(re.search(r"holds (\d+) transactions", p["message"])[1]) for p in problems}  # type: ignore[index]
     assert held == {BATCH}, held
+
+
+def test_a_keys_share_comes_from_the_keys_file(tmp_path: Path) -> None:
+    """``keys create --share 3`` writes the weight; the verified principal carries it;
+    an out-of-range share in the file is refused naming the line and field."""
+    keys = tmp_path / "keys.jsonl"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "keys",
+            "create",
+            "--id",
+            "gold",
+            "--scopes",
+            "score",
+            "--share",
+            "3",
+            "--file",
+            str(keys),
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert '"share": 3.0' in keys.read_text()
+    who = auth.KeyRing(keys).authenticate(out.stdout.strip())
+    assert (who.key_id, who.share) == ("gold", 3.0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "sha256": "' + "0" * 64 + '", "scopes": ["score"], "share": 0}\n')
+    with pytest.raises(auth.KeysFileError, match=r"line 1: share"):
+        auth.read_keys(bad)

@@ -1018,6 +1018,11 @@ def test_auth_keys_from_values_or_an_existing_secret_and_off() -> None:
     text = base64.b64decode(secret["data"]["api-keys.jsonl"]).decode()
     assert [json.loads(line) for line in text.splitlines()] == [entry]
     assert key not in json.dumps(docs)  # hashes only
+    weighted = {**entry, "share": 3}  # admission's weight goes through as written
+    docs = render({"scoring": {"auth": {"keys": [weighted]}}})
+    (secret,) = [s for s in find(docs, "Secret") if s["metadata"]["name"].endswith("api-keys")]
+    text = base64.b64decode(secret["data"]["api-keys.jsonl"]).decode()
+    assert [json.loads(line) for line in text.splitlines()] == [weighted]
     docs = render({"scoring": {"auth": {"existingSecret": "ops-keys", "existingSecretKey": "k"}}})
     assert not [s for s in find(docs, "Secret") if s["metadata"]["name"].endswith("api-keys")]
     spec = pod_spec(component(docs, "scoring"))
