@@ -85,7 +85,11 @@ HELD_P99_MS = 10.0
 
 
 def start(
-    world: BenchWorld, batching: bool, extra: dict[str, str], cpus: str | None = None
+    world: BenchWorld,
+    batching: bool,
+    extra: dict[str, str],
+    cpus: str | None = None,
+    cwd: str | None = None,
 ) -> ServiceProcess:
     return spawn(
         {
@@ -99,6 +103,7 @@ def start(
         },
         output=subprocess.DEVNULL,
         cpus=cpus,
+        cwd=cwd,
     )
 
 

@@ -20,7 +20,12 @@ recovery time (from the end of the overload to the first call after which every 
 was answered 200 within the deadline) and the goals of issue 15. The service runs pinned
 to core 0 with ``taskset``, the generator to core 1 (when the machine has two cores).
 
-    python -m bench.bench_overload [--seconds 5] [--light-rate 100]
+    python -m bench.bench_overload [--seconds 5] [--light-rate 100] [--baseline REF]
+
+``--baseline REF`` (a git commit of this repository, e.g. ``2752a9b``, the code before
+admission by work) first runs the same protocol against that commit's service, checked
+out in a temporary ``git worktree`` and started from it, then against this checkout's:
+both tables in one run, side by side.
 """
 
 from __future__ import annotations
@@ -30,21 +35,26 @@ import asyncio
 import gc
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bench.bench_http import Conn, run, start
-from bench.world import bench_world
+from bench.world import BenchWorld, bench_world
 from service.auth import KeyEntry, Scope, append_key, new_key
 
 BATCH = 32
 AFTER_S = 2.0
+DEADLINE_MS = 100.0
+CONNS = max(1, 128 // BATCH)  # batch calls the default admission capacity holds
 
 
 @dataclass
@@ -231,18 +241,37 @@ def recovery_s(raw: dict[str, np.ndarray], after: int, start_s: float, deadline_
     return float(at[last_bad + 1] - start_s)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=5.0, help="length of capacity and overload")
-    p.add_argument("--factor", type=float, default=3.0, help="overload as a multiple of capacity")
-    p.add_argument("--light-rate", type=float, default=100.0, help="light key's calls per second")
-    p.add_argument("--no-pin", action="store_true", help="let service and generator share cores")
-    a = p.parse_args()
-    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
-    if pin:
-        os.sched_setaffinity(0, {1})  # the generator (this process) on the other core
-    deadline_ms = 100.0
-    with bench_world() as world, tempfile.TemporaryDirectory() as tmp:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def checkout(ref: str) -> Iterator[str]:
+    """``ref`` of this repository checked out in a temporary worktree (removed after)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "baseline")
+        git = ["git", "-C", str(ROOT)]
+        subprocess.run([*git, "worktree", "add", "--detach", "-q", path, ref], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", path], check=False)
+
+
+@dataclass
+class Result:
+    label: str
+    base: Phase
+    phases: list[Phase]
+    recovery_s: float
+
+
+def measure(
+    world: BenchWorld, a: argparse.Namespace, pin: bool, label: str, code: str | None
+) -> Result:
+    """The three phases against the service started from ``code`` (a checkout's path;
+    None: this one)."""
+    deadline_ms = DEADLINE_MS
+    with tempfile.TemporaryDirectory() as tmp:
         keys_file = Path(tmp) / "keys.jsonl"
         keys = {}
         for key_id in ("heavy", "light"):
@@ -256,7 +285,11 @@ def main() -> None:
             "FRAUD_API_KEYS_FILE": str(keys_file),
             "FRAUD_REQUEST_TIMEOUT_MS": str(deadline_ms),
         }
-        service = start(world, True, extra, "0" if pin else None)
+        if code is not None:  # that checkout's packages first on the path
+            extra["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [code, os.environ.get("PYTHONPATH")])
+            )
+        service = start(world, True, extra, "0" if pin else None, cwd=code)
         try:
             host = service.url.removeprefix("http://").split(":")[0]
             rows = world.held_out(5000)
@@ -277,8 +310,7 @@ def main() -> None:
             gc.disable()  # as in bench_http: a full collection stalls the generator
             heavy = Stream("heavy", batches, BATCH, 1.0)
             run(closed_loop(service.url, heavy, 2, 1.0))  # warm-up
-            conns = max(1, 128 // BATCH)
-            base = run(closed_loop(service.url, heavy, conns, a.seconds))
+            base = run(closed_loop(service.url, heavy, CONNS, a.seconds))
             capacity = base.served
             time.sleep(1)
             over = Stream("heavy", batches, BATCH, a.factor * capacity / BATCH)
@@ -297,18 +329,51 @@ def main() -> None:
         finally:
             gc.enable()
             service.stop()
-    print(f"\n(service pinned to core 0, generator to core 1: {pin}; deadline {deadline_ms:g} ms;")
-    print(f" capacity: closed loop, {conns} connections of {BATCH}-transaction batch calls)")
+    return Result(label, base, phases, rec)
+
+
+def report(r: Result) -> None:
+    capacity = r.base.served
+    print(f"\n== {r.label}")
     print(HEADER)
-    for ph in (base, *phases):
+    for ph in (r.base, *r.phases):
         print(ph.line(capacity))
-    o = phases[0]
+    o = r.phases[0]
     print(
-        f"\nrecovery after the overload: {rec * 1e3:.0f} ms\n"
+        f"recovery after the overload: {r.recovery_s * 1e3:.0f} ms\n"
         f"goals (issue 15): served {o.served / capacity:.0%} of capacity (>= 90 %); "
-        f"accepted p99 {o.p99:.1f} ms (<= {deadline_ms:g}); 503 p99 {o.shed_p99:.2f} ms (<= 5); "
-        f"recovery {rec * 1e3:.0f} ms (< 1000); light key served {o.light_served:.1%}"
+        f"accepted p99 {o.p99:.1f} ms (<= {DEADLINE_MS:g}); 503 p99 {o.shed_p99:.2f} ms "
+        f"(<= 5); recovery {r.recovery_s * 1e3:.0f} ms (< 1000); light key served "
+        f"{o.light_served:.1%}"
     )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=5.0, help="length of capacity and overload")
+    p.add_argument("--factor", type=float, default=3.0, help="overload as a multiple of capacity")
+    p.add_argument("--light-rate", type=float, default=100.0, help="light key's calls per second")
+    p.add_argument("--no-pin", action="store_true", help="let service and generator share cores")
+    p.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run the protocol against this git commit's service, first (side by side)",
+    )
+    a = p.parse_args()
+    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
+    if pin:
+        os.sched_setaffinity(0, {1})  # the generator (this process) on the other core
+    results = []
+    with bench_world() as world:
+        if a.baseline:
+            with checkout(a.baseline) as code:
+                results.append(measure(world, a, pin, f"baseline: {a.baseline}", code))
+        results.append(measure(world, a, pin, "this checkout", None))
+    print(f"\n(service pinned to core 0, generator to core 1: {pin}; deadline {DEADLINE_MS:g} ms;")
+    print(f" capacity: closed loop, {CONNS} connections of {BATCH}-transaction batch calls)")
+    for r in results:
+        report(r)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

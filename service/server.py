@@ -99,11 +99,13 @@ def spawn(
     output: int | IO[bytes] | None = None,
     command: Sequence[str] = ("-m", "cli", "serve"),
     cpus: str | None = None,
+    cwd: str | None = None,
 ) -> ServiceProcess:
     """Start ``fraud-scoring serve`` (or ``python *command``, which must listen on
     FRAUD_HOST:FRAUD_PORT) on a free loopback port with ``env`` added to this process's
     environment; return once ``wait_for`` answers 200. ``cpus`` (a ``taskset`` CPU list
-    such as ``"0"``) pins the process and all its threads to those cores.
+    such as ``"0"``) pins the process and all its threads to those cores; ``cwd`` is its
+    working directory (default this process's).
 
     Raises ServiceStartError at once if the process exits, or after ``timeout_s``.
     """
@@ -119,6 +121,7 @@ def spawn(
     proc = subprocess.Popen(
         argv,
         env=full_env,
+        cwd=cwd,
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,
     )
