@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from functools import cache
 
 import numpy as np
 from prometheus_client import Counter, Gauge
+from pydantic_core import to_json
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable, Producer
 from fraud_scoring.events import Transaction
@@ -88,7 +88,7 @@ def encode(p: _Pending) -> LogRecord:
     body = {
         "transaction_id": r.transaction_id,
         "decided_at": p.decided_at_us,
-        "transaction": p.txn.model_dump(mode="json"),
+        "transaction": p.txn,  # serialised by its own pydantic serializer, in JSON mode
         "features": dict(zip(p.names, p.features.tolist(), strict=True)),
         "missing": r.missing,
         "stale": r.stale,
@@ -103,7 +103,9 @@ def encode(p: _Pending) -> LogRecord:
         "champion_version": r.champion_version,
         "champion_score": r.champion_score,
     }
-    return LogRecord(r.transaction_id, json.dumps(body, separators=(",", ":")).encode())
+    # pydantic-core's encoder: one pass in Rust, ~5x json.dumps of a model_dump here;
+    # NaN/inf written as json.dumps writes them.
+    return LogRecord(r.transaction_id, to_json(body, inf_nan_mode="constants"))
 
 
 class DecisionLog:

@@ -42,7 +42,7 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS
 from fraud_scoring.settings import Settings
 from service.challenger import Challenger
-from service.decision import Policy, Reason, rules_only
+from service.decision import FEATURES_READ, Policy, Reason, rules_only
 from service.model import LoadedModel, ModelHolder
 from service.online_features import OnlineFeatureReader
 from service.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
@@ -294,12 +294,15 @@ class Scorer:
             if ch is not None and canary is not None
             else policy
         )
-        names = list(cols)
+        # Python scalars, converted once per batch: the policy reads a few features.
+        read = {n: cols[n].tolist() for n in FEATURES_READ if n in cols}
+        champion = scores.tolist()
+        challenger = ch_scores.tolist() if ch_scores is not None else None
         out = []
         for i, t in enumerate(txns):
-            row = {n: cols[n][i] for n in names if cols[n].dtype != object}
+            row = {n: v[i] for n, v in read.items()}
             routed = canary is not None and bool(canary[i])
-            score = float(ch_scores[i]) if routed and ch_scores is not None else float(scores[i])
+            score = challenger[i] if routed and challenger is not None else champion[i]
             decision, reasons = (ch_policy if routed else policy).decide(
                 score,
                 row,
@@ -317,11 +320,11 @@ class Scorer:
                     stale=stale[i],
                     routed_to="challenger" if routed else "champion",
                     champion_version=model.version,
-                    champion_score=float(scores[i]),
+                    champion_score=champion[i],
                     challenger_version=ch.version
-                    if ch is not None and ch_scores is not None
+                    if ch is not None and challenger is not None
                     else None,
-                    challenger_score=float(ch_scores[i]) if ch_scores is not None else None,
+                    challenger_score=challenger[i] if challenger is not None else None,
                 )
             )
         wall3, t3 = time.time_ns(), time.perf_counter()
