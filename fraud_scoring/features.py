@@ -248,7 +248,14 @@ def apply_defaults(
     for f in BATCH_FEATURES:
         if f.name not in batch:
             continue
-        col = np.asarray(batch[f.name], dtype=object)
+        given = batch[f.name]
+        if present is None and isinstance(given, list):
+            # The online reader's few rows: a comprehension costs less than pandas' isna
+            # on an object array (same values).
+            vals = [f.default if v is None or v != v else v for v in given]
+            out[f.name] = np.array(vals, dtype=object if f.dtype == "string" else np.float64)
+            continue
+        col = np.asarray(given, dtype=object)
         missing = np.asarray(pd.isna(col), dtype=bool)
         if present is not None:
             missing |= ~np.asarray(present, dtype=bool)

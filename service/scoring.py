@@ -49,6 +49,9 @@ from service.store_health import FeatureStoreUnavailable, NoBatchFeatures, Store
 
 log = logging.getLogger(__name__)
 
+# A failed store call, or one past FRAUD_REDIS_TIMEOUT_S (the scorer's own bound).
+STORE_OR_TIMEOUT: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
+
 
 @dataclass
 class ScoreResult:
@@ -157,8 +160,11 @@ class Scorer:
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
         try:
-            replies = await pipe.execute(raise_on_error=False)
-        except STORE_ERRORS as exc:
+            # The client has no per-reply socket timeout (service/resources.py): the
+            # whole round trip is bounded here, one timer per micro-batch.
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                replies = await pipe.execute(raise_on_error=False)
+        except STORE_OR_TIMEOUT as exc:
             # The cause (it names Redis's host:port) goes to the log, not to callers.
             log.warning("feature read failed: %s", exc)
             if self.health is not None:
@@ -195,11 +201,12 @@ class Scorer:
         updater's copy of the event will arrive."""
         if any(isinstance(r, NoScriptError) for r in replies):
             try:
-                await self.redis.script_load(session.APPLY_LUA)
-                pipe = self.redis.pipeline(transaction=False)
-                session.queue_apply(pipe, writes, self.limits)
-                replies = await pipe.execute(raise_on_error=False)
-            except STORE_ERRORS as exc:
+                async with asyncio.timeout(self.settings.redis_timeout_s):
+                    await self.redis.script_load(session.APPLY_LUA)
+                    pipe = self.redis.pipeline(transaction=False)
+                    session.queue_apply(pipe, writes, self.limits)
+                    replies = await pipe.execute(raise_on_error=False)
+            except STORE_OR_TIMEOUT as exc:
                 replies = [exc]
         for r in replies:
             if isinstance(r, Exception):
