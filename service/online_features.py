@@ -26,6 +26,7 @@ from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_key, stored_time
 from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
+from fraud_scoring.redis_clients import is_cluster_pipeline
 
 
 @dataclass
@@ -76,14 +77,28 @@ class OnlineFeatureReader:
         return _online_key(self.project, view.join_key, entity_id, self.eksv)
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
-        """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline)."""
+        """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline):
+        one HMGET per transaction and view, then the session reads (one script call for
+        the batch; one per transaction on a Redis Cluster)."""
         for t in txns:  # per transaction: one HMGET per view, in VIEWS order
             for view in VIEWS:
                 pipe.hmget(self.key(view, getattr(t, view.join_key)), self._fields[view.name])
-        session.queue_session_reads(pipe, [t.card_id for t in txns], [t.event_ts for t in txns])
+        session.queue_session_reads(
+            pipe,
+            [t.card_id for t in txns],
+            [t.event_ts for t in txns],
+            [t.transaction_id for t in txns],
+            per_card=is_cluster_pipeline(pipe),
+        )
 
-    def parse(self, replies: Sequence[Any], txns: Sequence[Transaction]) -> FeatureRows:
-        """Turn the pipeline's replies (in queue order) into defaulted feature columns."""
+    def parse(
+        self,
+        replies: Sequence[Any],
+        txns: Sequence[Transaction],
+        stats: session.ReadStats | None = None,
+    ) -> FeatureRows:
+        """Turn the pipeline's replies (in queue order, exactly those :meth:`queue` queued)
+        into defaulted feature columns; ``stats`` is told of capped session reads."""
         n = len(txns)
         event_ts = [t.event_ts for t in txns]  # a property that converts: once per row
         raw: dict[str, list[Any]] = {}
@@ -124,6 +139,7 @@ class OnlineFeatureReader:
                 [t.transaction_id for t in txns],
                 [t.country for t in txns],
                 cols["card_snapshot_time"].tolist(),
+                stats,
             )
         )
         return FeatureRows(cols, missing, stale)

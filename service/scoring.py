@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 from redis.exceptions import NoScriptError
 
 from fraud_scoring import features as F
@@ -51,6 +53,18 @@ log = logging.getLogger(__name__)
 
 # A failed store call, or one past FRAUD_REDIS_TIMEOUT_S (the scorer's own bound).
 STORE_OR_TIMEOUT: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
+
+
+@functools.cache
+def _capped_reads() -> Counter:
+    """Session reads of a card with more than ``session.READ_CAP`` events in its 24 h
+    window (the rest came as server-side totals): ``exact`` "false" when that left the
+    ``*_since_snapshot`` pair a lower bound (see ``session.OlderEvents``)."""
+    return Counter(
+        "fraud_session_reads_capped",
+        "Session reads whose older events came as server-side totals (read cap)",
+        ("exact",),
+    )
 
 
 @dataclass
@@ -152,24 +166,15 @@ class Scorer:
         """All feature columns (batch, session, request, spanning, new-card) for ``txns``,
         assembled by :func:`fraud_scoring.features.build_features`, in one round trip that
         also records the transactions (``record[i]`` False: not that one; None: all)."""
-        pipe = self.redis.pipeline(transaction=False)
-        self.reader.queue(pipe, txns)
-        n_reads = len(pipe)
         writes = self._to_record(txns, record)
-        session.queue_apply(pipe, writes, self.limits)  # after the reads: none sees itself
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
-        try:
-            # The client has no per-reply socket timeout (service/resources.py): the
-            # whole round trip is bounded here, one timer per micro-batch.
-            async with asyncio.timeout(self.settings.redis_timeout_s):
-                replies = await pipe.execute(raise_on_error=False)
-        except STORE_OR_TIMEOUT as exc:
-            # The cause (it names Redis's host:port) goes to the log, not to callers.
-            log.warning("feature read failed: %s", exc)
-            if self.health is not None:
-                self.health.failed()
-            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        replies, n_reads = await self._round_trip(txns, writes)
+        if any(isinstance(r, NoScriptError) for r in replies[:n_reads]):
+            # The server lost the scripts (restart, flush): load them and run the batch
+            # again (its writes are idempotent).
+            await self._load_scripts()
+            replies, n_reads = await self._round_trip(txns, writes)
         if self.health is not None:
             self.health.succeeded()
         reads, applied = replies[:n_reads], replies[n_reads:]
@@ -179,7 +184,12 @@ class Scorer:
                 raise FeatureStoreUnavailable("feature store unavailable: a read failed")
         if writes:
             await self._recorded(writes, applied)
-        rows = self.reader.parse(reads, txns)
+        stats = session.ReadStats()
+        rows = self.reader.parse(reads, txns, stats)
+        if stats.capped:
+            _capped_reads().labels(exact="true").inc(stats.capped - stats.inexact)
+            if stats.inexact:
+                _capped_reads().labels(exact="false").inc(stats.inexact)
         request = F.RequestColumns(
             amount=[t.amount for t in txns],
             event_us=[session.to_us(t.event_time) for t in txns],
@@ -191,6 +201,41 @@ class Scorer:
         # rows.columns holds both the batch (defaulted) and the session columns.
         cols = F.build_features(rows.columns, rows.columns, request)
         return cols, rows.missing, rows.stale
+
+    async def _round_trip(
+        self, txns: Sequence[Transaction], writes: dict[str, list[session.SessionEvent]]
+    ) -> tuple[list[Any], int]:
+        """The batch's one pipelined round trip: the reads, then the writes (queued after
+        them, so no read sees its own transaction). Returns the replies (errors in place)
+        and how many are the reads'; a failed or late round trip is
+        FeatureStoreUnavailable (and a failure for the breaker)."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.reader.queue(pipe, txns)
+        n_reads = len(pipe)
+        session.queue_apply(pipe, writes, self.limits)
+        try:
+            # The client has no per-reply socket timeout (service/resources.py): the
+            # whole round trip is bounded here, one timer per micro-batch.
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                replies = await pipe.execute(raise_on_error=False)
+        except STORE_OR_TIMEOUT as exc:
+            # The cause (it names Redis's host:port) goes to the log, not to callers.
+            log.warning("feature read failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        return replies, n_reads
+
+    async def _load_scripts(self) -> None:
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                for script in session.SCRIPTS:
+                    await self.redis.script_load(script)
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("loading the session scripts failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
 
     async def _recorded(
         self, writes: dict[str, list[session.SessionEvent]], replies: Sequence[Any]
