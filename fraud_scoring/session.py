@@ -6,7 +6,9 @@ all use the declarations, the Redis layout and the one pure function in this mod
 * :func:`session_features` is the feature math: plain events in, one row of floats out.
 * :func:`queue_session_reads` / :func:`parse_session_results` are the serving edge: the
   scorer queues the reads for a whole batch on the same pipeline as its batch (Feast)
-  reads, then hands the replies back here.
+  reads, then hands the replies back here. A read is bounded (:data:`READ_LUA`): a
+  card's newest :data:`READ_CAP` events come in full, the older ones as exact totals
+  (:class:`OlderEvents`) that :func:`session_features` continues from.
 * :func:`offline_session_features` is the training edge: the same function, called as
   of each row's own event time over the raw history.
 

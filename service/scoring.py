@@ -1,7 +1,8 @@
 """Scoring one micro-batch of transactions, top to bottom:
 
-read features and record the transactions (one pipelined round trip; on a Redis
-Cluster one pipeline per node, sent at once) → the shared
+read features and record the transactions (one pipelined round trip, bounded by
+``FRAUD_REDIS_TIMEOUT_S`` as a whole; on a Redis Cluster one pipeline per node, sent at
+once) → the shared
 assembly of every feature column → feature vector in the model's order → ONNX Runtime
 (off the event loop) → decision policy → results.
 
