@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 import redis
@@ -47,13 +48,13 @@ def events(n: int) -> list[SessionEvent]:
     ]
 
 
-def unbounded(client: redis.Redis, card: str) -> tuple[float, ...]:
+def unbounded(client: Any, card: str) -> tuple[float, ...]:
     """The read before the cap: every event of the window, decoded in Python."""
     rows = client.zrangebyscore(events_key(card), T - LONGEST_WINDOW_US, f"({T}", withscores=True)
     return session_features([decode_member(m, s) for m, s in rows], T, "x", "US")
 
 
-def bounded(client: redis.Redis, card: str) -> tuple[float, ...]:
+def bounded(client: Any, card: str) -> tuple[float, ...]:
     pipe = client.pipeline(transaction=False)
     queue_session_reads(pipe, [card], [T / US], ["x"])
     cols = parse_session_results(pipe.execute(), [card], [T / US], ["x"], ["US"])

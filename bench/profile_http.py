@@ -13,7 +13,6 @@ extra) and ptrace rights.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import os

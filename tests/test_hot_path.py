@@ -76,9 +76,7 @@ def test_a_heavy_card_is_read_bounded_and_exact(stream_redis: str, per_card: boo
         ("t-new", MIDNIGHT),
     ]
     pipe = client.pipeline(transaction=False)
-    queue_session_reads(
-        pipe, ["heavy"] * 4, [T / US] * 4, [c[0] for c in cases], per_card=per_card
-    )
+    queue_session_reads(pipe, ["heavy"] * 4, [T / US] * 4, [c[0] for c in cases], per_card=per_card)
     replies = pipe.execute()
     # What crossed the wire: at most READ_CAP events per read, whatever the card holds.
     for per_txn in replies:
@@ -115,7 +113,9 @@ def test_a_snapshot_inside_the_older_events_is_a_counted_lower_bound(stream_redi
         pipe.execute(), ["heavy"], [T / US], ["t-new"], ["US"], [snapshot / US], stats
     )
     assert (stats.capped, stats.inexact) == (1, 1)
-    exact = dict(zip(SESSION_NAMES, session_features(events, T, "t-new", "US", snapshot)))
+    exact = dict(
+        zip(SESSION_NAMES, session_features(events, T, "t-new", "US", snapshot), strict=True)
+    )
     n_since = online["card_txn_count_since_snapshot"][0]
     assert 0 < n_since <= exact["card_txn_count_since_snapshot"]
     for name in SESSION_NAMES:  # every other feature stays exact
