@@ -29,7 +29,7 @@ from bench.world import bench_world
 # found walking its stack from the leaf up ("function (file" prefixes of py-spy frames).
 STAGES: tuple[tuple[str, str], ...] = (
     ("session events: decode + features", "parse_session_results (fraud_scoring/session.py"),
-    ("session read script: queue", "queue_session_reads (fraud_scoring/session.py"),
+    ("session reads: queue", "queue_session_reads (fraud_scoring/session.py"),
     ("record (EVALSHA) queue", "queue_apply (fraud_scoring/session.py"),
     ("feast replies: parse + defaults", "OnlineFeatureReader.parse (service/online_features.py"),
     ("feast reads: queue (HMGET)", "OnlineFeatureReader.queue (service/online_features.py"),
@@ -41,7 +41,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("decision log: encode + write", "DecisionLog._run (service/decision_log.py"),
     ("scorer: rest", "Scorer.score_batch (service/scoring.py"),
     ("batcher + metrics", "Batcher."),
-    ("response: ScoreOut + JSON", "ScoreOut.of (service/schemas.py"),
+    ("response: ScoreOut + JSON", "ScoreOut.wire (service/schemas.py"),
     ("response: ScoreOut + JSON", "_json (service/routes.py"),
     ("parse + validate body", "model_validate_json"),
     ("route handler: rest", "score (service/routes.py"),

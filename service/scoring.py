@@ -381,18 +381,20 @@ class Scorer:
                 )
             )
         wall3, t3 = time.time_ns(), time.perf_counter()
+        # The batch's stages are every row's: one dict each, shared (read only).
+        timing = {
+            "feature_read": (t1 - t0) * 1e3,
+            "inference": (t2 - t1) * 1e3,
+            "decision": (t3 - t2) * 1e3,
+            "batch_size": float(len(txns)),
+        }
+        spans = {
+            "feature_read": (wall0, wall1),
+            "inference": (wall1, wall2),
+            "decision": (wall2, wall3),
+        }
         for r in out:
-            r.timing_ms = {
-                "feature_read": (t1 - t0) * 1e3,
-                "inference": (t2 - t1) * 1e3,
-                "decision": (t3 - t2) * 1e3,
-                "batch_size": float(len(txns)),
-            }
-            r.spans_ns = {
-                "feature_read": (wall0, wall1),
-                "inference": (wall1, wall2),
-                "decision": (wall2, wall3),
-            }
+            r.timing_ms, r.spans_ns = timing, spans
         if self.on_scored is None:
             return out  # shadow scores go only to the log: without one, no shadow run
         if ch is not None and ch_x is None and self.challenger is not None:
