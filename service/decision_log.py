@@ -42,6 +42,10 @@ from service.scoring import ScoreResult
 log = logging.getLogger(__name__)
 
 MAX_SEND = 512  # decisions per producer call
+# After the first decision of a quiet spell the writer gathers for this long before its
+# call: one producer call per ~10 ms under load instead of one per micro-batch (each a
+# Redis round trip, ~6 % of a scoring request's CPU at 800 req/s).
+LINGER_S = 0.01
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between failed writes
 
 
@@ -177,6 +181,8 @@ class DecisionLog:
             if not self.pending:
                 self._wake.clear()
                 await self._wake.wait()
+                if len(self.pending) < MAX_SEND:
+                    await asyncio.sleep(LINGER_S)
             batch = [self.pending[i] for i in range(min(MAX_SEND, len(self.pending)))]
             try:
                 await self.producer.send([encode(p) for p in batch])
