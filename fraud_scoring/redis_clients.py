@@ -24,8 +24,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterPipeline, RedisCluster
 
 CLUSTER_PARAM = "cluster"  # the URL query option that marks a Redis Cluster
 _TRUE = ("1", "true", "yes", "on")
@@ -91,6 +92,12 @@ def async_client(url: str, **kwargs: Any) -> Any:
         check_cluster_url(url)
         return AsyncRedisCluster.from_url(client_url(url), **kwargs)
     return aioredis.Redis.from_url(url, **kwargs)
+
+
+def is_cluster_pipeline(pipe: Any) -> bool:
+    """Whether ``pipe`` (sync or asyncio) sends to a Redis Cluster, where one command's
+    keys must share a slot."""
+    return isinstance(pipe, (ClusterPipeline, AsyncClusterPipeline))
 
 
 def drop_connections(client: Any) -> None:

@@ -6,7 +6,9 @@ all use the declarations, the Redis layout and the one pure function in this mod
 * :func:`session_features` is the feature math: plain events in, one row of floats out.
 * :func:`queue_session_reads` / :func:`parse_session_results` are the serving edge: the
   scorer queues the reads for a whole batch on the same pipeline as its batch (Feast)
-  reads, then hands the replies back here.
+  reads, then hands the replies back here. A read is bounded (:data:`READ_LUA`): a
+  card's newest :data:`READ_CAP` events come in full, the older ones as exact totals
+  (:class:`OlderEvents`) that :func:`session_features` continues from.
 * :func:`offline_session_features` is the training edge: the same function, called as
   of each row's own event time over the raw history.
 
@@ -48,6 +50,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from string import Template
 from typing import Any, overload
 
 import numpy as np
@@ -147,12 +150,38 @@ class SessionEvent:
 # --- the feature math ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class OlderEvents:
+    """What a bounded read (:func:`queue_session_reads`) did not return of a card's window:
+    aggregates of the card's events older than every event it returned.
+
+    ``totals`` maps a start time (µs) to the count and the amount sum of those events at
+    or after it, the sum added in (time, transaction_id) order from 0.0 as
+    :func:`session_features` adds (so continuing it with the returned events gives the
+    same bits); ``merchants_1h``/``countries_1h`` are the distinct values among those in
+    the last hour; ``bound_us`` is the time of the oldest returned event (no older event
+    is later)."""
+
+    totals: Mapping[int, tuple[int, float]]
+    merchants_1h: frozenset[str]
+    countries_1h: frozenset[str]
+    bound_us: int
+
+    def at(self, start_us: int) -> tuple[int, float] | None:
+        """(count, sum) of the older events at or after ``start_us``; None when the read
+        did not aggregate that start (then only a bound is known)."""
+        if start_us > self.bound_us:
+            return 0, 0.0
+        return self.totals.get(start_us)
+
+
 def session_features(
     events: Sequence[SessionEvent],
     as_of_us: int,
     exclude_id: str | None = None,
     country: str | None = None,
     snapshot_us: int = 0,
+    older: OlderEvents | None = None,
 ) -> tuple[float, ...]:
     """One row of session features (in :data:`SESSION_NAMES` order) as of ``as_of_us``.
 
@@ -163,6 +192,12 @@ def session_features(
     ``snapshot_us`` is the card's usable batch snapshot time (0: none) for the
     ``*_since_snapshot`` pair. Amount sums add events in (time, transaction_id) order so
     every caller gets the same bits.
+
+    ``older`` (the serving edge's bounded read): the window's events older than all of
+    ``events``, already aggregated (``events`` must then hold at least one event the
+    row counts); each count and sum starts from its total. Exact, except the
+    ``*_since_snapshot`` pair when ``older`` has no total for the snapshot's start: then
+    it counts only the events from the next start it has (a lower bound).
     """
     lo = as_of_us - LONGEST_WINDOW_US
     evs = sorted(
@@ -172,7 +207,7 @@ def session_features(
     counts, sums = [], []
     for _, w in WINDOWS:
         start = as_of_us - w
-        n, s = 0, 0.0
+        n, s = _older_total(older, start)
         for e in evs:
             if e.ts_us >= start:
                 n += 1
@@ -181,16 +216,45 @@ def session_features(
         sums.append(s)
     hour = as_of_us - HOUR_US
     recent = [e for e in evs if e.ts_us >= hour]
-    merchants = float(len({e.merchant_id for e in recent}))
-    countries = float(len({e.country for e in recent}))
-    since = [e.amount for e in evs if e.ts_us >= snapshot_us]
+    merchants = {e.merchant_id for e in recent}
+    countries = {e.country for e in recent}
+    if older is not None:
+        merchants |= older.merchants_1h
+        countries |= older.countries_1h
+    since_start = max(snapshot_us, lo)
+    n_since, s_since = _older_total(older, since_start)
+    for e in evs:
+        if e.ts_us >= since_start:
+            n_since += 1
+            s_since += e.amount
     if evs:
         prev = evs[-1]
         gap = (as_of_us - prev.ts_us) / US
         changed = 1.0 if country is not None and prev.country != country else 0.0
     else:
         gap, changed = NO_PREVIOUS_S, 0.0
-    return (*counts, *sums, merchants, countries, gap, changed, float(len(since)), sum(since))
+    return (
+        *counts,
+        *sums,
+        float(len(merchants)),
+        float(len(countries)),
+        gap,
+        changed,
+        float(n_since),
+        s_since,
+    )
+
+
+def _older_total(older: OlderEvents | None, start_us: int) -> tuple[int, float]:
+    """Where a window's count and sum start: 0 without an older part; else its total at
+    ``start_us``, or at the next start it aggregated (a lower bound; see OlderEvents)."""
+    if older is None:
+        return 0, 0.0
+    total = older.at(start_us)
+    if total is None:
+        later = [t for t in older.totals if t >= start_us]
+        total = older.totals[min(later)] if later else (0, 0.0)
+    return total
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -361,21 +425,142 @@ def queue_apply(
 
 # --- the serving edge ---------------------------------------------------------------------
 
-REPLIES_PER_CARD = 1
+# A card's read is bounded: at most READ_CAP events travel and are decoded in Python; the
+# rest of its 24 h arrive as a few totals summed by the server (READ_LUA), so a card with
+# thousands of events costs the event loop what one with READ_CAP costs.
+READ_CAP = 128
+# Per transaction: the window starts READ_LUA totals the older events from (µs), in this
+# order: each window's start, then the last UTC midnight (the batch snapshots' time).
+N_STARTS = len(WINDOWS) + 1
+
+# KEYS[i]: the events zset of transaction i. ARGV[1]: the cap. Then per transaction,
+# N_STARTS + 2 values: t (exclusive end, µs), the transaction_id to leave out, the starts
+# (the longest window's start is the read's lower bound). Returns per transaction
+# {events, older}: events = member, score, ... of its newest <= cap events in [start, t),
+# newest first; older = 0 when that was all of them, else the totals of the rest:
+# count, sum per start (sums as %.17g strings: exact doubles; Lua numbers would reach the
+# client truncated to integers), then the distinct merchants and countries of the rest
+# within the hour window. Sums add in ascending (time, member) order, which is
+# session_features' (time, transaction_id) order: a member starts with the id and byte
+# 31 sorts before any id character.
+READ_LUA = Template("""
+local cap, width = tonumber(ARGV[1]), ${width}
+local out = {}
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * width
+  local t, excl, lo = '(' .. ARGV[a], ARGV[a + 1], ARGV[a + 1 + ${longest}]
+  local newest = redis.call('ZREVRANGEBYSCORE', KEYS[i], t, lo, 'WITHSCORES', 'LIMIT', 0, cap + 1)
+  if #newest <= 2 * cap then
+    out[i] = {newest, 0}
+  else
+    newest[2 * cap + 2] = nil
+    newest[2 * cap + 1] = nil
+    local rest = redis.call('ZREVRANGEBYSCORE', KEYS[i], t, lo, 'WITHSCORES', 'LIMIT', cap, -1)
+    local starts, n, s = {}, {}, {}
+    for k = 1, ${nstarts} do
+      starts[k] = tonumber(ARGV[a + 1 + k])
+      n[k] = 0
+      s[k] = 0.0
+    end
+    local hour = starts[${hour}]
+    local seen_m, seen_c, merchants, countries = {}, {}, {}, {}
+    for j = #rest - 1, 1, -2 do
+      local m, ts = rest[j], tonumber(rest[j + 1])
+      local c1 = string.find(m, '\\31', 1, true)
+      if string.sub(m, 1, c1 - 1) ~= excl then
+        local c2 = string.find(m, '\\31', c1 + 1, true)
+        local amount = tonumber(string.sub(m, c1 + 1, c2 - 1))
+        for k = 1, ${nstarts} do
+          if ts >= starts[k] then
+            n[k] = n[k] + 1
+            s[k] = s[k] + amount
+          end
+        end
+        if ts >= hour then
+          local c3 = string.find(m, '\\31', c2 + 1, true)
+          local merchant, country = string.sub(m, c2 + 1, c3 - 1), string.sub(m, c3 + 1)
+          if not seen_m[merchant] then
+            seen_m[merchant] = true
+            merchants[#merchants + 1] = merchant
+          end
+          if not seen_c[country] then
+            seen_c[country] = true
+            countries[#countries + 1] = country
+          end
+        end
+      end
+    end
+    local older = {}
+    for k = 1, ${nstarts} do
+      older[#older + 1] = n[k]
+      older[#older + 1] = string.format('%.17g', s[k])
+    end
+    older[#older + 1] = merchants
+    older[#older + 1] = countries
+    out[i] = {newest, older}
+  end
+end
+return out
+""").substitute(
+    width=N_STARTS + 2,
+    nstarts=N_STARTS,
+    longest=[w for _, w in WINDOWS].index(LONGEST_WINDOW_US) + 1,
+    hour=[w for _, w in WINDOWS].index(HOUR_US) + 1,
+)
+READ_SHA = hashlib.sha1(READ_LUA.encode()).hexdigest()
+SCRIPTS = (APPLY_LUA, READ_LUA)  # what a server must have loaded (SCRIPT LOAD) for both
 
 
-def queue_session_reads(pipe: Any, card_ids: Sequence[str], as_of_ts: Sequence[float]) -> None:
-    """Queue the session reads for ``len(card_ids)`` transactions on a redis-py pipeline.
+def _starts(t_us: int) -> list[int]:
+    return [*(t_us - w for _, w in WINDOWS), t_us - t_us % DAY_US]
 
-    Queues exactly :data:`REPLIES_PER_CARD` (= 1) command per transaction, in order: a
-    ``ZRANGEBYSCORE {card:<id>}:ev [t-24h, t) WITHSCORES``. ``as_of_ts`` are the
-    transactions' event times in epoch seconds (UTC). Works on ``redis.client.Pipeline``
-    and ``redis.asyncio`` pipelines alike (commands are only queued here). The same card
-    may appear several times; each occurrence gets its own read.
+
+def queue_session_reads(
+    pipe: Any,
+    card_ids: Sequence[str],
+    as_of_ts: Sequence[float],
+    txn_ids: Sequence[str | None] | None = None,
+    *,
+    per_card: bool = False,
+    cap: int = READ_CAP,
+) -> int:
+    """Queue the session reads for ``len(card_ids)`` transactions on a redis-py pipeline
+    (sync or asyncio; commands are only queued here); return how many commands were
+    queued (hand that many replies to :func:`parse_session_results`).
+
+    One ``EVALSHA`` of :data:`READ_LUA` for the whole batch, or one per transaction with
+    ``per_card`` (a Redis Cluster, where one call's keys must share a slot; a card's
+    keys carry its hash tag). Each transaction reads its card's events in
+    ``[t - 24h, t)`` (``as_of_ts``: epoch seconds, UTC): the newest ``cap`` in full, the
+    rest as totals. ``txn_ids`` are left out of those totals (None: nothing left out; the
+    full events are filtered by :func:`parse_session_results`). The same card may appear
+    several times; each occurrence gets its own read. Needs :data:`READ_LUA` loaded
+    (``SCRIPT LOAD``); otherwise the replies are ``NoScriptError``.
     """
-    for card, ts in zip(card_ids, as_of_ts, strict=True):
-        t = to_us(ts)
-        pipe.zrangebyscore(events_key(card), t - LONGEST_WINDOW_US, f"({t}", withscores=True)
+    if cap < 2:
+        raise ValueError("cap must be >= 2 (the newest event left out may be the scored one)")
+    n = len(card_ids)
+    ids = txn_ids if txn_ids is not None else [None] * n
+    groups = [[i] for i in range(n)] if per_card else [list(range(n))] if n else []
+    for group in groups:
+        keys: list[str] = []
+        args: list[str | int] = [cap]
+        for i in group:
+            t = to_us(as_of_ts[i])
+            keys.append(events_key(card_ids[i]))
+            args += (t, ids[i] or "", *_starts(t))
+        pipe.execute_command("EVALSHA", READ_SHA, len(keys), *keys, *args)
+    return len(groups)
+
+
+@dataclass
+class ReadStats:
+    """What the bounded reads of a batch did: ``capped`` reads returned older events as
+    totals (still exact), ``inexact`` of them left a ``*_since_snapshot`` pair a lower
+    bound (a snapshot time that is not the last UTC midnight; see :class:`OlderEvents`)."""
+
+    capped: int = 0
+    inexact: int = 0
 
 
 def parse_session_results(
@@ -385,29 +570,55 @@ def parse_session_results(
     txn_ids: Sequence[str | None],
     countries: Sequence[str | None] | None = None,
     snapshot_ts: Sequence[float] | None = None,
+    stats: ReadStats | None = None,
 ) -> dict[str, np.ndarray]:
     """Session feature columns (float64, one per name in :data:`SESSION_NAMES`).
 
-    ``replies`` are exactly the ``len(card_ids) * REPLIES_PER_CARD`` replies that
-    :func:`queue_session_reads` queued, in order (slice them out of the pipeline's
-    result list). ``txn_ids`` are the scored transactions' ids (excluded from their own
+    ``replies`` are the replies of the commands :func:`queue_session_reads` queued, in
+    order (slice them out of the pipeline's result list); a ``NoScriptError`` among them
+    is raised. ``txn_ids`` are the scored transactions' ids (excluded from their own
     features); ``countries`` their countries (needed for ``card_country_changed``;
     None leaves that feature at its default 0); ``snapshot_ts`` the cards' usable batch
     snapshot times in epoch seconds (0 or None: none). A card without state gets the
     defaults, which are the true values for "no recent transactions", not a stand-in.
+    ``stats``, when given, is told how many reads were capped.
     """
     n = len(card_ids)
-    if len(replies) != n * REPLIES_PER_CARD:
-        raise ValueError(f"expected {n * REPLIES_PER_CARD} replies, got {len(replies)}")
+    per_txn: list[Any] = []
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+        per_txn.extend(r)
+    if len(per_txn) != n:
+        raise ValueError(f"expected replies for {n} transactions, got {len(per_txn)}")
     out = np.empty((n, N_SESSION), dtype=np.float64)
-    for i in range(n):
-        events = [decode_member(m, s) for m, s in replies[i]]
+    for i, (flat, rest) in enumerate(per_txn):
+        events = [decode_member(flat[j], float(flat[j + 1])) for j in range(0, len(flat), 2)]
+        t = to_us(as_of_ts[i])
+        snapshot_us = to_us(snapshot_ts[i]) if snapshot_ts is not None else 0
+        older = None
+        if rest:
+            starts = _starts(t)
+            older = OlderEvents(
+                {
+                    start: (int(rest[2 * k]), float(rest[2 * k + 1]))
+                    for k, start in enumerate(starts)
+                },
+                frozenset(m.decode() for m in rest[-2]),
+                frozenset(c.decode() for c in rest[-1]),
+                events[-1].ts_us,  # newest first: the last is the oldest returned
+            )
+            if stats is not None:
+                stats.capped += 1
+                if older.at(max(snapshot_us, starts[-2])) is None:
+                    stats.inexact += 1
         out[i] = session_features(
             events,
-            to_us(as_of_ts[i]),
+            t,
             txn_ids[i],
             countries[i] if countries is not None else None,
-            to_us(snapshot_ts[i]) if snapshot_ts is not None else 0,
+            snapshot_us,
+            older,
         )
     return {name: out[:, j] for j, name in enumerate(SESSION_NAMES)}
 

@@ -16,9 +16,12 @@ inference for the whole micro-batch). Bounds, all from settings:
 * ``max_queue_size``: a submit beyond it fails at once with :class:`QueueFull`;
 * deadlines: a batch never waits past the earliest deadline it holds minus the
   measured batch time, and an item that can no longer make its deadline is failed with
-  :class:`DeadlineExceeded` before it reaches the model.
+  :class:`DeadlineExceeded` before it reaches the model; at the deadline itself a caller
+  still waiting (queued, or in a batch that runs late) gets :class:`TimedOut` (one timer
+  handle per item, cheaper than wrapping the await in ``asyncio.timeout``); a result
+  that arrives later is dropped.
 
-Both are :class:`~service.errors.Rejected` (answered 503 with Retry-After and counted by
+All three are :class:`~service.errors.Rejected` (answered 503 with Retry-After and counted by
 the service's one handler); this module counts nothing itself.
 
 Cancellation: a caller that goes away (its awaiting task is cancelled, e.g. the client
@@ -38,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from service.errors import Rejected, RejectReason
 
@@ -71,6 +74,18 @@ class DeadlineExceeded(Rejected):
 
     def __init__(self, detail: str) -> None:
         super().__init__(RejectReason.DEADLINE, f"deadline exceeded: {detail}")
+
+
+class TimedOut(Rejected):
+    """The item's deadline fired while its caller was still waiting (reason ``timeout``)."""
+
+    def __init__(self) -> None:
+        super().__init__(RejectReason.TIMEOUT, "deadline exceeded: timed out")
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimedOut())
 
 
 @dataclass
@@ -167,8 +182,8 @@ class Batcher(Generic[T, R]):
         self, payload: T, deadline: float, gone: Callable[[], bool] | None = None
     ) -> R:
         """Queue ``payload`` and wait for its result (or QueueFull / DeadlineExceeded, or
-        ClientGone when ``gone()`` is true as its batch forms; ``gone`` must be cheap and
-        must not block: it runs on the worker)."""
+        TimedOut at ``deadline``, or ClientGone when ``gone()`` is true as its batch forms;
+        ``gone`` must be cheap and must not block: it runs on the worker)."""
         now = time.monotonic()
         if len(self._queue) >= self.max_queue_size:
             # Cancelled requests wait in the deque until the worker sweeps them; they
@@ -178,12 +193,17 @@ class Batcher(Generic[T, R]):
             raise QueueFull(f"queue holds {len(self._queue)} requests (max_queue_size)")
         if deadline - now < self.stats.expected_batch_s(now):
             raise DeadlineExceeded("deadline shorter than the measured batch time")
-        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[R] = loop.create_future()
+        timer = loop.call_later(deadline - now, _expire, fut)
         self._queue.append(_Item(payload, deadline, now, fut, gone))
         self._wakeup.set()
-        # The caller's own timeout cancels ``fut`` through this await; the worker then
-        # drops the item before the batch runs.
-        return await fut
+        # A cancelled caller cancels ``fut`` through this await, and the deadline fails
+        # it; either way the worker then drops the item before its batch runs.
+        try:
+            return await fut
+        finally:
+            timer.cancel()
 
     # -- worker side ---------------------------------------------------------------
     def _live_head(self) -> _Item[T, R] | None:

@@ -73,6 +73,11 @@ INDICATORS: tuple[Indicator, ...] = (
 )
 
 
+# The features Policy.decide reads (the amount rule and the indicators): the scorer hands
+# it these alone, not every column.
+FEATURES_READ: frozenset[str] = frozenset({"amount", *(i.feature for i in INDICATORS)})
+
+
 @dataclass(frozen=True)
 class Policy:
     review_threshold: float

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -36,6 +35,7 @@ from functools import cache
 
 import numpy as np
 from prometheus_client import Counter, Gauge
+from pydantic_core import to_json
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable, Producer
 from fraud_scoring.events import Transaction
@@ -44,6 +44,10 @@ from service.scoring import ScoreResult
 log = logging.getLogger(__name__)
 
 MAX_SEND = 512  # decisions per producer call
+# After the first decision of a quiet spell the writer gathers for this long before its
+# call: one producer call per ~10 ms under load instead of one per micro-batch (each a
+# Redis round trip, ~6 % of a scoring request's CPU at 800 req/s).
+LINGER_S = 0.01
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between failed writes
 
 # Told of each batch once it is in the log (each decision with its log record), before
@@ -95,7 +99,7 @@ def encode(p: _Pending) -> LogRecord:
     body = {
         "transaction_id": r.transaction_id,
         "decided_at": p.decided_at_us,
-        "transaction": p.txn.model_dump(mode="json"),
+        "transaction": p.txn,  # serialised by its own pydantic serializer, in JSON mode
         "features": dict(zip(p.names, p.features.tolist(), strict=True)),
         "missing": r.missing,
         "stale": r.stale,
@@ -110,7 +114,9 @@ def encode(p: _Pending) -> LogRecord:
         "champion_version": r.champion_version,
         "champion_score": r.champion_score,
     }
-    return LogRecord(r.transaction_id, json.dumps(body, separators=(",", ":")).encode())
+    # pydantic-core's encoder: one pass in Rust, ~5x json.dumps of a model_dump here;
+    # NaN/inf written as json.dumps writes them.
+    return LogRecord(r.transaction_id, to_json(body, inf_nan_mode="constants"))
 
 
 class DecisionLog:
@@ -189,6 +195,8 @@ class DecisionLog:
                 if not self.pending:
                     self._wake.clear()
                     await self._wake.wait()
+                    if len(self.pending) < MAX_SEND:
+                        await asyncio.sleep(LINGER_S)  # gather a few micro-batches
                 batch = [self.pending[i] for i in range(min(MAX_SEND, len(self.pending)))]
                 records, logged = [encode(p) for p in batch], False
             try:

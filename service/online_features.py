@@ -26,6 +26,7 @@ from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_key, stored_time
 from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
+from fraud_scoring.redis_clients import is_cluster_pipeline
 
 
 @dataclass
@@ -69,56 +70,76 @@ class OnlineFeatureReader:
             + [f"_ts:{v.name}".encode()]
             for v in VIEWS
         }
+        # Per view, in VIEWS order: its feature names and TTL (s), as parse reads them.
+        self._views = [([f.name for f in view_features(v)], v.ttl.total_seconds()) for v in VIEWS]
 
     def key(self, view: BatchView, entity_id: str) -> bytes:
         return _online_key(self.project, view.join_key, entity_id, self.eksv)
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
-        """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline)."""
+        """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline):
+        one HMGET per transaction and view, then the session reads (one script call for
+        the batch; one per transaction on a Redis Cluster)."""
         for t in txns:  # per transaction: one HMGET per view, in VIEWS order
             for view in VIEWS:
                 pipe.hmget(self.key(view, getattr(t, view.join_key)), self._fields[view.name])
-        session.queue_session_reads(pipe, [t.card_id for t in txns], [t.event_ts for t in txns])
+        session.queue_session_reads(
+            pipe,
+            [t.card_id for t in txns],
+            [t.event_ts for t in txns],
+            [t.transaction_id for t in txns],
+            per_card=is_cluster_pipeline(pipe),
+        )
 
-    def parse(self, replies: Sequence[Any], txns: Sequence[Transaction]) -> FeatureRows:
-        """Turn the pipeline's replies (in queue order) into defaulted feature columns."""
+    def parse(
+        self,
+        replies: Sequence[Any],
+        txns: Sequence[Transaction],
+        stats: session.ReadStats | None = None,
+    ) -> FeatureRows:
+        """Turn the pipeline's replies (in queue order, exactly those :meth:`queue` queued)
+        into defaulted feature columns; ``stats`` is told of capped session reads."""
         n = len(txns)
+        event_ts = [t.event_ts for t in txns]  # a property that converts: once per row
         raw: dict[str, list[Any]] = {}
         missing: list[list[str]] = [[] for _ in range(n)]
         stale: list[list[str]] = [[] for _ in range(n)]
-        for vi, view in enumerate(VIEWS):
-            feats = view_features(view)
-            ok = [True] * n  # a list: numpy scalar indexing costs more per row
-            ttl = view.ttl.total_seconds()
-            names = [f.name for f in feats]
-            for i, t in enumerate(txns):
-                vals = replies[len(VIEWS) * i + vi]
+        n_views = len(VIEWS)
+        for vi, (names, ttl) in enumerate(self._views):
+            columns: list[list[Any]] = [[] for _ in names]
+            for i in range(n):
+                vals = replies[n_views * i + vi]
                 ts_raw = vals[-1]
                 if not ts_raw:
-                    ok[i] = False
                     missing[i].extend(names)
+                    ok = False
                 else:
-                    age = t.event_ts - stored_time(ts_raw)
-                    if age < 0 or age > ttl:
-                        ok[i] = False
+                    age = event_ts[i] - stored_time(ts_raw)
+                    ok = 0 <= age <= ttl
+                    if not ok:
                         stale[i].extend(names)
-                for f, v in zip(feats, vals[:-1], strict=True):
-                    # A row whose snapshot is missing or unusable reads as a hole too,
-                    # so one apply_defaults call below defaults every view at once.
-                    value = _value(v) if ok[i] else None
-                    hole = value is None or value != value  # None or NaN
-                    if hole and ok[i]:  # a hole in a usable snapshot: defaulted, flagged
-                        missing[i].append(f.name)
-                    raw.setdefault(f.name, []).append(value)
+                if not ok:
+                    # An unusable snapshot reads as holes, so one apply_defaults call
+                    # below defaults every view at once.
+                    for col in columns:
+                        col.append(None)
+                    continue
+                for j, v in enumerate(vals[:-1]):
+                    value = _value(v)
+                    if value is None or value != value:  # a hole in a usable snapshot
+                        missing[i].append(names[j])
+                    columns[j].append(value)
+            raw.update(zip(names, columns, strict=True))
         cols = apply_defaults(raw)
         cols.update(
             session.parse_session_results(
-                list(replies[len(VIEWS) * n :]),
+                list(replies[n_views * n :]),
                 [t.card_id for t in txns],
-                [t.event_ts for t in txns],
+                event_ts,
                 [t.transaction_id for t in txns],
                 [t.country for t in txns],
                 cols["card_snapshot_time"].tolist(),
+                stats,
             )
         )
         return FeatureRows(cols, missing, stale)

@@ -115,6 +115,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         stack.callback(watch_models(models, settings).cancel)
         client = _store_client(url, settings)
         stack.push_async_callback(client.aclose)
+        scoring_client = _store_client(url, settings, read_timeout=False)
+        stack.push_async_callback(scoring_client.aclose)
         pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
         stack.callback(pool.shutdown, wait=True)
         reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
@@ -165,7 +167,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
                 sink(*batch)
 
         scorer = Scorer(
-            client,
+            scoring_client,
             reader,
             models,
             settings,
@@ -227,14 +229,19 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         )
 
 
-def _store_client(url: str, settings: Settings) -> Any:
+def _store_client(url: str, settings: Settings, *, read_timeout: bool = True) -> Any:
     """The online store's asyncio client. One server: a blocking pool, so past 64
     connections a read waits (up to the Redis timeout) for a free one instead of failing,
     e.g. a large batch call on the naive path. A cluster: redis-py's cluster client (one
     pipeline per node, sent concurrently); its per-node limit is above the in-flight
-    limit, which bounds the reads at once."""
+    limit, which bounds the reads at once.
+
+    ``read_timeout`` False: no socket timeout on reads and writes (the scorer bounds each
+    micro-batch's round trip as a whole, with one timer): redis-py otherwise wraps every
+    pipelined send in ``asyncio.wait_for`` (a task) and every reply in
+    ``asyncio.timeout``, ~10 % of a scoring request's CPU."""
     timeouts = {
-        "socket_timeout": settings.redis_timeout_s,
+        "socket_timeout": settings.redis_timeout_s if read_timeout else None,
         "socket_connect_timeout": settings.redis_timeout_s,
     }
     if is_cluster(url):

@@ -19,15 +19,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import prometheus_client
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
-from pydantic_core import from_json
+from pydantic_core import from_json, to_json
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
@@ -40,7 +41,6 @@ from service.errors import (
     ErrorCode,
     NotReady,
     Rejected,
-    RejectReason,
     error_body,
     error_responses,
 )
@@ -163,13 +163,34 @@ def _record(request: Request) -> bool:
     )
 
 
-_SCORE_SCOPE = [Depends(require_scope(Scope.SCORE))]
+_Endpoint = TypeVar("_Endpoint", bound=Callable[[Request], Coroutine[Any, Any, Response]])
 
 
-@router.post(
+class DirectRoute(APIRoute):
+    """A route whose endpoint takes the ``Request`` alone and checks its own scope first:
+    FastAPI's per-request dependency solving (query, header and cookie parsing, and a
+    thread hop for a sync dependency) is skipped on the hot path, about a fifth of a
+    scoring request's CPU. OpenAPI and the error answers are FastAPI's as usual."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        return cast(Callable[[Request], Coroutine[Any, Any, Response]], self.endpoint)
+
+
+def _direct_post(path: str, **kwargs: Any) -> Callable[[_Endpoint], _Endpoint]:
+    """``@router.post(path, ...)`` as a :class:`DirectRoute`."""
+
+    def add(endpoint: _Endpoint) -> _Endpoint:
+        router.add_api_route(
+            path, endpoint, methods=["POST"], route_class_override=DirectRoute, **kwargs
+        )
+        return endpoint
+
+    return add
+
+
+@_direct_post(
     "/v1/score",
     response_model=ScoreOut,
-    dependencies=_SCORE_SCOPE,
     responses=error_responses(401, 403, 408, 413, 415, 422, 503),
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
@@ -191,6 +212,7 @@ async def score(request: Request) -> Response:
     ``json.loads`` and no dependency solving); errors take the same 422 route as
     everywhere else.
     """
+    check_scope(request, Scope.SCORE)
     record = _record(request)
     try:
         txn = Transaction.model_validate_json(await _json_body(request))
@@ -204,10 +226,9 @@ async def score(request: Request) -> Response:
     return _json(await _score_one(request, res, item, deadline, client_gone(request)))
 
 
-@router.post(
+@_direct_post(
     "/v1/score/batch",
     response_model=BatchOut,
-    dependencies=_SCORE_SCOPE,
     responses=error_responses(401, 403, 408, 413, 415, 422, 503),
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
@@ -238,6 +259,7 @@ async def score_many(request: Request) -> Response:
 
     The count is checked before any item is validated (413), so an oversized call costs
     one JSON parse, not one validation per item."""
+    check_scope(request, Scope.SCORE)
     res = resources(request)
     record = _record(request)
     raw = await _json_body(request)
@@ -290,7 +312,7 @@ async def score_many(request: Request) -> Response:
         for t in transactions
     ]
     try:
-        return _json(BatchOut(results=list(await asyncio.gather(*tasks))))
+        return _json({"results": list(await asyncio.gather(*tasks))})
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -315,7 +337,7 @@ async def _score_one(
     item: ScoreRequest,
     deadline: float,
     gone: Callable[[], bool] | None,
-) -> ScoreOut:
+) -> dict[str, Any]:
     res.models.require()  # no model: 503 at once, nothing queued
     start = time.perf_counter()
     if telemetry.tracing():
@@ -324,24 +346,19 @@ async def _score_one(
         result = await _decide(res, item, deadline, gone)
     total_ms = (time.perf_counter() - start) * 1e3
     res.instruments.bound(result.model_version).request_duration.observe(total_ms / 1e3)
-    return ScoreOut.of(result, total_ms)
+    return ScoreOut.wire(result, total_ms)
 
 
 async def _decide(
     res: Resources, item: ScoreRequest, deadline: float, gone: Callable[[], bool] | None
 ) -> ScoreResult:
     """One decision through the micro-batcher (or, batching off, on its own)."""
-    try:
-        if res.batcher is not None:
-            # asyncio.timeout cancels the await (and so the queued item) at the deadline
-            # without wrapping it in a task as wait_for would.
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                return await res.batcher.submit(item, deadline, gone)
-        if deadline <= time.monotonic():
-            raise DeadlineExceeded("deadline passed")
-        return (await res.score_batch([item]))[0]
-    except TimeoutError as exc:
-        raise Rejected(RejectReason.TIMEOUT, "deadline exceeded: timed out") from exc
+    if res.batcher is not None:
+        # The batcher answers TimedOut (503 ``timeout``) at the deadline itself.
+        return await res.batcher.submit(item, deadline, gone)
+    if deadline <= time.monotonic():
+        raise DeadlineExceeded("deadline passed")
+    return (await res.score_batch([item]))[0]
 
 
 async def _traced(
@@ -372,10 +389,10 @@ async def _traced(
     return result
 
 
-def _json(body: BaseModel) -> Response:
-    # Serialized once here; returning a Response skips FastAPI's second validation pass
-    # (the route's response_model still documents the schema).
-    return Response(body.model_dump_json(), media_type="application/json")
+def _json(body: dict[str, Any]) -> Response:
+    # Serialised once, by pydantic-core (the route's response_model documents the shape;
+    # returning a Response skips FastAPI's validation pass).
+    return Response(to_json(body), media_type="application/json")
 
 
 class ReloadOut(BaseModel):

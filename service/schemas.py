@@ -5,7 +5,7 @@ A single transaction's request body is :class:`fraud_scoring.events.Transaction`
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,29 +92,37 @@ class ScoreOut(BaseModel):
         "FRAUD_DEGRADED_POLICY=rules decided on request and session features by rules only",
     )
 
-    @classmethod
-    def of(cls, res: ScoreResult, total_ms: float) -> ScoreOut:
-        """The response for one scored transaction; ``total_ms`` is the handler's own
-        time, so whatever the micro-batch's stages do not explain was queueing."""
+    @staticmethod
+    def wire(res: ScoreResult, total_ms: float) -> dict[str, Any]:
+        """The response for one scored transaction, as the plain dict that is serialised
+        (this model's fields and shape; tests validate it against the model): built
+        without a validation pass, serialised once by :func:`pydantic_core.to_json`.
+        ``total_ms`` is the handler's own time, so whatever the micro-batch's stages do
+        not explain was queueing."""
         tm = res.timing_ms
         queue_ms = max(total_ms - tm["feature_read"] - tm["inference"] - tm["decision"], 0.0)
-        return cls(
-            transaction_id=res.transaction_id,
-            decision=cast(Decision, res.decision),  # validated against the Literal here
-            score=res.score,
-            reasons=[ReasonOut(code=r.code, message=r.message) for r in res.reasons],
-            model_version=res.model_version,
-            features=FeatureStatus(missing=res.missing, stale=res.stale),
-            timing=Timing(
-                queue_ms=queue_ms,
-                feature_read_ms=tm["feature_read"],
-                inference_ms=tm["inference"],
-                decision_ms=tm["decision"],
-                total_ms=total_ms,
-                batch_size=int(tm["batch_size"]),
-            ),
-            degraded=res.degraded is not None,
-        )
+        return {
+            "transaction_id": res.transaction_id,
+            "decision": res.decision,
+            "score": res.score,
+            "reasons": [{"code": r.code, "message": r.message} for r in res.reasons],
+            "model_version": res.model_version,
+            "features": {"missing": res.missing, "stale": res.stale},
+            "timing": {
+                "queue_ms": queue_ms,
+                "feature_read_ms": tm["feature_read"],
+                "inference_ms": tm["inference"],
+                "decision_ms": tm["decision"],
+                "total_ms": total_ms,
+                "batch_size": int(tm["batch_size"]),
+            },
+            "degraded": res.degraded is not None,
+        }
+
+    @classmethod
+    def of(cls, res: ScoreResult, total_ms: float) -> ScoreOut:
+        """:meth:`wire` as a validated model."""
+        return cls.model_validate(cls.wire(res, total_ms))
 
 
 class BatchIn(BaseModel):

@@ -1,7 +1,8 @@
 """Scoring one micro-batch of transactions, top to bottom:
 
-read features and record the transactions (one pipelined round trip; on a Redis
-Cluster one pipeline per node, sent at once) → the shared
+read features and record the transactions (one pipelined round trip, bounded by
+``FRAUD_REDIS_TIMEOUT_S`` as a whole; on a Redis Cluster one pipeline per node, sent at
+once) → the shared
 assembly of every feature column → feature vector in the model's order → ONNX Runtime
 (off the event loop) → decision policy → results.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 from redis.exceptions import NoScriptError
 
 from fraud_scoring import features as F
@@ -42,12 +45,27 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS
 from fraud_scoring.settings import Settings
 from service.challenger import Challenger
-from service.decision import Policy, Reason, rules_only
+from service.decision import FEATURES_READ, Policy, Reason, rules_only
 from service.model import LoadedModel, ModelHolder
 from service.online_features import OnlineFeatureReader
 from service.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
 
 log = logging.getLogger(__name__)
+
+# A failed store call, or one past FRAUD_REDIS_TIMEOUT_S (the scorer's own bound).
+STORE_OR_TIMEOUT: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
+
+
+@functools.cache
+def _capped_reads() -> Counter:
+    """Session reads of a card with more than ``session.READ_CAP`` events in its 24 h
+    window (the rest came as server-side totals): ``exact`` "false" when that left the
+    ``*_since_snapshot`` pair a lower bound (see ``session.OlderEvents``)."""
+    return Counter(
+        "fraud_session_reads_capped",
+        "Session reads whose older events came as server-side totals (read cap)",
+        ("exact",),
+    )
 
 
 @dataclass
@@ -149,21 +167,15 @@ class Scorer:
         """All feature columns (batch, session, request, spanning, new-card) for ``txns``,
         assembled by :func:`fraud_scoring.features.build_features`, in one round trip that
         also records the transactions (``record[i]`` False: not that one; None: all)."""
-        pipe = self.redis.pipeline(transaction=False)
-        self.reader.queue(pipe, txns)
-        n_reads = len(pipe)
         writes = self._to_record(txns, record)
-        session.queue_apply(pipe, writes, self.limits)  # after the reads: none sees itself
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
-        try:
-            replies = await pipe.execute(raise_on_error=False)
-        except STORE_ERRORS as exc:
-            # The cause (it names Redis's host:port) goes to the log, not to callers.
-            log.warning("feature read failed: %s", exc)
-            if self.health is not None:
-                self.health.failed()
-            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        replies, n_reads = await self._round_trip(txns, writes)
+        if any(isinstance(r, NoScriptError) for r in replies[:n_reads]):
+            # The server lost the scripts (restart, flush): load them and run the batch
+            # again (its writes are idempotent).
+            await self._load_scripts()
+            replies, n_reads = await self._round_trip(txns, writes)
         if self.health is not None:
             self.health.succeeded()
         reads, applied = replies[:n_reads], replies[n_reads:]
@@ -173,7 +185,12 @@ class Scorer:
                 raise FeatureStoreUnavailable("feature store unavailable: a read failed")
         if writes:
             await self._recorded(writes, applied)
-        rows = self.reader.parse(reads, txns)
+        stats = session.ReadStats()
+        rows = self.reader.parse(reads, txns, stats)
+        if stats.capped:
+            _capped_reads().labels(exact="true").inc(stats.capped - stats.inexact)
+            if stats.inexact:
+                _capped_reads().labels(exact="false").inc(stats.inexact)
         request = F.RequestColumns(
             amount=[t.amount for t in txns],
             event_us=[session.to_us(t.event_time) for t in txns],
@@ -186,6 +203,41 @@ class Scorer:
         cols = F.build_features(rows.columns, rows.columns, request)
         return cols, rows.missing, rows.stale
 
+    async def _round_trip(
+        self, txns: Sequence[Transaction], writes: dict[str, list[session.SessionEvent]]
+    ) -> tuple[list[Any], int]:
+        """The batch's one pipelined round trip: the reads, then the writes (queued after
+        them, so no read sees its own transaction). Returns the replies (errors in place)
+        and how many are the reads'; a failed or late round trip is
+        FeatureStoreUnavailable (and a failure for the breaker)."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.reader.queue(pipe, txns)
+        n_reads = len(pipe)
+        session.queue_apply(pipe, writes, self.limits)
+        try:
+            # The client has no per-reply socket timeout (service/resources.py): the
+            # whole round trip is bounded here, one timer per micro-batch.
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                replies = await pipe.execute(raise_on_error=False)
+        except STORE_OR_TIMEOUT as exc:
+            # The cause (it names Redis's host:port) goes to the log, not to callers.
+            log.warning("feature read failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        return replies, n_reads
+
+    async def _load_scripts(self) -> None:
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                for script in session.SCRIPTS:
+                    await self.redis.script_load(script)
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("loading the session scripts failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+
     async def _recorded(
         self, writes: dict[str, list[session.SessionEvent]], replies: Sequence[Any]
     ) -> None:
@@ -195,11 +247,12 @@ class Scorer:
         updater's copy of the event will arrive."""
         if any(isinstance(r, NoScriptError) for r in replies):
             try:
-                await self.redis.script_load(session.APPLY_LUA)
-                pipe = self.redis.pipeline(transaction=False)
-                session.queue_apply(pipe, writes, self.limits)
-                replies = await pipe.execute(raise_on_error=False)
-            except STORE_ERRORS as exc:
+                async with asyncio.timeout(self.settings.redis_timeout_s):
+                    await self.redis.script_load(session.APPLY_LUA)
+                    pipe = self.redis.pipeline(transaction=False)
+                    session.queue_apply(pipe, writes, self.limits)
+                    replies = await pipe.execute(raise_on_error=False)
+            except STORE_OR_TIMEOUT as exc:
                 replies = [exc]
         for r in replies:
             if isinstance(r, Exception):
@@ -294,12 +347,15 @@ class Scorer:
             if ch is not None and canary is not None
             else policy
         )
-        names = list(cols)
+        # Python scalars, converted once per batch: the policy reads a few features.
+        read = {n: cols[n].tolist() for n in FEATURES_READ if n in cols}
+        champion = scores.tolist()
+        challenger = ch_scores.tolist() if ch_scores is not None else None
         out = []
         for i, t in enumerate(txns):
-            row = {n: cols[n][i] for n in names if cols[n].dtype != object}
+            row = {n: v[i] for n, v in read.items()}
             routed = canary is not None and bool(canary[i])
-            score = float(ch_scores[i]) if routed and ch_scores is not None else float(scores[i])
+            score = challenger[i] if routed and challenger is not None else champion[i]
             decision, reasons = (ch_policy if routed else policy).decide(
                 score,
                 row,
@@ -317,26 +373,28 @@ class Scorer:
                     stale=stale[i],
                     routed_to="challenger" if routed else "champion",
                     champion_version=model.version,
-                    champion_score=float(scores[i]),
+                    champion_score=champion[i],
                     challenger_version=ch.version
-                    if ch is not None and ch_scores is not None
+                    if ch is not None and challenger is not None
                     else None,
-                    challenger_score=float(ch_scores[i]) if ch_scores is not None else None,
+                    challenger_score=challenger[i] if challenger is not None else None,
                 )
             )
         wall3, t3 = time.time_ns(), time.perf_counter()
+        # The batch's stages are every row's: one dict each, shared (read only).
+        timing = {
+            "feature_read": (t1 - t0) * 1e3,
+            "inference": (t2 - t1) * 1e3,
+            "decision": (t3 - t2) * 1e3,
+            "batch_size": float(len(txns)),
+        }
+        spans = {
+            "feature_read": (wall0, wall1),
+            "inference": (wall1, wall2),
+            "decision": (wall2, wall3),
+        }
         for r in out:
-            r.timing_ms = {
-                "feature_read": (t1 - t0) * 1e3,
-                "inference": (t2 - t1) * 1e3,
-                "decision": (t3 - t2) * 1e3,
-                "batch_size": float(len(txns)),
-            }
-            r.spans_ns = {
-                "feature_read": (wall0, wall1),
-                "inference": (wall1, wall2),
-                "decision": (wall2, wall3),
-            }
+            r.timing_ms, r.spans_ns = timing, spans
         if self.on_scored is None:
             return out
         # Shadow scores go only to the decision log: without one, no shadow run.

@@ -139,7 +139,7 @@ def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
             else:
                 fields.append(Value(float_val=1.5).SerializeToString())
         replies.append([*fields, snap])
-    replies.append([])  # the session read: no recent events
+    replies.append([[[], 0]])  # the session read script: no recent events, nothing older
     rows = OnlineFeatureReader("p").parse(replies, [txn])
     assert rows.missing == [["card_amount_mean_30d"]] and rows.stale == [[]]
     assert rows.columns["card_amount_mean_30d"][0] == 0.0  # its declared default

@@ -15,6 +15,7 @@ from fraud_scoring import features as F
 from fraud_scoring.session import (
     DAY_US,
     NO_PREVIOUS_S,
+    READ_LUA,
     SESSION_FEATURES,
     SESSION_NAMES,
     US,
@@ -165,10 +166,11 @@ def test_scored_transaction_never_counts_in_its_own_features(stream_redis: str) 
         (at + 0.5, "scored"),  # the scorer's clock says later: excluded by id
         (at + 0.5, "other"),  # a later, different transaction does see it
     ]
+    client.script_load(READ_LUA)
     pipe = client.pipeline(transaction=False)
-    queue_session_reads(pipe, ["c1"] * 3, [c[0] for c in cases])
+    queued = queue_session_reads(pipe, ["c1"] * 3, [c[0] for c in cases])
     replies = pipe.execute()
-    assert len(replies) == 3
+    assert len(replies) == queued == 1  # one script call for the batch
     cols = parse_session_results(
         replies, ["c1"] * 3, [c[0] for c in cases], [c[1] for c in cases], ["US"] * 3
     )
@@ -220,6 +222,7 @@ def test_reads_queue_on_asyncio_pipelines(stream_redis: str) -> None:
 
     async def read() -> dict[str, np.ndarray]:
         client: Any = aioredis.Redis.from_url(stream_redis)
+        await client.script_load(READ_LUA)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.get("unrelated")  # the scorer's own reads share the pipeline

@@ -11,6 +11,7 @@ import pandas as pd
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.session import (
+    READ_LUA,
     SESSION_NAMES,
     offline_session_features,
     parse_session_results,
@@ -119,6 +120,7 @@ def test_online_equals_offline_for_sampled_card_times(stream_redis: str) -> None
         rng.random(len(q)) < 0.2, np.nan, np.floor(np.asarray(ts)) - back
     )
 
+    client.script_load(READ_LUA)
     pipe = client.pipeline(transaction=False)
     queue_session_reads(pipe, cards, ts)
     online = parse_session_results(

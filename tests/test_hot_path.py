@@ -1,0 +1,139 @@
+"""The scoring path's cheaper forms give the same answers: a card with thousands of
+events in 24 h is read with a bounded cost and still gets its exact session features,
+and the response body built without a validation pass is a valid ``ScoreOut``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fraud_scoring.session import (
+    DAY_US,
+    HOUR_US,
+    MINUTE_US,
+    READ_CAP,
+    READ_LUA,
+    SESSION_NAMES,
+    US,
+    ReadStats,
+    SessionEvent,
+    parse_session_results,
+    queue_session_reads,
+    session_features,
+)
+from service.decision import Reason
+from service.schemas import ScoreOut
+from service.scoring import ScoreResult
+from streaming.state import SessionWriter
+from tests.conftest_streaming import connect, stream_redis
+
+__all__ = ["stream_redis"]
+
+MIDNIGHT = 1_767_225_600 * US  # 2026-01-01T00:00:00Z
+T = MIDNIGHT + 9 * HOUR_US + 17 * US + 250  # the scored transactions' time (µs)
+
+
+def heavy_card(n: int, seed: int = 7) -> list[SessionEvent]:
+    """``n`` events over the 26 h before ``T``, densest in the last hour (a card-testing
+    burst), amounts whose float sums depend on their order, several merchants and
+    countries, and ties on the same microsecond."""
+    rng = np.random.default_rng(seed)
+    ts = np.concatenate(
+        [
+            T - rng.integers(1, 26 * HOUR_US, n // 2),
+            T - rng.integers(1, HOUR_US, n - n // 2 - 10),
+            np.full(10, T - 30 * MINUTE_US),  # ties: ordered by transaction_id
+        ]
+    )
+    amounts = np.round(rng.lognormal(3, 1.5, n), 2) + rng.choice([0.0, 0.1, 1e-7], n)
+    return [
+        SessionEvent(
+            int(t),
+            f"t{i:05d}",
+            float(a),
+            f"m{rng.integers(0, 400)}",
+            str(rng.choice(["US", "DE", "FR", "BR"])),
+        )
+        for i, (t, a) in enumerate(zip(ts, amounts, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("per_card", [False, True])
+def test_a_heavy_card_is_read_bounded_and_exact(stream_redis: str, per_card: bool) -> None:
+    client = connect(stream_redis)
+    events = heavy_card(5000)
+    SessionWriter(client, allowed_lateness_s=3 * 3600).apply([("heavy", e) for e in events])
+    client.script_load(READ_LUA)
+    in_window = [e for e in events if T - DAY_US <= e.ts_us < T]
+    assert len(in_window) > 20 * READ_CAP
+    older_one = sorted(in_window, key=lambda e: (e.ts_us, e.transaction_id))[5].transaction_id
+    # (excluded id, snapshot time): none; a replayed id among the older events; the
+    # batch snapshot at the last midnight; one older than the 24 h window.
+    cases = [
+        (None, 0),
+        (older_one, MIDNIGHT),
+        ("t-new", MIDNIGHT - 2 * DAY_US),
+        ("t-new", MIDNIGHT),
+    ]
+    pipe = client.pipeline(transaction=False)
+    queue_session_reads(pipe, ["heavy"] * 4, [T / US] * 4, [c[0] for c in cases], per_card=per_card)
+    replies = pipe.execute()
+    # What crossed the wire: at most READ_CAP events per read, whatever the card holds.
+    for per_txn in replies:
+        for events_read, older in per_txn:
+            assert len(events_read) == 2 * READ_CAP and older != 0
+    stats = ReadStats()
+    online = parse_session_results(
+        replies,
+        ["heavy"] * 4,
+        [T / US] * 4,
+        [c[0] for c in cases],
+        ["US"] * 4,
+        [c[1] / US for c in cases],
+        stats,
+    )
+    assert (stats.capped, stats.inexact) == (4, 0)
+    for i, (exclude, snapshot) in enumerate(cases):
+        expected = session_features(events, T, exclude, "US", snapshot)
+        got = tuple(float(online[name][i]) for name in SESSION_NAMES)
+        assert got == expected, f"case {i}"  # the same bits, sums included
+    assert online["card_txn_count_24h"][1] == len(in_window) - 1  # the replayed id left out
+
+
+def test_a_snapshot_inside_the_older_events_is_a_counted_lower_bound(stream_redis: str) -> None:
+    client = connect(stream_redis)
+    events = heavy_card(2000, seed=3)
+    SessionWriter(client, allowed_lateness_s=3 * 3600).apply([("heavy", e) for e in events])
+    client.script_load(READ_LUA)
+    snapshot = T - 20 * HOUR_US  # not a midnight, and among the older events
+    pipe = client.pipeline(transaction=False)
+    queue_session_reads(pipe, ["heavy"], [T / US], ["t-new"])
+    stats = ReadStats()
+    online = parse_session_results(
+        pipe.execute(), ["heavy"], [T / US], ["t-new"], ["US"], [snapshot / US], stats
+    )
+    assert (stats.capped, stats.inexact) == (1, 1)
+    exact = dict(
+        zip(SESSION_NAMES, session_features(events, T, "t-new", "US", snapshot), strict=True)
+    )
+    n_since = online["card_txn_count_since_snapshot"][0]
+    assert 0 < n_since <= exact["card_txn_count_since_snapshot"]
+    for name in SESSION_NAMES:  # every other feature stays exact
+        if not name.endswith("_since_snapshot"):
+            assert online[name][0] == exact[name], name
+
+
+def test_the_response_body_is_a_valid_score_out() -> None:
+    result = ScoreResult(
+        "t1",
+        "review",
+        0.42,
+        [Reason("VELOCITY_10M", "3 transactions on this card in the last 10 minutes.")],
+        "7",
+        ["merchant_fraud_rate_90d"],
+        [],
+        {"feature_read": 0.5, "inference": 0.1, "decision": 0.05, "batch_size": 3.0},
+    )
+    body = ScoreOut.wire(result, 1.25)
+    assert ScoreOut.model_validate(body).model_dump() == body
+    assert body["timing"]["queue_ms"] == pytest.approx(0.6)
