@@ -210,7 +210,7 @@ def batch_time(raw: Path, last: date, spark: bool) -> dict[str, Any]:
 
 # --- the derived sheet (docs/scale-sheet.md); each assumption is a named constant ----------
 # Figures measured elsewhere in this repository, cited rather than re-run:
-SCORING_HELD_PER_CORE = 1_800  # bench/README.md: bench_http, batched, one pinned core, run 1
+SCORING_HELD_PER_CORE = 2_100  # bench/README.md: bench_http, batched, one pinned core, quiet run
 MATERIALIZE_ROWS_PER_S = 43_000  # docs/scale-out.md: bench_materialize, direct writer, low end
 HEADROOM = 1.5  # Redis memory: fragmentation, replication buffers, fork copy-on-write on save
 SHARD_GB = 25.0  # usable memory per Redis Cluster master
