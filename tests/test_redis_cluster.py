@@ -108,6 +108,12 @@ def test_updater_survives_a_failover_without_losing_events(tmp_path: Path) -> No
             victim.process.kill()  # SIGKILL: no goodbye to the cluster
             victim.process.wait()
             xadd_all(client, stream, encode(events[half:]))  # the log keeps growing
+            # The promotion waits until the updater has met the dead primary (else a fast
+            # updater may finish the first half before the kill and only ever see the
+            # new primary, and the test would not exercise the failover).
+            wait_for(
+                lambda: "retrying" in log.read_text(), 60, "the updater to meet the dead primary"
+            )
             connect(replica.url).execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
             cluster.restart(victim)  # back as the new primary's replica
 
