@@ -43,7 +43,7 @@ from service.decision import INDICATORS
 from service.errors import ErrorCode, error_body, error_responses
 from service.feedback import FeedbackIn, FeedbackOut, store_label
 from service.resources import Resources, resources
-from service.review_queue import ReviewQueue
+from service.review_queue import QueuedItem, ReviewQueue
 from service.schemas import ReasonOut
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,19 @@ def _not_found(transaction_id: str) -> JSONResponse:
     )
 
 
+async def _item(res: Resources, transaction_id: str) -> QueuedItem | JSONResponse:
+    """The queued (or labelled, not yet expired) item, else the error answer: 503 when
+    the queue is off or unreadable, 404 when there is no such item."""
+    queue = _queue(res)
+    if isinstance(queue, JSONResponse):
+        return queue
+    try:
+        found = await queue.get(transaction_id)
+    except LogUnavailable as exc:
+        return _unavailable(exc)
+    return _not_found(transaction_id) if found is None else found
+
+
 def key_features(entry: dict[str, Any], importance: dict[str, float]) -> list[KeyFeature]:
     """The features an analyst looks at first: those the reasons are about, then the
     model's most important ones, :data:`KEY_FEATURES` in all (more if the reasons name
@@ -255,15 +268,9 @@ async def list_items(
 async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDetail | JSONResponse:
     """One item in full, its label once one arrived, and the card's recent history."""
     res = resources(request)
-    queue = _queue(res)
-    if isinstance(queue, JSONResponse):
-        return queue
-    try:
-        found = await queue.get(transaction_id)
-    except LogUnavailable as exc:
-        return _unavailable(exc)
-    if found is None:
-        return _not_found(transaction_id)
+    found = await _item(res, transaction_id)
+    if isinstance(found, JSONResponse):
+        return found
     entry, label = found.item, found.label
     t = entry["transaction"]
     return ReviewDetail.model_validate(
@@ -298,15 +305,9 @@ async def label_item(
     ``analyst``, ``time`` now), and the item leaves the queue. 404 for an id that is not
     a review item; ``duplicate`` as in feedback (an analyst's first mark stands)."""
     res = resources(request)
-    queue = _queue(res)
-    if isinstance(queue, JSONResponse):
-        return queue
-    try:
-        found = await queue.get(transaction_id)
-    except LogUnavailable as exc:
-        return _unavailable(exc)
-    if found is None:
-        return _not_found(transaction_id)
+    found = await _item(res, transaction_id)
+    if isinstance(found, JSONResponse):
+        return found
     label = FeedbackIn(
         transaction_id=transaction_id,
         label=body.label,
