@@ -29,7 +29,6 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.redis_clients import async_client, sync_client
 from fraud_scoring.redis_server import embedded_cluster
-from fraud_scoring.session import READ_LUA
 from service.online_features import OnlineFeatureReader
 
 
@@ -59,7 +58,8 @@ def run(world: Any, seconds: float) -> None:
     store = open_store(world.data_dir, world.redis_url)
     reader = OnlineFeatureReader(store.project)
     client = sync_client(world.redis_url)
-    client.script_load(READ_LUA)  # the reader's session read script (every primary)
+    for script in reader.scripts:  # the reader's scripts (every primary)
+        client.script_load(script)
     loop = asyncio.new_event_loop()
     aclient = async_client(world.redis_url)
     txns = [Transaction.model_validate(r) for r in world.held_out(64)]

@@ -230,7 +230,7 @@ class Scorer:
     async def _load_scripts(self) -> None:
         try:
             async with asyncio.timeout(self.settings.redis_timeout_s):
-                for script in session.SCRIPTS:
+                for script in self.reader.scripts:
                     await self.redis.script_load(script)
         except STORE_OR_TIMEOUT as exc:
             log.warning("loading the session scripts failed: %s", exc)

@@ -37,7 +37,6 @@ from fraud_scoring.feast_store import (
 )
 from fraud_scoring.features import BATCH_FEATURES, VIEWS, view_features
 from fraud_scoring.redis_server import embedded_redis
-from fraud_scoring.session import READ_LUA
 from fraud_scoring.storage import partition_dir
 from service.online_features import OnlineFeatureReader
 
@@ -97,7 +96,8 @@ def test_reader_returns_what_get_online_features_returns(materialized: Materiali
     reader = OnlineFeatureReader(m.store.project, m.store.config.entity_key_serialization_version)
     client = redis.Redis.from_url(m.redis_url)
     try:
-        client.script_load(READ_LUA)  # the reader's session read script
+        for script in reader.scripts:  # the reader's scripts (batch features, session)
+            client.script_load(script)
         pipe = client.pipeline(transaction=False)
         reader.queue(pipe, txns)
         ours = reader.parse(pipe.execute(), txns)
