@@ -260,8 +260,8 @@ class ModeSummary:
 class Server:
     """One server under test: its process (and worker children) and CPU accounting."""
 
-    def __init__(self, service: ServiceProcess) -> None:
-        self.service = service
+    def __init__(self, service: ServiceProcess, connections: int = 64) -> None:
+        self.service, self.connections = service, connections
         self.proc = psutil.Process(service.proc.pid)
 
     def cpu_s(self) -> float:
@@ -275,7 +275,7 @@ class Server:
 
     def step(self, bodies: list[bytes], rate: float, seconds: float, mode: str) -> Result:
         cpu0 = self.cpu_s()
-        res = run(open_loop(self.service.url, bodies, rate, seconds, mode))
+        res = run(open_loop(self.service.url, bodies, rate, seconds, mode, self.connections))
         res.cpu_ms = (self.cpu_s() - cpu0) * 1e3 / (rate * seconds)
         print(res.line(), flush=True)
         return res
@@ -360,6 +360,14 @@ def main() -> None:
         help="rates (req/s) tried on the bare endpoint, rising; stops at the first not held",
     )
     p.add_argument("--workers", type=int, default=1, help="uvicorn workers of the service")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=256,
+        help="most keep-alive connections the generator opens (enough that it never waits "
+        "for one below overload: a generator out of connections turns into a closed loop "
+        "and hides the server's own shedding)",
+    )
     p.add_argument("--no-pin", action="store_true", help="let servers and generator share cores")
     a = p.parse_args()
     modes = a.modes.split(",")
@@ -381,7 +389,8 @@ def main() -> None:
                     command=("-m", "bench.bare_app"),
                     cpus=server_cpus,
                     output=subprocess.DEVNULL,
-                )
+                ),
+                a.connections,
             )
             try:
                 summaries["bare"] = measure(
@@ -396,14 +405,17 @@ def main() -> None:
         for mode in ("naive", "batched"):
             if mode not in modes:
                 continue
-            server = Server(start(world, mode == "batched", extra, server_cpus))
+            server = Server(start(world, mode == "batched", extra, server_cpus), a.connections)
             try:
                 summaries[mode] = measure(
                     server, mode, bodies, ladder, bare_held / 2, a.seconds, results
                 )
             finally:
                 server.service.stop()
-    print(f"\n(servers pinned to core 0, generator to core 1: {pin}; workers: {a.workers})")
+    print(
+        f"\n(servers pinned to core 0, generator to core 1: {pin}; workers: {a.workers}; "
+        f"connections: up to {a.connections})"
+    )
     print(HEADER)
     for r in results:
         print(r.line())
