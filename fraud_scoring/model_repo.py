@@ -8,6 +8,7 @@ repository and renamed into place, so a reader never sees half a model.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 from datetime import datetime
@@ -121,8 +122,9 @@ class ModelMetadata(BaseModel):
     def thresholds_for(self, variant: str) -> Thresholds:
         return self.variant_thresholds.get(variant, self.thresholds)
 
-    @property
+    @functools.cached_property
     def feature_names(self) -> list[str]:
+        """The model's inputs in order (built once: read per micro-batch)."""
         return [f.name for f in self.features]
 
 

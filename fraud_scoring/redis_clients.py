@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
@@ -108,3 +109,27 @@ def drop_connections(client: Any) -> None:
         client.nodes_manager.initialize()
     else:
         client.connection_pool.disconnect()
+
+
+class _HiredisPacked:
+    """Connection mixin: commands packed by hiredis's C packer (the same bytes as redis-py's
+    Python ``pack_command``, ~4x cheaper per argument; a micro-batch's pipeline carries
+    one argument per key and field)."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        # As redis-py: a command name with a space ('SCRIPT LOAD') is several arguments.
+        first = args[0]
+        if isinstance(first, str):
+            args = (*first.encode().split(), *args[1:])
+        elif b" " in first:
+            args = (*first.split(), *args[1:])
+        return [hiredis.pack_command(args)]
+
+
+def packed_by_hiredis(pool: Any) -> Any:
+    """``pool`` (a redis-py asyncio connection pool, before its first connection) with
+    its connections packing commands in C (:class:`_HiredisPacked`)."""
+    cls = pool.connection_class
+    if not issubclass(cls, _HiredisPacked):
+        pool.connection_class = type(f"HiredisPacked{cls.__name__}", (_HiredisPacked, cls), {})
+    return pool

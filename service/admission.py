@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from pydantic_core import from_json
 from starlette.datastructures import Headers
@@ -170,8 +171,12 @@ class AdmissionLimit:
         max_body_bytes: int,
         body_timeout_s: float,
         max_batch_request: int,
+        inner: Callable[[ASGIApp], ASGIApp] | None = None,
     ) -> None:
-        self.app, self.shares = app, WorkShares(capacity)
+        # ``inner``: what admitted calls go to, made from the next layer (the app's
+        # direct dispatch of the scoring routes, ``service.routes.DirectDispatch``).
+        self.app = inner(app) if inner is not None else app
+        self.shares = WorkShares(capacity)
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.max_batch_request = max_batch_request
 

@@ -24,7 +24,7 @@ from service import auth, oip, review, telemetry
 from service.admission import AdmissionLimit
 from service.feedback import router as feedback_router
 from service.resources import STATE_KEY, open_resources
-from service.routes import EXCEPTION_HANDLERS, router
+from service.routes import EXCEPTION_HANDLERS, DirectDispatch, router
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -59,6 +59,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         max_batch_request=settings.max_batch_request,
+        # The scoring routes straight from admission, past Starlette's routing layers.
+        inner=lambda rest: DirectDispatch(app, rest),
     )
     app.include_router(router)
     app.include_router(oip.router)

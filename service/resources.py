@@ -24,7 +24,7 @@ from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import ModelError, ModelNotFound
-from fraud_scoring.redis_clients import async_client, is_cluster
+from fraud_scoring.redis_clients import async_client, is_cluster, packed_by_hiredis
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
@@ -246,11 +246,10 @@ def _store_client(url: str, settings: Settings, *, read_timeout: bool = True) ->
     }
     if is_cluster(url):
         return async_client(url, max_connections=settings.max_inflight + 64, **timeouts)
-    return aioredis.Redis.from_pool(  # the client owns (and closes) the pool
-        aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=64, timeout=settings.redis_timeout_s, **timeouts
-        )
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=64, timeout=settings.redis_timeout_s, **timeouts
     )
+    return aioredis.Redis.from_pool(packed_by_hiredis(pool))  # the client closes the pool
 
 
 def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:
