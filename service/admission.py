@@ -39,6 +39,13 @@ PARSED_BODY = "fraud_scoring.parsed_body"
 BATCH_PATH = "/v1/score/batch"
 # A client that called within this many seconds counts for the fair share.
 SHARE_WINDOW_S = 1.0
+# The least a call weighs, in transactions: a call's own work (HTTP, parsing, its task,
+# the answer) costs about what a transaction costs the model. Measured on one core, single
+# calls saturate at about half the transactions/s of 32-transaction batch calls
+# (bench/README.md). So the default capacity (128) holds four 32-transaction calls, enough
+# to keep the model busy between them, but only 64 single calls, about one micro-batch:
+# what is admitted is answered within ~20 ms at the single-call ceiling.
+CALL_WEIGHT = 2
 
 
 class BodyProblem(Exception):
@@ -156,11 +163,12 @@ class AdmissionLimit:
     2. the body must arrive whole within ``body_timeout_s`` of the request, else 408
        (``Connection: close``): a slow sender is cut, never waited for;
     3. then the call is weighed (the batch endpoint: its number of transactions, counted
-       on the parsed JSON before any item is validated; any other call: 1) and admitted
-       by :class:`WorkShares` against ``capacity``. Refused: 503 + Retry-After at once
-       (reason ``inflight`` or ``client_share``), without parsing the body when even a
-       weight of 1 would be refused. Reading a body does not count, so slow senders
-       cannot hold the capacity that requests ready to score need.
+       on the parsed JSON before any item is validated; any call at least
+       :data:`CALL_WEIGHT`) and admitted by :class:`WorkShares` against ``capacity``.
+       Refused: 503 + Retry-After at once (reason ``inflight`` or ``client_share``),
+       without parsing the body when even the least weight would be refused. Reading a
+       body does not count, so slow senders cannot hold the capacity that requests
+       ready to score need.
 
     Other paths (health, metrics, reload) pass straight through."""
 
@@ -203,11 +211,11 @@ class AdmissionLimit:
             await self.app(scope, replayed, send)
             return
         client, now = who.key_id, time.monotonic()
-        weight = 1
-        refused = self.shares.refusal(client, 1, now, who.share)
+        weight = CALL_WEIGHT
+        refused = self.shares.refusal(client, weight, now, who.share)
         if refused is None and path == BATCH_PATH:
-            weight = self._weigh(scope, body)
-            if weight > 1:
+            weight = max(CALL_WEIGHT, self._weigh(scope, body))
+            if weight > CALL_WEIGHT:
                 refused = self.shares.refusal(client, weight, now, who.share)
         if refused is not None:
             reply = resources(scope).answer(refused, {"error": refused.detail} if oip else None)

@@ -70,7 +70,6 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._header_timeout_s = get_settings().header_timeout_s
         self._in_headers = True  # waiting for (the rest of) a request line and headers
         self._raw = 0  # bytes received for them so far
-        self._fields = 0  # bytes of the request line and header fields parsed so far
         self._timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str] | None = None
 
@@ -102,35 +101,34 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     # -- the header size limit -------------------------------------------------------
+    # Checked per read and once per request, not per header: a request that arrives whole
+    # in one read (the usual case) costs no timer and no callback of its own.
     def data_received(self, data: bytes) -> None:
         if self._in_headers:
             self._raw += len(data)
-            self._arm()  # a request's first byte on a kept-alive connection
         super().data_received(data)
-        # Headers still incomplete after this read: everything read so far is headers.
-        if self._in_headers and self._raw > MAX_HEADER_BYTES and not self.transport.is_closing():
+        if not self._in_headers or self.transport.is_closing():
+            return
+        # Headers still incomplete after this read: everything read so far is headers,
+        # and the rest must arrive in time (from this request's first read).
+        if self._raw > MAX_HEADER_BYTES:
             self._refuse(431, f"request headers larger than {MAX_HEADER_BYTES} bytes")
-
-    def on_url(self, url: bytes) -> None:
-        self._fields += len(url)
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # Complete headers that arrived in one read: counted field by field.
-        self._fields += len(name) + len(value) + 4
-        if self._fields > MAX_HEADER_BYTES:
-            self._refusal = (431, f"request headers larger than {MAX_HEADER_BYTES} bytes")
-            raise _Refused  # uvicorn stops parsing and answers through send_400_response
-        super().on_header(name, value)
+        elif self._raw:
+            self._arm()
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
         self._disarm()
+        # Complete headers that arrived in one read: the request line and the fields.
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > MAX_HEADER_BYTES:
+            self._refusal = (431, f"request headers larger than {MAX_HEADER_BYTES} bytes")
+            raise _Refused  # uvicorn stops parsing and answers through send_400_response
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._in_headers, self._raw, self._fields = True, 0, 0
+        self._in_headers, self._raw = True, 0
 
     def send_400_response(self, msg: str) -> None:
         if self._refusal is None:
