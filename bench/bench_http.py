@@ -400,7 +400,7 @@ def main() -> None:
             finally:
                 server.service.stop()
         # The service ladder: from 5 % of the bare endpoint's held rate up to all of it.
-        fractions = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+        fractions = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
         ladder = [float(round(bare_held * f)) for f in fractions]
         for mode in ("naive", "batched"):
             if mode not in modes:

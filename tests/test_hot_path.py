@@ -137,3 +137,46 @@ def test_the_response_body_is_a_valid_score_out() -> None:
     body = ScoreOut.wire(result, 1.25)
     assert ScoreOut.model_validate(body).model_dump() == body
     assert body["timing"]["queue_ms"] == pytest.approx(0.6)
+
+
+def test_the_scoring_routes_skip_the_router_and_keep_the_apps_error_answers() -> None:
+    """``DirectDispatch`` (inside admission) sends ``POST /v1/score`` straight to its
+    endpoint, answers the endpoint's exceptions with the app's own handlers (here a
+    415 for a body that is not JSON), and passes every other call to the router."""
+    import asyncio
+
+    from service.app import create_app
+    from service.routes import DirectDispatch
+
+    app = create_app()
+    passed: list[str] = []
+
+    async def rest(scope: dict, receive: object, send: object) -> None:
+        passed.append(f"{scope['method']} {scope['path']}")
+
+    direct = DirectDispatch(app, rest)  # type: ignore[arg-type]
+    assert set(direct.endpoints) == {"/v1/score", "/v1/score/batch"}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"x", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    def scope(method: str, path: str, **extra: object) -> dict:
+        return {
+            "type": "http", "method": method, "path": path, "headers": [], "query_string": b"",
+            "state": {}, **extra,
+        }  # fmt: skip
+
+    async def calls() -> None:
+        await direct(scope("POST", "/v1/score"), receive, send)
+        await direct(scope("GET", "/v1/score"), receive, send)
+        await direct(scope("POST", "/healthz"), receive, send)
+        await direct(scope("POST", "/v1/score", root_path="/fraud"), receive, send)
+
+    asyncio.run(calls())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 415
+    assert b"Content-Type must be application/json" in sent[1]["body"]
+    assert passed == ["GET /v1/score", "POST /healthz", "POST /v1/score"]
