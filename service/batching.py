@@ -143,10 +143,9 @@ class Batcher(Generic[T, R]):
         self.preferred = sorted(s for s in preferred_batch_sizes if 0 < s <= max_batch_size)
         self._queue: deque[_Item[T, R]] = deque()
         self._wakeup = asyncio.Event()
-        self.concurrency = concurrency
-        self._freed = asyncio.Event()  # a running batch ended
+        self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task[None]] = set()
-        self._busy = 0  # batches started and not yet finished (at most ``concurrency``)
+        self._busy = 0  # batches between start and release of their slot
         self._worker: asyncio.Task[None] | None = None
         self.stats = stats or BatchStats()
 
@@ -197,15 +196,8 @@ class Batcher(Generic[T, R]):
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[R] = loop.create_future()
         timer = loop.call_later(deadline - now, _expire, fut)
-        item = _Item(payload, deadline, now, fut, gone)
-        if self._busy == 0 and not self._queue and not self.preferred and self._worker:
-            # Nothing running, nothing queued: this request is the batch. Started here,
-            # not by waking the worker (one task hop less for a lone request); what
-            # arrives meanwhile queues for the worker's next batch.
-            self._start([item])
-        else:
-            self._queue.append(item)
-            self._wakeup.set()
+        self._queue.append(_Item(payload, deadline, now, fut, gone))
+        self._wakeup.set()
         # A cancelled caller cancels ``fut`` through this await, and the deadline fails
         # it; either way the worker then drops the item before its batch runs.
         try:
@@ -237,19 +229,19 @@ class Batcher(Generic[T, R]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if self._busy >= self.concurrency:  # every model instance is running a batch
-                self._freed.clear()
-                await self._freed.wait()
+            await self._slots.acquire()
+            try:
+                batch = await self._collect()
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
                 continue
-            batch = await self._collect()
-            if batch:
-                self._start(batch)
-
-    def _start(self, batch: list[_Item[T, R]]) -> None:
-        self._busy += 1  # counted from here: the task may not start before the next turn
-        task = asyncio.get_running_loop().create_task(self._execute(batch))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+            self._busy += 1  # counted from here: the task may not start before the next turn
+            task = asyncio.get_running_loop().create_task(self._execute(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _collect(self) -> list[_Item[T, R]]:
         """Take what is queued at once when no batch is running (and no preferred sizes
@@ -292,25 +284,31 @@ class Batcher(Generic[T, R]):
     async def _execute(self, batch: list[_Item[T, R]]) -> None:
         start = time.monotonic()
         try:
-            results = await self._run([it.payload for it in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)}")
-        except Exception as exc:  # one failed batch fails its own items, not the queue
-            log.exception("batch of %d failed", len(batch))
-            for it in batch:
+            try:
+                results = await self._run([it.payload for it in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(
+                        f"run_batch returned {len(results)} results for {len(batch)}"
+                    )
+            except Exception as exc:  # one failed batch fails its own items, not the queue
+                log.exception("batch of %d failed", len(batch))
+                for it in batch:
+                    if not it.future.done():
+                        it.future.set_exception(exc)
+                return
+            elapsed = time.monotonic() - start
+            s = self.stats
+            s.ewma_batch_s = elapsed if s.batches == 0 else 0.8 * s.ewma_batch_s + 0.2 * elapsed
+            s.last_batch_at = time.monotonic()
+            s.batches += 1
+            if s.on_batch:
+                s.on_batch(len(batch), elapsed, [start - it.enqueued for it in batch])
+            for it, res in zip(batch, results, strict=True):
                 if not it.future.done():
-                    it.future.set_exception(exc)
-            return
+                    it.future.set_result(res)
         finally:
+            # The slot is freed after the answers: callers woken by them (who may call
+            # again at once) run before the worker forms the next batch, so their calls
+            # join it rather than the one after.
             self._busy -= 1
-            self._freed.set()
-        elapsed = time.monotonic() - start
-        s = self.stats
-        s.ewma_batch_s = elapsed if s.batches == 0 else 0.8 * s.ewma_batch_s + 0.2 * elapsed
-        s.last_batch_at = time.monotonic()
-        s.batches += 1
-        if s.on_batch:
-            s.on_batch(len(batch), elapsed, [start - it.enqueued for it in batch])
-        for it, res in zip(batch, results, strict=True):
-            if not it.future.done():
-                it.future.set_result(res)
+            self._slots.release()
