@@ -313,49 +313,74 @@ def decode_member(member: bytes | str, score: float) -> SessionEvent:
 # that falls behind it within the same call (a newer event came along) is added, then
 # trimmed, and also counted as dropped.
 # Scores are formatted with %d: Lua's default number format (%.14g) would round µs.
-APPLY_LUA = """
-local ev, ids = KEYS[1], KEYS[2]
-local retention, lateness, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local newest = redis.call('ZREVRANGE', ev, 0, 0, 'WITHSCORES')
-local maxts = nil
-if newest[2] then maxts = tonumber(newest[2]) end
-local added, dup, late, dropped = 0, 0, 0, 0
-local new_ts = {}
-for i = 4, #ARGV, 3 do
-  local id, ts = ARGV[i], tonumber(ARGV[i + 1])
-  if maxts and ts < maxts - retention then
-    late = late + 1
-    dropped = dropped + 1
-  elseif redis.call('HSETNX', ids, id, ARGV[i + 1]) == 1 then
-    if maxts and ts < maxts - lateness then late = late + 1 end
-    redis.call('ZADD', ev, ARGV[i + 1], ARGV[i + 2])
-    added = added + 1
-    new_ts[#new_ts + 1] = ts
-    if (not maxts) or ts > maxts then maxts = ts end
-  else
-    dup = dup + 1
-  end
-end
-if maxts then
-  local horizon = maxts - retention
-  local old = redis.call('ZRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
-  if #old > 0 then
-    for _, m in ipairs(old) do
-      local cut = string.find(m, '\\31', 1, true)
-      redis.call('HDEL', ids, string.sub(m, 1, cut - 1))
-    end
-    redis.call('ZREMRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
-    for _, ts in ipairs(new_ts) do
-      if ts < horizon then dropped = dropped + 1 end
+_APPLY_FN = """
+local function apply(ev, ids, retention, lateness, ttl, a, lo, hi)
+  local newest = redis.call('ZREVRANGE', ev, 0, 0, 'WITHSCORES')
+  local maxts = nil
+  if newest[2] then maxts = tonumber(newest[2]) end
+  local added, dup, late, dropped = 0, 0, 0, 0
+  local new_ts = {}
+  for i = lo, hi, 3 do
+    local id, ts = a[i], tonumber(a[i + 1])
+    if maxts and ts < maxts - retention then
+      late = late + 1
+      dropped = dropped + 1
+    elseif redis.call('HSETNX', ids, id, a[i + 1]) == 1 then
+      if maxts and ts < maxts - lateness then late = late + 1 end
+      redis.call('ZADD', ev, a[i + 1], a[i + 2])
+      added = added + 1
+      new_ts[#new_ts + 1] = ts
+      if (not maxts) or ts > maxts then maxts = ts end
+    else
+      dup = dup + 1
     end
   end
-  redis.call('PEXPIRE', ev, ttl)
-  redis.call('PEXPIRE', ids, ttl)
+  if maxts then
+    local horizon = maxts - retention
+    local old = redis.call('ZRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
+    if #old > 0 then
+      for _, m in ipairs(old) do
+        local cut = string.find(m, '\\31', 1, true)
+        redis.call('HDEL', ids, string.sub(m, 1, cut - 1))
+      end
+      redis.call('ZREMRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
+      for _, ts in ipairs(new_ts) do
+        if ts < horizon then dropped = dropped + 1 end
+      end
+    end
+    redis.call('PEXPIRE', ev, ttl)
+    redis.call('PEXPIRE', ids, ttl)
+  end
+  return {added, dup, late, dropped}
 end
-return {added, dup, late, dropped}
 """
+APPLY_LUA = (
+    _APPLY_FN
+    + """
+local retention, lateness, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+return apply(KEYS[1], KEYS[2], retention, lateness, ttl, ARGV, 4, #ARGV)
+"""
+)
+# Many cards in one call (one server: a Cluster needs one call per card's slot). KEYS:
+# (events zset, ids hash) per card. ARGV: retention_us, lateness_us, ttl_ms, then per card
+# its event count and its (transaction_id, ts_us, member) triples. Returns APPLY_LUA's
+# reply per card, in order.
+APPLY_MANY_LUA = (
+    _APPLY_FN
+    + """
+local retention, lateness, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local out, pos = {}, 4
+for k = 1, #KEYS, 2 do
+  local n = tonumber(ARGV[pos])
+  out[#out + 1] = apply(KEYS[k], KEYS[k + 1], retention, lateness, ttl, ARGV, pos + 1, pos + 3 * n)
+  pos = pos + 1 + 3 * n
+end
+return out
+"""
+)
 assert SEP == "\x1f"  # the script splits members on byte 31
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
+APPLY_MANY_SHA = hashlib.sha1(APPLY_MANY_LUA.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -421,6 +446,32 @@ def queue_apply(
         args = limits.args(evs)
         pipe.execute_command("EVALSHA", APPLY_SHA, 2, events_key(card), ids_key(card), *args)
     return len(by_card)
+
+
+def queue_apply_many(
+    pipe: Any,
+    by_card: Mapping[str, Sequence[SessionEvent]],
+    limits: SessionLimits,
+    *,
+    per_card: bool = False,
+) -> int:
+    """:func:`queue_apply` for a scored micro-batch: all its cards in one ``EVALSHA`` of
+    :data:`APPLY_MANY_LUA` (one reply: the per-card replies, in order), or with
+    ``per_card`` (a Redis Cluster, where one call's keys must share a slot) one
+    :data:`APPLY_LUA` call per card. Returns how many commands were queued."""
+    if per_card:
+        return queue_apply(pipe, by_card, limits)
+    if not by_card:
+        return 0
+    keys: list[str] = []
+    args: list[str | int] = [limits.retention_us, limits.lateness_us, limits.ttl_ms]
+    for card, evs in by_card.items():
+        keys += (events_key(card), ids_key(card))
+        args.append(len(evs))
+        for e in evs:
+            args += (e.transaction_id, e.ts_us, encode_member(e))
+    pipe.execute_command("EVALSHA", APPLY_MANY_SHA, len(keys), *keys, *args)
+    return 1
 
 
 # --- the serving edge ---------------------------------------------------------------------
@@ -508,7 +559,8 @@ return out
     hour=[w for _, w in WINDOWS].index(HOUR_US) + 1,
 )
 READ_SHA = hashlib.sha1(READ_LUA.encode()).hexdigest()
-SCRIPTS = (APPLY_LUA, READ_LUA)  # what a server must have loaded (SCRIPT LOAD) for both
+# What a server must have loaded (SCRIPT LOAD) for the updater's and the scorer's calls.
+SCRIPTS = (APPLY_LUA, APPLY_MANY_LUA, READ_LUA)
 
 
 def _starts(t_us: int) -> list[int]:

@@ -9,7 +9,8 @@ assembly of every feature column → feature vector in the model's order → ONN
 **Read-your-writes.** The scoring request is the first place a transaction is seen, so
 each scored transaction joins its card's session state as part of scoring: after the
 batch's reads, the same pipeline carries one call per card of the updater's own script
-(:data:`fraud_scoring.session.APPLY_LUA`, idempotent on ``transaction_id``), so the next
+(:data:`fraud_scoring.session.APPLY_LUA`, idempotent on ``transaction_id``; all the
+micro-batch's cards in one call of its many-card form on one server), so the next
 attempt of a burst counts it even while the event log lags, and the updater's later copy
 is a duplicate. A transaction never counts in its own features (its read excludes it by
 time and id, and is queued before the write). Two attempts of one card in the *same*
@@ -42,7 +43,7 @@ from redis.exceptions import NoScriptError
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
-from fraud_scoring.redis_clients import STORE_ERRORS
+from fraud_scoring.redis_clients import STORE_ERRORS, is_cluster_pipeline
 from fraud_scoring.settings import Settings
 from service.challenger import Challenger
 from service.decision import FEATURES_READ, Policy, Reason, rules_only
@@ -213,7 +214,7 @@ class Scorer:
         pipe = self.redis.pipeline(transaction=False)
         self.reader.queue(pipe, txns)
         n_reads = len(pipe)
-        session.queue_apply(pipe, writes, self.limits)
+        session.queue_apply_many(pipe, writes, self.limits, per_card=is_cluster_pipeline(pipe))
         try:
             # The client has no per-reply socket timeout (service/resources.py): the
             # whole round trip is bounded here, one timer per micro-batch.
@@ -248,9 +249,11 @@ class Scorer:
         if any(isinstance(r, NoScriptError) for r in replies):
             try:
                 async with asyncio.timeout(self.settings.redis_timeout_s):
-                    await self.redis.script_load(session.APPLY_LUA)
+                    for script in session.SCRIPTS:
+                        await self.redis.script_load(script)
                     pipe = self.redis.pipeline(transaction=False)
-                    session.queue_apply(pipe, writes, self.limits)
+                    cluster = is_cluster_pipeline(pipe)
+                    session.queue_apply_many(pipe, writes, self.limits, per_card=cluster)
                     replies = await pipe.execute(raise_on_error=False)
             except STORE_OR_TIMEOUT as exc:
                 replies = [exc]

@@ -180,3 +180,46 @@ def test_the_scoring_routes_skip_the_router_and_keep_the_apps_error_answers() ->
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 415
     assert b"Content-Type must be application/json" in sent[1]["body"]
     assert passed == ["GET /v1/score", "POST /healthz", "POST /v1/score"]
+
+
+def test_a_micro_batchs_writes_in_one_call_match_the_per_card_calls(stream_redis: str) -> None:
+    """The scorer records a micro-batch's cards in one ``APPLY_MANY_LUA`` call: the state
+    and the per-card replies (added, duplicates, late, dropped) are those of one
+    ``APPLY_LUA`` call per card, late and duplicate events included."""
+    from fraud_scoring.session import (
+        SCRIPTS,
+        SessionLimits,
+        events_key,
+        ids_key,
+        queue_apply,
+        queue_apply_many,
+    )
+
+    client = connect(stream_redis)
+    for script in SCRIPTS:
+        client.script_load(script)
+    limits = SessionLimits(allowed_lateness_s=60)
+
+    def batch(prefix: str) -> dict[str, list[SessionEvent]]:
+        e = [SessionEvent(T - k * MINUTE_US, f"t{k}", 10.0 + k, "m1", "US") for k in range(6)]
+        return {
+            f"{prefix}a": e[:3],
+            f"{prefix}b": [e[3], e[3]],  # a duplicate
+            f"{prefix}c": [e[5], SessionEvent(e[5].ts_us - 3 * DAY_US, "t-old", 1.0, "m", "US")],
+        }
+
+    replies = {}
+    for prefix, queue in (("one-", queue_apply), ("many-", queue_apply_many)):
+        for _ in range(2):  # the second time, every event is a duplicate
+            pipe = client.pipeline(transaction=False)
+            queue(pipe, batch(prefix), limits)
+            got = pipe.execute()
+            replies[prefix] = got if prefix == "one-" else got[0]
+    assert replies["one-"] == replies["many-"]
+    for card in "abc":
+        one, many = f"one-{card}", f"many-{card}"
+        assert client.zrange(events_key(one), 0, -1, withscores=True) == client.zrange(
+            events_key(many), 0, -1, withscores=True
+        )
+        assert client.hgetall(ids_key(one)) == client.hgetall(ids_key(many))
+        assert client.pttl(events_key(many)) > 0
