@@ -55,6 +55,14 @@ def _value(v: bytes | None) -> Any:
     return _decode(v) if v else None
 
 
+# Rows repeat too (a merchant's snapshot for each of its transactions): a whole stored row
+# decoded at once, with the positions of its holes (absent, null or NaN).
+@functools.lru_cache(maxsize=1 << 14)
+def _decode_row(stored: tuple[bytes | None, ...]) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    values = tuple(_value(v) for v in stored)
+    return values, tuple(j for j, x in enumerate(values) if x is None or x != x)
+
+
 # Cards and merchants recur: Feast's key serialisation (a protobuf per key) is worth
 # caching; 2^16 keys are a few MB.
 _online_key = functools.lru_cache(maxsize=1 << 16)(online_key)
@@ -144,30 +152,28 @@ class OnlineFeatureReader:
         stale: list[list[str]] = [[] for _ in range(n)]
         n_views = len(VIEWS)
         for vi, (names, ttl) in enumerate(self._views):
-            columns: list[list[Any]] = [[] for _ in names]
+            # An unusable snapshot reads as holes, so one apply_defaults call below
+            # defaults every view at once.
+            holes = (None,) * len(names)
+            rows: list[tuple[Any, ...]] = []
             for i in range(n):
                 vals = replies[n_views * i + vi]
                 ts_raw = vals[-1]
                 if not ts_raw:
                     missing[i].extend(names)
-                    ok = False
-                else:
-                    age = event_ts[i] - stored_time(ts_raw)
-                    ok = 0 <= age <= ttl
-                    if not ok:
-                        stale[i].extend(names)
-                if not ok:
-                    # An unusable snapshot reads as holes, so one apply_defaults call
-                    # below defaults every view at once.
-                    for col in columns:
-                        col.append(None)
+                    rows.append(holes)
                     continue
-                for j, v in enumerate(vals[:-1]):
-                    value = _value(v)
-                    if value is None or value != value:  # a hole in a usable snapshot
-                        missing[i].append(names[j])
-                    columns[j].append(value)
-            raw.update(zip(names, columns, strict=True))
+                age = event_ts[i] - stored_time(ts_raw)
+                if not 0 <= age <= ttl:
+                    stale[i].extend(names)
+                    rows.append(holes)
+                    continue
+                values, absent = _decode_row(tuple(vals[:-1]))
+                if absent:  # holes in a usable snapshot
+                    missing[i].extend(names[j] for j in absent)
+                rows.append(values)
+            columns = zip(*rows, strict=True) if rows else ((),) * len(names)
+            raw.update(zip(names, map(list, columns), strict=True))
         cols = apply_defaults(raw)
         cols.update(
             session.parse_session_results(
