@@ -1,0 +1,57 @@
+"""Before/after in one run: the batched service from an earlier commit and from this
+checkout, under the same open-loop load, steps alternated.
+
+On a VM whose speed changes from hour to hour, only figures measured side by side
+compare. Both services run at once (each from its own git worktree, both pinned to core
+0, the generator and Redis to core 1, as in ``bench_http``); for each round and each rate
+the baseline (``before``) takes a step, then this checkout (``after``). Printed per step: p50/p99 from the
+scheduled send, shed, errors and the service's CPU per request.
+
+    python -m bench.bench_ab --baseline REF [--rates 50,700,1050,1400,2100] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+from bench.bench_http import HEADER, Server, open_loop, run, start
+from bench.bench_overload import checkout
+from bench.world import bench_world
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", required=True, help="git ref of the code to compare with")
+    p.add_argument("--rates", default="50,700,1050,1400,2100", help="req/s, comma-separated")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=3.0, help="length of each step")
+    a = p.parse_args()
+    rates = [float(r) for r in a.rates.split(",")]
+    pin = (os.cpu_count() or 1) >= 2
+    if pin:
+        os.sched_setaffinity(0, {1})  # the generator and the Redis server it starts
+    with bench_world() as world, checkout(a.baseline) as before:
+        bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
+        servers: dict[str, Server] = {}
+        try:
+            for name, cwd in (("before", before), ("after", None)):
+                servers[name] = Server(start(world, True, {}, "0" if pin else None, cwd), 256)
+                run(open_loop(servers[name].service.url, bodies, 200, 2, "warm"))
+            print(HEADER)
+            for _ in range(a.rounds):
+                for rate in rates:
+                    for name, server in servers.items():
+                        server.step(bodies, rate, a.seconds, name)
+                        time.sleep(0.5)  # let a backlog drain
+        finally:
+            for server in servers.values():
+                with contextlib.suppress(Exception):
+                    server.service.stop()
+
+
+if __name__ == "__main__":
+    main()
