@@ -232,7 +232,8 @@ class Settings(BaseSettings):
         default=0,
         ge=0,
         description="Admission capacity in transactions (a batch-endpoint call weighs its "
-        "transaction count, any other call 1): work admitted at once, parsed, queued or "
+        "transaction count, and any call at least 2: its own HTTP work costs about a "
+        "transaction's model work): work admitted at once, parsed, queued or "
         "running. Beyond it, or beyond a key's fair share of it, a call is answered 503 at "
         "once, before its items are validated. 0 (default): two full micro-batches per "
         "model instance (2 x max_batch_size x model_instances, 128), so the model always "
