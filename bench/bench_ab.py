@@ -4,10 +4,11 @@ checkout, under the same open-loop load, steps alternated.
 On a VM whose speed changes from hour to hour, only figures measured side by side
 compare. Both services run at once (each from its own git worktree, both pinned to core
 0, the generator and Redis to core 1, as in ``bench_http``); for each round and each rate
-the baseline (``before``) takes a step, then this checkout (``after``). Printed per step: p50/p99 from the
-scheduled send, shed, errors and the service's CPU per request.
+the baseline (``before``) takes a step, then this checkout (``after``). Printed per step:
+p50/p99 from the scheduled send, shed, errors and the service's CPU per request.
 
     python -m bench.bench_ab --baseline REF [--rates 50,700,1050,1400,2100] [--rounds 2]
+        [--after-env KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ def main() -> None:
     p.add_argument("--rates", default="50,700,1050,1400,2100", help="req/s, comma-separated")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=3.0, help="length of each step")
+    p.add_argument(
+        "--after-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for this checkout's service only (repeatable), e.g. "
+        "FRAUD_MODEL_INSTANCES=2 with --baseline HEAD to compare a setting",
+    )
     a = p.parse_args()
+    after_env = dict(kv.split("=", 1) for kv in a.after_env)
     rates = [float(r) for r in a.rates.split(",")]
     pin = (os.cpu_count() or 1) >= 2
     if pin:
@@ -38,8 +48,8 @@ def main() -> None:
         bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
         servers: dict[str, Server] = {}
         try:
-            for name, cwd in (("before", before), ("after", None)):
-                servers[name] = Server(start(world, True, {}, "0" if pin else None, cwd), 256)
+            for name, cwd, env in (("before", before, {}), ("after", None, after_env)):
+                servers[name] = Server(start(world, True, env, "0" if pin else None, cwd), 256)
                 run(open_loop(servers[name].service.url, bodies, 200, 2, "warm"))
             print(HEADER)
             for _ in range(a.rounds):

@@ -8,7 +8,11 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
-echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== ruff"
+# One command per line: under `set -e` a failure inside an `a && b` list does not stop
+# the script, so a lint error would pass unnoticed.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy cli fraud_scoring service batch_jobs streaming feature_repo bench
 echo "== import layers"; .venv/bin/lint-imports  # contracts in pyproject.toml
 echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
