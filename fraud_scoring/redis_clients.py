@@ -22,12 +22,12 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import hiredis
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterPipeline, RedisCluster
+from redis.connection import HiredisRespSerializer
 
 CLUSTER_PARAM = "cluster"  # the URL query option that marks a Redis Cluster
 _TRUE = ("1", "true", "yes", "on")
@@ -112,18 +112,15 @@ def drop_connections(client: Any) -> None:
 
 
 class _HiredisPacked:
-    """Connection mixin: commands packed by hiredis's C packer (the same bytes as redis-py's
-    Python ``pack_command``, ~4x cheaper per argument; a micro-batch's pipeline carries
-    one argument per key and field)."""
+    """Connection mixin: commands packed by hiredis's C packer, through the serializer
+    redis-py's sync connections use (the same bytes as the asyncio connection's Python
+    ``pack_command``, ~4x cheaper per argument; a micro-batch's pipeline carries one
+    argument per key and field)."""
+
+    _packer = HiredisRespSerializer()
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        # As redis-py: a command name with a space ('SCRIPT LOAD') is several arguments.
-        first = args[0]
-        if isinstance(first, str):
-            args = (*first.encode().split(), *args[1:])
-        elif b" " in first:
-            args = (*first.split(), *args[1:])
-        return [hiredis.pack_command(args)]
+        return self._packer.pack(*args)
 
 
 def packed_by_hiredis(pool: Any) -> Any:

@@ -413,10 +413,15 @@ class SessionLimits:
 
     def args(self, events: Sequence[SessionEvent]) -> list[str | int]:
         """ARGV of one :data:`APPLY_LUA` call for one card's events."""
-        args: list[str | int] = [self.retention_us, self.lateness_us, self.ttl_ms]
-        for e in events:
-            args += (e.transaction_id, e.ts_us, encode_member(e))
-        return args
+        return [self.retention_us, self.lateness_us, self.ttl_ms, *_event_args(events)]
+
+
+def _event_args(events: Sequence[SessionEvent]) -> list[str | int]:
+    """The (transaction_id, ts_us, member) triples the apply scripts take per event."""
+    args: list[str | int] = []
+    for e in events:
+        args += (e.transaction_id, e.ts_us, encode_member(e))
+    return args
 
 
 def to_session_event(txn: Transaction) -> SessionEvent:
@@ -467,9 +472,7 @@ def queue_apply_many(
     args: list[str | int] = [limits.retention_us, limits.lateness_us, limits.ttl_ms]
     for card, evs in by_card.items():
         keys += (events_key(card), ids_key(card))
-        args.append(len(evs))
-        for e in evs:
-            args += (e.transaction_id, e.ts_us, encode_member(e))
+        args += (len(evs), *_event_args(evs))
     pipe.execute_command("EVALSHA", APPLY_MANY_SHA, len(keys), *keys, *args)
     return 1
 

@@ -50,16 +50,12 @@ def _decode(v: bytes) -> Any:
     return None if kind is None or kind == "null_val" else getattr(pv, kind)
 
 
-def _value(v: bytes | None) -> Any:
-    """One stored Feast ``Value`` as a Python scalar; None for absent or null."""
-    return _decode(v) if v else None
-
-
 # Rows repeat too (a merchant's snapshot for each of its transactions): a whole stored row
-# decoded at once, with the positions of its holes (absent, null or NaN).
+# decoded at once (None for an absent or null value), with the positions of its holes
+# (absent, null or NaN).
 @functools.lru_cache(maxsize=1 << 14)
 def _decode_row(stored: tuple[bytes | None, ...]) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    values = tuple(_value(v) for v in stored)
+    values = tuple(_decode(v) if v else None for v in stored)
     return values, tuple(j for j, x in enumerate(values) if x is None or x != x)
 
 
