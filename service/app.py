@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.types import ASGIApp
 
 from fraud_scoring.settings import Settings, get_settings
 from service import auth, oip, review, telemetry
@@ -52,15 +54,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
-    )
-    app.add_middleware(
-        AdmissionLimit,
-        capacity=settings.admission_capacity,
-        max_body_bytes=settings.max_body_bytes,
-        body_timeout_s=settings.body_timeout_s,
-        max_batch_request=settings.max_batch_request,
-        # The scoring routes straight from admission, past Starlette's routing layers.
-        inner=lambda rest: DirectDispatch(app, rest),
+        # FastAPI's own OpenTelemetry layer off: service.telemetry owns traces and
+        # metrics (below). On, it asks the global providers (environment reads) on every
+        # request, ~5 % of the event loop under load, even when nothing is configured.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.include_router(router)
     app.include_router(oip.router)
@@ -71,7 +68,36 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The analysts' review queue: its API reads and writes need `admin`; the page is open.
     app.include_router(review.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))])
     app.include_router(review.page_router)
+    admission = functools.partial(
+        AdmissionLimit,
+        capacity=settings.admission_capacity,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        max_batch_request=settings.max_batch_request,
+        # The scoring routes straight from admission, past Starlette's routing layers.
+        inner=lambda rest: DirectDispatch(app, rest),
+    )
     # Server spans and HTTP metrics from OpenTelemetry's instrumentation, only when
-    # tracing is on (OTEL_TRACES_EXPORTER): off, requests pass through no extra layer.
+    # tracing is on (OTEL_TRACES_EXPORTER). Its layers wrap Starlette's error layer, so
+    # admission is then a middleware inside them, as any other.
     telemetry.instrument_app(app)
+    if telemetry.tracing():
+        app.add_middleware(admission)
+    else:
+        _outermost(app, admission)
     return app
+
+
+def _outermost(app: FastAPI, layer: Callable[[ASGIApp], ASGIApp]) -> None:
+    """Put ``layer`` in front of the app's whole middleware stack, outside Starlette's
+    ``ServerErrorMiddleware`` and FastAPI's exception-telemetry and body-limit layers:
+    with admission there, a scoring request runs admission → ``DirectDispatch`` →
+    endpoint and nothing else (each layer is a coroutine call per request and the error
+    layer a wrapped ``send`` per message). An exception nothing handles then reaches
+    uvicorn, which answers the same plain 500 the error layer would (and logs it)."""
+    standard = app.build_middleware_stack
+
+    def build() -> ASGIApp:
+        return layer(standard())
+
+    app.build_middleware_stack = build  # type: ignore[method-assign]

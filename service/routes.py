@@ -56,6 +56,7 @@ router = APIRouter()
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 MAX_TIMEOUT_MS = 60_000
 RECORD_HEADER = "X-Fraud-Record"
+_TIMEOUT_KEY, _RECORD_KEY = TIMEOUT_HEADER.lower().encode(), RECORD_HEADER.lower().encode()
 # Shown in problem lists: more than this many problems end in a count, not a list.
 MAX_PROBLEMS = 20
 _RECORD_DOC: dict[str, Any] = {
@@ -89,6 +90,16 @@ _TRANSACTIONS = TypeAdapter(list[Transaction])
 _UNPARSED = object()
 
 
+def header(request: Request, name: bytes) -> str | None:
+    """The request's first ``name`` header (lower-case bytes, as ASGI gives names), or
+    None. One pass over the raw headers: Starlette's ``request.headers.get`` builds a
+    ``Headers`` and raises and catches a KeyError for each absent header."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
 def _invalid_body(errors: list[Any], *prefix: str | int) -> RequestValidationError:
     """pydantic's errors as the one 422 answer, located under ``body`` (+ ``prefix``)."""
     return RequestValidationError([{**e, "loc": ("body", *prefix, *e["loc"])} for e in errors])
@@ -97,7 +108,7 @@ def _invalid_body(errors: list[Any], *prefix: str | int) -> RequestValidationErr
 async def _json_body(request: Request) -> bytes:
     """The body of a JSON request; :class:`NotJson` (415) for another Content-Type. The
     body is already in memory (admission read it), so this does not wait."""
-    ctype = request.headers.get("content-type", "")
+    ctype = header(request, b"content-type") or ""
     media = ctype.partition(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise NotJson(f"Content-Type must be application/json, got {ctype or 'none'!r}")
@@ -123,7 +134,7 @@ def _check_clock(txn: Transaction, max_skew_s: float, *loc: str | int) -> None:
 def request_deadline(request: Request, res: Resources) -> float:
     """The request's deadline (``time.monotonic()``) from the timeout header, else the
     configured default; a header that is not a number of ms in (0, 60000] is a 422."""
-    raw = request.headers.get(TIMEOUT_HEADER)
+    raw = header(request, _TIMEOUT_KEY)
     if raw is None:
         return time.monotonic() + res.settings.request_timeout_ms / 1e3
     try:
@@ -148,7 +159,7 @@ def _record(request: Request) -> bool:
     """Whether to record the request's transactions in session state (read-your-writes),
     from the ``X-Fraud-Record`` header: 'true' (default, live mode) or 'false' (replay
     mode: needs the ``admin`` scope when auth is on, else 403), else a 422."""
-    raw = request.headers.get(RECORD_HEADER)
+    raw = header(request, _RECORD_KEY)
     if raw is None or raw.lower() == "true":
         return True
     if raw.lower() == "false":
