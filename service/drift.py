@@ -1,11 +1,14 @@
 """Score distribution and feature drift of served traffic, for ``/metrics``.
 
 The scorer tells :meth:`DriftMonitor.observe` of every scored micro-batch (the
-``on_scored`` hook, beside the decision log) with the exact matrix the model saw. Per
-batch that costs one vectorised bin count of the matrix against the serving version's
-reference bins (``fraud_scoring.drift``), one of the scores, and adding those counts to a
-rolling window; nothing per request. Once a second a task turns the window into
-population stability indexes and sets the gauges:
+``on_scored`` hook, beside the decision log) with the exact matrix the model saw; that
+only keeps the matrix and the scores aside. Every ``FLUSH_ROWS`` transactions, once a
+second and before each ``/metrics`` answer, :meth:`DriftMonitor.flush` bins what was kept
+in one vectorised count against the serving version's reference bins
+(``fraud_scoring.drift``), one of the scores, and adds those counts to a rolling window:
+at a few transactions per micro-batch, binning each batch on its own cost more than the
+rest of its bookkeeping. Once a second a task turns the window into population stability
+indexes and sets the gauges:
 
 * ``fraud_score`` (histogram, by ``model_version``): every model score served;
 * ``fraud_feature_psi{feature}``: PSI of each model input over the last
@@ -23,6 +26,7 @@ own window and ``/metrics`` shows the largest PSI of the live workers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -42,6 +46,9 @@ log = logging.getLogger(__name__)
 
 MIN_ROWS = 200  # below this the PSI of ten bins is mostly noise
 PUBLISH_S = 1.0
+# Kept micro-batches are binned together once they hold this many transactions (also
+# the window's granularity: it drops whole flushed groups from its old end).
+FLUSH_ROWS = 256
 # Finer near 0, where almost every transaction's probability lies (as the reliability bins).
 SCORE_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
 
@@ -141,6 +148,9 @@ class DriftMonitor:
         self.window: _Window | None = None
         self._version: str | None = None  # the version whose reference was looked for
         self._exported: set[str] = set()  # features given a PSI gauge so far
+        # Scored micro-batches not binned yet: (model version, model input, scores).
+        self._kept: list[tuple[str, np.ndarray, list[float]]] = []
+        self._kept_rows = 0
 
     def observe(
         self,
@@ -149,15 +159,29 @@ class DriftMonitor:
         names: Sequence[str],
         results: Sequence[ScoreResult],
     ) -> None:
-        """One scored micro-batch (the scorer's ``on_scored``); ``x``: the model's input."""
+        """One scored micro-batch (the scorer's ``on_scored``); ``x``: the model's input.
+        Kept until the next :meth:`flush` (done here past ``FLUSH_ROWS``)."""
         if not results:
             return
-        version = results[0].model_version
-        scores = np.fromiter((r.score or 0.0 for r in results), np.float64, len(results))
-        observe_many(self.ins.score.labels(model_version=version), scores)
-        w = self.window
-        if w is not None and w.version == version:  # else a swap: publish() catches up
-            w.add(x, scores)
+        self._kept.append((results[0].model_version, x, [r.score or 0.0 for r in results]))
+        self._kept_rows += len(results)
+        if self._kept_rows >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count the kept micro-batches into the score histogram and the window, each
+        model version's rows in one pass."""
+        kept, self._kept, self._kept_rows = self._kept, [], 0
+        for version, group in itertools.groupby(kept, key=lambda k: k[0]):
+            batches = list(group)
+            x = batches[0][1] if len(batches) == 1 else np.concatenate([b[1] for b in batches])
+            scores = np.fromiter(
+                itertools.chain.from_iterable(b[2] for b in batches), np.float64, len(x)
+            )
+            observe_many(self.ins.score.labels(model_version=version), scores)
+            w = self.window
+            if w is not None and w.version == version:  # else a swap: publish() catches up
+                w.add(x, scores)
 
     def _switch(self) -> None:
         """Follow the serving version: load its reference (a small file, once per version)
@@ -214,9 +238,14 @@ class DriftMonitor:
         self.ins.score_psi.set(float(values[-1]))
 
     def start(self) -> asyncio.Task[None]:
+        """The task that flushes and publishes once a second (PSI gauges only when the
+        window is on)."""
+
         async def run() -> None:
             while True:
-                self.publish()
+                self.flush()
+                if self.window_size > 0:
+                    self.publish()
                 await asyncio.sleep(PUBLISH_S)
 
         return asyncio.get_running_loop().create_task(run(), name="drift-gauges")

@@ -158,8 +158,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         # After the log, before the batcher: on exit shadow runs finish into the log.
         stack.push_async_callback(challenger.stop, drain_s=settings.drain_seconds)
         drift = DriftMonitor(models, settings.drift_window)
-        if settings.drift_window > 0:
-            stack.callback(drift.start().cancel)
+        stack.callback(drift.start().cancel)
+        stack.callback(telemetry.before_scrape(drift.flush))
         sinks = [drift.observe, *([decision_log.submit] if decision_log else [])]
 
         def on_scored(*batch: Any) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
@@ -194,9 +194,21 @@ def _multiprocess() -> bool:
     return values.ValueClass is not values.MutexValue
 
 
+_SCRAPE_HOOKS: list[Callable[[], None]] = []
+
+
+def before_scrape(hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook`` before each :func:`exposition` (e.g. to count what a hot path only
+    kept aside); returns the function that removes it."""
+    _SCRAPE_HOOKS.append(hook)
+    return lambda: _SCRAPE_HOOKS.remove(hook)
+
+
 def exposition() -> bytes:
     """The ``/metrics`` body: this process's metrics, or every worker's in multiprocess
     mode; never the ``feast_*`` families."""
+    for hook in list(_SCRAPE_HOOKS):
+        hook()
     registry = CollectorRegistry(auto_describe=False)
     if _multiprocess():
         source = CollectorRegistry()
