@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Protocol
 
-from fraud_scoring.redis_clients import STORE_ERRORS, async_client, sync_client
+from fraud_scoring.redis_clients import (
+    STORE_ERRORS,
+    async_client,
+    is_cluster,
+    packed_by_hiredis,
+    sync_client,
+)
 
 PAYLOAD_FIELD = "d"  # the stream entry's field holding the record (JSON bytes)
 KEY_FIELD = "k"  # ... and its idempotence key
@@ -82,7 +88,12 @@ class RedisStreamProducer:
     def __init__(self, url: str, stream: str, retention_s: float, timeout_s: float) -> None:
         self.stream = stream
         self.retention_ms = int(retention_s * 1000)
-        self.client = async_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.timeout_s = timeout_s
+        # No per-reply socket timeout (redis-py wraps each send and each reply in a timer
+        # of its own): ``send`` bounds the whole call with one. Commands packed in C.
+        self.client = async_client(url, socket_timeout=None, socket_connect_timeout=timeout_s)
+        if not is_cluster(url):
+            packed_by_hiredis(self.client.connection_pool)
         self.script = self.client.register_script(_APPEND_LUA)
 
     def marker(self, key: str) -> str:
@@ -99,8 +110,9 @@ class RedisStreamProducer:
         for r in records:
             args += [self.marker(r.key), r.key, r.payload]
         try:
-            return int(await self.script(keys=[self.stream], args=args))
-        except (*STORE_ERRORS, OSError) as exc:  # type: ignore[misc]
+            async with asyncio.timeout(self.timeout_s):
+                return int(await self.script(keys=[self.stream], args=args))
+        except (*STORE_ERRORS, OSError) as exc:  # type: ignore[misc]  # OSError: timeouts too
             raise LogUnavailable(f"Redis stream {self.stream!r}: {exc}") from exc
 
     async def close(self) -> None:
