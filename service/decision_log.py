@@ -45,9 +45,12 @@ log = logging.getLogger(__name__)
 
 MAX_SEND = 512  # decisions per producer call
 # After the first decision of a quiet spell the writer gathers for this long before its
-# call: one producer call per ~10 ms under load instead of one per micro-batch (each a
-# Redis round trip, ~6 % of a scoring request's CPU at 800 req/s).
-LINGER_S = 0.01
+# call: one producer call per ~50 ms under load instead of one per micro-batch. A call
+# costs far more than its records (on the 2-core VM ~0.2 ms hot, ~1 ms when it is the
+# only work in a while); with a 10 ms linger the log was 15-25 % of the service's CPU at
+# 50-300 req/s (`bench_ab --after-env FRAUD_DECISION_LOG=off`). A decision reaches the
+# log about this much later; a backlog of MAX_SEND or more is written without waiting.
+LINGER_S = 0.05
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between failed writes
 
 # Told of each batch once it is in the log (each decision with its log record), before
