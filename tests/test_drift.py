@@ -88,6 +88,37 @@ def test_bulk_observe_matches_observe_per_value() -> None:
     np.testing.assert_allclose([v for *_, v in got], [v for *_, v in want])
 
 
+def test_kept_micro_batches_are_counted_by_the_next_scrape() -> None:
+    """The drift monitor only keeps a scored micro-batch aside; the next ``/metrics``
+    answer (or ``FLUSH_ROWS`` kept transactions) counts it into ``fraud_score``."""
+    from service import telemetry
+    from service.drift import FLUSH_ROWS, DriftMonitor
+    from service.scoring import ScoreResult
+
+    version = "kept-aside-test"
+    mon = DriftMonitor(models=None, window=0)  # type: ignore[arg-type]  # no window: no model
+
+    def observe(scores: list[float]) -> None:
+        results = [
+            ScoreResult(f"t{i}", "approve", s, [], version, [], []) for i, s in enumerate(scores)
+        ]
+        mon.observe([], np.zeros((len(scores), 2), np.float32), ["a", "b"], results)
+
+    hist = mon.ins.score.labels(model_version=version)
+    observe([0.002, 0.2])
+    observe([0.9])
+    assert hist._sum.get() == 0  # kept, not counted yet
+    remove = telemetry.before_scrape(mon.flush)
+    try:
+        text = telemetry.exposition().decode()
+    finally:
+        remove()
+    assert f'fraud_score_count{{model_version="{version}"}} 3.0' in text
+    assert hist._sum.get() == pytest.approx(1.102)
+    observe([0.5] * FLUSH_ROWS)  # past FLUSH_ROWS: counted at once
+    assert hist._sum.get() == pytest.approx(1.102 + 0.5 * FLUSH_ROWS)
+
+
 def test_training_stores_the_reference_with_the_model(world: World) -> None:
     path = resolve(world.model_repo, "fraud")
     ref = load_reference(path)
