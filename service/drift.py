@@ -41,6 +41,7 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service.model import ModelHolder
 from service.scoring import ScoreResult
+from service.telemetry import observe_many
 
 log = logging.getLogger(__name__)
 
@@ -94,20 +95,6 @@ def _instruments() -> _Instruments:
             multiprocess_mode="livemin",
         ),
     )
-
-
-def observe_many(hist: Histogram, values: np.ndarray) -> None:
-    """``hist.observe(v)`` for every v, with one bin count: what ``observe`` does per value
-    (the first bucket whose upper bound is >= v, and the sum), added in bulk. Reaches into
-    prometheus_client's histogram (``_upper_bounds``, ``_buckets``, ``_sum``);
-    tests/test_drift.py fails if the library changes them."""
-    if len(values) == 0:
-        return
-    idx = np.searchsorted(hist._upper_bounds, values, side="left")
-    counts = np.bincount(idx, minlength=len(hist._upper_bounds))
-    for i in np.flatnonzero(counts):
-        hist._buckets[i].inc(float(counts[i]))
-    hist._sum.inc(float(np.sum(values)))
 
 
 @dataclass

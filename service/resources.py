@@ -212,6 +212,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
                 _sample_depth(batcher, instruments), name="queue-depth"
             )
             stack.callback(sampler.cancel)
+        kept = asyncio.get_running_loop().create_task(_flush_kept(), name="kept-metrics")
+        stack.callback(kept.cancel)
         stack.callback(telemetry.worker_exited)
         yield Resources(
             settings,
@@ -263,6 +265,14 @@ def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:
         retention_s=settings.decision_log_retention_s,
         timeout_s=settings.redis_timeout_s,
     )
+
+
+async def _flush_kept() -> None:
+    """Per-request histogram observations kept aside (``telemetry.Kept``) reach the
+    metrics at least once a second, also for other workers' scrapes."""
+    while True:
+        await asyncio.sleep(1.0)
+        telemetry.flush_kept()
 
 
 async def _sample_depth(

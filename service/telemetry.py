@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
 
+import numpy as np
 import prometheus_client
 from fastapi import FastAPI
 from opentelemetry import trace
@@ -58,14 +59,65 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# Kept observations are added in bulk once a histogram holds this many.
+KEEP_AT_MOST = 256
+
+
+def observe_many(hist: Histogram, values: np.ndarray) -> None:
+    """``hist.observe(v)`` for every v, with one bin count: what ``observe`` does per value
+    (the first bucket whose upper bound is >= v, and the sum), added in bulk. Reaches into
+    prometheus_client's histogram (``_upper_bounds``, ``_buckets``, ``_sum``);
+    tests/test_drift.py fails if the library changes them."""
+    if len(values) == 0:
+        return
+    idx = np.searchsorted(hist._upper_bounds, values, side="left")
+    counts = np.bincount(idx, minlength=len(hist._upper_bounds))
+    for i in np.flatnonzero(counts):
+        hist._buckets[i].inc(float(counts[i]))
+    hist._sum.inc(float(np.sum(values)))
+
+
+class Kept:
+    """One histogram child whose hot-path observations are kept aside and added in bulk
+    (:func:`observe_many`): when ``KEEP_AT_MOST`` are kept, before each :func:`exposition`,
+    and at every :func:`flush_kept` (the service calls it once a second, so that other
+    workers' scrapes see them too). An ``observe`` is a list append instead of
+    prometheus_client's lock, bucket search and two increments per value."""
+
+    def __init__(self, child: Histogram) -> None:
+        self.child = child
+        self.values: list[float] = []
+        _KEPT.append(self)
+
+    def observe(self, value: float) -> None:
+        self.values.append(value)
+        if len(self.values) >= KEEP_AT_MOST:
+            self.flush()
+
+    def flush(self) -> None:
+        values, self.values = self.values, []
+        if values:
+            observe_many(self.child, np.asarray(values, dtype=np.float64))
+
+
+_KEPT: list[Kept] = []
+
+
+def flush_kept() -> None:
+    """Add every :class:`Kept` histogram's kept observations to it."""
+    for kept in _KEPT:
+        kept.flush()
+
+
 @dataclass(frozen=True)
 class Bound:
-    """The per-model-version instruments, labels bound once (cheap to record)."""
+    """The per-model-version instruments, labels bound once (cheap to record); the two
+    recorded per request keep their observations for a bulk add (:class:`Kept`)."""
 
-    queue_time: Histogram
+    queue_time: Kept
     compute_time: Histogram
     batch_size: Histogram
-    request_duration: Histogram
+    request_duration: Kept
 
 
 @dataclass(frozen=True)
@@ -101,10 +153,10 @@ class Instruments:
 @lru_cache(maxsize=16)  # a few versions over a process's life
 def _bind(ins: Instruments, model_version: str) -> Bound:
     return Bound(
-        ins.queue_time.labels(model_version=model_version),
+        Kept(ins.queue_time.labels(model_version=model_version)),
         ins.compute_time.labels(model_version=model_version),
         ins.batch_size.labels(model_version=model_version),
-        ins.request_duration.labels(model_version=model_version),
+        Kept(ins.request_duration.labels(model_version=model_version)),
     )
 
 
@@ -207,6 +259,7 @@ def before_scrape(hook: Callable[[], None]) -> Callable[[], None]:
 def exposition() -> bytes:
     """The ``/metrics`` body: this process's metrics, or every worker's in multiprocess
     mode; never the ``feast_*`` families."""
+    flush_kept()
     for hook in list(_SCRAPE_HOOKS):
         hook()
     registry = CollectorRegistry(auto_describe=False)

@@ -23,7 +23,8 @@ from fraud_scoring.drift import Binner, load_reference, psi, reference_bins
 from fraud_scoring.event_log import read_redis_day
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
-from service.drift import SCORE_BUCKETS, observe_many
+from service.drift import SCORE_BUCKETS
+from service.telemetry import observe_many
 from tests.conftest import World, start_server, stop_server, wait_until
 from tests.test_decision_log import metric
 from tests.test_service import held_out_day
