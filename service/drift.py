@@ -7,8 +7,9 @@ second and before each ``/metrics`` answer, :meth:`DriftMonitor.flush` bins what
 in one vectorised count against the serving version's reference bins
 (``fraud_scoring.drift``), one of the scores, and adds those counts to a rolling window:
 at a few transactions per micro-batch, binning each batch on its own cost more than the
-rest of its bookkeeping. Once a second a task turns the window into population stability
-indexes and sets the gauges:
+rest of its bookkeeping (with several workers every micro-batch is counted at once: any
+worker's scrape must count every worker's scores). Once a second a task turns the window
+into population stability indexes and sets the gauges:
 
 * ``fraud_score`` (histogram, by ``model_version``): every model score served;
 * ``fraud_feature_psi{feature}``: PSI of each model input over the last
@@ -41,7 +42,7 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service.model import ModelHolder
 from service.scoring import ScoreResult
-from service.telemetry import observe_many
+from service.telemetry import keep_at_most, observe_many
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class DriftMonitor:
         # Scored micro-batches not binned yet: (model version, model input, scores).
         self._kept: list[tuple[str, np.ndarray, list[float]]] = []
         self._kept_rows = 0
+        # With several workers nothing is kept: any worker's scrape counts every score.
+        self._flush_rows = FLUSH_ROWS if keep_at_most() > 1 else 1
 
     def observe(
         self,
@@ -147,12 +150,13 @@ class DriftMonitor:
         results: Sequence[ScoreResult],
     ) -> None:
         """One scored micro-batch (the scorer's ``on_scored``); ``x``: the model's input.
-        Kept until the next :meth:`flush` (done here past ``FLUSH_ROWS``)."""
+        Kept until the next :meth:`flush` (done here past ``FLUSH_ROWS``, and at once with
+        several workers)."""
         if not results:
             return
         self._kept.append((results[0].model_version, x, [r.score or 0.0 for r in results]))
         self._kept_rows += len(results)
-        if self._kept_rows >= FLUSH_ROWS:
+        if self._kept_rows >= self._flush_rows:
             self.flush()
 
     def flush(self) -> None:

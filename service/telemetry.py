@@ -79,19 +79,20 @@ def observe_many(hist: Histogram, values: np.ndarray) -> None:
 
 class Kept:
     """One histogram child whose hot-path observations are kept aside and added in bulk
-    (:func:`observe_many`): when ``KEEP_AT_MOST`` are kept, before each :func:`exposition`,
-    and at every :func:`flush_kept` (the service calls it once a second, so that other
-    workers' scrapes see them too). An ``observe`` is a list append instead of
-    prometheus_client's lock, bucket search and two increments per value."""
+    (:func:`observe_many`): when :func:`keep_at_most` are kept, before each
+    :func:`exposition`, and at every :func:`flush_kept` (the service calls it once a
+    second). An ``observe`` is a list append instead of prometheus_client's lock, bucket
+    search and two increments per value. With several workers nothing is kept."""
 
     def __init__(self, child: Histogram) -> None:
         self.child = child
         self.values: list[float] = []
+        self.at_most = keep_at_most()
         _KEPT.append(self)
 
     def observe(self, value: float) -> None:
         self.values.append(value)
-        if len(self.values) >= KEEP_AT_MOST:
+        if len(self.values) >= self.at_most:
             self.flush()
 
     def flush(self) -> None:
@@ -101,6 +102,13 @@ class Kept:
 
 
 _KEPT: list[Kept] = []
+
+
+def keep_at_most() -> int:
+    """How many observations a hot path may keep aside: ``KEEP_AT_MOST``, or 1 (none)
+    with several workers, where any worker's scrape must already count every worker's
+    requests (the values live in shared files; a scrape flushes only its own worker)."""
+    return 1 if _multiprocess() else KEEP_AT_MOST
 
 
 def flush_kept() -> None:
