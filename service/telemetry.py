@@ -97,7 +97,9 @@ class Kept:
 
     def flush(self) -> None:
         values, self.values = self.values, []
-        if values:
+        if len(values) == 1:  # nothing kept (several workers): numpy would cost more
+            self.child.observe(values[0])
+        elif values:
             observe_many(self.child, np.asarray(values, dtype=np.float64))
 
 
