@@ -268,8 +268,8 @@ def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:
 
 
 async def _flush_kept() -> None:
-    """Per-request histogram observations kept aside (``telemetry.Kept``) reach the
-    metrics at least once a second, also for other workers' scrapes."""
+    """What hot paths keep aside (``telemetry.Kept`` histograms, the drift monitor)
+    reaches the metrics at least once a second, not only at this worker's scrapes."""
     while True:
         await asyncio.sleep(1.0)
         telemetry.flush_kept()

@@ -77,6 +77,23 @@ def observe_many(hist: Histogram, values: np.ndarray) -> None:
     hist._sum.inc(float(np.sum(values)))
 
 
+_SCRAPE_HOOKS: list[Callable[[], None]] = []
+
+
+def before_scrape(hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook`` before each :func:`exposition` (e.g. to count what a hot path only
+    kept aside); returns the function that removes it."""
+    _SCRAPE_HOOKS.append(hook)
+    return lambda: _SCRAPE_HOOKS.remove(hook)
+
+
+def flush_kept() -> None:
+    """Run every :func:`before_scrape` hook: what hot paths kept aside reaches the metrics
+    (:func:`exposition` does it first; the service also calls it once a second)."""
+    for hook in list(_SCRAPE_HOOKS):
+        hook()
+
+
 class Kept:
     """One histogram child whose hot-path observations are kept aside and added in bulk
     (:func:`observe_many`): when :func:`keep_at_most` are kept, before each
@@ -88,7 +105,7 @@ class Kept:
         self.child = child
         self.values: list[float] = []
         self.at_most = keep_at_most()
-        _KEPT.append(self)
+        before_scrape(self.flush)  # a few per process (one pair per model version)
 
     def observe(self, value: float) -> None:
         self.values.append(value)
@@ -103,20 +120,11 @@ class Kept:
             observe_many(self.child, np.asarray(values, dtype=np.float64))
 
 
-_KEPT: list[Kept] = []
-
-
 def keep_at_most() -> int:
     """How many observations a hot path may keep aside: ``KEEP_AT_MOST``, or 1 (none)
     with several workers, where any worker's scrape must already count every worker's
     requests (the values live in shared files; a scrape flushes only its own worker)."""
     return 1 if _multiprocess() else KEEP_AT_MOST
-
-
-def flush_kept() -> None:
-    """Add every :class:`Kept` histogram's kept observations to it."""
-    for kept in _KEPT:
-        kept.flush()
 
 
 @dataclass(frozen=True)
@@ -256,22 +264,10 @@ def _multiprocess() -> bool:
     return values.ValueClass is not values.MutexValue
 
 
-_SCRAPE_HOOKS: list[Callable[[], None]] = []
-
-
-def before_scrape(hook: Callable[[], None]) -> Callable[[], None]:
-    """Call ``hook`` before each :func:`exposition` (e.g. to count what a hot path only
-    kept aside); returns the function that removes it."""
-    _SCRAPE_HOOKS.append(hook)
-    return lambda: _SCRAPE_HOOKS.remove(hook)
-
-
 def exposition() -> bytes:
     """The ``/metrics`` body: this process's metrics, or every worker's in multiprocess
     mode; never the ``feast_*`` families."""
     flush_kept()
-    for hook in list(_SCRAPE_HOOKS):
-        hook()
     registry = CollectorRegistry(auto_describe=False)
     if _multiprocess():
         source = CollectorRegistry()

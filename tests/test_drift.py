@@ -65,6 +65,17 @@ def test_binner_counts_each_column_as_searchsorted_and_psi_reads_shift() -> None
     assert psi([0.5, 0.5], [0.5, 0.5]) == 0.0
 
 
+def samples(reg: CollectorRegistry, name: str) -> list[tuple[str, dict, float]]:
+    """The histogram ``name``'s samples in ``reg``: (suffix, labels, value)."""
+    return [
+        (s.name.removeprefix(name), s.labels, s.value)
+        for m in reg.collect()
+        if m.name == name
+        for s in m.samples
+        if not s.name.endswith("_created")
+    ]
+
+
 def test_bulk_observe_matches_observe_per_value() -> None:
     """Pins prometheus_client's histogram internals that observe_many relies on."""
     reg = CollectorRegistry()
@@ -75,18 +86,32 @@ def test_bulk_observe_matches_observe_per_value() -> None:
         one.observe(float(v))
     observe_many(bulk, values)
 
-    def samples(name: str) -> list[tuple[str, dict, float]]:
-        return [
-            (s.name.removeprefix(name), s.labels, s.value)
-            for m in reg.collect()
-            if m.name == name
-            for s in m.samples
-            if not s.name.endswith("_created")
-        ]
-
-    got, want = samples("bulk"), samples("one")
+    got, want = samples(reg, "bulk"), samples(reg, "one")
     assert [(n, lab) for n, lab, _ in got] == [(n, lab) for n, lab, _ in want]
     np.testing.assert_allclose([v for *_, v in got], [v for *_, v in want])
+
+
+def test_per_request_histograms_are_kept_and_counted_in_bulk_by_the_next_scrape() -> None:
+    """``telemetry.Kept``: a request's observation is a list append; the next scrape
+    adds the kept values with the counts and sum one ``observe`` per value gives."""
+    from service import telemetry
+
+    reg = CollectorRegistry()
+    one = Histogram("one", "x", buckets=telemetry.SECONDS_BUCKETS, registry=reg)
+    kept = telemetry.Kept(Histogram("kept", "x", buckets=telemetry.SECONDS_BUCKETS, registry=reg))
+    values = [0.0004, 0.001, 0.0031, 0.02, 0.7, 3.0]
+    for v in values:
+        one.observe(v)
+        kept.observe(v)
+
+    assert all(v == 0 for *_, v in samples(reg, "kept"))  # kept aside, nothing counted yet
+    telemetry.exposition()
+    got, want = samples(reg, "kept"), samples(reg, "one")
+    assert [(n, lab) for n, lab, _ in got] == [(n, lab) for n, lab, _ in want]
+    np.testing.assert_allclose([v for *_, v in got], [v for *_, v in want])
+    for _ in range(telemetry.KEEP_AT_MOST):  # past the bound: added at once
+        kept.observe(0.001)
+    assert kept.values == [] and kept.child._sum.get() == pytest.approx(sum(values) + 0.256)
 
 
 def test_kept_micro_batches_are_counted_by_the_next_scrape() -> None:

@@ -223,37 +223,3 @@ def test_a_micro_batchs_writes_in_one_call_match_the_per_card_calls(stream_redis
         )
         assert client.hgetall(ids_key(one)) == client.hgetall(ids_key(many))
         assert client.pttl(events_key(many)) > 0
-
-
-def test_per_request_histograms_are_kept_and_counted_in_bulk_by_the_next_scrape() -> None:
-    """``telemetry.Kept``: a request's observation is a list append; the next scrape
-    adds the kept values with the counts and sum one ``observe`` per value gives."""
-    from prometheus_client import CollectorRegistry, Histogram
-
-    from service import telemetry
-
-    reg = CollectorRegistry()
-    one = Histogram("one", "x", buckets=telemetry.SECONDS_BUCKETS, registry=reg)
-    kept = telemetry.Kept(Histogram("kept", "x", buckets=telemetry.SECONDS_BUCKETS, registry=reg))
-    values = [0.0004, 0.001, 0.0031, 0.02, 0.7, 3.0]
-    for v in values:
-        one.observe(v)
-        kept.observe(v)
-
-    def samples(name: str) -> list[tuple[str, dict, float]]:
-        return [
-            (s.name.removeprefix(name), s.labels, s.value)
-            for m in reg.collect()
-            if m.name == name
-            for s in m.samples
-            if not s.name.endswith("_created")
-        ]
-
-    assert all(v == 0 for *_, v in samples("kept"))  # kept aside, nothing counted yet
-    telemetry.exposition()
-    got, want = samples("kept"), samples("one")
-    assert [(n, lab) for n, lab, _ in got] == [(n, lab) for n, lab, _ in want]
-    np.testing.assert_allclose([v for *_, v in got], [v for *_, v in want])
-    for _ in range(telemetry.KEEP_AT_MOST):  # past the bound: added at once
-        kept.observe(0.001)
-    assert kept.values == [] and kept.child._sum.get() == pytest.approx(sum(values) + 0.256)
