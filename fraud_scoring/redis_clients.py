@@ -19,6 +19,7 @@ per command.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -130,3 +131,61 @@ def packed_by_hiredis(pool: Any) -> Any:
     if not issubclass(cls, _HiredisPacked):
         pool.connection_class = type(f"HiredisPacked{cls.__name__}", (_HiredisPacked, cls), {})
     return pool
+
+
+class HeldConnections:
+    """Pipelined round trips on connections taken from an asyncio client's pool once and
+    then held, for the scorer's one round trip per micro-batch (one server only).
+
+    redis-py's pipeline checks a connection out of the pool for every call (a lock, a
+    fork check, a probe read of the socket), then builds, sends and parses through
+    several layers; on a machine where each call starts with cold caches that is about
+    half a millisecond more than sending the packed commands on a connection at hand
+    (``bench/README.md``). Here a connection comes from the pool the first time, so the
+    URL's options (password, database, TLS, timeouts) and the pool's size bound apply as
+    for any command, and stays out of it until it fails: it is then disconnected and
+    handed back. Closing the client closes held connections too (the pool closes those
+    in use). At most one round trip runs on a connection at a time, and at most the
+    pool's size at once.
+    """
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        if not isinstance(client, aioredis.Redis):
+            raise TypeError(f"HeldConnections needs one server's client, got {type(client)}")
+        self.pool = client.connection_pool
+        self._idle: list[Any] = []
+        # Round trips at once, at most the pool's size: a connection never goes back to
+        # the pool while it works, so the pool's own wait would never end; here a call
+        # past the bound waits for a free connection (bounded by the caller's timeout).
+        self._slots = asyncio.Semaphore(self.pool.max_connections)
+
+    async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send ``commands`` at once and return their replies in order, a Redis error
+        reply in place as its ``ResponseError``. A held connection that turns out broken
+        (the server restarted or closed it while idle) is replaced once; any other
+        failure, a cancellation (e.g. the caller's timeout) included, drops the
+        connection (its replies may be unread) and propagates."""
+        async with self._slots:
+            if self._idle:
+                conn = self._idle.pop()
+                try:
+                    return await self._exchange(conn, commands)
+                except redis.exceptions.ConnectionError:
+                    pass  # gone while idle: once more on a connection the pool checks
+            return await self._exchange(await self.pool.get_connection(), commands)
+
+    async def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except redis.exceptions.ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            await self.pool.release(conn)
+            raise
+        self._idle.append(conn)
+        return replies

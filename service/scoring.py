@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import redis.asyncio as aioredis
 from prometheus_client import Counter
 from redis.exceptions import NoScriptError
 
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
-from fraud_scoring.redis_clients import STORE_ERRORS, is_cluster_pipeline
+from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
 from fraud_scoring.settings import Settings
 from service.challenger import Challenger
 from service.decision import FEATURES_READ, Policy, Reason, rules_only
@@ -67,6 +68,14 @@ def _capped_reads() -> Counter:
         "Session reads whose older events came as server-side totals (read cap)",
         ("exact",),
     )
+
+
+class _Commands(list[tuple[Any, ...]]):
+    """A micro-batch's commands as the queueing helpers add them (``execute_command``,
+    as on a pipeline), for :meth:`HeldConnections.round_trip`."""
+
+    def execute_command(self, *args: Any, **options: Any) -> None:
+        self.append(args)
 
 
 @dataclass
@@ -144,6 +153,7 @@ class Scorer:
         self.settings = settings
         self.pool = pool
         self.limits = session.SessionLimits(settings.allowed_lateness_s)
+        self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
 
     def _to_record(
         self, txns: Sequence[Transaction], record: Sequence[bool] | None
@@ -211,7 +221,7 @@ class Scorer:
         them, so no read sees its own transaction). Returns the replies (errors in place)
         and how many are the reads'; a failed or late round trip is
         FeatureStoreUnavailable (and a failure for the breaker)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._pipeline()
         self.reader.queue(pipe, txns)
         n_reads = len(pipe)
         session.queue_apply_many(pipe, writes, self.limits, per_card=is_cluster_pipeline(pipe))
@@ -219,7 +229,7 @@ class Scorer:
             # The client has no per-reply socket timeout (service/resources.py): the
             # whole round trip is bounded here, one timer per micro-batch.
             async with asyncio.timeout(self.settings.redis_timeout_s):
-                replies = await pipe.execute(raise_on_error=False)
+                replies = await self._execute(pipe)
         except STORE_OR_TIMEOUT as exc:
             # The cause (it names Redis's host:port) goes to the log, not to callers.
             log.warning("feature read failed: %s", exc)
@@ -228,11 +238,30 @@ class Scorer:
             raise FeatureStoreUnavailable("feature store unavailable") from exc
         return replies, n_reads
 
+    # One server: every command goes out on a held connection (HeldConnections, which
+    # keep their connections out of the client's pool); a cluster: redis-py's pipeline,
+    # split by node, and its script loading on every primary.
+    def _pipeline(self) -> Any:
+        return _Commands() if self._held is not None else self.redis.pipeline(transaction=False)
+
+    async def _execute(self, pipe: Any) -> list[Any]:
+        if self._held is not None:
+            return await self._held.round_trip(pipe)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def _load(self, scripts: Sequence[str]) -> None:
+        if self._held is None:
+            for script in scripts:
+                await self.redis.script_load(script)
+            return
+        for reply in await self._held.round_trip([("SCRIPT", "LOAD", s) for s in scripts]):
+            if isinstance(reply, Exception):
+                raise reply
+
     async def _load_scripts(self) -> None:
         try:
             async with asyncio.timeout(self.settings.redis_timeout_s):
-                for script in self.reader.scripts:
-                    await self.redis.script_load(script)
+                await self._load(self.reader.scripts)
         except STORE_OR_TIMEOUT as exc:
             log.warning("loading the session scripts failed: %s", exc)
             if self.health is not None:
@@ -249,12 +278,11 @@ class Scorer:
         if any(isinstance(r, NoScriptError) for r in replies):
             try:
                 async with asyncio.timeout(self.settings.redis_timeout_s):
-                    for script in session.SCRIPTS:
-                        await self.redis.script_load(script)
-                    pipe = self.redis.pipeline(transaction=False)
+                    await self._load(session.SCRIPTS)
+                    pipe = self._pipeline()
                     cluster = is_cluster_pipeline(pipe)
                     session.queue_apply_many(pipe, writes, self.limits, per_card=cluster)
-                    replies = await pipe.execute(raise_on_error=False)
+                    replies = await self._execute(pipe)
             except STORE_OR_TIMEOUT as exc:
                 replies = [exc]
         for r in replies:
