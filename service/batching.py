@@ -7,8 +7,9 @@ inference for the whole micro-batch). Bounds, all from settings:
 
 * ``max_batch_size``: a batch never holds more items;
 * batches form by themselves: when no batch is running, whatever is queued runs at once
-  (a lone request is not held), and requests that arrive while a batch runs queue up
-  for the next one;
+  (a lone request is not held: with nothing queued and nothing running, its caller runs
+  it as a batch of one itself, without a hand-over to the worker), and requests that
+  arrive while a batch runs queue up for the next one;
 * ``max_queue_delay``: bounds how long the oldest item waits for company, which happens
   only while another batch is already running (``concurrency`` > 1) or when
   ``preferred_batch_sizes`` are set (then the worker waits for one, and flushes early
@@ -158,7 +159,7 @@ class Batcher(Generic[T, R]):
         """Stop taking batches; wait up to ``drain_s`` for queued and running ones. Items
         still queued then fail with ``Rejected`` (reason ``shutting_down``)."""
         end = time.monotonic() + drain_s
-        while (self._queue or self._running) and time.monotonic() < end:
+        while (self._queue or self._busy) and time.monotonic() < end:
             await asyncio.sleep(0.01)
         if self._worker:
             self._worker.cancel()
@@ -195,6 +196,8 @@ class Batcher(Generic[T, R]):
             raise DeadlineExceeded("deadline shorter than the measured batch time")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[R] = loop.create_future()
+        if not self._queue and self._busy == 0 and not self.preferred and self._worker:
+            return await self._alone(_Item(payload, deadline, now, fut, gone))
         timer = loop.call_later(deadline - now, _expire, fut)
         self._queue.append(_Item(payload, deadline, now, fut, gone))
         self._wakeup.set()
@@ -204,6 +207,20 @@ class Batcher(Generic[T, R]):
             return await fut
         finally:
             timer.cancel()
+
+    async def _alone(self, item: _Item[T, R]) -> R:
+        """Nothing queued and nothing running: the caller runs its batch of one itself
+        (what the worker would do at once, without waking it and handing over twice).
+        Requests arriving meanwhile queue up for the worker's next batch. At the deadline
+        the batch is cancelled (it serves no one else) and the caller gets TimedOut."""
+        await self._slots.acquire()  # free: nothing runs, the worker holds none
+        self._busy += 1
+        try:
+            async with asyncio.timeout(item.deadline - time.monotonic()):
+                await self._execute([item])
+        except TimeoutError:
+            raise TimedOut() from None
+        return item.future.result()
 
     # -- worker side ---------------------------------------------------------------
     def _live_head(self) -> _Item[T, R] | None:

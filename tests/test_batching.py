@@ -83,6 +83,34 @@ async def test_a_lone_request_is_not_held_when_the_executor_is_idle() -> None:
     assert len(waits) == 1 and waits[0] < 0.05  # far under the 0.5 s delay: not held
 
 
+async def test_a_lone_batch_run_by_its_caller_keeps_the_deadline_and_the_drain() -> None:
+    """The caller of a lone request runs its batch itself: a late one is answered
+    TimedOut at the deadline (and frees the executor), a running one is waited for by
+    stop's drain, and requests arriving meanwhile form the next batch."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = Batcher(rec, max_batch_size=64, max_queue_delay_s=0.5, max_queue_size=10)
+    b.start()
+    t0 = time.monotonic()
+    with pytest.raises(TimedOut):
+        await b.submit(1, time.monotonic() + 0.1)
+    assert 0.09 < time.monotonic() - t0 < 1.0
+    rec.gate.set()
+    assert await b.submit(2, far()) == 20  # the executor is free again
+    rec.gate.clear()
+    lone = asyncio.create_task(b.submit(3, far()))
+    await eventually(lambda: rec.seen[-1:] == [3])
+    later = [asyncio.create_task(b.submit(i, far())) for i in (4, 5)]
+    await eventually(lambda: b.depth == 2)
+    stopping = asyncio.create_task(b.stop(drain_s=5))
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # the drain waits for the caller's own batch
+    rec.gate.set()
+    await stopping
+    assert await asyncio.gather(lone, *later) == [30, 40, 50]
+    assert rec.batches == [[1], [2], [3], [4, 5]]
+
+
 async def test_batches_form_while_the_executor_is_busy() -> None:
     rec = Recorder()
     rec.gate = asyncio.Event()
