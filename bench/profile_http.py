@@ -33,6 +33,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("record (EVALSHA) queue", "queue_apply (fraud_scoring/session.py"),
     ("feast replies: parse + defaults", "OnlineFeatureReader.parse (service/online_features.py"),
     ("feast reads: queue (HMGET)", "OnlineFeatureReader.queue (service/online_features.py"),
+    ("redis: send + read replies", "HeldConnections.round_trip (fraud_scoring/redis_clients.py"),
     ("redis: send + read replies", "Pipeline.execute (redis/"),
     ("request features + assembly", "build_features (fraud_scoring/features.py"),
     ("ONNX inference", "LoadedModel.predict (service/model.py"),
