@@ -162,7 +162,9 @@ class HeldConnections:
     async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` at once and return their replies in order, a Redis error
         reply in place as its ``ResponseError``. A held connection that turns out broken
-        (the server restarted or closed it while idle) is replaced once; any other
+        (the server restarted or closed it while idle) is replaced once, sending the
+        commands again (they must be safe to run twice, as the scorer's reads and
+        idempotent writes are); any other
         failure, a cancellation (e.g. the caller's timeout) included, drops the
         connection (its replies may be unread) and propagates."""
         async with self._slots:
