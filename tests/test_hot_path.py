@@ -276,3 +276,32 @@ def test_held_connections_keep_replies_in_order_and_never_reuse_a_broken_one(
             await admin.aclose()
 
     asyncio.run(scenario())
+
+
+def test_held_connections_use_the_urls_password_and_database() -> None:
+    """Held connections come from the client's pool, so REDIS_URL's options apply: a
+    password-protected server answers them, and writes land in the URL's database."""
+    import asyncio
+
+    import redis
+    import redis.asyncio as aioredis
+
+    from fraud_scoring.redis_clients import HeldConnections, packed_by_hiredis
+    from fraud_scoring.redis_server import embedded_redis
+
+    with embedded_redis(password="held-pw") as url:
+        db3 = url.rsplit("/", 1)[0] + "/3"
+
+        async def scenario() -> None:
+            pool = aioredis.BlockingConnectionPool.from_url(db3, max_connections=2)
+            client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
+            try:
+                held = HeldConnections(client)
+                assert await held.round_trip([("SET", "where", "db3")]) == [b"OK"]
+            finally:
+                await client.aclose()
+
+        asyncio.run(scenario())
+        with redis.Redis.from_url(db3) as r3, redis.Redis.from_url(url) as r0:
+            assert r3.get("where") == b"db3"
+            assert r0.get("where") is None  # not in database 0
