@@ -103,8 +103,8 @@ async def test_a_lone_batch_run_by_its_caller_keeps_the_deadline_and_the_drain()
     later = [asyncio.create_task(b.submit(i, far())) for i in (4, 5)]
     await eventually(lambda: b.depth == 2)
     stopping = asyncio.create_task(b.stop(drain_s=5))
-    await asyncio.sleep(0.05)
-    assert not stopping.done()  # the drain waits for the caller's own batch
+    done, _ = await asyncio.wait({stopping}, timeout=0.05)
+    assert not done  # the drain waits for the caller's own batch
     rec.gate.set()
     await stopping
     assert await asyncio.gather(lone, *later) == [30, 40, 50]

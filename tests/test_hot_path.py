@@ -234,48 +234,48 @@ def test_held_connections_keep_replies_in_order_and_never_reuse_a_broken_one(
     call), and the held connections closed with their client."""
     import asyncio
 
+    import redis
     import redis.asyncio as aioredis
     from redis.exceptions import NoScriptError
 
     from fraud_scoring.redis_clients import HeldConnections, packed_by_hiredis
+    from tests.conftest import wait_until
+    from tests.test_batching import eventually
+
+    def blocked() -> bool:
+        return any(c.get("cmd") == "blpop" for c in admin.client_list())
 
     async def scenario() -> None:
         pool = aioredis.BlockingConnectionPool.from_url(stream_redis, max_connections=4)
         client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
-        admin = aioredis.Redis.from_url(stream_redis)
         held = HeldConnections(client)
-        try:
-            got = await held.round_trip([("SET", "k", "v"), ("EVALSHA", "0" * 40, 0), ("GET", "k")])
-            assert got[0] == b"OK" and got[2] == b"v"
-            assert isinstance(got[1], NoScriptError)  # in place; the rest still read
+        got = await held.round_trip([("SET", "k", "v"), ("EVALSHA", "0" * 40, 0), ("GET", "k")])
+        assert got[0] == b"OK" and got[2] == b"v"
+        assert isinstance(got[1], NoScriptError)  # in place; the rest still read
 
-            first = (await held.round_trip([("CLIENT", "ID")]))[0]
-            assert (await held.round_trip([("CLIENT", "ID")]))[0] == first  # held
+        first = (await held.round_trip([("CLIENT", "ID")]))[0]
+        assert (await held.round_trip([("CLIENT", "ID")]))[0] == first  # held
 
-            # Killed while idle (a server restart, an idle timeout): replaced, no error.
-            await admin.execute_command("CLIENT", "KILL", "ID", first)
-            again = await held.round_trip([("CLIENT", "ID")])
-            assert again[0] != first
+        # Killed while idle (a server restart, an idle timeout): replaced, no error.
+        admin.execute_command("CLIENT", "KILL", "ID", first)
+        again = await held.round_trip([("CLIENT", "ID")])
+        assert again[0] != first
 
-            # Cancelled while its reply is pending: the connection is dropped, so the
-            # late reply cannot answer the next call.
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.2):
-                    await held.round_trip([("BLPOP", "nothing", 1)])
-            await admin.lpush("nothing", "late")
-            assert await held.round_trip([("GET", "k")]) == [b"v"]
-            assert await held.round_trip([("LPOP", "nothing")]) == [b"late"]
+        # Cancelled while its reply is pending: the connection is dropped, so the late
+        # reply cannot answer the next call.
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await held.round_trip([("BLPOP", "nothing", 1)])
+        await eventually(lambda: not blocked(), timeout=10)  # the server dropped it
+        admin.lpush("nothing", "late")
+        assert await held.round_trip([("GET", "k")]) == [b"v"]
+        assert await held.round_trip([("LPOP", "nothing")]) == [b"late"]
+        await client.aclose()
 
-            await client.aclose()
-            for _ in range(100):  # the server notices closed connections at once, or soon
-                if len(await admin.client_list()) == 1:
-                    break
-                await asyncio.sleep(0.02)
-            assert len(await admin.client_list()) == 1  # only the admin's own is left
-        finally:
-            await admin.aclose()
-
-    asyncio.run(scenario())
+    with redis.Redis.from_url(stream_redis) as admin:
+        asyncio.run(scenario())
+        # Closed with the client: only the admin's own connection is left.
+        wait_until(lambda: len(admin.client_list()) == 1, timeout=10, what="connections closed")
 
 
 def test_held_connections_use_the_urls_password_and_database() -> None:
