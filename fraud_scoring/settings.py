@@ -149,10 +149,11 @@ class Settings(BaseSettings):
         "server costs one timeout, not one per request.",
     )
     breaker_open_s: float = Field(
-        default=5.0,
+        default=1.0,
         gt=0,
-        description="Seconds the breaker stays open before one probe read is let through "
-        "(half-open); the probe's success closes it, its failure opens it again.",
+        description="While the breaker is open, seconds between the background probes "
+        "(one marker read each, bounded by redis_timeout_s, never by a request's "
+        "deadline); the probe's success closes it, its failure keeps it open.",
     )
     batch_marker_check_s: float = Field(
         default=5.0,

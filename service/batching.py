@@ -308,7 +308,10 @@ class Batcher(Generic[T, R]):
                         f"run_batch returned {len(results)} results for {len(batch)}"
                     )
             except Exception as exc:  # one failed batch fails its own items, not the queue
-                log.exception("batch of %d failed", len(batch))
+                if isinstance(exc, Rejected):  # an answer (store down...), not a fault
+                    log.debug("batch of %d refused: %s", len(batch), exc)
+                else:
+                    log.exception("batch of %d failed", len(batch))
                 for it in batch:
                     if not it.future.done():
                         it.future.set_exception(exc)

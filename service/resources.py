@@ -127,6 +127,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             failures=settings.breaker_failures,
             open_s=settings.breaker_open_s,
             check_s=settings.batch_marker_check_s,
+            probe_timeout_s=settings.redis_timeout_s,
             on_presence=lambda view, present: instruments.batch_features_present.labels(
                 view=view
             ).set(1 if present else 0),

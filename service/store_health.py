@@ -1,12 +1,15 @@
 """What the service knows about its online store between requests: a circuit breaker
 around Redis reads, and whether the store holds batch features at all.
 
-**Breaker.** After ``failures`` consecutive failed reads the breaker opens: for
-``open_s`` seconds no read is tried and :meth:`StoreHealth.admit` raises at once, so a
-hung server costs one timeout, not one per request. Then it is half-open: one read (a
-request's, or the watcher's probe) goes through; success closes it, failure opens it
-again for ``open_s``. ``/readyz`` reads :meth:`StoreHealth.problem`, so readiness agrees
-with the breaker instead of pinging past it.
+**Breaker.** After ``failures`` consecutive failed reads the breaker opens: no request
+read is tried and :meth:`StoreHealth.admit` raises at once, so a hung server costs one
+timeout, not one per request. Every ``open_s`` seconds the background watcher sends one
+probe (the marker check) on its own ``probe_timeout_s``, never a request's: a request's
+deadline can cancel its own read but never the probe, so an outage that ends always
+ends for the service too. The probe's success closes the breaker, its failure keeps it
+open for another ``open_s``. Each change of state is one log line. ``/readyz`` reads
+:meth:`StoreHealth.problem`, so readiness agrees with the breaker instead of pinging
+past it.
 
 **Batch features present.** The batch job sets a marker key per view after it
 materializes (:func:`fraud_scoring.feast_store.batch_marker_key`). :meth:`watch` checks
@@ -27,6 +30,8 @@ from typing import Any
 from fraud_scoring.feast_store import batch_marker_key
 from fraud_scoring.redis_clients import STORE_ERRORS
 from service.errors import Rejected, RejectReason
+
+PROBE_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class StoreHealth:
         failures: int,
         open_s: float,
         check_s: float,
+        probe_timeout_s: float = 1.0,
         on_presence: Callable[[str, bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -70,44 +76,37 @@ class StoreHealth:
         self.views = list(views)
         self.markers = [batch_marker_key(project, v) for v in self.views]
         self.failures, self.open_s, self.check_s = failures, open_s, check_s
+        self.probe_timeout_s = probe_timeout_s
         self.on_presence = on_presence
         self.clock = clock
         self._failed = 0
-        self._open_until: float | None = None  # None: closed
-        self._probing = False  # half-open: one read is in flight
+        self._open_until: float | None = None  # None: closed; else when the next probe is due
         # None until the first check: not known yet, so not reported absent.
         self.absent_views: list[str] | None = None
 
     # --- breaker ------------------------------------------------------------------------
     @property
     def is_open(self) -> bool:
-        """True while reads are refused without trying (open, or half-open with its one
-        probe in flight)."""
-        if self._open_until is None:
-            return False
-        return self.clock() < self._open_until or self._probing
+        """True while request reads are refused without trying."""
+        return self._open_until is not None
 
     def admit(self) -> None:
-        """Call before a read: raises :class:`FeatureStoreUnavailable` at once while the
-        breaker is open; in half-open lets exactly one read through (the caller must then
-        call :meth:`succeeded` or :meth:`failed`)."""
-        if self._open_until is None:
-            return
-        if self.clock() < self._open_until or self._probing:
+        """Call before a request's read: raises :class:`FeatureStoreUnavailable` at once
+        while the breaker is open (only the watcher's probe may close it)."""
+        if self._open_until is not None:
             raise FeatureStoreUnavailable("feature store unavailable (circuit open)")
-        self._probing = True
 
     def succeeded(self) -> None:
         if self._open_until is not None:
             log.info("feature store answers again: circuit closed")
-        self._failed, self._open_until, self._probing = 0, None, False
+        self._failed, self._open_until = 0, None
 
     def failed(self) -> None:
         self._failed += 1
-        self._probing = False
-        if self._open_until is not None or self._failed >= self.failures:
-            if self._open_until is None:
-                log.warning("%d feature reads failed in a row: circuit open", self._failed)
+        if self._open_until is None and self._failed >= self.failures:
+            log.warning("%d feature reads failed in a row: circuit open", self._failed)
+            self._open_until = self.clock() + self.open_s
+        elif self._open_until is not None:
             self._open_until = self.clock() + self.open_s
 
     def problem(self) -> str | None:
@@ -120,20 +119,21 @@ class StoreHealth:
 
     # --- markers ------------------------------------------------------------------------
     async def check(self) -> None:
-        """One marker check (through the breaker, so it also serves as the half-open
-        probe). A failed check leaves :attr:`absent_views` as it was."""
-        try:
-            self.admit()
-        except FeatureStoreUnavailable:
+        """One marker check, bounded by ``probe_timeout_s``; while the breaker is open it
+        is the probe (skipped until the probe is due). A failed check leaves
+        :attr:`absent_views` as it was."""
+        if self._open_until is not None and self.clock() < self._open_until:
             return
         try:
-            # One GET each (not MGET): on a Redis Cluster the markers lie in other slots.
-            pipe = self.redis.pipeline(transaction=False)
-            for marker in self.markers:
-                pipe.get(marker)
-            found = await pipe.execute()
-        except STORE_ERRORS as exc:
-            log.warning("batch marker check failed: %s", exc)
+            async with asyncio.timeout(self.probe_timeout_s):
+                # One GET each (not MGET): on a Redis Cluster the markers lie in other slots.
+                pipe = self.redis.pipeline(transaction=False)
+                for marker in self.markers:
+                    pipe.get(marker)
+                found = await pipe.execute()
+        except PROBE_ERRORS as exc:
+            if self._open_until is None:  # while open, the state change was logged once
+                log.warning("batch marker check failed: %s", exc or "timed out")
             self.failed()
             return
         self.succeeded()
@@ -146,7 +146,11 @@ class StoreHealth:
                 self.on_presence(v, f is not None)
 
     async def watch(self) -> None:
-        """:meth:`check` every ``check_s`` seconds, forever (run it as a task)."""
+        """:meth:`check` every ``check_s`` seconds, and while the breaker is open each
+        time a probe is due, forever (run it as a task)."""
         while True:
             await self.check()
-            await asyncio.sleep(self.check_s)
+            if self._open_until is None:
+                await asyncio.sleep(self.check_s)
+            else:
+                await asyncio.sleep(min(self.check_s, max(0.0, self._open_until - self.clock())))

@@ -6,7 +6,8 @@ test's own real Redis-protocol server (never the shared world's, which stays int
   the answer: ``refuse`` 503, ``rules`` a rules-only decision marked ``degraded``.
 * The server hangs (SIGSTOP of the test's own server): after FRAUD_BREAKER_FAILURES
   timeouts the breaker opens and requests are answered at once; /readyz agrees; the
-  service recovers once the server answers again.
+  service recovers once the server answers again, within a few seconds even when every
+  request's deadline is shorter than the Redis timeout (the probe is not a request's).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,11 +149,66 @@ def test_hung_store_opens_the_breaker_and_recovers(
                             "message": "feature store unavailable (circuit open)",
                         }
                     ]
-                # Answered at once, not after the 0.3 s timeout each; a half-open probe
-                # (one request a second) may still wait it out.
+                # Answered at once, not after the 0.3 s timeout each (requests never
+                # probe: the background task does).
                 assert sum(s for _, s in answers) < 20 * 0.3 / 2, answers
                 assert {s for s, _ in answers} == {503}
             wait_until(lambda: c.get("/readyz").status_code == 200, what="ready again")
             assert c.post("/v1/score", json=txn(99)).status_code == 200
     finally:
         stop_server(srv)
+
+
+def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
+    world: World, tmp_path: Path, own_redis: str
+) -> None:
+    """Requests whose deadline (100 ms) is shorter than the Redis timeout (1 s) keep
+    arriving through a hang; once the server answers again the background probe closes
+    the breaker within a few seconds, and the log has no traceback per refused request."""
+    srv = start_server(
+        world,
+        tmp_path,
+        REDIS_URL=own_redis,
+        FRAUD_REQUEST_TIMEOUT_MS="100",
+        FRAUD_REDIS_TIMEOUT_S="1",
+        FRAUD_BREAKER_FAILURES="2",
+        FRAUD_BREAKER_OPEN_S="1",
+    )
+    stop = threading.Event()
+
+    def load() -> None:
+        with srv.client() as c:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                with contextlib.suppress(httpx.HTTPError):
+                    c.post("/v1/score", json=txn(1000 + i))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    try:
+        with srv.client() as c:
+            assert c.post("/v1/score", json=txn(0)).status_code == 200
+            for t in threads:
+                t.start()
+            with stopped(own_redis):
+                wait_until(
+                    lambda: c.get("/readyz").json().get("redis", "").endswith("(circuit open)"),
+                    what="breaker open",
+                )
+                time.sleep(3)  # the outage goes on under load (this is the thing tested)
+            resumed = time.monotonic()
+            wait_until(
+                lambda: c.post("/v1/score", json=txn(1)).status_code == 200,
+                timeout=3,
+                what="scoring answers again within 3 s of the store",
+            )
+            assert time.monotonic() - resumed < 3
+            assert c.get("/readyz").status_code == 200
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        stop_server(srv)
+    text = srv.log.read_text()
+    assert text.count("Traceback") == 0, text[-3000:]
+    assert text.count("circuit open") == 1 and text.count("circuit closed") == 1, text[-3000:]
