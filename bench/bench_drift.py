@@ -1,6 +1,6 @@
-"""What the drift gauges cost the hot path: :meth:`service.drift.DriftMonitor.observe` per
+"""What the drift gauges cost the hot path: :meth:`service.loop.drift.DriftMonitor.observe` per
 micro-batch (the bin count of the model's input, the score histogram, the rolling
-window) and the once-a-second :meth:`~service.drift.DriftMonitor.publish`.
+window) and the once-a-second :meth:`~service.loop.drift.DriftMonitor.publish`.
 
 A synthetic reference over the default model inputs (no world needed):
 
@@ -22,9 +22,9 @@ import numpy as np
 
 from fraud_scoring.drift import REFERENCE_FILE, build_reference
 from fraud_scoring.features import default_model_features
-from service.drift import DriftMonitor
-from service.model import ModelHolder
-from service.scoring import ScoreResult
+from service.core.model import ModelHolder
+from service.core.scoring import ScoreResult
+from service.loop.drift import DriftMonitor
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Online feature read: Feast's own ``get_online_features`` vs the service's reader.
 
 Both read the same keys from the same Redis (Feast's layout); the service's reader
-(``service.online_features.OnlineFeatureReader``) adds the TTL check and the session reads and
+(``service.core.online_features.OnlineFeatureReader``) adds the TTL check and the session reads and
 does it all in one pipelined round trip. Both are timed for batches of 1 and 64
 transactions; that they return the same values is tested in tests/test_feast_layout.py.
 
@@ -29,7 +29,7 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.redis_clients import async_client, sync_client
 from fraud_scoring.redis_server import embedded_cluster
-from service.online_features import OnlineFeatureReader
+from service.core.online_features import OnlineFeatureReader
 
 
 def timed(fn: Callable[[], object], seconds: float) -> np.ndarray:

@@ -56,11 +56,11 @@ from fraud_scoring.features import VIEWS, producible_features
 from fraud_scoring.session import events_key, ids_key
 from fraud_scoring.settings import Settings
 from fraud_scoring.storage import partition_file
-from service.decision_log import DecisionLog
-from service.model import ModelHolder, load_model
-from service.online_features import OnlineFeatureReader
+from service.core.model import ModelHolder, load_model
+from service.core.online_features import OnlineFeatureReader
+from service.core.scoring import Scorer
+from service.loop.decision_log import DecisionLog
 from service.resources import log_producer
-from service.scoring import Scorer
 from streaming.state import SessionWriter
 
 log = logging.getLogger("bench.footprint")

@@ -43,7 +43,7 @@ import psutil
 import uvloop
 
 from bench.world import BenchWorld, bench_world
-from service.server import ServiceProcess, spawn
+from service.edge.server import ServiceProcess, spawn
 
 
 @dataclass

@@ -49,7 +49,7 @@ import numpy as np
 
 from bench.bench_http import Conn, run, start
 from bench.world import BenchWorld, bench_world
-from service.auth import KeyEntry, Scope, append_key, new_key
+from service.edge.auth import KeyEntry, Scope, append_key, new_key
 
 BATCH = 32
 AFTER_S = 2.0

@@ -1,4 +1,4 @@
-"""The review queue (``service/review_queue.py``): what it costs the decision log's writer,
+"""The review queue (``service/loop/review_queue.py``): what it costs the decision log's writer,
 how fast the page's reads are, and how many bytes an item holds.
 
 Synthetic decisions with the default model's features (no world needed). Baselines from
@@ -26,16 +26,16 @@ import redis.asyncio as aioredis
 from fraud_scoring.event_log import LogRecord, RedisStreamProducer
 from fraud_scoring.features import default_model_features
 from fraud_scoring.redis_server import redis_url
-from service.decision import Reason
-from service.review_queue import ReviewQueue
-from service.scoring import ScoreResult
+from service.core.decision import Reason
+from service.core.scoring import ScoreResult
+from service.loop.review_queue import ReviewQueue
 
 BATCH = 64  # decisions per writer call (the micro-batch)
 REVIEW_SHARE = 0.02  # decisions that go to review (the README's holdout: ~1-2 %)
 
 
 def decision(i: int, names: list[str], review: bool) -> tuple[ScoreResult, LogRecord]:
-    """One decision and its log record, shaped as ``service.decision_log.encode`` makes it."""
+    """One decision and its log record, shaped as ``service.loop.decision_log.encode`` makes it."""
     rng = random.Random(i)
     tid = f"bench-{i:08d}"
     reasons = [Reason("MODEL_SCORE_REVIEW", "Model score 0.41 is at or above the review ...")]

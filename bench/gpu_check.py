@@ -20,7 +20,7 @@ import onnxruntime as ort
 from bench.world import bench_world
 from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import resolve
-from service.model import load_model
+from service.core.model import load_model
 
 
 def strict_cuda_session(path: str) -> ort.InferenceSession:

@@ -50,7 +50,7 @@ def run_demo(
     from batch_jobs.batch import day_range, run_batch
     from batch_jobs.simulate import SimConfig, simulate
     from batch_jobs.train import TrainConfig, train
-    from service.server import spawn
+    from service.edge.server import spawn
     from streaming.state import SessionWriter, card_event
 
     cfg = SimConfig(cards=cards, merchants=max(cards // 10, 20), days=days)

@@ -61,7 +61,7 @@ def start_updater(settings: Settings, url: str, log: Path) -> tuple[subprocess.P
     """``fraud-scoring stream`` on ``url``'s event log; returns it and its metrics URL once
     it answers /readyz."""
     port = free_port()
-    # As service.server.spawn: not the metrics directory Feast set in this process.
+    # As service.edge.server.spawn: not the metrics directory Feast set in this process.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
     env.update({"REDIS_URL": url, "FRAUD_UPDATER_METRICS_PORT": str(port)})
     with open(log, "wb") as out:

@@ -29,7 +29,7 @@ from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import RedisNotConfigured, RedisStartError
 from fraud_scoring.settings import get_settings
 from fraud_scoring.storage import DataError
-from service.server import ServiceStartError
+from service.edge.server import ServiceStartError
 
 log = logging.getLogger("fraud_scoring")
 

@@ -259,7 +259,7 @@ class Settings(BaseSettings):
         description="A request line and headers must arrive whole within this many seconds "
         "of the connection opening (or of a request's first byte on a kept-alive "
         "connection), else 408 and the connection is closed; uvicorn itself has no header "
-        "read timeout (service/connection.py).",
+        "read timeout (service/edge/connection.py).",
     )
     max_connections: int = Field(
         default=1000,

@@ -9,7 +9,7 @@ from pathlib import Path
 from fraud_scoring.commands import Command, UsageError, add_embedded_redis
 from fraud_scoring.redis_server import require_redis
 from fraud_scoring.settings import Settings
-from service.auth import KeyEntry, Scope, append_key, keyring_for, new_key
+from service.edge.auth import KeyEntry, Scope, append_key, keyring_for, new_key
 
 
 def run_serve(args: argparse.Namespace, settings: Settings) -> None:
@@ -19,7 +19,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> None:
     # app's workers read.
     require_redis(settings.redis_url, settings.embedded_redis)
     keyring_for(settings)
-    from service.server import serve  # uvicorn and the app: only for this command
+    from service.edge.server import serve  # uvicorn and the app: only for this command
 
     serve(settings)
 

@@ -28,16 +28,16 @@ from fraud_scoring.redis_clients import async_client, is_cluster, packed_by_hire
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 from service import telemetry
-from service.batching import Batcher, BatchStats
-from service.challenger import Challenger
-from service.decision_log import DecisionLog
-from service.drift import DriftMonitor
+from service.core.batching import Batcher, BatchStats
+from service.core.challenger import Challenger
+from service.core.model import ModelHolder, load_configured, watch_models
+from service.core.online_features import OnlineFeatureReader
+from service.core.scoring import Scorer, ScoreRequest, ScoreResult
+from service.core.store_health import StoreHealth
 from service.errors import Rejected, RejectReason
-from service.model import ModelHolder, load_configured, watch_models
-from service.online_features import OnlineFeatureReader
-from service.review_queue import ReviewQueue
-from service.scoring import Scorer, ScoreRequest, ScoreResult
-from service.store_health import StoreHealth
+from service.loop.decision_log import DecisionLog
+from service.loop.drift import DriftMonitor
+from service.loop.review_queue import ReviewQueue
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Resources:
     feedback: Producer | None = None
     # The breaker and batch-marker state of the online store (readiness reads it).
     health: StoreHealth | None = None
-    # The challenger in shadow / canary (service/challenger.py); none loaded by default.
+    # The challenger in shadow / canary (service/core/challenger.py); none loaded by default.
     challenger: Challenger | None = None
     # Transactions decided 'review', for the analysts' page (None: the log is off).
     review: ReviewQueue | None = None

@@ -3,7 +3,7 @@
 Metrics are ``prometheus_client`` instruments, created once per process and served at
 ``/metrics``; the hot path records through label-bound children (:meth:`Instruments.bound`)
 and records batch metrics once per micro-batch. With more than one uvicorn worker,
-``service.server.serve`` sets ``PROMETHEUS_MULTIPROC_DIR`` before any worker starts:
+``service.edge.server.serve`` sets ``PROMETHEUS_MULTIPROC_DIR`` before any worker starts:
 each worker then writes its values to files there and any worker's ``/metrics`` answers
 for all of them (counters and histograms summed, the queue depth summed over live
 workers). ``PROMETHEUS_MULTIPROC_DIR`` must be set before ``prometheus_client`` is
@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 import numpy as np
 import prometheus_client
-from fastapi import FastAPI
 from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
@@ -51,6 +51,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # the edge passes its app in; this module imports no web framework
+    from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 

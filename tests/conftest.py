@@ -20,7 +20,7 @@ import pytest
 
 from fraud_scoring.redis_clients import is_cluster, sync_client
 from fraud_scoring.redis_server import EmbeddedCluster, embedded_cluster, embedded_redis
-from service.server import ServiceProcess, ServiceStartError, spawn
+from service.edge.server import ServiceProcess, ServiceStartError, spawn
 
 SIM_START = date(2026, 1, 1)
 SIM_DAYS = 16

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service import auth
-from service.admission import WorkShares
-from service.auth import KeyEntry, Scope, append_key, new_key
+from service.edge import auth
+from service.edge.admission import WorkShares
+from service.edge.auth import KeyEntry, Scope, append_key, new_key
 from service.errors import RejectReason
 from tests.conftest import Server, World, start_server, stop_server
 from tests.test_service import TXN

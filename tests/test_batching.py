@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from service.batching import Batcher, BatchStats, DeadlineExceeded, QueueFull, TimedOut
+from service.core.batching import Batcher, BatchStats, DeadlineExceeded, QueueFull, TimedOut
 from tests.conftest import World, start_server, stop_server
 from tests.test_service import TXN, held_out_day
 
@@ -273,9 +273,9 @@ async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
     from fraud_scoring.feast_store import open_store
     from fraud_scoring.features import producible_features
     from fraud_scoring.settings import Settings
-    from service.model import ModelHolder, load_model
-    from service.online_features import OnlineFeatureReader
-    from service.scoring import Scorer
+    from service.core.model import ModelHolder, load_model
+    from service.core.online_features import OnlineFeatureReader
+    from service.core.scoring import Scorer
 
     settings = Settings(
         redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo

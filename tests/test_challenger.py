@@ -28,8 +28,8 @@ from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.settings import Settings
-from service.challenger import Challenger, canary_bucket, load_challenger, routed_to_challenger
-from service.model import load_model
+from service.core.challenger import Challenger, canary_bucket, load_challenger, routed_to_challenger
+from service.core.model import load_model
 from tests.conftest import Server, World, start_server, stop_server, wait_until
 from tests.test_service import held_out_day
 

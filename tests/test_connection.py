@@ -1,4 +1,4 @@
-"""The HTTP connection (service/connection.py) over real sockets against a real server
+"""The HTTP connection (service/edge/connection.py) over real sockets against a real server
 process: the header size limit and read timeout uvicorn lacks with httptools, and a
 drain that answers open keep-alive connections with 503 instead of closing them."""
 

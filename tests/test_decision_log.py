@@ -20,7 +20,7 @@ import redis
 from batch_jobs.decisions import LABEL_SCHEMA
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.settings import Settings
-from service.model import load_configured
+from service.core.model import load_configured
 from tests.conftest import Server, World, start_server, stop_server, wait_until
 from tests.test_service import TXN, held_out_day
 

@@ -23,7 +23,7 @@ from fraud_scoring.drift import Binner, load_reference, psi, reference_bins
 from fraud_scoring.event_log import read_redis_day
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
-from service.drift import SCORE_BUCKETS
+from service.loop.drift import SCORE_BUCKETS
 from service.telemetry import observe_many
 from tests.conftest import World, start_server, stop_server, wait_until
 from tests.test_decision_log import metric
@@ -118,8 +118,8 @@ def test_kept_micro_batches_are_counted_by_the_next_scrape() -> None:
     """The drift monitor only keeps a scored micro-batch aside; the next ``/metrics``
     answer (or ``FLUSH_ROWS`` kept transactions) counts it into ``fraud_score``."""
     from service import telemetry
-    from service.drift import FLUSH_ROWS, DriftMonitor
-    from service.scoring import ScoreResult
+    from service.core.scoring import ScoreResult
+    from service.loop.drift import FLUSH_ROWS, DriftMonitor
 
     version = "kept-aside-test"
     mon = DriftMonitor(models=None, window=0)  # type: ignore[arg-type]  # no window: no model

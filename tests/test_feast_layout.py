@@ -38,7 +38,7 @@ from fraud_scoring.feast_store import (
 from fraud_scoring.features import BATCH_FEATURES, VIEWS, view_features
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.storage import partition_dir
-from service.online_features import OnlineFeatureReader
+from service.core.online_features import OnlineFeatureReader
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from fraud_scoring.feast_store import open_store
 from fraud_scoring.redis_clients import async_client
 from fraud_scoring.redis_server import EmbeddedCluster
 from fraud_scoring.settings import Settings
-from service.model import ModelHolder
-from service.online_features import OnlineFeatureReader
-from service.scoring import Scorer
+from service.core.model import ModelHolder
+from service.core.online_features import OnlineFeatureReader
+from service.core.scoring import Scorer
 from tests.conftest import World, materialize_world, start_server, stop_server
 from tests.conftest_streaming import (
     connect,

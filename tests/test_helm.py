@@ -860,7 +860,7 @@ def running_scoring(
 
 def new_key(key_id: str, scopes: list[str]) -> tuple[str, dict[str, Any]]:
     """A fresh API key and its hashed ``scoring.auth.keys`` entry."""
-    from service.auth import new_key as make
+    from service.edge.auth import new_key as make
 
     key, sha256 = make(key_id)
     return key, {"id": key_id, "sha256": sha256, "scopes": scopes}

@@ -52,7 +52,7 @@ from tests.test_helm import (
 DASHBOARD_FILE = CHART / "dashboards" / "fraud-scoring.json"
 DASHBOARD = f"{RELEASE}-fraud-scoring-dashboard"
 OPERATOR = ("monitoring.coreos.com/v1",)
-# Metrics the drift branch (service/drift.py, issue 12 part 4) adds; queried here already.
+# Metrics the drift branch (service/loop/drift.py, issue 12 part 4) adds; queried here already.
 # Empty this set once that branch is merged: then they must be scraped like the rest.
 # Grafana's built-in variables, as Prometheus would see them substituted.
 GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}

@@ -21,9 +21,9 @@ from fraud_scoring.session import (
     queue_session_reads,
     session_features,
 )
-from service.decision import Reason
-from service.schemas import ScoreOut
-from service.scoring import ScoreResult
+from service.core.decision import Reason
+from service.core.scoring import ScoreResult
+from service.edge.schemas import ScoreOut
 from streaming.state import SessionWriter
 from tests.conftest_streaming import connect, stream_redis
 
@@ -145,8 +145,8 @@ def test_the_scoring_routes_skip_the_router_and_keep_the_apps_error_answers() ->
     415 for a body that is not JSON), and passes every other call to the router."""
     import asyncio
 
-    from service.app import create_app
-    from service.routes import DirectDispatch
+    from service.edge.app import create_app
+    from service.edge.routes import DirectDispatch
 
     app = create_app()
     passed: list[str] = []

@@ -12,7 +12,7 @@ import pytest
 
 from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError
-from service.model import BUCKETS, LoadedModel, bucket_for, choose_providers, load_model
+from service.core.model import BUCKETS, LoadedModel, bucket_for, choose_providers, load_model
 from tests.conftest import World
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def test_a_model_the_service_cannot_feed_is_refused(world: World, tmp_path: Path
 
 def test_each_variant_decides_with_its_own_thresholds(world: World) -> None:
     from fraud_scoring.settings import Settings
-    from service.scoring import policy_for
+    from service.core.scoring import policy_for
 
     model = load_model(world.model_repo, "fraud", "latest", producible_features())
     meta = model.meta
@@ -110,7 +110,7 @@ def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
 
     from fraud_scoring.events import Transaction
     from fraud_scoring.features import VIEWS, view_features
-    from service.online_features import OnlineFeatureReader
+    from service.core.online_features import OnlineFeatureReader
 
     txn = Transaction.model_validate(
         {
@@ -159,7 +159,7 @@ async def test_a_failed_version_is_tried_again_when_its_files_change(
 
     from fraud_scoring.model_repo import resolve
     from fraud_scoring.settings import Settings
-    from service.model import ModelHolder, watch_models
+    from service.core.model import ModelHolder, watch_models
 
     src = resolve(world.model_repo, "fraud")
     repo = tmp_path / "repo"
@@ -182,7 +182,7 @@ async def test_a_failed_version_is_tried_again_when_its_files_change(
         return sum("cannot serve the new model" in r.getMessage() for r in caplog.records)
 
     settings = Settings(model_repo=repo, model_poll_s=0.05, execution_provider="cpu")
-    caplog.set_level(logging.ERROR, logger="service.model")
+    caplog.set_level(logging.ERROR, logger="service.core.model")
     task = watch_models(models, settings)
     try:
         await until(lambda: failures() == 1)  # the half-copied version refused

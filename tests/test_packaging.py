@@ -29,8 +29,8 @@ TRAINING_STACK = {
 # What `fraud-scoring serve` and `fraud-scoring stream` import, the lazy imports included.
 SERVING_MODULES = [
     "cli.main",
-    "service.server",
-    "service.app",
+    "service.edge.server",
+    "service.edge.app",
     "streaming.metrics",
     "streaming.sources",
     "streaming.state",

@@ -16,9 +16,9 @@ from jsonschema import Draft202012Validator
 from tritonclient.utils import InferenceServerException
 
 from fraud_scoring.model_repo import load_metadata, resolve
-from service.decision import DECISIONS
+from service.core.decision import DECISIONS
+from service.edge.schemas import Decision
 from service.errors import ErrorCode, RejectReason
-from service.schemas import Decision
 from tests.conftest import Server, World
 from tests.test_service import TXN
 

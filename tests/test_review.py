@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from fraud_scoring.redis_server import embedded_redis
-from service.auth import KeyEntry, Scope, append_key, new_key
+from service.edge.auth import KeyEntry, Scope, append_key, new_key
 from tests.conftest import Server, World, start_server, stop_server, wait_until
 from tests.test_protocols import check_against_openapi
 from tests.test_service import held_out_day

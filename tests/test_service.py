@@ -176,7 +176,7 @@ def test_health_ready_and_metrics(server: Server) -> None:
         "fraud_decisions_total",
         "fraud_request_duration_seconds_bucket",
         "fraud_batch_queue_depth",
-        "fraud_score_bucket",  # the score distribution (service/drift.py)
+        "fraud_score_bucket",  # the score distribution (service/loop/drift.py)
         "fraud_drift_reference",
     ):
         assert name in text, name

@@ -1,11 +1,11 @@
 """The scoring API, composed: resources made in the lifespan, admission, routes, errors.
 
 * ``service.resources``: everything the service holds, created and closed in one place;
-* ``service.admission``: admission by work (transactions) and per key, before any work;
-* ``service.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
-* ``service.routes``: the endpoints and the error answers (one for every 503);
-* ``service.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
-* ``service.schemas``: the response bodies; ``service.model``: the model and its watcher;
+* ``service.edge.admission``: admission by work (transactions) and per key, before any work;
+* ``service.edge.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
+* ``service.edge.routes``: the endpoints and the error answers (one for every 503);
+* ``service.edge.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
+* ``service.edge.schemas``: the response bodies; ``service.core.model``: the model and its watcher;
 * ``service.telemetry``: metrics, and traces when ``OTEL_TRACES_EXPORTER`` is set.
 """
 
@@ -22,11 +22,12 @@ from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp
 
 from fraud_scoring.settings import Settings, get_settings
-from service import auth, oip, review, telemetry
-from service.admission import AdmissionLimit
-from service.feedback import router as feedback_router
+from service import telemetry
+from service.edge import auth, oip, review
+from service.edge.admission import AdmissionLimit
+from service.edge.feedback import router as feedback_router
+from service.edge.routes import EXCEPTION_HANDLERS, DirectDispatch, router
 from service.resources import STATE_KEY, open_resources
-from service.routes import EXCEPTION_HANDLERS, DirectDispatch, router
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -39,7 +39,7 @@ from pydantic_core import to_json
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable, Producer
 from fraud_scoring.events import Transaction
-from service.scoring import ScoreResult
+from service.core.scoring import ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ ENCODE_SLICE = 16
 BACKOFF_S = (0.1, 5.0)  # first and longest wait between failed writes
 
 # Told of each batch once it is in the log (each decision with its log record), before
-# the batch leaves the buffer: the review queue (service/review_queue.py). Raising
+# the batch leaves the buffer: the review queue (service/loop/review_queue.py). Raising
 # LogUnavailable retries this call, with backoff, without writing the log again.
 AfterWrite = Callable[[Sequence[tuple[ScoreResult, LogRecord]]], Awaitable[object]]
 

@@ -40,8 +40,8 @@ from prometheus_client import Gauge, Histogram
 from fraud_scoring.drift import Binner, expected_shares, load_reference
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
-from service.model import ModelHolder
-from service.scoring import ScoreResult
+from service.core.model import ModelHolder
+from service.core.scoring import ScoreResult
 from service.telemetry import keep_at_most, observe_many
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ without sharing a volume or a lock.
 arrival, so a back-dated label cannot leak into features or training sets of the past.
 
 A label also takes its transaction out of the analysts' review queue
-(``service/review_queue.py``); the review page's marks come through :func:`store_label`.
+(``service/loop/review_queue.py``); the review page's marks come through :func:`store_label`.
 
 Authentication: the router has no dependency of its own; the app adds the API's
 authentication when it includes it (``app.include_router(router, dependencies=[...])``).

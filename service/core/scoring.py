@@ -46,11 +46,11 @@ from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
 from fraud_scoring.settings import Settings
-from service.challenger import Challenger
-from service.decision import FEATURES_READ, Policy, Reason, rules_only
-from service.model import LoadedModel, ModelHolder
-from service.online_features import OnlineFeatureReader
-from service.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
+from service.core.challenger import Challenger
+from service.core.decision import FEATURES_READ, Policy, Reason, rules_only
+from service.core.model import LoadedModel, ModelHolder
+from service.core.online_features import OnlineFeatureReader
+from service.core.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class ScoreResult:
     spans_ns: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Degraded mode: why rules decided ("no_batch_features" | "feature_store"), else None.
     degraded: str | None = None
-    # The challenger (service/challenger.py): which model decided ("champion" |
+    # The challenger (service/core/challenger.py): which model decided ("champion" |
     # "challenger"; ``model_version`` names it), and both models' scores. For the log only.
     routed_to: str = "champion"
     champion_version: str | None = None
@@ -340,7 +340,7 @@ class Scorer:
         :meth:`read_features`. Raises Rejected(no_model) when no model is loaded. When the
         store is unreachable (FeatureStoreUnavailable) or holds no batch features
         (NoBatchFeatures), ``settings.degraded_policy`` 'refuse' raises, 'rules' returns
-        rules-only decisions (:func:`service.decision.rules_only`, ``degraded`` set)."""
+        rules-only decisions (:func:`service.core.decision.rules_only`, ``degraded`` set)."""
         wall0, t0 = time.time_ns(), time.perf_counter()
         refuse = self.settings.degraded_policy == "refuse"
         absent = self.health.absent_views if self.health is not None else None

@@ -1,9 +1,9 @@
 """The HTTP surface: scoring, model reload, health, metrics, and the error answers.
 
-The life of a scoring request, top to bottom: admission (``service.admission``: body
+The life of a scoring request, top to bottom: admission (``service.edge.admission``: body
 read whole, bounded in size and time, then weighed in transactions against the capacity
 and the key's fair share) → the key's scope
-(``service.auth``) → JSON content type → parse and validate (the batch endpoint counts
+(``service.edge.auth``) → JSON content type → parse and validate (the batch endpoint counts
 its items first) → the event-time bound (live mode) → deadline from
 ``X-Request-Timeout-Ms`` → micro-batch (or the naive path) → response. Any
 :class:`~service.errors.Rejected` becomes the one 503 answer
@@ -35,10 +35,12 @@ from starlette import types as asgi
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service import telemetry
-from service.admission import PARSED_BODY, RECEIVED_NS
-from service.auth import AuthError, Scope, check_scope, require_scope
-from service.batching import DeadlineExceeded
-from service.challenger import LineupChange
+from service.core.batching import DeadlineExceeded
+from service.core.challenger import LineupChange
+from service.core.scoring import ScoreRequest, ScoreResult
+from service.edge.admission import PARSED_BODY, RECEIVED_NS
+from service.edge.auth import AuthError, Scope, check_scope, require_scope
+from service.edge.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
 from service.errors import (
     ErrorCode,
     NotReady,
@@ -47,8 +49,6 @@ from service.errors import (
     error_responses,
 )
 from service.resources import Resources, resources
-from service.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
-from service.scoring import ScoreRequest, ScoreResult
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -474,7 +474,7 @@ class ReloadOut(BaseModel):
 )
 async def reload_model(request: Request) -> JSONResponse:
     """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure.
-    An optional body (:class:`~service.challenger.LineupChange`) changes this process's
+    An optional body (:class:`~service.core.challenger.LineupChange`) changes this process's
     champion version, challenger and canary share: promotion and rollback."""
     res = resources(request)
     old = res.models.current.version if res.models.current else None

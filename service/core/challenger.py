@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError
 from fraud_scoring.settings import Settings
-from service.model import LoadedModel, ModelHolder, load_configured, load_model
+from service.core.model import LoadedModel, ModelHolder, load_configured, load_model
 
 log = logging.getLogger(__name__)
 

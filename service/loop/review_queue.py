@@ -36,7 +36,7 @@ import redis
 import redis.asyncio as aioredis
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable
-from service.scoring import ScoreResult
+from service.core.scoring import ScoreResult
 
 # KEYS[1]: the queue. ARGV: item TTL (ms), oldest decision time kept (µs, "" for all),
 # then (transaction_id, decision time µs, item JSON) triples. Returns how many were new.

@@ -10,9 +10,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fraud_scoring.events import Transaction
-from service.scoring import ScoreResult
+from service.core.scoring import ScoreResult
 
-# service.decision.DECISIONS as a type (a test keeps the two equal).
+# service.core.decision.DECISIONS as a type (a test keeps the two equal).
 Decision = Literal["approve", "review", "decline"]
 
 TXN_EXAMPLE: dict[str, Any] = {

@@ -1,7 +1,7 @@
 """The HTTP connection: uvicorn's httptools protocol plus what uvicorn leaves out.
 
 ``fraud-scoring serve`` runs uvicorn with :class:`GuardedHttpTools` (``http=`` in
-``service.server``). Per connection it adds:
+``service.edge.server``). Per connection it adds:
 
 * **A header size limit.** uvicorn's ``h11_max_incomplete_event_size`` applies to its
   h11 implementation only; with httptools (the default when installed, and the faster
@@ -12,7 +12,7 @@
   until ``limit_concurrency`` is used up. Here the headers must be complete within
   ``FRAUD_HEADER_TIMEOUT_S`` of the connection opening or of a request's first byte on a
   kept-alive connection, else ``408`` (or, for a connection that sent nothing, a plain
-  close). The body has its own bound (``FRAUD_BODY_TIMEOUT_S``, ``service.admission``).
+  close). The body has its own bound (``FRAUD_BODY_TIMEOUT_S``, ``service.edge.admission``).
 * **A drain that answers.** On SIGTERM uvicorn closes idle keep-alive connections at
   once, so a request a client sends on one at that moment meets a closed socket. Here an
   idle connection stays open while uvicorn waits for connections to finish (at most

@@ -34,15 +34,15 @@ def serve(settings: Settings) -> None:
     if settings.workers > 1:
         _share_metrics()
     uvicorn.run(
-        "service.server:app_factory",
+        "service.edge.server:app_factory",
         factory=True,
         host=settings.host,
         port=settings.port,
         workers=settings.workers,
         # httptools plus a header size limit (431), a header read timeout (408) and a
-        # drain that answers 503 on open keep-alive connections (service/connection.py).
+        # drain that answers 503 on open keep-alive connections (service/edge/connection.py).
         # A string: workers import it themselves, and this module stays light to import.
-        http="service.connection:GuardedHttpTools",
+        http="service.edge.connection:GuardedHttpTools",
         # In-flight requests get this long after SIGTERM; so do idle keep-alive
         # connections, to receive their 503 "draining" instead of a closed socket.
         timeout_graceful_shutdown=int(settings.drain_seconds),
@@ -70,7 +70,7 @@ def _share_metrics() -> None:
 
 
 def app_factory():  # type: ignore[no-untyped-def]
-    from service.app import create_app
+    from service.edge.app import create_app
 
     return create_app()
 

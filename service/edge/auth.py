@@ -7,7 +7,7 @@ secret); the service only ever holds its SHA-256, in the keys file
     {"id": "ops-2026-11", "sha256": "<hex of sha256(whole key)>", "scopes": ["score"]}
 
 An optional ``"share"`` (default 1, in (0, 1000]) is the key's weight in admission's fair
-shares under overload (:class:`service.admission.WorkShares`): a key with share 3 gets
+shares under overload (:class:`service.edge.admission.WorkShares`): a key with share 3 gets
 three times the capacity of a key with share 1 while both are calling.
 
 Callers send ``Authorization: Bearer <key>`` (or ``X-API-Key: <key>``). A route states

@@ -1,7 +1,7 @@
 """The analysts' review page and its JSON API, over the review queue
-(``service/review_queue.py``).
+(``service/loop/review_queue.py``).
 
-* ``GET /review``: the page (``service/static/review.html`` + ``review.js`` +
+* ``GET /review``: the page (``service/edge/static/review.html`` + ``review.js`` +
   ``review.css``, package data; no other asset, so it works offline). Open: it holds no
   data; everything it shows comes from the API below.
 * ``GET /v1/review/items?offset=&limit=``: the queue, oldest decision first, each item
@@ -10,7 +10,7 @@
   saw), whether it is still queued, its label once one arrived, and the card's recent
   history (its session events in the online store, newest first).
 * ``POST /v1/review/items/{transaction_id}/label`` ``{"label": "fraud" | "legitimate"}``:
-  the analyst's mark, stored through the feedback path (``service.feedback.store_label``:
+  the analyst's mark, stored through the feedback path (``service.edge.feedback.store_label``:
   the feedback log, source ``analyst``, arrival time the service's clock), which also
   takes the item out of the queue.
 
@@ -38,13 +38,13 @@ from pydantic import BaseModel, ConfigDict
 from fraud_scoring.event_log import LogUnavailable
 from fraud_scoring.events import ID_PATTERN
 from fraud_scoring.session import decode_member, events_key
-from service import auth
-from service.decision import INDICATORS
+from service.core.decision import INDICATORS
+from service.edge import auth
+from service.edge.feedback import FeedbackIn, FeedbackOut, store_label
+from service.edge.schemas import ReasonOut
 from service.errors import ErrorCode, error_body, error_responses
-from service.feedback import FeedbackIn, FeedbackOut, store_label
+from service.loop.review_queue import QueuedItem, ReviewQueue
 from service.resources import Resources, resources
-from service.review_queue import QueuedItem, ReviewQueue
-from service.schemas import ReasonOut
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ _CSP = (
 
 @cache
 def _asset(name: str) -> bytes:
-    return (package_files.files("service") / "static" / name).read_bytes()
+    return (package_files.files("service.edge") / "static" / name).read_bytes()
 
 
 def _serve(name: str) -> Response:

@@ -27,7 +27,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import auth
+from service.edge import auth
 from service.errors import ErrorCode, Rejected, RejectReason, error_body
 from service.resources import resources
 
@@ -182,7 +182,7 @@ class AdmissionLimit:
         inner: Callable[[ASGIApp], ASGIApp] | None = None,
     ) -> None:
         # ``inner``: what admitted calls go to, made from the next layer (the app's
-        # direct dispatch of the scoring routes, ``service.routes.DirectDispatch``).
+        # direct dispatch of the scoring routes, ``service.edge.routes.DirectDispatch``).
         self.app = inner(app) if inner is not None else app
         self.shares = WorkShares(capacity)
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
@@ -274,7 +274,7 @@ class AdmissionLimit:
 class _Replayed:
     """What the app receives: the body already read, then the real ``receive`` (so a
     disconnect is still seen). ``disconnected`` passes on uvicorn's flag, which the
-    batcher's "client gone" check reads (``service.routes.client_gone``)."""
+    batcher's "client gone" check reads (``service.edge.routes.client_gone``)."""
 
     def __init__(self, body: bytes, receive: Receive) -> None:
         self._body: bytes | None = body

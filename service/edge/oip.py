@@ -7,7 +7,7 @@ output ``probabilities`` is the FP32 fraud probability per row, shape ``[n]``. N
 feature read, no decision policy, no session state, no decision log: that is
 ``/v1/score``.
 
-The life of an inference request: admission (``service.admission``: body bounds and
+The life of an inference request: admission (``service.edge.admission``: body bounds and
 the in-flight bound, shared with ``/v1``) → the ``score`` scope → decode and check the
 tensor → the model, on the scoring thread pool (never on the event loop) under the
 request's deadline (``X-Request-Timeout-Ms`` as on ``/v1``) → encode. The micro-batcher
@@ -31,11 +31,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from service.auth import AuthError, Scope, check_scope
+from service.core.model import LoadedModel
+from service.edge.auth import AuthError, Scope, check_scope
+from service.edge.routes import request_deadline
 from service.errors import Rejected, RejectReason
-from service.model import LoadedModel
 from service.resources import Resources, resources
-from service.routes import request_deadline
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
