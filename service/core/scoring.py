@@ -1,10 +1,10 @@
 """Scoring one micro-batch of transactions, top to bottom:
 
-read features and record the transactions (one pipelined round trip, bounded by
-``FRAUD_REDIS_TIMEOUT_S`` as a whole; on a Redis Cluster one pipeline per node, sent at
-once) → the shared
-assembly of every feature column → feature vector in the model's order → ONNX Runtime
-(off the event loop) → decision policy → results.
+read (features, and the transactions recorded, in one pipelined round trip bounded by
+``FRAUD_REDIS_TIMEOUT_S``; on a Redis Cluster one pipeline per node, sent at once) →
+assemble (every feature column, then the vector in the model's order) → predict (ONNX
+Runtime, off the event loop) → route (the challenger's canary) → decide (the policy) →
+observe (drift, decision log); one method each in :meth:`Scorer.score_batch`.
 
 **Read-your-writes.** The scoring request is the first place a transaction is seen, so
 each scored transaction joins its card's session state as part of scoring: after the
@@ -99,6 +99,41 @@ class ScoreResult:
     champion_score: float | None = None
     challenger_version: str | None = None
     challenger_score: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """The challenger's part in a micro-batch (service/core/challenger.py): none loaded,
+    loaded but not run yet (shadow later), or run (``scores``; ``canary`` marks the rows
+    it decides)."""
+
+    challenger: LoadedModel | None = None
+    matrix: np.ndarray | None = None
+    scores: np.ndarray | None = None
+    canary: np.ndarray | None = None
+
+
+class _StageClock:
+    """The stages' durations (``timing_ms``) and wall-clock bounds (``spans_ns``, for
+    per-request trace spans) of one micro-batch."""
+
+    def __init__(self) -> None:
+        self.t0, self._wall = time.perf_counter(), time.time_ns()
+        self._last = self.t0
+        self.ms: dict[str, float] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+
+    def mark(self, stage: str) -> None:
+        now, wall = time.perf_counter(), time.time_ns()
+        self.ms[stage] = (now - self._last) * 1e3
+        self.spans[stage] = (self._wall, wall)
+        self._last, self._wall = now, wall
+
+    def stamp(self, out: Sequence[ScoreResult], batch_size: int) -> None:
+        """The batch's stages are every row's: one dict each, shared (read only)."""
+        timing = {**self.ms, "batch_size": float(batch_size)}
+        for r in out:
+            r.timing_ms, r.spans_ns = timing, self.spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,8 +375,10 @@ class Scorer:
         :meth:`read_features`. Raises Rejected(no_model) when no model is loaded. When the
         store is unreachable (FeatureStoreUnavailable) or holds no batch features
         (NoBatchFeatures), ``settings.degraded_policy`` 'refuse' raises, 'rules' returns
-        rules-only decisions (:func:`service.core.decision.rules_only`, ``degraded`` set)."""
-        wall0, t0 = time.time_ns(), time.perf_counter()
+        rules-only decisions (:func:`service.core.decision.rules_only`, ``degraded`` set).
+
+        The steps, one call each: read → assemble → predict → route → decide → observe."""
+        clock = _StageClock()
         refuse = self.settings.degraded_policy == "refuse"
         absent = self.health.absent_views if self.health is not None else None
         if absent and refuse:
@@ -351,27 +388,61 @@ class Scorer:
         except FeatureStoreUnavailable:
             if refuse:
                 raise
-            return self._rules_only(txns, None, "feature_store", t0)
+            return self._rules_only(txns, None, "feature_store", clock.t0)
         if absent:
-            return self._rules_only(txns, cols, "no_batch_features", t0)
-        wall1, t1 = time.time_ns(), time.perf_counter()
+            return self._rules_only(txns, cols, "no_batch_features", clock.t0)
+        clock.mark("feature_read")
         model = self.models.require()  # one model for the whole batch, even during a swap
         x = F.assemble(model.meta.feature_names, cols)
-        if len(txns) <= self.settings.inline_inference_max_batch and not model.on_gpu:
-            scores = model.predict(x)  # cheaper than the thread handoff (settings)
-        else:
-            scores = await asyncio.get_running_loop().run_in_executor(self.pool, model.predict, x)
-        ch = self.challenger.current if self.challenger is not None else None
-        canary = self.challenger.canary([t.card_id for t in txns]) if self.challenger else None
-        ch_x, ch_scores = None, None
-        if ch is not None and self.challenger is not None and canary is not None:
-            # A routed card waits for its decider: the challenger runs now, on the whole
-            # batch (its shadow scores come with it). Failed or late: the champion decides.
-            ch_x = self._challenger_matrix(ch, model, x, cols)
-            ch_scores = await self.challenger.run(ch, ch_x)
-            if ch_scores is None:
-                canary = None
-        wall2, t2 = time.time_ns(), time.perf_counter()
+        scores = await self._predict(model, x)
+        route = await self._route(txns, model, x, cols)
+        clock.mark("inference")
+        out = self._decide(txns, model, scores, route, missing, stale, cols)
+        clock.mark("decision")
+        clock.stamp(out, len(txns))
+        self._observe(txns, model, x, cols, route, out)
+        return out
+
+    async def _predict(self, model: LoadedModel, x: np.ndarray) -> np.ndarray:
+        """The champion's scores: inline for small CPU batches (cheaper than the thread
+        handoff, see settings), else on the executor's pool, off the event loop."""
+        if len(x) <= self.settings.inline_inference_max_batch and not model.on_gpu:
+            return model.predict(x)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, model.predict, x)
+
+    async def _route(
+        self,
+        txns: Sequence[Transaction],
+        model: LoadedModel,
+        x: np.ndarray,
+        cols: dict[str, np.ndarray],
+    ) -> _Route:
+        """Which rows the challenger decides (canary). A routed card waits for its
+        decider: the challenger runs now, on the whole batch (its shadow scores come with
+        it). Failed or late: the champion decides every row."""
+        if self.challenger is None or (ch := self.challenger.current) is None:
+            return _Route()
+        canary = self.challenger.canary([t.card_id for t in txns])
+        if canary is None:
+            return _Route(ch)
+        ch_x = self._challenger_matrix(ch, model, x, cols)
+        ch_scores = await self.challenger.run(ch, ch_x)
+        if ch_scores is None:
+            return _Route(ch, ch_x)
+        return _Route(ch, ch_x, ch_scores, canary)
+
+    def _decide(
+        self,
+        txns: Sequence[Transaction],
+        model: LoadedModel,
+        scores: np.ndarray,
+        route: _Route,
+        missing: list[list[str]],
+        stale: list[list[str]],
+        cols: dict[str, np.ndarray],
+    ) -> list[ScoreResult]:
+        """The decision policy of the model that decides each row, and its result."""
+        ch, canary = route.challenger, route.canary
         policy = policy_for(model, self.settings)
         ch_policy = (
             policy_for(ch, self.settings, overrides=False)
@@ -381,7 +452,7 @@ class Scorer:
         # Python scalars, converted once per batch: the policy reads a few features.
         read = {n: cols[n].tolist() for n in FEATURES_READ if n in cols}
         champion = scores.tolist()
-        challenger = ch_scores.tolist() if ch_scores is not None else None
+        challenger = route.scores.tolist() if route.scores is not None else None
         out = []
         for i, t in enumerate(txns):
             row = {n: v[i] for n, v in read.items()}
@@ -411,30 +482,28 @@ class Scorer:
                     challenger_score=challenger[i] if challenger is not None else None,
                 )
             )
-        wall3, t3 = time.time_ns(), time.perf_counter()
-        # The batch's stages are every row's: one dict each, shared (read only).
-        timing = {
-            "feature_read": (t1 - t0) * 1e3,
-            "inference": (t2 - t1) * 1e3,
-            "decision": (t3 - t2) * 1e3,
-            "batch_size": float(len(txns)),
-        }
-        spans = {
-            "feature_read": (wall0, wall1),
-            "inference": (wall1, wall2),
-            "decision": (wall2, wall3),
-        }
-        for r in out:
-            r.timing_ms, r.spans_ns = timing, spans
+        return out
+
+    def _observe(
+        self,
+        txns: Sequence[Transaction],
+        model: LoadedModel,
+        x: np.ndarray,
+        cols: dict[str, np.ndarray],
+        route: _Route,
+        out: list[ScoreResult],
+    ) -> None:
+        """Hand the batch to the sinks (drift, decision log): at once, or after the
+        challenger's shadow run when it has not run yet (shadow scores go only to the
+        decision log: without one, no shadow run)."""
         if self.on_scored is None:
-            return out
-        # Shadow scores go only to the decision log: without one, no shadow run.
+            return
+        ch, ch_x = route.challenger, route.matrix
         shadow = self.settings.decision_log != "off"
         if ch is not None and ch_x is None and self.challenger is not None and shadow:
             self.challenger.later(self._shadow(ch, model, x, cols, txns, out))
         else:
             self._log(txns, x, model, ch_x, ch, out)
-        return out
 
     @staticmethod
     def _challenger_matrix(
