@@ -37,6 +37,7 @@ from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
+from batch_jobs import declared_sql
 from batch_jobs.daily_features import snapshot_time
 from batch_jobs.evaluate import (
     HOLDOUT_FILE,
@@ -155,9 +156,11 @@ def load_transactions(
         con.execute("SET TimeZone='UTC'")
         src = con.sql("SELECT * FROM read_parquet($f) LIMIT 0", params={"f": files})
         pattern = "fraud_pattern" if "fraud_pattern" in src.columns else "NULL AS fraud_pattern"
+        mcc = "mcc" if "mcc" in src.columns else "NULL AS mcc"
         txns = con.sql(
             "SELECT transaction_id, card_id, merchant_id, amount, event_time, utc_offset_min,"
-            f" country, channel, device_id, {pattern} FROM read_parquet($f) ORDER BY event_time",
+            f" country, channel, device_id, {mcc}, {pattern} FROM read_parquet($f)"
+            " ORDER BY event_time",
             params={"f": files},
         ).df()
     except duckdb.Error as exc:
@@ -177,9 +180,10 @@ def feature_columns(
     frame into its inputs.
 
     Session features are computed as of each row's own event time by the same function
-    the updater and the scorer use (``fraud_scoring.session``), counting events from
-    ``history``: pass the full raw history (negatives in ``joined`` are sampled, so
-    ``joined`` alone would undercount). Default: ``joined`` itself.
+    the updater and the scorer use (``fraud_scoring.session``), and the declared
+    aggregations by their DuckDB compilation (``batch_jobs/declared_sql.py``), both
+    counting events from ``history``: pass the full raw history (negatives in ``joined``
+    are sampled, so ``joined`` alone would undercount). Default: ``joined`` itself.
     """
     batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
     request = F.RequestColumns(
@@ -191,7 +195,11 @@ def feature_columns(
         has_device=joined["device_id"].notna().to_numpy(),
     )
     sess = session.offline_session_features(joined, history=history)
-    return F.build_features(batch, sess, request)
+    src = (
+        history if history is not None else joined.rename(columns={"event_timestamp": "event_time"})
+    )
+    aggs = declared_sql.training_columns(F.declarations(), joined, src)
+    return F.build_features(batch, sess, request, aggs)
 
 
 _SLICES = ("training", "validation", "holdout")

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,8 +55,10 @@ class LagRecorder:
 class UnpipelinedWriter(SessionWriter):
     """Baseline: one round trip per event."""
 
-    def apply(self, events: Sequence[CardEvent]) -> ApplyResult:
-        return self.apply_unpipelined(events)
+    def apply(
+        self, events: Sequence[CardEvent], rows: Sequence[Mapping[str, Any]] | None = None
+    ) -> ApplyResult:
+        return self.apply_unpipelined(events)  # session state only
 
 
 class SleepingSource(RedisStreamSource):

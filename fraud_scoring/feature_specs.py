@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-Kind = Literal["batch", "request", "session", "spanning"]
+Kind = Literal["batch", "request", "session", "spanning", "aggregation", "derived"]
 Entity = Literal["card", "merchant"]
 
 

@@ -26,14 +26,17 @@ The declaration types and the feature views are in ``fraud_scoring/feature_specs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from fraud_scoring import session
+from fraud_scoring import declared, session
 from fraud_scoring.feature_specs import CARD_VIEW as CARD_VIEW
 from fraud_scoring.feature_specs import MERCHANT_VIEW as MERCHANT_VIEW
 from fraud_scoring.feature_specs import VIEWS as VIEWS
@@ -179,10 +182,50 @@ def view_features(view: BatchView) -> tuple[Feature, ...]:
     return tuple(f for f in BATCH_FEATURES if f.entity == view.entity)
 
 
-def all_features() -> dict[str, Feature]:
-    """Every declared feature by name (batch, request, session and spanning)."""
+def hand_written_features() -> dict[str, Feature]:
+    """The features written in this module and in ``session`` (batch, request, session
+    and spanning), by name."""
     feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES, *SPANNING_FEATURES)
     return {f.name: f for f in feats}
+
+
+def hand_written_names() -> list[str]:
+    return list(hand_written_features())
+
+
+@cache
+def declarations() -> declared.Declarations:
+    """The declared aggregations and derived features (``feature_repo/features.yaml``,
+    or the file ``FRAUD_FEATURES_FILE`` names), loaded once per process. Their names must
+    not clash with the hand-written ones (:class:`declared.DeclarationError`)."""
+    path = os.environ.get("FRAUD_FEATURES_FILE")
+    return declared.load(Path(path) if path else declared.DEFAULT_PATH, hand_written_names())
+
+
+def declared_features() -> dict[str, Feature]:
+    """The declared features as :class:`Feature` declarations (counts are int64)."""
+    decl = declarations()
+    out = {}
+    defaults = decl.defaults()
+    for spec in decl.specs:
+        for f in spec.features:
+            what = spec.description or f"{f.agg} per {'+'.join(spec.entity)}"
+            out[f.name] = Feature(
+                f.name,
+                "aggregation",
+                "int64" if f.agg == "count" else "float32",
+                defaults[f.name],
+                f"{what}, {f.agg} over {f.window.label} (tiles of "
+                f"{f.window.width_us // declared.US} s)",
+            )
+    for d in decl.derived:
+        out[d.name] = Feature(d.name, "derived", "float32", 0.0, d.description or d.expr)
+    return out
+
+
+def all_features() -> dict[str, Feature]:
+    """Every feature by name: hand-written, then declared."""
+    return {**hand_written_features(), **declared_features()}
 
 
 def producible_features() -> set[str]:
@@ -283,15 +326,19 @@ class RequestColumns:
 
 
 def build_features(
-    batch: Columns, session_columns: Columns, request: RequestColumns
+    batch: Columns,
+    session_columns: Columns,
+    request: RequestColumns,
+    aggregations: Columns | None = None,
 ) -> dict[str, np.ndarray]:
     """Every feature column for n transactions: the one assembly of the model's input.
 
     ``batch`` holds the batch columns after :func:`apply_defaults` (a missing or stale
     snapshot already replaced by defaults, ``card_snapshot_time`` 0), ``session_columns``
     the columns of :data:`fraud_scoring.session.SESSION_NAMES` as of each event time.
-    Returns those plus the request, spanning and new-card columns (float32 or float64;
-    strings stay object); :func:`assemble` picks the model's columns in its order.
+    ``aggregations`` the declared aggregations' columns (None: all their defaults).
+    Returns those plus the request, spanning, new-card and derived columns (float32 or
+    float64; strings stay object); :func:`assemble` picks the model's columns in its order.
     """
     event_s = np.asarray(request.event_us, dtype=np.int64) / session.US
     req = request_features(
@@ -304,7 +351,14 @@ def build_features(
         batch,
     )
     both = {k: np.asarray(v) for k, v in {**batch, **session_columns}.items()}
-    return {**both, **req, **spanning_features(both), **new_card_features(both)}
+    cols = {**both, **req, **spanning_features(both), **new_card_features(both)}
+    decl = declarations()
+    n = len(event_s)
+    if aggregations is None:
+        aggregations = {k: np.full(n, v) for k, v in decl.defaults().items()}
+    cols.update({k: np.asarray(v, dtype=np.float64) for k, v in aggregations.items()})
+    cols.update(declared.derived_columns(decl, cols, n))
+    return cols
 
 
 def assemble(names: list[str], columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:

@@ -18,7 +18,7 @@ scores any more. Idle cards also expire by wall clock (``ttl_s``).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,9 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
+from fraud_scoring import declared as D
 from fraud_scoring.events import Transaction
+from fraud_scoring.features import declarations
 from fraud_scoring.session import (
     APPLY_LUA,
     SessionEvent,
@@ -43,6 +45,7 @@ __all__ = [
     "NotReplicated",
     "SessionWriter",
     "card_event",
+    "declared_row",
     "to_session_event",
 ]
 
@@ -67,6 +70,11 @@ CardEvent = tuple[str, SessionEvent]  # (card_id, event)
 
 def card_event(txn: Transaction) -> CardEvent:
     return txn.card_id, to_session_event(txn)
+
+
+def declared_row(txn: Transaction) -> dict[str, Any]:
+    """The fields of ``txn`` the declared aggregations read."""
+    return D.transaction_row(txn)
 
 
 class NotReplicated(redis.TimeoutError):
@@ -97,12 +105,18 @@ class SessionWriter:
         self.limits = SessionLimits(allowed_lateness_s, ttl_s)
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self.script = client.register_script(APPLY_LUA)  # for apply_unpipelined
+        self.horizon_s = allowed_lateness_s + D.HORIZON_S
+        self._waits = 0
 
     def _args(self, events: Sequence[SessionEvent]) -> list[str | int]:
         return self.limits.args(events)
 
-    def apply(self, events: Sequence[CardEvent]) -> ApplyResult:
-        """Apply (card_id, event) pairs (any order, duplicates allowed) in one round trip.
+    def apply(
+        self, events: Sequence[CardEvent], rows: Sequence[Mapping[str, Any]] | None = None
+    ) -> ApplyResult:
+        """Apply (card_id, event) pairs (any order, duplicates allowed) in one round trip,
+        and ``rows`` (the same transactions' fields, :func:`declared_row`) to the declared
+        aggregations' keys in the same round trip (None: none).
 
         Raises ``redis.RedisError`` (or, on a cluster, ``RedisClusterException``) when
         Redis fails; then some cards may already be updated, and applying the same batch
@@ -114,15 +128,17 @@ class SessionWriter:
             by_card[card].append(e)
         if not by_card:
             return ApplyResult()
-        replies = self._send(by_card)
+        ts = [e.ts_us for _, e in events]
+        replies = self._send(by_card, rows or [], ts)
         if any(isinstance(r, NoScriptError) for r in replies):
-            self.client.script_load(APPLY_LUA)  # on a cluster: on every primary
-            replies = self._send(by_card)
+            for script in (APPLY_LUA, *D.SCRIPTS):  # on a cluster: on every primary
+                self.client.script_load(script)
+            replies = self._send(by_card, rows or [], ts)
         n = len(by_card)
         for r in replies:
             if isinstance(r, Exception):
                 raise r
-        for confirmed in replies[n:]:
+        for confirmed in replies[len(replies) - self._waits :]:
             if int(confirmed) < self.wait_replicas:
                 raise NotReplicated(
                     f"{confirmed} of {self.wait_replicas} replicas confirmed the batch "
@@ -133,10 +149,28 @@ class SessionWriter:
             total += ApplyResult(int(added), int(dup), int(late), int(dropped))
         return total
 
-    def _send(self, by_card: dict[str, list[SessionEvent]]) -> list[Any]:
-        """One pipeline: a script call per card, then a WAIT per written node."""
+    def _send(
+        self,
+        by_card: dict[str, list[SessionEvent]],
+        rows: Sequence[Mapping[str, Any]],
+        ts_us: Sequence[int],
+    ) -> list[Any]:
+        """One pipeline: a script call per card, one per declared key, then a WAIT per
+        written node."""
         pipe = self.client.pipeline(transaction=False)
         queue_apply(pipe, by_card, self.limits)
+        if rows:
+            D.queue_batch(
+                pipe,
+                declarations(),
+                rows,
+                ts_us,
+                [True] * len(rows),
+                self.horizon_s,
+                per_key=isinstance(self.client, RedisCluster),
+                read=False,
+            )
+        n_before_wait = len(pipe)
         if self.wait_replicas:
             wait = ("WAIT", self.wait_replicas, self.wait_timeout_ms)
             if isinstance(self.client, RedisCluster):
@@ -148,6 +182,7 @@ class SessionWriter:
                     pipe.execute_command(*wait, target_nodes=node)
             else:
                 pipe.execute_command(*wait)
+        self._waits = len(pipe) - n_before_wait
         replies: list[Any] = pipe.execute(raise_on_error=False)
         return replies
 

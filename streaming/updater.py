@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from pydantic import ValidationError
@@ -42,7 +42,7 @@ from fraud_scoring.redis_clients import CLUSTER_RETRYABLE
 from fraud_scoring.session import to_us
 from streaming.metrics import UpdaterMetrics
 from streaming.sources import Message, Source, SourceUnavailable
-from streaming.state import ApplyResult, CardEvent, SessionWriter, card_event
+from streaming.state import ApplyResult, CardEvent, SessionWriter, card_event, declared_row
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,8 +62,9 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 
 
-def decode(msg: Message, latest_us: int | None = None) -> CardEvent | str:
-    """The (card_id, event) of a message, or the reason it is malformed.
+def decode(msg: Message, latest_us: int | None = None) -> tuple[CardEvent, dict[str, Any]] | str:
+    """The (card_id, event) of a message with the fields the declared aggregations read,
+    or the reason it is malformed.
 
     ``latest_us`` (epoch µs) is the newest event time accepted: an event from further in
     the future (a producer's clock far ahead, a typo'd year) would move its card's
@@ -78,7 +79,8 @@ def decode(msg: Message, latest_us: int | None = None) -> CardEvent | str:
     if not isinstance(raw, dict):
         return f"event must be a JSON object, got {type(raw).__name__}"
     try:
-        card, event = card_event(Transaction.model_validate_event(raw))
+        txn = Transaction.model_validate_event(raw)
+        card, event = card_event(txn)
     except ValidationError as exc:
         return "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg']}" for e in exc.errors()
@@ -87,7 +89,7 @@ def decode(msg: Message, latest_us: int | None = None) -> CardEvent | str:
         return f"invalid event: {type(exc).__name__}: {exc}"
     if latest_us is not None and event.ts_us > latest_us:
         return f"event_time: {event.ts_us / 1e6:.0f} s is too far in the future"
-    return card, event
+    return (card, event), declared_row(txn)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class Updater:
         if not msgs:
             return 0
         good: list[CardEvent] = []
+        rows: list[dict[str, Any]] = []
         bad: list[tuple[Message, str]] = []
         latest_us = to_us(time.time() + self.max_future_s)
         for m in msgs:
@@ -153,13 +156,14 @@ class Updater:
             if isinstance(d, str):
                 bad.append((m, d))
             else:
-                good.append(d)
+                good.append(d[0])
+                rows.append(d[1])
         if bad:
             self._retry("dead_letter", lambda: self.source.dead_letter(bad))
             self.metrics.events.labels("dead_letter").inc(len(bad))
             for m, reason in bad:
                 log.warning("dead-lettered %s: %s", m.ref, reason)
-        result = self._retry("apply", lambda: self.writer.apply(good))
+        result = self._retry("apply", lambda: self.writer.apply(good, rows))
         servable = time.time()
         self._retry("ack", lambda: self.source.ack(msgs))
 

@@ -41,6 +41,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 from redis.exceptions import NoScriptError
 
+from fraud_scoring import declared as D
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
@@ -68,6 +69,60 @@ def _capped_reads() -> Counter:
         "Session reads whose older events came as server-side totals (read cap)",
         ("exact",),
     )
+
+
+# Declared keys accept an event up to this long behind their newest (plus the allowed
+# lateness); the updater uses the same (streaming/state.py).
+DECLARED_HORIZON_S = D.HORIZON_S
+
+
+@functools.cache
+def _inexact_declared() -> Counter:
+    """Declared-feature reads that were not exact: the transaction lay NEWEST or more
+    events behind its key's present (a replay; see fraud_scoring/declared.py)."""
+    return Counter(
+        "fraud_declared_reads_inexact", "Declared-feature reads that were not exact (replays)"
+    )
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A micro-batch's transactions as the round trip reads and records them."""
+
+    txns: Sequence[Transaction]
+    recorded: list[bool]
+    ts_us: list[int]
+    rows: list[dict[str, Any]]
+    by_card: dict[str, list[session.SessionEvent]]
+
+    @classmethod
+    def of(cls, txns: Sequence[Transaction], recorded: list[bool]) -> _Batch:
+        by_card: dict[str, list[session.SessionEvent]] = {}
+        for t, r in zip(txns, recorded, strict=True):
+            if r:
+                by_card.setdefault(t.card_id, []).append(session.to_session_event(t))
+        return cls(
+            txns,
+            recorded,
+            [session.to_us(t.event_time) for t in txns],
+            [D.transaction_row(t) for t in txns],
+            by_card,
+        )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each part of a round trip's replies lies: the reader's reads, then the
+    declared reads (to ``reads_end``), the session writes (to ``session_end``), then the
+    declared writes."""
+
+    reader: int
+    reads_end: int
+    session_end: int
+    plan: D.BatchPlan
+
+    def declared_writes(self, replies: list[Any]) -> list[Any]:
+        return replies[self.session_end :]
 
 
 class _Commands(list[tuple[Any, ...]]):
@@ -190,76 +245,96 @@ class Scorer:
         self.limits = session.SessionLimits(settings.allowed_lateness_s)
         self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
 
-    def _to_record(
-        self, txns: Sequence[Transaction], record: Sequence[bool] | None
-    ) -> dict[str, list[session.SessionEvent]]:
-        """The session events to write, by card: the transactions asked to be recorded,
-        less any stamped too far into the future (the updater's bound)."""
+    def _to_record(self, txns: Sequence[Transaction], record: Sequence[bool] | None) -> list[bool]:
+        """Per transaction, whether it joins the session and declared state: asked to be
+        recorded and not stamped too far into the future (the updater's bound)."""
         if not self.settings.record_scored:
-            return {}
+            return [False] * len(txns)
         latest_us = session.to_us(time.time() + self.settings.max_future_skew_s)
-        by_card: dict[str, list[session.SessionEvent]] = {}
-        for i, t in enumerate(txns):
-            if record is not None and not record[i]:
-                continue
-            ev = session.to_session_event(t)
-            if ev.ts_us <= latest_us:
-                by_card.setdefault(t.card_id, []).append(ev)
-        return by_card
+        return [
+            (record is None or record[i]) and session.to_us(t.event_time) <= latest_us
+            for i, t in enumerate(txns)
+        ]
 
     async def read_features(
         self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
     ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]]]:
-        """All feature columns (batch, session, request, spanning, new-card) for ``txns``,
-        assembled by :func:`fraud_scoring.features.build_features`, in one round trip that
-        also records the transactions (``record[i]`` False: not that one; None: all)."""
-        writes = self._to_record(txns, record)
+        """All feature columns (batch, session, declared, request, spanning, new-card,
+        derived) for ``txns``, assembled by :func:`fraud_scoring.features.build_features`,
+        in one round trip that also records the transactions (``record[i]`` False: not
+        that one; None: all)."""
+        batch = _Batch.of(txns, self._to_record(txns, record))
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
-        replies, n_reads = await self._round_trip(txns, writes)
-        if any(isinstance(r, NoScriptError) for r in replies[:n_reads]):
+        replies, lay = await self._round_trip(batch)
+        if any(
+            isinstance(r, NoScriptError)
+            for r in replies[: lay.reads_end] + lay.declared_writes(replies)
+        ):
             # The server lost the scripts (restart, flush): load them and run the batch
             # again (its writes are idempotent).
             await self._load_scripts()
-            replies, n_reads = await self._round_trip(txns, writes)
+            replies, lay = await self._round_trip(batch)
         if self.health is not None:
             self.health.succeeded()
-        reads, applied = replies[:n_reads], replies[n_reads:]
+        reads = replies[: lay.reads_end]
         for r in reads:
             if isinstance(r, Exception):
                 log.warning("feature read failed: %s", r)
                 raise FeatureStoreUnavailable("feature store unavailable: a read failed")
-        if writes:
-            await self._recorded(writes, applied)
+        if batch.by_card:
+            await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
         stats = session.ReadStats()
-        rows = self.reader.parse(reads, txns, stats)
+        rows = self.reader.parse(reads[: lay.reader], txns, stats)
         if stats.capped:
             _capped_reads().labels(exact="true").inc(stats.capped - stats.inexact)
             if stats.inexact:
                 _capped_reads().labels(exact="false").inc(stats.inexact)
+        aggs, inexact = D.parse_batch(
+            lay.plan, reads[lay.reader :], lay.declared_writes(replies), batch.rows, batch.ts_us
+        )
+        if inexact:
+            _inexact_declared().inc(inexact)
         request = F.RequestColumns(
             amount=[t.amount for t in txns],
-            event_us=[session.to_us(t.event_time) for t in txns],
+            event_us=batch.ts_us,
             utc_offset_s=[t.utc_offset_s for t in txns],
             country=[t.country for t in txns],
             channel=[t.channel for t in txns],
             has_device=[t.device_id is not None for t in txns],
         )
         # rows.columns holds both the batch (defaulted) and the session columns.
-        cols = F.build_features(rows.columns, rows.columns, request)
+        cols = F.build_features(rows.columns, rows.columns, request, aggs)
         return cols, rows.missing, rows.stale
 
-    async def _round_trip(
-        self, txns: Sequence[Transaction], writes: dict[str, list[session.SessionEvent]]
-    ) -> tuple[list[Any], int]:
-        """The batch's one pipelined round trip: the reads, then the writes (queued after
-        them, so no read sees its own transaction). Returns the replies (errors in place)
-        and how many are the reads'; a failed or late round trip is
-        FeatureStoreUnavailable (and a failure for the breaker)."""
+    async def _round_trip(self, batch: _Batch) -> tuple[list[Any], _Layout]:
+        """The batch's one pipelined round trip: the reads (batch features, session
+        state, declared keys), then the writes (queued after them, so no read sees its
+        own transaction). Returns the replies (errors in place) and where each part
+        lies; a failed or late round trip is FeatureStoreUnavailable (and a failure for
+        the breaker)."""
         pipe = self._pipeline()
-        self.reader.queue(pipe, txns)
-        n_reads = len(pipe)
-        session.queue_apply_many(pipe, writes, self.limits, per_card=is_cluster_pipeline(pipe))
+        self.reader.queue(pipe, batch.txns)
+        n_reader = len(pipe)
+        marks: list[int] = []
+
+        def session_writes() -> None:
+            marks.append(len(pipe))
+            per_card = is_cluster_pipeline(pipe)
+            session.queue_apply_many(pipe, batch.by_card, self.limits, per_card=per_card)
+            marks.append(len(pipe))
+
+        plan, _ = D.queue_batch(
+            pipe,
+            F.declarations(),
+            batch.rows,
+            batch.ts_us,
+            batch.recorded,
+            self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
+            writes_after=session_writes,
+            per_key=is_cluster_pipeline(pipe),
+        )
+        lay = _Layout(n_reader, marks[0], marks[1], plan)
         try:
             # The client has no per-reply socket timeout (service/resources.py): the
             # whole round trip is bounded here, one timer per micro-batch.
@@ -271,7 +346,7 @@ class Scorer:
             if self.health is not None:
                 self.health.failed()
             raise FeatureStoreUnavailable("feature store unavailable") from exc
-        return replies, n_reads
+        return replies, lay
 
     # One server: every command goes out on a held connection (HeldConnections, which
     # keep their connections out of the client's pool); a cluster: redis-py's pipeline,
@@ -296,7 +371,7 @@ class Scorer:
     async def _load_scripts(self) -> None:
         try:
             async with asyncio.timeout(self.settings.redis_timeout_s):
-                await self._load(self.reader.scripts)
+                await self._load([*self.reader.scripts, *D.SCRIPTS])
         except STORE_OR_TIMEOUT as exc:
             log.warning("loading the session scripts failed: %s", exc)
             if self.health is not None:

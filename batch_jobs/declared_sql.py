@@ -1,0 +1,164 @@
+"""The declared aggregations compiled to DuckDB: training's point-in-time values and the
+tiles the online store is backfilled with (``fraud_scoring/declared.py`` holds the
+language and the semantics both keep).
+
+:func:`training_columns` computes, for each row (a transaction at ``t``), every
+declared aggregation over the raw history exactly as serving reads it: one generated
+range join per declaration (``ts`` from the window's snapped tile edge up to, not
+including, ``t``), each transaction counted once. :func:`backfill_tiles` writes the
+history's tiles and newest events into Redis with the same script the updater uses, so
+a key's windows are full the day a declaration is added.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+from redis.cluster import RedisCluster
+
+from fraud_scoring import declared as D
+from fraud_scoring.session import epoch_us
+
+log = logging.getLogger(__name__)
+
+
+def _key_sql(spec: D.Spec, alias: str) -> str:
+    cols = [f"CAST({alias}.{c} AS VARCHAR)" for c in spec.entity]
+    return cols[0] if len(cols) == 1 else "concat_ws(chr(31), " + ", ".join(cols) + ")"
+
+
+def _present_sql(spec: D.Spec, alias: str) -> str:
+    return " AND ".join(
+        f"{alias}.{c} IS NOT NULL AND CAST({alias}.{c} AS VARCHAR) <> ''" for c in spec.entity
+    )
+
+
+def _filter_sql(spec: D.Spec, alias: str) -> str:
+    parts = []
+    for c, allowed in spec.filter.items():
+        vals = ", ".join("'" + v.replace("'", "''") + "'" for v in allowed)
+        parts.append(f"CAST({alias}.{c} AS VARCHAR) IN ({vals})")
+    return " AND ".join(parts) or "TRUE"
+
+
+def window_sql(spec: D.Spec, w: D.Window) -> str:
+    """One window of one declaration: per row id, count, sum, squares and the newest
+    earlier event time. Reads the views ``q`` (row_id, ts_us, key columns) and ``e``
+    (one row per transaction_id: ts_us, key columns, value)."""
+    value = f"e.{spec.value_column}" if spec.value_column else "1.0"
+    u, n = w.width_us, w.tiles
+    return f"""
+WITH ev AS (
+  SELECT {_key_sql(spec, "e")} AS k, e.ts_us, CAST({value} AS DOUBLE) AS v
+  FROM e WHERE {_present_sql(spec, "e")} AND {_filter_sql(spec, "e")}
+), qk AS (
+  SELECT q.row_id, {_key_sql(spec, "q")} AS k, q.ts_us,
+         (q.ts_us // {u} - {n}) * {u} AS lo, q.ts_us - {w.us} AS last_lo
+  FROM q WHERE {_present_sql(spec, "q")}
+)
+SELECT qk.row_id, count(ev.ts_us) AS c, coalesce(sum(ev.v), 0.0) AS s,
+       coalesce(sum(ev.v * ev.v), 0.0) AS q,
+       max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
+FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
+                     AND ev.ts_us < qk.ts_us
+GROUP BY qk.row_id
+"""
+
+
+def _frames(rows: pd.DataFrame, history: pd.DataFrame, time_col: str) -> tuple[Any, Any]:
+    cols = list(dict.fromkeys([*D.KEY_COLUMNS, *D.VALUE_COLUMNS]))
+    q = pd.DataFrame({c: rows.get(c) for c in D.KEY_COLUMNS})
+    q["row_id"] = np.arange(len(rows))
+    q["ts_us"] = epoch_us(rows[[time_col]])
+    e_src = history.drop_duplicates("transaction_id")
+    e = pd.DataFrame({c: e_src.get(c) for c in cols}).assign(ts_us=epoch_us(e_src[["event_time"]]))
+    return q, e
+
+
+def training_columns(
+    decl: D.Declarations,
+    rows: pd.DataFrame,
+    history: pd.DataFrame,
+    time_col: str = "event_timestamp",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Every declared aggregation for ``rows`` (their ``time_col`` is ``t``) over the
+    raw ``history`` (transactions with ``event_time``), float64 columns."""
+    out: dict[str, np.ndarray] = {}
+    if not decl.specs:
+        return out
+    q, e = _frames(rows, history, time_col)
+    t_us = q["ts_us"].to_numpy(np.int64)
+    con = duckdb.connect()
+    try:
+        con.register("q", q)
+        con.register("e", e)
+        for spec in decl.specs:
+            for w in spec.windows:
+                got = con.sql(window_sql(spec, w)).df().set_index("row_id").reindex(q["row_id"])
+                c = got["c"].fillna(0).to_numpy(np.float64)
+                last = got["last_us"].to_numpy(np.float64)
+                since = np.where(np.isnan(last), np.inf, (t_us - np.nan_to_num(last)) / D.US)
+                out.update(
+                    D.finish(
+                        spec,
+                        w,
+                        c,
+                        got["s"].fillna(0.0).to_numpy(np.float64),
+                        got["q"].fillna(0.0).to_numpy(np.float64),
+                        since,
+                    )
+                )
+            if progress:
+                progress(f"declared aggregations: {', '.join(spec.feature_names())}")
+    finally:
+        con.close()
+    return out
+
+
+def backfill_tiles(
+    client: Any,
+    decl: D.Declarations,
+    history: pd.DataFrame,
+    horizon_s: float,
+    progress: Callable[[str], None] | None = None,
+) -> int:
+    """Record every transaction of ``history`` in the declared keys (the updater's own
+    script: idempotent per transaction_id, so running it again, or after the stream
+    already recorded some, changes nothing within the horizon). Returns the events
+    recorded. Events are sent in event-time order, per key in chunks of 500; ``progress``
+    is told every 1,000 keys."""
+    hist = history.drop_duplicates("transaction_id").sort_values("event_time")
+    rows = hist.to_dict("records")
+    ts = [int(x) for x in epoch_us(hist[["event_time"]])]
+    written = 0
+    for script in D.SCRIPTS:  # on a cluster: on every primary
+        client.script_load(script)
+    cluster = isinstance(client, RedisCluster)
+    for spec in decl.specs:
+        limits = D.Limits.for_spec(spec, horizon_s)
+        by_key = D.events_for(spec, rows, ts)
+        for n, key in enumerate(by_key):
+            events = by_key[key]
+            pipe = client.pipeline(transaction=False)
+            for i in range(0, len(events), 500):
+                D.queue_apply(pipe, spec, {key: events[i : i + 500]}, limits, per_key=cluster)
+            written += _send(pipe)
+            if progress and n % 1000 == 999:
+                progress(f"{spec.id}: {n + 1:,} of {len(by_key):,} keys")
+    return written
+
+
+def _send(pipe: Any) -> int:
+    replies: Sequence[Any] = pipe.execute(raise_on_error=False)
+    n = 0
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+        n += sum(1 for per_key in r for x in per_key if int(x) == 1)
+    return n

@@ -1,0 +1,821 @@
+"""Windowed aggregations and derived features declared as data (``feature_repo/features.yaml``).
+
+A declaration names an entity (one or more transaction columns), an optional filter, a
+value column, windows and the aggregations wanted; each (aggregation, window) becomes a
+feature ``<prefix>_<window>``. This module is the language (parsed and checked:
+:func:`load`), the tile math every engine shares (:func:`tile_of`, :func:`finish`), the
+Redis layout and its two scripts (record an event: :data:`APPLY_LUA`; read a key's
+windows: :data:`READ_LUA`), and the derived-feature evaluator (:func:`evaluate`).
+The batch side compiles the same declarations to DuckDB (``batch_jobs/declared_sql.py``).
+
+**Semantics (every engine, exactly).** A window ``W`` has a tile width ``u`` (the
+largest of 1 s, 5 s, 1 min, 5 min, 1 h, 6 h, 1 day that divides ``W`` at least 10
+times: 1m → 5 s, 10m → 1 min, 1h → 5 min, 1d → 1 h, 7d → 6 h, 30d → 1 day). Its
+value for a transaction at ``t`` covers the key's events with
+``ts // u >= t // u - W / u`` and ``ts < t``: the start is snapped down to a tile edge
+(the window reaches back between ``W`` and ``W + u``), the end is exact. A transaction
+never counts in its own features, and each ``transaction_id`` counts once.
+``seconds_since_last`` is exact: seconds since the key's newest event before ``t``,
+capped at ``W`` (also when none).
+
+**Cost per key is bounded.** A key's state is a ring of tiles per width (count, sum,
+sum of squares), its :data:`NEWEST` newest events (for the exact end and
+``seconds_since_last``) and the ids of the last ``horizon`` (for idempotency); a read
+touches ``W / u + 1`` tiles per window whatever the key's traffic.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+US = 1_000_000
+# Tile widths, finest first (µs); a window takes the widest that divides it >= 10 times.
+TILE_WIDTHS_US = (US, 5 * US, 60 * US, 300 * US, 3600 * US, 6 * 3600 * US, 86_400 * US)
+MIN_TILES = 10
+MIN_WINDOW_US, MAX_WINDOW_US = 60 * US, 180 * 86_400 * US
+# A key keeps its NEWEST newest events: a read is exact when fewer than NEWEST of the
+# key's stored events lie at or after the transaction's time (always, when scoring live).
+NEWEST = 32
+# An event stamped this far ahead of a key's other events never overwrites a tile that a
+# window still reads (the service's event-time bound, FRAUD_MAX_EVENT_SKEW_S, is 600 s).
+FUTURE_ROOM_US = 900 * US
+# A key accepts an event up to this long (plus FRAUD_ALLOWED_LATENESS_S) behind its
+# newest, and keeps the ids of that span for idempotency.
+HORIZON_S = 3600.0
+UNITS = {"s": US, "m": 60 * US, "h": 3600 * US, "d": 86_400 * US}
+
+# The transaction columns a declaration may read (entity, filter, value).
+KEY_COLUMNS = ("card_id", "merchant_id", "device_id", "country", "channel", "mcc")
+VALUE_COLUMNS = ("amount",)
+Agg = Literal["count", "sum", "mean", "std", "seconds_since_last"]
+NEEDS_VALUE = {"sum", "mean", "std"}
+
+
+class DeclarationError(ValueError):
+    """The declarations file is unreadable or breaks the language; the message names
+    the file and the field."""
+
+
+def parse_window(text: str) -> int:
+    """``"10m"`` → microseconds. Units s, m, h, d; 1 minute to 180 days."""
+    unit = UNITS.get(text[-1:]) if text else None
+    if unit is None or not text[:-1].isdigit():
+        raise ValueError(f"window {text!r}: expected a number and a unit (s, m, h, d)")
+    us = int(text[:-1]) * unit
+    if not MIN_WINDOW_US <= us <= MAX_WINDOW_US:
+        raise ValueError(f"window {text!r}: must be from 1m to 180d")
+    return us
+
+
+def tile_width(window_us: int) -> int:
+    """The tile width of a window (see the module docstring)."""
+    return max(u for u in TILE_WIDTHS_US if window_us % u == 0 and window_us // u >= MIN_TILES)
+
+
+def tile_of(ts_us: int, width_us: int) -> int:
+    return ts_us // width_us
+
+
+# --- the language -------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AggregationDecl(_Strict):
+    """One entity's windowed aggregations (see docs/features.md)."""
+
+    entity: tuple[str, ...] = Field(description="transaction columns that form the key")
+    value: str | None = Field(default=None, description="the column sum/mean/std read")
+    filter: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict, description="column -> allowed values; events outside skip"
+    )
+    windows: tuple[str, ...]
+    features: dict[Agg, str] = Field(description="aggregation -> feature name prefix")
+    description: str = ""
+
+    @field_validator("entity", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("filter", mode="before")
+    @classmethod
+    def _values(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: (x,) if isinstance(x, str) else x for k, x in v.items()}
+        return v
+
+    @field_validator("entity")
+    @classmethod
+    def _known_key(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("needs at least one column")
+        for c in v:
+            if c not in KEY_COLUMNS:
+                raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
+        return v
+
+    @field_validator("filter")
+    @classmethod
+    def _known_filter(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        for c in v:
+            if c not in KEY_COLUMNS:
+                raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
+        return v
+
+    @field_validator("value")
+    @classmethod
+    def _known_value(cls, v: str | None) -> str | None:
+        if v is not None and v not in VALUE_COLUMNS:
+            raise ValueError(f"unknown column {v!r}; one of {', '.join(VALUE_COLUMNS)}")
+        return v
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("needs at least one window")
+        for w in v:
+            parse_window(w)
+        return v
+
+
+class DerivedDecl(_Strict):
+    """A feature computed from other features and request fields by an expression."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    expr: str
+    description: str = ""
+
+
+class DeclarationsFile(_Strict):
+    aggregations: tuple[AggregationDecl, ...] = ()
+    derived: tuple[DerivedDecl, ...] = ()
+
+
+@dataclass(frozen=True)
+class Window:
+    label: str
+    us: int
+    width_us: int
+
+    @property
+    def tiles(self) -> int:
+        return self.us // self.width_us
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One declared feature: its aggregation, name and window."""
+
+    agg: str
+    name: str
+    window: Window
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The state one entity keeps: every declaration with the same entity, value and
+    filter shares it (one read per key), with the union of their windows."""
+
+    entity: tuple[str, ...]
+    value_column: str | None
+    filter: dict[str, tuple[str, ...]]
+    id: str
+    windows: tuple[Window, ...]
+    features: tuple[Declared, ...]
+    description: str = ""
+
+    @property
+    def widths(self) -> dict[int, int]:
+        """Tile width → ring size (slots): the most tiles a window of that width reads,
+        plus room for events stamped up to :data:`FUTURE_ROOM_US` ahead of the key's
+        present (a slot is only stored once an event lands in it)."""
+        out: dict[int, int] = {}
+        for w in self.windows:
+            room = -(-FUTURE_ROOM_US // w.width_us)
+            out[w.width_us] = max(out.get(w.width_us, 0), w.tiles + 2 + room)
+        return out
+
+    @property
+    def longest_us(self) -> int:
+        return max(w.us for w in self.windows)
+
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.features]
+
+    def key_value(self, row: Mapping[str, Any]) -> str | None:
+        """The entity value of a transaction (None: a key column is empty, e.g. no
+        device id; the features are then their defaults)."""
+        parts = []
+        for c in self.entity:
+            v = row.get(c)
+            if v is None or v != v or v == "":
+                return None
+            parts.append(str(v))
+        return "\x1f".join(parts)
+
+    def passes(self, row: Mapping[str, Any]) -> bool:
+        return all(row.get(c) in allowed for c, allowed in self.filter.items())
+
+    def value(self, row: Mapping[str, Any]) -> float:
+        return float(row[self.value_column]) if self.value_column else 1.0
+
+    def prefix(self, key: str) -> str:
+        # One hash tag per (spec, key): a key's three Redis keys share a Cluster slot.
+        return "{agg:" + self.id + ":" + key + "}"
+
+
+@dataclass(frozen=True)
+class Declarations:
+    specs: tuple[Spec, ...]
+    derived: tuple[DerivedDecl, ...]
+    source: str
+
+    def aggregate_names(self) -> list[str]:
+        return [n for s in self.specs for n in s.feature_names()]
+
+    def names(self) -> list[str]:
+        return [*self.aggregate_names(), *(d.name for d in self.derived)]
+
+    def defaults(self) -> dict[str, float]:
+        return {
+            f.name: f.window.us / US if f.agg == "seconds_since_last" else 0.0
+            for s in self.specs
+            for f in s.features
+        }
+
+
+def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
+    """Group declarations by (entity, value, filter) into the states they share."""
+    groups: dict[str, list[AggregationDecl]] = {}
+    for d in decls:
+        canon = json.dumps(
+            {"e": d.entity, "v": d.value, "f": {k: sorted(v) for k, v in d.filter.items()}},
+            sort_keys=True,
+        )
+        groups.setdefault(canon, []).append(d)
+    specs = []
+    for canon, ds in groups.items():
+        windows = {parse_window(w) for d in ds for w in d.windows}
+        # The id covers the windows: a new window starts a new state (backfill it).
+        sid = hashlib.blake2b((canon + repr(sorted(windows))).encode(), digest_size=5).hexdigest()
+        feats = []
+        for d in ds:
+            for agg, prefix in d.features.items():
+                for label in d.windows:
+                    us = parse_window(label)
+                    feats.append(
+                        Declared(agg, f"{prefix}_{label}", Window(label, us, tile_width(us)))
+                    )
+        first = ds[0]
+        specs.append(
+            Spec(
+                first.entity,
+                first.value,
+                dict(first.filter),
+                sid,
+                tuple(Window(_label(us), us, tile_width(us)) for us in sorted(windows)),
+                tuple(feats),
+                "; ".join(d.description for d in ds if d.description),
+            )
+        )
+    return tuple(specs)
+
+
+def _label(us: int) -> str:
+    for unit, size in sorted(UNITS.items(), key=lambda kv: -kv[1]):
+        if us % size == 0:
+            return f"{us // size}{unit}"
+    raise AssertionError(us)
+
+
+def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
+    """Check and compile declarations (the YAML document ``raw``); ``taken`` are the
+    feature names already declared elsewhere. Raises :class:`DeclarationError`."""
+    try:
+        doc = DeclarationsFile.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise DeclarationError(f"{source}: {loc}: {first['msg']}") from None
+    for i, d in enumerate(doc.aggregations):
+        if NEEDS_VALUE & set(d.features) and d.value is None:
+            raise DeclarationError(f"{source}: aggregations.{i}.value: sum/mean/std need one")
+    decl = Declarations(compile_decls(doc.aggregations), doc.derived, source)
+    seen = set(taken)
+    for n in decl.names():
+        if n in seen:
+            raise DeclarationError(f"{source}: feature {n!r} is declared twice")
+        seen.add(n)
+    known = set(taken) | set(decl.aggregate_names()) | set(REQUEST_FIELDS)
+    for i, dd in enumerate(decl.derived):
+        try:
+            _check_expr(dd.expr, known)
+        except ValueError as exc:
+            raise DeclarationError(f"{source}: derived.{i}.expr: {exc}") from None
+        known.add(dd.name)
+    return decl
+
+
+def load(path: Path, taken: Sequence[str] = ()) -> Declarations:
+    """The declarations in ``path`` (YAML), checked and compiled."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise DeclarationError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise DeclarationError(f"{path}: not YAML: {exc}") from None
+    return parse(raw, str(path), taken)
+
+
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "feature_repo" / "features.yaml"
+
+
+# --- the math every engine shares ---------------------------------------------------------
+
+
+def finish(
+    spec: Spec,
+    window: Window,
+    count: npt.ArrayLike,
+    total: npt.ArrayLike,
+    squares: npt.ArrayLike,
+    since_last_s: npt.ArrayLike,
+) -> dict[str, np.ndarray]:
+    """The declared features over ``window`` from its sums (float64 columns)."""
+    c = np.asarray(count, dtype=np.float64)
+    s = np.asarray(total, dtype=np.float64)
+    q = np.asarray(squares, dtype=np.float64)
+    safe = np.where(c > 0, c, 1.0)
+    mean = np.where(c > 0, s / safe, 0.0)
+    var = np.where(c > 0, np.maximum(q / safe - mean * mean, 0.0), 0.0)
+    values = {
+        "count": c,
+        "sum": s,
+        "mean": mean,
+        "std": np.sqrt(var),
+        "seconds_since_last": np.minimum(
+            np.asarray(since_last_s, dtype=np.float64), window.us / US
+        ),
+    }
+    return {f.name: values[f.agg] for f in spec.features if f.window.us == window.us}
+
+
+# --- derived features ---------------------------------------------------------------------
+
+# Request fields an expression may read besides features.
+REQUEST_FIELDS = ("amount",)
+_FUNCS: dict[str, Callable[..., Any]] = {
+    "log1p": np.log1p,
+    "abs": np.abs,
+    "sqrt": lambda x: np.sqrt(np.maximum(x, 0.0)),
+    "clip": np.clip,
+    "minimum": np.minimum,
+    "maximum": np.maximum,
+    "where": np.where,
+}
+_BINOPS = {ast.Add: np.add, ast.Sub: np.subtract, ast.Mult: np.multiply}
+_CMPS = {
+    ast.Gt: np.greater,
+    ast.GtE: np.greater_equal,
+    ast.Lt: np.less,
+    ast.LtE: np.less_equal,
+    ast.Eq: np.equal,
+    ast.NotEq: np.not_equal,
+}
+
+
+def _check_expr(expr: str, known: set[str]) -> None:
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression: {exc.msg}") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id not in known and node.id not in _FUNCS:
+            raise ValueError(f"unknown name {node.id!r}")
+        if isinstance(node, ast.Call) and not (
+            isinstance(node.func, ast.Name) and node.func.id in _FUNCS
+        ):
+            raise ValueError(f"only these functions: {', '.join(_FUNCS)}")
+        ok = (
+            ast.Expression, ast.BinOp, ast.UnaryOp, ast.USub, ast.Compare, ast.Call,
+            ast.Name, ast.Load, ast.Constant, ast.Div, *_BINOPS, *_CMPS,
+        )  # fmt: skip
+        if not isinstance(node, ok):
+            raise ValueError(f"{type(node).__name__} is not allowed")
+        if isinstance(node, ast.Constant) and not isinstance(node.value, int | float):
+            raise ValueError("constants must be numbers")
+
+
+def evaluate(expr: str, columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:
+    """An expression over float64 columns. ``a / b`` is 0 where ``b`` is 0 (write the
+    default you want with ``where``); clipping is written in the expression."""
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant):
+            return float(node.value)  # type: ignore[arg-type]  # numbers only (_check_expr)
+        if isinstance(node, ast.Name):
+            return np.asarray(columns[node.id], dtype=np.float64)
+        if isinstance(node, ast.UnaryOp):
+            return -ev(node.operand)
+        if isinstance(node, ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Div):
+                b = np.asarray(b, dtype=np.float64)
+                return np.where(b != 0, np.asarray(a) / np.where(b != 0, b, 1.0), 0.0)
+            return _BINOPS[type(node.op)](a, b)
+        if isinstance(node, ast.Compare):
+            out = _CMPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
+            for op, c_prev, c in zip(
+                node.ops[1:], node.comparators, node.comparators[1:], strict=False
+            ):
+                out = out & _CMPS[type(op)](ev(c_prev), ev(c))
+            return out.astype(np.float64)
+        if isinstance(node, ast.Call):
+            assert isinstance(node.func, ast.Name)
+            return _FUNCS[node.func.id](*(ev(a) for a in node.args))
+        raise ValueError(f"{type(node).__name__} is not allowed")  # _check_expr refused it
+
+    return np.asarray(ev(ast.parse(expr, mode="eval")), dtype=np.float64)
+
+
+def derived_columns(
+    decl: Declarations, columns: Mapping[str, npt.ArrayLike], n: int
+) -> dict[str, np.ndarray]:
+    """Every derived feature, in declaration order (a later one may read an earlier)."""
+    cols = dict(columns)
+    out = {}
+    for d in decl.derived:
+        v = np.broadcast_to(evaluate(d.expr, cols), (n,)).astype(np.float64)
+        out[d.name] = cols[d.name] = v
+    return out
+
+
+# --- the Redis layout and scripts ---------------------------------------------------------
+#
+# Per (spec, key), three keys sharing the hash tag {agg:<spec id>:<key>}:
+#   <p>:t   hash, per tile width u and ring slot, field "<u>|<slot>" = "idx count sum
+#           squares" (the tile's index; sums as %.17g)
+#   <p>:n   zset of the NEWEST newest events: score ts (µs), member "id\x1fvalue"
+#   <p>:ids zset transaction_id -> ts, the last ``horizon`` of the key (idempotency)
+# All three expire ``ttl`` after the key's last write.
+
+# KEYS: t, n, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
+# nwidths, (u, slots)*, then per key: nev, (id, ts, value)*. Returns per key a list, per
+# event 1 (added), 0 (duplicate) or -1 (older than the key's newest by more than the
+# horizon: dropped, as nothing live reads that far back). A key's events in one call are
+# summed per tile first: a burst of one key costs one write per tile.
+APPLY_LUA = """
+local horizon, keep, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local nw = tonumber(ARGV[4])
+local widths = {}
+for w = 1, nw do
+  widths[w] = {ARGV[3 + 2*w], tonumber(ARGV[3 + 2*w]), tonumber(ARGV[4 + 2*w])}
+end
+local pos = 5 + 2 * nw
+local result = {}
+for g = 1, #KEYS / 3 do
+  local kt, kn, kid = KEYS[3*g - 2], KEYS[3*g - 1], KEYS[3*g]
+  local top = redis.call('ZREVRANGE', kn, 0, 0, 'WITHSCORES')
+  local newest = top[2] and tonumber(top[2]) or nil
+  local out, tiles, added = {}, {}, false
+  local nev = tonumber(ARGV[pos])
+  for e = 1, nev do
+    local id, ts, v = ARGV[pos + 3*e - 2], tonumber(ARGV[pos + 3*e - 1]), ARGV[pos + 3*e]
+    if redis.call('ZSCORE', kid, id) then
+      out[e] = 0
+    elseif newest and ts < newest - horizon then
+      out[e] = -1
+    else
+      redis.call('ZADD', kid, ts, id)
+      redis.call('ZADD', kn, ts, id .. '\\31' .. v)
+      local x = tonumber(v)
+      for w = 1, nw do
+        local u = widths[w][2]
+        local idx = (ts - math.fmod(ts, u)) / u
+        local f = widths[w][1] .. '|' .. string.format('%d', math.fmod(idx, widths[w][3]))
+        local t = tiles[f]
+        if t == nil then t = {idx, 0, 0, 0}; tiles[f] = t end
+        if t[1] == idx then
+          t[2], t[3], t[4] = t[2] + 1, t[3] + x, t[4] + x * x
+        elseif t[1] < idx then  -- two tiles of one slot in a call: the newer one wins
+          tiles[f] = {idx, 1, x, x * x}
+        end
+      end
+      if not newest or ts > newest then newest = ts end
+      out[e] = 1
+      added = true
+    end
+  end
+  pos = pos + 1 + 3 * nev
+  for f, t in pairs(tiles) do
+    local held = redis.call('HGET', kt, f)
+    local idx, c, s, q = t[1], t[2], t[3], t[4]
+    if held then
+      local hi, hc, hs, hq = string.match(held, '^(%S+) (%S+) (%S+) (%S+)$')
+      hi = tonumber(hi)
+      if hi == idx then
+        c, s, q = c + tonumber(hc), s + tonumber(hs), q + tonumber(hq)
+      elseif hi > idx then
+        c = nil  -- the slot already holds a newer tile: these events are too old for it
+      end
+    end
+    if c then
+      redis.call('HSET', kt, f, string.format('%d %d %.17g %.17g', idx, c, s, q))
+    end
+  end
+  if added then
+    redis.call('ZREMRANGEBYRANK', kn, 0, -keep - 1)
+    redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
+    redis.call('PEXPIRE', kt, ttl)
+    redis.call('PEXPIRE', kn, ttl)
+    redis.call('PEXPIRE', kid, ttl)
+  end
+  result[g] = out
+end
+return result
+"""
+
+# KEYS: t, n. ARGV: t (µs), newest, nwin, (u, slots, tiles)*. Returns {newest events as
+# member, score, ...; then per window count, sum, squares over its tiles, the current one
+# included} (sums as strings: exact doubles).
+READ_LUA = """
+local t, keep, nw = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {redis.call('ZREVRANGE', KEYS[2], 0, keep - 1, 'WITHSCORES')}
+for w = 1, nw do
+  local us, slots, n = ARGV[1 + 3*w], tonumber(ARGV[2 + 3*w]), tonumber(ARGV[3 + 3*w])
+  local u = tonumber(us)
+  local last = (t - math.fmod(t, u)) / u
+  local fields = {}
+  for idx = last - n, last do
+    fields[#fields + 1] = us .. '|' .. string.format('%d', math.fmod(idx, slots))
+  end
+  local got = redis.call('HMGET', KEYS[1], unpack(fields))
+  local c, s, q, k = 0, 0, 0, 1
+  for idx = last - n, last do
+    local held = got[k]
+    if held then
+      local hi, hc, hs, hq = string.match(held, '^(%S+) (%S+) (%S+) (%S+)$')
+      if tonumber(hi) == idx then
+        c, s, q = c + tonumber(hc), s + tonumber(hs), q + tonumber(hq)
+      end
+    end
+    k = k + 1
+  end
+  out[#out + 1] = {c, string.format('%.17g', s), string.format('%.17g', q)}
+end
+return out
+"""
+APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
+READ_SHA = hashlib.sha1(READ_LUA.encode()).hexdigest()
+SCRIPTS = (APPLY_LUA, READ_LUA)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How far back a key accepts an event (µs behind its newest) and how long an idle
+    key lives (ms)."""
+
+    horizon_us: int
+    ttl_ms: int
+
+    @classmethod
+    def for_spec(cls, spec: Spec, horizon_s: float) -> Limits:
+        return cls(int(horizon_s * US), (spec.longest_us // US + int(horizon_s) + 3600) * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One transaction as a declared aggregation records it."""
+
+    transaction_id: str
+    ts_us: int
+    value: float
+
+
+def events_for(
+    spec: Spec, rows: Sequence[Mapping[str, Any]], ts_us: Sequence[int]
+) -> dict[str, list[Event]]:
+    """The events ``rows`` add to ``spec``'s keys (rows outside its filter, or without a
+    key, add none), by key value."""
+    out: dict[str, list[Event]] = {}
+    for row, ts in zip(rows, ts_us, strict=True):
+        key = spec.key_value(row)
+        if key is not None and spec.passes(row):
+            out.setdefault(key, []).append(Event(str(row["transaction_id"]), ts, spec.value(row)))
+    return out
+
+
+def queue_apply(
+    pipe: Any,
+    spec: Spec,
+    by_key: Mapping[str, Sequence[Event]],
+    limits: Limits,
+    *,
+    per_key: bool = False,
+) -> list[str]:
+    """Queue the recording of ``by_key``'s events: one APPLY call for all keys, or with
+    ``per_key`` (a Redis Cluster, where one call's keys must share a slot) one per key.
+    Returns the keys in reply order (each call's reply: a list per key, of per event
+    results)."""
+    head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, len(spec.widths)]
+    for u, slots in spec.widths.items():
+        head += (u, slots)
+    groups = [[k] for k in by_key] if per_key else [list(by_key)] if by_key else []
+    for keys in groups:
+        names: list[str] = []
+        args = list(head)
+        for key in keys:
+            p = spec.prefix(key)
+            names += (p + ":t", p + ":n", p + ":ids")
+            args.append(len(by_key[key]))
+            for e in by_key[key]:
+                args += (e.transaction_id, e.ts_us, repr(float(e.value)))
+        pipe.execute_command("EVALSHA", APPLY_SHA, len(names), *names, *args)
+    return [k for keys in groups for k in keys]
+
+
+def queue_read(pipe: Any, spec: Spec, key: str, t_us: int) -> None:
+    """Queue one READ call for ``key`` as of ``t_us``."""
+    p = spec.prefix(key)
+    args: list[Any] = [t_us, NEWEST, len(spec.windows)]
+    for w in spec.windows:
+        args += (w.width_us, spec.widths[w.width_us], w.tiles)
+    pipe.execute_command("EVALSHA", READ_SHA, 2, p + ":t", p + ":n", *args)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class KeyState:
+    """A READ reply, parsed: the newest events (ts, id, value) and per window the sums
+    over its tiles, the tile holding ``t`` included."""
+
+    newest: list[tuple[int, str, float]]
+    sums: list[tuple[float, float, float]]
+
+    @classmethod
+    def parse(cls, reply: Sequence[Any]) -> KeyState:
+        flat = reply[0]
+        newest = []
+        for k in range(0, len(flat), 2):
+            tid, _, val = _text(flat[k]).rpartition("\x1f")
+            newest.append((int(float(_text(flat[k + 1]))), tid, float(val)))
+        sums = [(float(c), float(_text(s)), float(_text(q))) for c, s, q in reply[1:]]
+        return cls(newest, sums)
+
+
+def online_row(
+    spec: Spec,
+    state: KeyState | None,
+    t_us: int,
+    batch_mates: Sequence[Event] = (),
+) -> tuple[dict[str, float], bool]:
+    """One transaction's features of ``spec`` as of ``t_us`` from its key's READ reply
+    (None: no key; defaults), plus the events of the same micro-batch recorded with it
+    that were new to the store (the read ran before they were written). Returns the
+    features and whether they are exact (False only when :data:`NEWEST` or more stored
+    events lie at or after ``t_us``: a replay far behind the key's present)."""
+    newest = list(state.newest) if state else []
+    exact = len(newest) < NEWEST or min(ts for ts, _, _ in newest) < t_us
+    ahead = [(ts, v) for ts, _, v in newest if ts >= t_us]
+    mates = [(e.ts_us, e.value) for e in batch_mates if e.ts_us < t_us]
+    before = [ts for ts, _, _ in newest if ts < t_us] + [ts for ts, _ in mates]
+    since = (t_us - max(before)) / US if before else math.inf
+    out: dict[str, float] = {}
+    for w_i, w in enumerate(spec.windows):
+        c, s, q = state.sums[w_i] if state else (0.0, 0.0, 0.0)
+        here = t_us // w.width_us
+        for ts, v in ahead:  # included with the tile that holds t: not before t
+            if ts // w.width_us == here:
+                c, s, q = c - 1, s - v, q - v * v
+        lo = here - w.tiles
+        for ts, v in mates:
+            if ts // w.width_us >= lo:
+                c, s, q = c + 1, s + v, q + v * v
+        if not exact:  # a replay: some later events were counted; never below nothing
+            c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)
+        cols = finish(spec, w, [c], [s], [q], [since])
+        out.update({k: float(v[0]) for k, v in cols.items()})
+    return out, exact
+
+
+# --- a micro-batch (the scorer's edge) ----------------------------------------------------
+
+
+@dataclass
+class BatchPlan:
+    """What one micro-batch queued: per declaration and row the key it read (None: no
+    key), and the events it records, by declaration and key."""
+
+    reads: list[tuple[Spec, int, str | None]]
+    # Per APPLY call: the spec, its keys in reply order and their events.
+    writes: list[tuple[Spec, list[str], dict[str, list[Event]]]]
+
+
+def queue_batch(
+    pipe: Any,
+    decl: Declarations,
+    rows: Sequence[Mapping[str, Any]],
+    ts_us: Sequence[int],
+    record: Sequence[bool],
+    horizon_s: float,
+    *,
+    writes_after: Callable[[], None] | None = None,
+    per_key: bool = False,
+    read: bool = True,
+) -> tuple[BatchPlan, int]:
+    """Queue a micro-batch's reads, then (after ``writes_after``, which may queue other
+    writes) the recording of the rows whose ``record`` is true (``per_key``: one call per
+    key, for a Redis Cluster; ``read`` False: record only, as the updater does). Returns
+    the plan and how many commands the reads took (they come first, the recording
+    last)."""
+    plan = BatchPlan([], [])
+    n0 = len(pipe)
+    for spec in decl.specs if read else ():
+        for i, row in enumerate(rows):
+            key = spec.key_value(row)
+            if key is not None:
+                queue_read(pipe, spec, key, ts_us[i])
+            plan.reads.append((spec, i, key))
+    n_reads = len(pipe) - n0
+    if writes_after is not None:
+        writes_after()
+    kept = [i for i, r in enumerate(record) if r]
+    for spec in decl.specs:
+        limits = Limits.for_spec(spec, horizon_s)
+        evs = events_for(spec, [rows[i] for i in kept], [ts_us[i] for i in kept])
+        if not evs:
+            continue
+        keys = queue_apply(pipe, spec, evs, limits, per_key=per_key)
+        if per_key:
+            plan.writes += [(spec, [k], evs) for k in keys]
+        else:
+            plan.writes.append((spec, keys, evs))
+    return plan, n_reads
+
+
+def parse_batch(
+    plan: BatchPlan,
+    reads: Sequence[Any],
+    writes: Sequence[Any],
+    rows: Sequence[Mapping[str, Any]],
+    ts_us: Sequence[int],
+) -> tuple[dict[str, list[float]], int]:
+    """The declared columns of the micro-batch from its replies (``reads`` and
+    ``writes`` in :func:`queue_batch`'s order; a failed write counts as not recorded).
+    Attempts of one key in the same micro-batch see each other in event-time order.
+    Returns the columns and how many reads were inexact."""
+    fresh: dict[tuple[str, str], list[Event]] = {}
+    for (spec, keys, evs), reply in zip(plan.writes, writes, strict=True):
+        if isinstance(reply, Exception):
+            continue
+        for key, per_event in zip(keys, reply, strict=True):
+            fresh[(spec.id, key)] = [
+                e for e, a in zip(evs[key], per_event, strict=True) if int(a) == 1
+            ]
+    cols: dict[str, list[float]] = {}
+    inexact = 0
+    got = iter(reads)
+    for spec, i, read_key in plan.reads:
+        state = KeyState.parse(next(got)) if read_key is not None else None
+        tid = str(rows[i]["transaction_id"])
+        mates = (
+            [e for e in fresh.get((spec.id, read_key), []) if e.transaction_id != tid]
+            if read_key is not None
+            else []
+        )
+        feats, exact = online_row(spec, state, ts_us[i], mates)
+        inexact += not exact
+        for k, v in feats.items():
+            cols.setdefault(k, []).append(v)
+    return cols, inexact
+
+
+def transaction_row(txn: Any) -> dict[str, Any]:
+    """The fields of a validated transaction (``fraud_scoring.events.Transaction``) a
+    declaration reads."""
+    return {
+        "transaction_id": txn.transaction_id,
+        **{c: getattr(txn, c) for c in KEY_COLUMNS},
+        **{c: getattr(txn, c) for c in VALUE_COLUMNS},
+    }

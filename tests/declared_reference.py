@@ -1,0 +1,109 @@
+"""A naive reference of the declaration semantics (docs/features.md, "Declared
+features"), straight from raw rows, sharing no code with the compiled paths: for each
+row, filter the history with pandas and aggregate in plain Python.
+
+Used by the tests to check every declared feature: served = training row = this.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+US = 1_000_000
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+_WIDTHS_S = (1, 5, 60, 300, 3600, 21_600, 86_400)
+
+
+def _window_s(label: str) -> int:
+    return int(label[:-1]) * _UNITS[label[-1]]
+
+
+def _width_s(window_s: int) -> int:
+    return max(u for u in _WIDTHS_S if window_s % u == 0 and window_s // u >= 10)
+
+
+def _us(col: pd.Series) -> np.ndarray:
+    return (pd.to_datetime(col, utc=True).astype("int64") // 1000).to_numpy()
+
+
+def reference(
+    declarations: dict[str, Any], rows: pd.DataFrame, history: pd.DataFrame, time_col: str
+) -> dict[str, list[float]]:
+    """Every declared feature of ``rows`` (a YAML document ``declarations``, as loaded)."""
+    hist = history.drop_duplicates("transaction_id").copy()
+    hist["_us"] = _us(hist["event_time"])
+    t_all = _us(rows[time_col])
+    out: dict[str, list[float]] = {}
+    for decl in declarations.get("aggregations", []):
+        entity = [decl["entity"]] if isinstance(decl["entity"], str) else decl["entity"]
+        ev = hist
+        for col, allowed in decl.get("filter", {}).items():
+            allowed = [allowed] if isinstance(allowed, str) else allowed
+            ev = ev[ev[col].isin(allowed)]
+        for c in entity:
+            ev = ev[ev[c].notna() & (ev[c].astype(str) != "")]
+        groups = (
+            {(k if isinstance(k, tuple) else (k,)): g for k, g in ev.groupby(entity)}
+            if len(ev)
+            else {}
+        )
+        for label in decl["windows"]:
+            w_s = _window_s(label)
+            u = _width_s(w_s) * US
+            for agg, prefix in decl["features"].items():
+                vals: list[float] = []
+                for i, (_, row) in enumerate(rows.iterrows()):
+                    t = int(t_all[i])
+                    key = tuple(row[c] for c in entity)
+                    if any(k is None or k != k or k == "" for k in key):
+                        g = ev.iloc[:0]
+                    else:
+                        g = groups.get(key, ev.iloc[:0])
+                    before = g[g["_us"] < t]
+                    inwin = before[before["_us"] // u >= t // u - w_s * US // u]
+                    x = [float(v) for v in inwin[decl["value"]]] if decl.get("value") else []
+                    if agg == "count":
+                        v = float(len(inwin))
+                    elif agg == "sum":
+                        v = math.fsum(x)
+                    elif agg == "mean":
+                        v = math.fsum(x) / len(x) if x else 0.0
+                    elif agg == "std":
+                        v = float(np.std(x)) if x else 0.0
+                    else:  # seconds_since_last: exact window
+                        recent = before[before["_us"] >= t - w_s * US]
+                        v = (t - int(recent["_us"].max())) / US if len(recent) else float(w_s)
+                    vals.append(v)
+                out[f"{prefix}_{label}"] = vals
+    return out
+
+
+_FUNCS = {
+    "log1p": math.log1p,
+    "abs": abs,
+    "sqrt": lambda x: math.sqrt(max(x, 0.0)),
+    "clip": lambda x, lo, hi: min(max(x, lo), hi),
+    "minimum": min,
+    "maximum": max,
+    "where": lambda c, a, b: a if c else b,
+}
+
+
+def derived_reference(expr: str, row: dict[str, float]) -> float:
+    """One row of a derived expression, evaluated on Python floats (``a / 0`` is 0)."""
+
+    class Div(ast.NodeTransformer):
+        def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+            self.generic_visit(node)
+            if isinstance(node.op, ast.Div):
+                return ast.Call(ast.Name("_div", ast.Load()), [node.left, node.right], [])
+            return node
+
+    tree = ast.fix_missing_locations(Div().visit(ast.parse(expr, mode="eval")))
+    env = {**_FUNCS, "_div": lambda a, b: a / b if b != 0 else 0.0, **row}
+    return float(eval(compile(tree, "<expr>", "eval"), {"__builtins__": {}}, env))
