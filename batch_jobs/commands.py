@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from fraud_scoring.commands import Command, UsageError, iso_date
 from fraud_scoring.redis_server import redis_url
@@ -337,6 +338,71 @@ def _compare(args: argparse.Namespace, settings: Settings) -> None:
     print(f"comparison: {write_report(settings.data_dir / 'reports', report)}")
 
 
+def configure_features(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sub.add_parser(
+        "plan",
+        help="what the declarations add and remove, and which states need a backfill",
+        description="Compare feature_repo/features.yaml (or FRAUD_FEATURES_FILE) with the "
+        "last applied declarations and the published model versions. Writes nothing.",
+    )
+    b = sub.add_parser(
+        "backfill",
+        help="record the raw history into the declared states the plan lists as new",
+        description="Record the raw history's transactions into the declared aggregations' "
+        "Redis state (idempotent), then mark the declarations applied.",
+    )
+    b.add_argument("--all", action="store_true", help="every state, not only new ones")
+
+
+def run_features(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs import feature_plan
+    from fraud_scoring import features as F
+
+    decl = F.declarations()
+    the_plan = feature_plan.plan(
+        decl, settings.data_dir, settings.model_repo, settings.model_name, F.producible_features()
+    )
+    print(the_plan.text(decl))
+    if args.action == "plan":
+        return
+    from batch_jobs.declared_sql import backfill_tiles
+    from batch_jobs.train import load_transactions
+    from fraud_scoring.redis_clients import sync_client
+    from fraud_scoring.storage import partition_days
+
+    states = list(decl.specs) if args.all else the_plan.new_states
+    if states:
+        raw = settings.data_dir / "raw"
+        days = partition_days(raw, "transactions")
+        if not days:
+            raise UsageError(f"no raw transactions under {raw / 'transactions'}")
+        first = max(days[0], days[-1] - feature_plan.history_days(decl, states))
+        history = load_transactions(raw, first, days[-1])
+        only = _with_states(decl, states)
+        with redis_url(settings.redis_url) as url:
+            client = sync_client(url)
+            n = backfill_tiles(
+                client,
+                only,
+                history,
+                settings.allowed_lateness_s + F.declared.HORIZON_S,
+                progress=lambda m: print(f"  {m}", flush=True),
+            )
+        print(
+            f"backfill: {n:,} events recorded into {len(states)} state(s) from {first}..{days[-1]}"
+        )
+    feature_plan.record_applied(settings.data_dir, decl, states)
+    print(f"applied: {feature_plan.applied_path(settings.data_dir)}")
+
+
+def _with_states(decl: Any, states: list[Any]) -> Any:
+    """The declarations with only ``states`` (for a backfill of new ones)."""
+    import dataclasses
+
+    return dataclasses.replace(decl, specs=tuple(states))
+
+
 COMMANDS: list[Command] = [
     Command(
         "simulate",
@@ -362,6 +428,12 @@ COMMANDS: list[Command] = [
         "or --served: report on the logged decisions",
         run_evaluate,
         configure_evaluate,
+    ),
+    Command(
+        "features",
+        "declared features: plan a change of feature_repo/features.yaml, backfill new state",
+        run_features,
+        configure_features,
     ),
     Command(
         "decisions",

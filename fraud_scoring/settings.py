@@ -183,7 +183,7 @@ class Settings(BaseSettings):
     auth: Literal["required", "off"] = Field(
         default="off",
         description="'required': every scoring, reload and metrics call needs an API key "
-        "with the right scope (keys in api_keys_file; see README, Security). 'off' (the "
+        "with the right scope (keys in api_keys_file; see docs/api.md, Security). 'off' (the "
         "local default, tests and demo): anyone who reaches the port may call anything. "
         "The Helm chart sets 'required'.",
     )

@@ -46,7 +46,7 @@ class Problem(BaseModel):
         description="the field or header at fault, dotted (e.g. 'transactions.3.amount'); "
         "absent when no single field is",
     )
-    code: str = Field(description="stable, machine-readable; see the README's error codes")
+    code: str = Field(description="stable, machine-readable; see docs/api.md, Error answers")
     message: str = Field(description="for people; may change between versions")
 
 
