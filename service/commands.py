@@ -75,6 +75,9 @@ def run_keys(args: argparse.Namespace, settings: Settings) -> None:
 COMMANDS: list[Command] = [
     Command("serve", "run the scoring API (FastAPI + uvicorn)", run_serve, add_embedded_redis),
     Command(
-        "keys", "manage the scoring API's keys (see docs/api.md, Security)", run_keys, _configure_keys
+        "keys",
+        "manage the scoring API's keys (see docs/api.md, Security)",
+        run_keys,
+        _configure_keys,
     ),
 ]
