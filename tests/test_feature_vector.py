@@ -70,7 +70,7 @@ def _private_db(world: World, db: int) -> str:
     dst = connect(url)
     dst.flushdb()
     for key in src.scan_iter(count=1000):
-        if not key.startswith(b"{card:"):
+        if not key.startswith((b"{card:", b"{agg:")):  # session and declared state
             src.copy(key, key, destination_db=db, replace=True)
     return url
 
