@@ -162,7 +162,12 @@ class Settings(BaseSettings):
         "markers (not per request).",
     )
     max_batch_request: int = Field(
-        default=256, ge=1, description="Most transactions one POST /v1/score/batch may carry."
+        default=0,
+        ge=0,
+        description="Most transactions one POST /v1/score/batch (or one OIP infer call) may "
+        "carry; more is answered 413. 0 (default): the admission capacity. It may not be "
+        "above the capacity: a call heavier than all the capacity could only run alone, "
+        "refusing every other key while it runs.",
     )
     review_threshold: float | None = Field(
         default=None, ge=0, le=1, description="Override the model's review threshold."
@@ -449,6 +454,21 @@ class Settings(BaseSettings):
         """Transactions admitted at once: ``max_inflight``, or when it is 0, two full
         micro-batches per model instance."""
         return self.max_inflight or 2 * self.max_batch_size * self.model_instances
+
+    @property
+    def batch_request_limit(self) -> int:
+        """Most transactions per batch call: ``max_batch_request``, or the capacity."""
+        return self.max_batch_request or self.admission_capacity
+
+    @model_validator(mode="after")
+    def _batch_fits_capacity(self) -> Settings:
+        if self.max_batch_request > self.admission_capacity:
+            raise ValueError(
+                f"FRAUD_MAX_BATCH_REQUEST ({self.max_batch_request}) is above the admission "
+                f"capacity ({self.admission_capacity}, FRAUD_MAX_INFLIGHT or two micro-batches "
+                "per model instance): lower it, or raise FRAUD_MAX_INFLIGHT"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ca_file_into_url(self) -> Settings:

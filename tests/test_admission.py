@@ -37,8 +37,31 @@ def test_a_call_weighs_its_transactions_against_the_capacity() -> None:
     assert shares.refusal("a", 24, now=0.0) is None  # exactly the capacity
     shares.release("a", 40)
     assert shares.total == 0 and shares.held == {}
-    # A call heavier than the whole capacity still runs when nothing else does.
-    assert shares.refusal("a", 100, now=0.0) is None
+    # Alone, a key may fill the whole capacity at once (the edge refuses a call heavier
+    # than the capacity with 413 before it is weighed here).
+    assert shares.refusal("a", 64, now=0.0) is None
+
+
+def test_an_idle_keys_heavy_call_leaves_the_others_their_reserve() -> None:
+    """A key holding nothing is weighed like any other while others call: its one heavy
+    call may not take the reserve of the key that called a moment ago."""
+    shares = WorkShares(capacity=64, window_s=1.0)
+    assert shares.refusal("light", 2, now=0.0) is None  # took and gave back at once
+    refused = shares.refusal("heavy", 64, now=0.1)
+    assert refused is not None and refused.reason == RejectReason.CLIENT_SHARE
+    assert shares.refusal("heavy", 56, now=0.1) is None  # 64 - the light key's 8
+    shares.take("heavy", 56)
+    assert shares.refusal("light", 2, now=0.1) is None
+
+
+def test_a_batch_call_may_not_be_heavier_than_the_capacity() -> None:
+    from fraud_scoring.settings import Settings
+
+    assert Settings().batch_request_limit == Settings().admission_capacity == 128
+    assert Settings(max_inflight=300).batch_request_limit == 300
+    assert Settings(max_batch_request=32).batch_request_limit == 32
+    with pytest.raises(ValueError, match=r"FRAUD_MAX_BATCH_REQUEST \(256\) is above"):
+        Settings(max_batch_request=256)
 
 
 def test_a_second_key_halves_the_first_keys_share() -> None:

@@ -70,10 +70,10 @@ def test_body_over_the_byte_limit_is_413_before_reading(hardened: Server) -> Non
 
 def test_error_list_is_capped(hardened: Server) -> None:
     with hardened.client() as c:
-        r = c.post("/v1/score/batch", json={"transactions": [{}] * 256})
+        r = c.post("/v1/score/batch", json={"transactions": [{}] * INFLIGHT})
     assert r.status_code == 422
     body = r.json()
-    assert len(body["detail"]) == 20 and body["problems_total"] == 256 * 9
+    assert len(body["detail"]) == 20 and body["problems_total"] == INFLIGHT * 9
 
 
 def _slow_sender(url: str) -> socket.socket:

@@ -124,11 +124,14 @@ def test_missing_field_and_non_json_body(server: Server) -> None:
 
 
 def test_batch_limits(server: Server) -> None:
+    """A call may carry at most the admission capacity (128 by default): heavier, it
+    could only run alone while every other key is refused."""
     with server.client() as c:
-        many = [{**TXN, "transaction_id": f"t-{i}"} for i in range(257)]
+        many = [{**TXN, "transaction_id": f"t-{i}"} for i in range(129)]
         r = c.post("/v1/score/batch", json={"transactions": many})
         assert r.status_code == 413
         assert r.json()["detail"][0]["field"] == "transactions"
+        assert "at most 128 per call" in r.json()["detail"][0]["message"]
         r = c.post("/v1/score/batch", json={"transactions": []})
         assert r.status_code == 422
         bad = [TXN, {**TXN, "amount": -1}]
@@ -403,7 +406,7 @@ def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> Non
 def test_naive_path_serves_a_batch_larger_than_the_redis_pool(world: World, tmp_path: Path) -> None:
     """Without batching each transaction reads on its own connection: past the pool's 64
     they wait for a free one instead of failing as "feature store unavailable"."""
-    srv = start_server(world, tmp_path, FRAUD_BATCHING="false")
+    srv = start_server(world, tmp_path, FRAUD_BATCHING="false", FRAUD_MAX_INFLIGHT="256")
     try:
         txns = [{**TXN, "transaction_id": f"n{i}"} for i in range(150)]
         with srv.client() as c:

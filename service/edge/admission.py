@@ -62,8 +62,9 @@ class WorkShares:
 
     A call weighing ``w`` transactions is admitted when
 
-    * the process then holds at most ``capacity`` (a call heavier than the whole
-      capacity still runs when nothing else does: it is never refused for ever), and
+    * the process then holds at most ``capacity`` (no call is heavier: the batch
+      endpoint refuses more than ``max_batch_request``, at most the capacity, with 413),
+      and
     * its client, if it already holds work, stays within its fair share (``capacity``
       split between the clients seen in the last ``window_s`` seconds or holding work,
       in proportion to their ``share``: the key's weight from the keys file, 1 by
@@ -98,7 +99,9 @@ class WorkShares:
         self._seen[client] = now
         self._weights[client] = client_share
         held = self.held.get(client, 0)
-        active = self._active(now) if held else 1
+        # Every key that called lately counts, also for a key holding nothing: else one
+        # heavy call from an idle key takes the whole capacity and refuses the others.
+        active = self._active(now)
         if active > 1:
             total_weight = sum(self._weights[c] for c in self._seen)
             share = self.capacity * client_share / total_weight

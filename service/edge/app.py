@@ -74,7 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         capacity=settings.admission_capacity,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
-        max_batch_request=settings.max_batch_request,
+        max_batch_request=settings.batch_request_limit,
         # The scoring routes straight from admission, past Starlette's routing layers.
         inner=lambda rest: DirectDispatch(app, rest),
     )

@@ -233,7 +233,7 @@ async def _infer(request: Request, name: str, version: str | None) -> JSONRespon
             deadline = request_deadline(request, res)
         except RequestValidationError as exc:
             raise OipError(400, str(exc.errors()[0]["msg"])) from None
-        x, req = _decode(await request.body(), request, model, res.settings.max_batch_request)
+        x, req = _decode(await request.body(), request, model, res.settings.batch_request_limit)
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                 scores = await asyncio.get_running_loop().run_in_executor(

@@ -341,7 +341,7 @@ async def score_many(request: Request) -> Response:
                 }
             ]
         )
-    limit = res.settings.max_batch_request
+    limit = res.settings.batch_request_limit
     if len(items) > limit:
         raise PayloadTooLarge(f"{len(items)} transactions; at most {limit} per call")
     try:
