@@ -226,3 +226,23 @@ def test_serve_refuses_a_missing_keys_file(world: World, tmp_path: Path) -> None
     )
     assert out.returncode == 2
     assert "absent.jsonl" in out.stderr and "No such file" in out.stderr
+
+
+def test_a_keys_file_caught_mid_write_keeps_the_keys_read_before(tmp_path: Path) -> None:
+    """An editor truncates, then writes: the empty file in between is not "no keys"; a
+    half-written line is not either. A file left with only a comment revokes them all."""
+    from service.edge.auth import AuthError, KeyEntry, KeyRing, Scope, append_key, new_key
+
+    path = tmp_path / "keys.jsonl"
+    key, digest = new_key("ops")
+    append_key(path, KeyEntry(id="ops", sha256=digest, scopes=frozenset({Scope.SCORE})))
+    ring = KeyRing(path)
+    full = path.read_text()
+    for caught in ("", full[: len(full) // 2]):
+        path.write_text(caught)
+        ring._next_check = 0.0  # the next call re-reads (normally once a second)
+        assert ring.authenticate(key).key_id == "ops"
+    path.write_text("# every key revoked\n")
+    ring._next_check = 0.0
+    with pytest.raises(AuthError):
+        ring.authenticate(key)

@@ -25,6 +25,7 @@ file that turns unreadable or invalid keeps the last good keys (and says so in t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -39,6 +40,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from fastapi import Request
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fraud_scoring.settings import Settings
@@ -150,6 +152,15 @@ def append_key(path: Path, entry: KeyEntry) -> None:
         f.write(line + "\n")
 
 
+@functools.cache
+def _rejected_reads() -> Counter:
+    return Counter(
+        "fraud_keys_file_rejected_reads",
+        "Re-reads of the keys file that were refused (empty, unreadable or invalid): "
+        "the keys read before stay in force",
+    )
+
+
 class KeyRing:
     """The valid keys, from the keys file, re-read when the file changes.
 
@@ -180,8 +191,14 @@ class KeyRing:
             return
         self._stamp = stamp
         try:
+            if stamp is not None and stamp[2] == 0:
+                # An editor that truncates, then writes, shows an empty file for a
+                # moment: that is a write in progress, not "no keys" (to revoke every
+                # key on purpose, leave a comment line in the file).
+                raise KeysFileError(f"keys file {self.path} is empty (being written?)")
             entries = read_keys(self.path)
         except KeysFileError as exc:
+            _rejected_reads().inc()
             log.error("%s; keeping the %d keys read before", exc, len(self._entries))
             return
         log.info("keys file %s re-read: %d keys", self.path, len(entries))
