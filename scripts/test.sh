@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (once) and run lint, type checks and the test suite.
+# --quick: only the tests that need no simulated world, server or subprocess (about
+# 20 s of tests); other arguments go to pytest.
 # Everything the tests need (a Redis-protocol server, a Kafka-protocol broker, Helm's
 # Go SDK) comes from PyPI wheels and is started by the tests themselves.
 set -euo pipefail
@@ -15,4 +17,8 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy cli fraud_scoring service batch_jobs streaming feature_repo bench
 echo "== import layers"; .venv/bin/lint-imports  # contracts in pyproject.toml
-echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+args=()
+for a in "$@"; do
+    if [ "$a" = "--quick" ]; then args+=(-m quick); else args+=("$a"); fi
+done
+echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "${args[@]}"

@@ -172,3 +172,41 @@ def server(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     srv = start_server(world, tmp_path_factory.mktemp("srv"))
     yield srv
     stop_server(srv)
+
+
+# The quick tier (`./scripts/test.sh --quick`, `-m quick`): tests that need no simulated
+# world, no server of their own and no subprocess. A test is quick unless it uses one of
+# these fixtures (directly or through another) or its module is marked ``slow``.
+HEAVY_FIXTURES = frozenset(
+    {"world", "redis_server", "redis_cluster", "stream_redis", "kafka_bootstrap", "server"}
+)
+
+
+# Modules and tests that start a subprocess, a Spark session or a server themselves.
+SLOW_MODULES = frozenset(
+    {
+        "test_feast_cli",
+        "test_spark_engine",
+        "test_redis_cluster",
+        "test_packaging",
+        "test_updater_readyz",
+        "test_decision_log_kafka",
+        "test_cli",
+        "test_helm_monitoring",
+        "test_docs_browser",
+    }
+)
+SLOW_TESTS = ("test_rendered_", "test_helm_test_hook", "test_serve_refuses")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        slow = (
+            module in SLOW_MODULES
+            or item.name.startswith(SLOW_TESTS)
+            or item.get_closest_marker("slow") is not None
+        )
+        if not names & HEAVY_FIXTURES and not slow:
+            item.add_marker(pytest.mark.quick)
