@@ -260,6 +260,9 @@ class Declarations:
         }
 
 
+EMPTY = Declarations((), (), "nothing declared")
+
+
 def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
     """Group declarations by (entity, value, filter) into the states they share."""
     groups: dict[str, list[AggregationDecl]] = {}

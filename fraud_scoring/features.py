@@ -336,7 +336,7 @@ def build_features(
     ``batch`` holds the batch columns after :func:`apply_defaults` (a missing or stale
     snapshot already replaced by defaults, ``card_snapshot_time`` 0), ``session_columns``
     the columns of :data:`fraud_scoring.session.SESSION_NAMES` as of each event time.
-    ``aggregations`` the declared aggregations' columns (None: all their defaults).
+    ``aggregations`` the declared aggregations' columns (any not given: its default).
     Returns those plus the request, spanning, new-card and derived columns (float32 or
     float64; strings stay object); :func:`assemble` picks the model's columns in its order.
     """
@@ -354,9 +354,9 @@ def build_features(
     cols = {**both, **req, **spanning_features(both), **new_card_features(both)}
     decl = declarations()
     n = len(event_s)
-    if aggregations is None:
-        aggregations = {k: np.full(n, v) for k, v in decl.defaults().items()}
-    cols.update({k: np.asarray(v, dtype=np.float64) for k, v in aggregations.items()})
+    given = aggregations or {}
+    for k, default in decl.defaults().items():  # what was not read is its default
+        cols[k] = np.asarray(given[k], dtype=np.float64) if k in given else np.full(n, default)
     cols.update(declared.derived_columns(decl, cols, n))
     return cols
 

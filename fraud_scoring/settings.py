@@ -185,6 +185,14 @@ class Settings(BaseSettings):
         "so the next attempt of a burst counts it even while the event log lags. A "
         "request can opt out with the header X-Fraud-Record: false (what-if, replay).",
     )
+    idempotency_ttl_s: int = Field(
+        default=3600,
+        ge=0,
+        description="One id, one transaction: a recorded transaction_id is kept this long "
+        "(about 0.5 KB each in Redis); a retry with the same content gets the original "
+        "answer and changes nothing, other content under the id is refused 409 id_reused. "
+        "0: off.",
+    )
     auth: Literal["required", "off"] = Field(
         default="off",
         description="'required': every scoring, reload and metrics call needs an API key "

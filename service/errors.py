@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive in time
     NOT_FOUND = "not_found"  # 404: no review item with that transaction_id
     MODEL_REJECTED = "model_rejected"  # 409: the new model failed to load or validate
+    ID_REUSED = "id_reused"  # 409: the transaction_id was used for another transaction
     TOO_LARGE = "too_large"  # 413: body bytes or transactions over the limit
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: not JSON
     INVALID_JSON = "invalid_json"  # 422: the body is not JSON
@@ -131,7 +132,9 @@ _WHEN = {
     403: "The key lacks the route's scope (`forbidden`); auth on only.",
     408: "The body did not arrive within FRAUD_BODY_TIMEOUT_S (`body_timeout`).",
     404: "No review item with that transaction_id (`not_found`).",
-    409: "The new model failed to load or validate (`model_rejected`); the old one serves.",
+    409: "The new model failed to load or validate (`model_rejected`; the old one serves), "
+    "or the transaction_id was already used for another transaction (`id_reused`, naming "
+    "the fields that differ; a retry with the same content gets the original answer).",
     413: "The body is over FRAUD_MAX_BODY_BYTES, or has too many transactions (`too_large`).",
     415: "Content-Type is not JSON (`unsupported_media_type`).",
     422: "The body or a header is invalid (`invalid_json`, `missing`, `invalid`), one "

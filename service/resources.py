@@ -163,9 +163,14 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         stack.callback(telemetry.before_scrape(drift.flush))
         sinks = [drift.observe, *([decision_log.submit] if decision_log else [])]
 
-        def on_scored(*batch: Any) -> None:
+        def on_scored(txns: Any, x: Any, names: Any, results: Any) -> None:
+            keep = [i for i, r in enumerate(results) if r.logged]
+            if len(keep) < len(results):  # retries and refusals are no new decisions
+                if not keep:
+                    return
+                txns, x, results = [txns[i] for i in keep], x[keep], [results[i] for i in keep]
             for sink in sinks:  # each only counts or buffers: no I/O here
-                sink(*batch)
+                sink(txns, x, names, results)
 
         scorer = Scorer(
             scoring_client,

@@ -153,6 +153,10 @@ def start_server(world: World, tmp: Path, wait_for: str = "/readyz", **env: str)
         # The simulated world lies in the past: lift the live event-time bound (its own
         # tests set it back).
         "FRAUD_MAX_EVENT_SKEW_S": "0",
+        # Most tests send one fixed transaction again and again, with other content or
+        # to see another model's answer: one id, one transaction is tested on its own
+        # (tests/test_idempotency.py), with it on as deployed.
+        "FRAUD_IDEMPOTENCY_TTL_S": "0",
         **env,
     }
     with open(log, "wb") as out:

@@ -47,6 +47,7 @@ from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
 from fraud_scoring.settings import Settings
+from service.core import idempotency
 from service.core.challenger import Challenger
 from service.core.decision import FEATURES_READ, Policy, Reason, rules_only
 from service.core.model import LoadedModel, ModelHolder
@@ -83,6 +84,19 @@ def _inexact_declared() -> Counter:
     return Counter(
         "fraud_declared_reads_inexact", "Declared-feature reads that were not exact (replays)"
     )
+
+
+@functools.cache
+def _id_reused() -> Counter:
+    return Counter(
+        "fraud_id_reused", "Requests refused 409: their transaction_id was used for another"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Claimed:
+    claim: idempotency.Claim
+    content: str
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,42 @@ class ScoreResult:
     champion_score: float | None = None
     challenger_version: str | None = None
     challenger_score: float | None = None
+    # One id, one transaction (service/core/idempotency.py): a retry answered again (not
+    # a new decision: not logged), or the refusal (409) of an id used for another one.
+    repeat: bool = False
+    refused: Exception | None = None
+
+    @property
+    def logged(self) -> bool:
+        """A new decision, for the decision log and the drift monitor."""
+        return self.refused is None and not self.repeat
+
+    def answer(self) -> dict[str, Any]:
+        """What a retry of this transaction is answered with (kept in the store)."""
+        return {
+            "decision": self.decision,
+            "score": self.score,
+            "reasons": [[r.code, r.message] for r in self.reasons],
+            "model_version": self.model_version,
+            "missing": self.missing,
+            "stale": self.stale,
+            "degraded": self.degraded,
+        }
+
+    @classmethod
+    def repeated(cls, transaction_id: str, answer: dict[str, Any]) -> ScoreResult:
+        return cls(
+            transaction_id=transaction_id,
+            decision=answer["decision"],
+            score=answer["score"],
+            reasons=[Reason(c, m) for c, m in answer["reasons"]],
+            model_version=answer["model_version"],
+            missing=answer["missing"],
+            stale=answer["stale"],
+            degraded=answer["degraded"],
+            timing_ms={"feature_read": 0.0, "inference": 0.0, "decision": 0.0, "batch_size": 1.0},
+            repeat=True,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +294,8 @@ class Scorer:
         self.pool = pool
         self.limits = session.SessionLimits(settings.allowed_lateness_s)
         self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
+        self._keeping: set[asyncio.Task[None]] = set()
+        self._declared_for: tuple[frozenset[str], D.Declarations] = (frozenset(), D.EMPTY)
 
     def _to_record(self, txns: Sequence[Transaction], record: Sequence[bool] | None) -> list[bool]:
         """Per transaction, whether it joins the session and declared state: asked to be
@@ -307,6 +359,29 @@ class Scorer:
         cols = F.build_features(rows.columns, rows.columns, request, aggs)
         return cols, rows.missing, rows.stale
 
+    def _declared_read(self) -> D.Declarations:
+        """The declared states the serving models read (champion and challenger): only
+        those are read, and recorded for read-your-writes, here; the updater keeps them
+        all. Without a model (tests reading features): all."""
+        names: set[str] = set()
+        for holder in (self.models, self.challenger):
+            current = holder.current if holder is not None else None
+            if current is not None:
+                names.update(current.meta.feature_names)
+        decl = F.declarations()
+        if self.models.current is None:
+            return decl
+        key = frozenset(names)
+        if self._declared_for[0] != key:
+            needed = set(decl.aggregate_names()) & names
+            # A derived feature reads others: keep every state when any derived is used.
+            if any(d.name in names for d in decl.derived):
+                specs = decl.specs
+            else:
+                specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
+            self._declared_for = (key, dataclasses.replace(decl, specs=specs))
+        return self._declared_for[1]
+
     async def _round_trip(self, batch: _Batch) -> tuple[list[Any], _Layout]:
         """The batch's one pipelined round trip: the reads (batch features, session
         state, declared keys), then the writes (queued after them, so no read sees its
@@ -326,7 +401,7 @@ class Scorer:
 
         plan, _ = D.queue_batch(
             pipe,
-            F.declarations(),
+            self._declared_read(),
             batch.rows,
             batch.ts_us,
             batch.recorded,
@@ -459,6 +534,9 @@ class Scorer:
         if absent and refuse:
             raise NoBatchFeatures(absent)
         try:
+            claims = await self._claim(txns, record)
+            if claims is not None:  # a retry or a reused id records nothing
+                record = [c is not None and c.claim.new for c in claims]
             cols, missing, stale = await self.read_features(txns, record)
         except FeatureStoreUnavailable:
             if refuse:
@@ -475,8 +553,78 @@ class Scorer:
         out = self._decide(txns, model, scores, route, missing, stale, cols)
         clock.mark("decision")
         clock.stamp(out, len(txns))
+        if claims is not None:
+            out = self._settle(out, claims)
         self._observe(txns, model, x, cols, route, out)
         return out
+
+    async def _claim(
+        self, txns: Sequence[Transaction], record: Sequence[bool] | None
+    ) -> list[_Claimed | None] | None:
+        """Claim the ids of the transactions this batch records (one round trip; see
+        service/core/idempotency.py). None when nothing is claimed."""
+        ttl = self.settings.idempotency_ttl_s
+        recorded = self._to_record(txns, record)
+        if ttl <= 0 or not any(recorded):
+            return None
+        asked = [t for t, r in zip(txns, recorded, strict=True) if r]
+        pipe = self._pipeline()
+        contents = idempotency.queue_claims(pipe, asked, ttl)
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                replies = await self._execute(pipe)
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("claiming transaction ids failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        got = iter(zip(asked, contents, replies, strict=True))
+        out: list[_Claimed | None] = []
+        for r in recorded:
+            if not r:
+                out.append(None)
+                continue
+            t, c, reply = next(got)
+            if isinstance(reply, Exception):
+                raise FeatureStoreUnavailable("feature store unavailable: a claim failed")
+            out.append(_Claimed(idempotency.outcome(t, c, reply), c))
+        return out
+
+    def _settle(self, out: list[ScoreResult], claims: list[_Claimed | None]) -> list[ScoreResult]:
+        """Retries get their original answer (or, before it is stored, this one, marked
+        a repeat); reused ids their refusal; new claims keep their answer for retries
+        (written after the answers, off the answer's path)."""
+        settled, ids, contents, answers = [], [], [], []
+        for r, c in zip(out, claims, strict=True):
+            if c is None:
+                settled.append(r)
+            elif c.claim.reused is not None:
+                _id_reused().inc()
+                settled.append(dataclasses.replace(r, refused=c.claim.reused))
+            elif not c.claim.new:
+                if c.claim.answer is None:
+                    settled.append(dataclasses.replace(r, repeat=True))
+                else:
+                    settled.append(ScoreResult.repeated(r.transaction_id, c.claim.answer))
+            else:
+                settled.append(r)
+                ids.append(r.transaction_id)
+                contents.append(c.content)
+                answers.append(r.answer())
+        if ids:
+            task = asyncio.get_running_loop().create_task(self._keep(ids, contents, answers))
+            self._keeping.add(task)
+            task.add_done_callback(self._keeping.discard)
+        return settled
+
+    async def _keep(self, ids: list[str], contents: list[str], answers: list[Any]) -> None:
+        pipe = self._pipeline()
+        idempotency.queue_answers(pipe, ids, contents, answers)
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                await self._execute(pipe)
+        except STORE_OR_TIMEOUT as exc:  # a retry is then scored again, recording nothing
+            log.warning("keeping answers for retries failed: %s", exc)
 
     async def _predict(self, model: LoadedModel, x: np.ndarray) -> np.ndarray:
         """The champion's scores: inline for small CPU batches (cheaper than the thread

@@ -37,6 +37,7 @@ from fraud_scoring.model_repo import ModelError
 from service import telemetry
 from service.core.batching import DeadlineExceeded
 from service.core.challenger import LineupChange
+from service.core.idempotency import IdReused
 from service.core.scoring import ScoreRequest, ScoreResult
 from service.edge.admission import PARSED_BODY, RECEIVED_NS
 from service.edge.auth import AuthError, Scope, check_scope, require_scope
@@ -249,7 +250,7 @@ def _direct_post(path: str, **kwargs: Any) -> Callable[[_Endpoint], _Endpoint]:
 @_direct_post(
     "/v1/score",
     response_model=ScoreOut,
-    responses=error_responses(401, 403, 408, 413, 415, 422, 503),
+    responses=error_responses(401, 403, 408, 409, 413, 415, 422, 503),
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
         "requestBody": {
@@ -287,7 +288,7 @@ async def score(request: Request) -> Response:
 @_direct_post(
     "/v1/score/batch",
     response_model=BatchOut,
-    responses=error_responses(401, 403, 408, 413, 415, 422, 503),
+    responses=error_responses(401, 403, 408, 409, 413, 415, 422, 503),
     openapi_extra={
         "parameters": [_TIMEOUT_DOC, _RECORD_DOC],
         "requestBody": {
@@ -413,10 +414,14 @@ async def _decide(
     """One decision through the micro-batcher (or, batching off, on its own)."""
     if res.batcher is not None:
         # The batcher answers TimedOut (503 ``timeout``) at the deadline itself.
-        return await res.batcher.submit(item, deadline, gone)
-    if deadline <= time.monotonic():
-        raise DeadlineExceeded("deadline passed")
-    return (await res.score_batch([item]))[0]
+        result = await res.batcher.submit(item, deadline, gone)
+    else:
+        if deadline <= time.monotonic():
+            raise DeadlineExceeded("deadline passed")
+        result = (await res.score_batch([item]))[0]
+    if result.refused is not None:
+        raise result.refused
+    return result
 
 
 async def _traced(
@@ -582,6 +587,12 @@ async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
     )
 
 
+async def _id_reused(request: Request, exc: IdReused) -> JSONResponse:
+    return JSONResponse(
+        status_code=409, content=error_body(ErrorCode.ID_REUSED, str(exc), "transaction_id")
+    )
+
+
 async def _unauthorized(request: Request, exc: AuthError) -> JSONResponse:
     code = ErrorCode.UNAUTHENTICATED if exc.status == 401 else ErrorCode.FORBIDDEN
     return JSONResponse(error_body(code, exc.detail), exc.status, headers=exc.headers)
@@ -598,6 +609,7 @@ EXCEPTION_HANDLERS: dict[
     Rejected: _rejected,
     RequestValidationError: _invalid,
     PayloadTooLarge: _too_large,
+    IdReused: _id_reused,
     AuthError: _unauthorized,
     NotJson: _not_json,
 }

@@ -1,0 +1,59 @@
+"""One id, one transaction (``service/core/idempotency.py``), over real HTTP and Redis:
+a retry gets the original answer and changes no state; the same id with other content
+is refused 409 ``id_reused`` naming the fields, and records nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from tests.conftest import Server, World, start_server, stop_server
+from tests.test_service import TXN
+
+
+@pytest.fixture(scope="module")
+def server(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The service as deployed: ids kept for FRAUD_IDEMPOTENCY_TTL_S (default 3600)."""
+    srv = start_server(world, tmp_path_factory.mktemp("idem"), FRAUD_IDEMPOTENCY_TTL_S="3600")
+    yield srv
+    stop_server(srv)
+
+
+def _txn(tid: str, **over: object) -> dict[str, object]:
+    return TXN | {"transaction_id": tid, "card_id": f"card-{tid}"} | over
+
+
+def test_a_retry_gets_the_original_answer_and_changes_nothing(server: Server, world: World) -> None:
+    tid = f"idem-{time.monotonic_ns()}"
+    client = redis.Redis.from_url(world.redis_url)
+    with server.client() as c:
+        first = c.post("/v1/score", json=_txn(tid))
+        assert first.status_code == 200, first.text
+        # The same instant written with another offset is the same transaction.
+        again = c.post("/v1/score", json=_txn(tid, event_time="2026-01-16T13:00:00+01:00"))
+        assert again.status_code == 200, again.text
+    a, b = first.json(), again.json()
+    for k in ("transaction_id", "decision", "score", "reasons", "model_version"):
+        assert a[k] == b[k], k
+    assert client.zcard(f"{{card:card-{tid}}}:ev") == 1
+
+
+def test_the_same_id_for_another_transaction_is_refused_409(server: Server, world: World) -> None:
+    tid = f"idem-{time.monotonic_ns()}"
+    client = redis.Redis.from_url(world.redis_url)
+    with server.client() as c:
+        assert c.post("/v1/score", json=_txn(tid)).status_code == 200
+        answers = [
+            c.post("/v1/score", json=_txn(tid, amount=1.0 + i, merchant_id="m00002"))
+            for i in range(12)
+        ]
+        metrics = c.get("/metrics").text
+    assert {r.status_code for r in answers} == {409}
+    problem = answers[0].json()["detail"][0]
+    assert problem["code"] == "id_reused" and problem["field"] == "transaction_id"
+    assert "amount" in problem["message"] and "merchant_id" in problem["message"]
+    assert client.zcard(f"{{card:card-{tid}}}:ev") == 1  # the burst recorded nothing
+    assert "fraud_id_reused_total" in metrics
