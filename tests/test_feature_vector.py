@@ -137,17 +137,7 @@ def test_served_vector_equals_the_training_row(
     # in live order below (test_live_order_vector_equals_the_training_row).
     names = [n for n in F.default_model_features() if kinds[n].kind not in LIVE_ONLY]
     assert {"hour_of_day_local", "card_is_new", "card_txn_count_1m"} <= set(names)
-    mismatches: dict[str, str] = {}
-    for name in names:
-        on = np.asarray(online[name], dtype=np.float64)
-        off = np.asarray(offline[name], dtype=np.float64)
-        if kinds[name].dtype == "int64":
-            bad = on != off
-        else:
-            bad = ~np.isclose(on, off, rtol=1e-5, atol=0.0)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            mismatches[name] = f"{bad.sum()} rows, e.g. {ids[i]}: served {on[i]}, trained {off[i]}"
+    mismatches = _compare(names, ids, online, offline)
     assert not mismatches, f"served != training on {len(ids)} rows: {mismatches}"
     # The comparison means something: the rows have history, bursts and new cards.
     assert (offline["card_txn_count_1m"] > 0).sum() >= 5

@@ -410,18 +410,21 @@ class Scorer:
             per_key=is_cluster_pipeline(pipe),
         )
         lay = _Layout(n_reader, marks[0], marks[1], plan)
+        return await self._bounded(pipe, "feature read"), lay
+
+    async def _bounded(self, pipe: Any, what: str) -> list[Any]:
+        """One round trip bounded by ``FRAUD_REDIS_TIMEOUT_S`` as a whole (the client has
+        no per-reply socket timeout, service/resources.py: one timer per micro-batch);
+        failed or late, it is FeatureStoreUnavailable and a failure for the breaker."""
         try:
-            # The client has no per-reply socket timeout (service/resources.py): the
-            # whole round trip is bounded here, one timer per micro-batch.
             async with asyncio.timeout(self.settings.redis_timeout_s):
-                replies = await self._execute(pipe)
+                return await self._execute(pipe)
         except STORE_OR_TIMEOUT as exc:
             # The cause (it names Redis's host:port) goes to the log, not to callers.
-            log.warning("feature read failed: %s", exc)
+            log.warning("%s failed: %s", what, exc)
             if self.health is not None:
                 self.health.failed()
             raise FeatureStoreUnavailable("feature store unavailable") from exc
-        return replies, lay
 
     # One server: every command goes out on a held connection (HeldConnections, which
     # keep their connections out of the client's pool); a cluster: redis-py's pipeline,
@@ -570,14 +573,7 @@ class Scorer:
         asked = [t for t, r in zip(txns, recorded, strict=True) if r]
         pipe = self._pipeline()
         contents = idempotency.queue_claims(pipe, asked, ttl)
-        try:
-            async with asyncio.timeout(self.settings.redis_timeout_s):
-                replies = await self._execute(pipe)
-        except STORE_OR_TIMEOUT as exc:
-            log.warning("claiming transaction ids failed: %s", exc)
-            if self.health is not None:
-                self.health.failed()
-            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        replies = await self._bounded(pipe, "claiming transaction ids")
         got = iter(zip(asked, contents, replies, strict=True))
         out: list[_Claimed | None] = []
         for r in recorded:
@@ -604,8 +600,11 @@ class Scorer:
             elif not c.claim.new:
                 if c.claim.answer is None:
                     settled.append(dataclasses.replace(r, repeat=True))
-                else:
-                    settled.append(ScoreResult.repeated(r.transaction_id, c.claim.answer))
+                else:  # the original answer, with this batch's timings
+                    again = ScoreResult.repeated(r.transaction_id, c.claim.answer)
+                    settled.append(
+                        dataclasses.replace(again, timing_ms=r.timing_ms, spans_ns=r.spans_ns)
+                    )
             else:
                 settled.append(r)
                 ids.append(r.transaction_id)
