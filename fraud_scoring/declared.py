@@ -717,9 +717,25 @@ def online_row(
                 c, s, q = c + 1, s + v, q + v * v
         if not exact:  # a replay: some later events were counted; never below nothing
             c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)
-        cols = finish(spec, w, [c], [s], [q], [since])
-        out.update({k: float(v[0]) for k, v in cols.items()})
+        out.update(_finish_one(spec, w, c, s, q, since))
     return out, exact
+
+
+def _finish_one(
+    spec: Spec, w: Window, c: float, s: float, q: float, since: float
+) -> dict[str, float]:
+    """:func:`finish` for one row on Python floats (the same IEEE operations, without
+    numpy's per-call cost on the scorer's path)."""
+    mean = s / c if c > 0 else 0.0
+    var = max(q / c - mean * mean, 0.0) if c > 0 else 0.0
+    values = {
+        "count": c,
+        "sum": s,
+        "mean": mean,
+        "std": math.sqrt(var),
+        "seconds_since_last": min(since, w.us / US),
+    }
+    return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us}
 
 
 # --- a micro-batch (the scorer's edge) ----------------------------------------------------
