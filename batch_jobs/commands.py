@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from fraud_scoring.commands import Command, UsageError, iso_date
 from fraud_scoring.redis_server import redis_url
@@ -377,9 +377,9 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
         days = partition_days(raw, "transactions")
         if not days:
             raise UsageError(f"no raw transactions under {raw / 'transactions'}")
-        first = max(days[0], days[-1] - feature_plan.history_days(decl, states))
+        first = max(days[0], days[-1] - feature_plan.history_days(states))
         history = load_transactions(raw, first, days[-1])
-        only = _with_states(decl, states)
+        only = dataclasses.replace(decl, specs=tuple(states))  # the new states only
         with redis_url(settings.redis_url) as url:
             client = sync_client(url)
             n = backfill_tiles(
@@ -394,13 +394,6 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
         )
     feature_plan.record_applied(settings.data_dir, decl, states)
     print(f"applied: {feature_plan.applied_path(settings.data_dir)}")
-
-
-def _with_states(decl: Any, states: list[Any]) -> Any:
-    """The declarations with only ``states`` (for a backfill of new ones)."""
-    import dataclasses
-
-    return dataclasses.replace(decl, specs=tuple(states))
 
 
 COMMANDS: list[Command] = [

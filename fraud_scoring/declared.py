@@ -32,6 +32,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -200,7 +201,7 @@ class Spec:
     features: tuple[Declared, ...]
     description: str = ""
 
-    @property
+    @cached_property  # read on every queued call: derived once
     def widths(self) -> dict[int, int]:
         """Tile width → ring size (slots): the most tiles a window of that width reads,
         plus room for events stamped up to :data:`FUTURE_ROOM_US` ahead of the key's
@@ -762,21 +763,18 @@ def queue_batch(
     writes_after: Callable[[], None] | None = None,
     per_key: bool = False,
     read: bool = True,
-) -> tuple[BatchPlan, int]:
+) -> BatchPlan:
     """Queue a micro-batch's reads, then (after ``writes_after``, which may queue other
     writes) the recording of the rows whose ``record`` is true (``per_key``: one call per
-    key, for a Redis Cluster; ``read`` False: record only, as the updater does). Returns
-    the plan and how many commands the reads took (they come first, the recording
-    last)."""
+    key, for a Redis Cluster; ``read`` False: record only, as the updater does). The
+    reads come first, the recording last."""
     plan = BatchPlan([], [])
-    n0 = len(pipe)
     for spec in decl.specs if read else ():
         for i, row in enumerate(rows):
             key = spec.key_value(row)
             if key is not None:
                 queue_read(pipe, spec, key, ts_us[i])
             plan.reads.append((spec, i, key))
-    n_reads = len(pipe) - n0
     if writes_after is not None:
         writes_after()
     kept = [i for i, r in enumerate(record) if r]
@@ -790,7 +788,7 @@ def queue_batch(
             plan.writes += [(spec, [k], evs) for k in keys]
         else:
             plan.writes.append((spec, keys, evs))
-    return plan, n_reads
+    return plan
 
 
 def parse_batch(

@@ -45,7 +45,6 @@ __all__ = [
     "NotReplicated",
     "SessionWriter",
     "card_event",
-    "declared_row",
     "to_session_event",
 ]
 
@@ -70,11 +69,6 @@ CardEvent = tuple[str, SessionEvent]  # (card_id, event)
 
 def card_event(txn: Transaction) -> CardEvent:
     return txn.card_id, to_session_event(txn)
-
-
-def declared_row(txn: Transaction) -> dict[str, Any]:
-    """The fields of ``txn`` the declared aggregations read."""
-    return D.transaction_row(txn)
 
 
 class NotReplicated(redis.TimeoutError):
@@ -106,7 +100,6 @@ class SessionWriter:
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self.script = client.register_script(APPLY_LUA)  # for apply_unpipelined
         self.horizon_s = allowed_lateness_s + D.HORIZON_S
-        self._waits = 0
 
     def _args(self, events: Sequence[SessionEvent]) -> list[str | int]:
         return self.limits.args(events)
@@ -115,8 +108,9 @@ class SessionWriter:
         self, events: Sequence[CardEvent], rows: Sequence[Mapping[str, Any]] | None = None
     ) -> ApplyResult:
         """Apply (card_id, event) pairs (any order, duplicates allowed) in one round trip,
-        and ``rows`` (the same transactions' fields, :func:`declared_row`) to the declared
-        aggregations' keys in the same round trip (None: none).
+        and ``rows`` (the same transactions' fields,
+        :func:`fraud_scoring.declared.transaction_row`) to the declared aggregations' keys
+        in the same round trip (None: none).
 
         Raises ``redis.RedisError`` (or, on a cluster, ``RedisClusterException``) when
         Redis fails; then some cards may already be updated, and applying the same batch
@@ -129,16 +123,16 @@ class SessionWriter:
         if not by_card:
             return ApplyResult()
         ts = [e.ts_us for _, e in events]
-        replies = self._send(by_card, rows or [], ts)
+        replies, waits = self._send(by_card, rows or [], ts)
         if any(isinstance(r, NoScriptError) for r in replies):
             for script in (APPLY_LUA, *D.SCRIPTS):  # on a cluster: on every primary
                 self.client.script_load(script)
-            replies = self._send(by_card, rows or [], ts)
+            replies, waits = self._send(by_card, rows or [], ts)
         n = len(by_card)
         for r in replies:
             if isinstance(r, Exception):
                 raise r
-        for confirmed in replies[len(replies) - self._waits :]:
+        for confirmed in replies[len(replies) - waits :]:
             if int(confirmed) < self.wait_replicas:
                 raise NotReplicated(
                     f"{confirmed} of {self.wait_replicas} replicas confirmed the batch "
@@ -154,9 +148,9 @@ class SessionWriter:
         by_card: dict[str, list[SessionEvent]],
         rows: Sequence[Mapping[str, Any]],
         ts_us: Sequence[int],
-    ) -> list[Any]:
+    ) -> tuple[list[Any], int]:
         """One pipeline: a script call per card, one per declared key, then a WAIT per
-        written node."""
+        written node. Returns the replies and how many are the WAITs' (the last)."""
         pipe = self.client.pipeline(transaction=False)
         queue_apply(pipe, by_card, self.limits)
         if rows:
@@ -182,9 +176,9 @@ class SessionWriter:
                     pipe.execute_command(*wait, target_nodes=node)
             else:
                 pipe.execute_command(*wait)
-        self._waits = len(pipe) - n_before_wait
+        waits = len(pipe) - n_before_wait
         replies: list[Any] = pipe.execute(raise_on_error=False)
-        return replies
+        return replies, waits
 
     def apply_unpipelined(self, events: Sequence[CardEvent]) -> ApplyResult:
         """Baseline for the benchmark: one script call (one round trip) per event."""

@@ -37,12 +37,13 @@ import redis
 from pydantic import ValidationError
 from redis.exceptions import RedisClusterException
 
+from fraud_scoring.declared import transaction_row
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import CLUSTER_RETRYABLE
 from fraud_scoring.session import to_us
 from streaming.metrics import UpdaterMetrics
 from streaming.sources import Message, Source, SourceUnavailable
-from streaming.state import ApplyResult, CardEvent, SessionWriter, card_event, declared_row
+from streaming.state import ApplyResult, CardEvent, SessionWriter, card_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +90,7 @@ def decode(msg: Message, latest_us: int | None = None) -> tuple[CardEvent, dict[
         return f"invalid event: {type(exc).__name__}: {exc}"
     if latest_us is not None and event.ts_us > latest_us:
         return f"event_time: {event.ts_us / 1e6:.0f} s is too far in the future"
-    return (card, event), declared_row(txn)
+    return (card, event), transaction_row(txn)
 
 
 @dataclass

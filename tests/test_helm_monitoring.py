@@ -39,6 +39,7 @@ from tests.test_helm import (
     find,
     local_redis,
     localize,
+    missing_cli,
     new_key,
     one,
     pod_spec,
@@ -343,7 +344,7 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]
     """Metric names the rendered scoring command and the rendered updater command
     export, started with their rendered environments on a real Redis-protocol server."""
     if reason := _cli_missing_reason():
-        pytest.skip(f"fraud-scoring CLI not written yet: {reason}")
+        missing_cli(f"fraud-scoring CLI not written yet: {reason}")
     workdir = tmp_path_factory.mktemp("monitoring")
     key, entry = new_key("prometheus", ["metrics"])
     docs = render({"redis": {"password": "m0nitor"}, "scoring": {"auth": {"keys": [entry]}}})

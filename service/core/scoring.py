@@ -106,8 +106,12 @@ class _Batch:
     txns: Sequence[Transaction]
     recorded: list[bool]
     ts_us: list[int]
-    rows: list[dict[str, Any]]
     by_card: dict[str, list[session.SessionEvent]]
+
+    @functools.cached_property
+    def rows(self) -> list[dict[str, Any]]:
+        """The fields declared features read (built only when some state is read)."""
+        return [D.transaction_row(t) for t in self.txns]
 
     @classmethod
     def of(cls, txns: Sequence[Transaction], recorded: list[bool]) -> _Batch:
@@ -119,7 +123,6 @@ class _Batch:
             txns,
             recorded,
             [session.to_us(t.event_time) for t in txns],
-            [D.transaction_row(t) for t in txns],
             by_card,
         )
 
@@ -134,6 +137,7 @@ class _Layout:
     reads_end: int
     session_end: int
     plan: D.BatchPlan
+    rows: list[dict[str, Any]]  # what the declared reads and writes were queued for
 
     def declared_writes(self, replies: list[Any]) -> list[Any]:
         return replies[self.session_end :]
@@ -295,7 +299,11 @@ class Scorer:
         self.limits = session.SessionLimits(settings.allowed_lateness_s)
         self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
         self._keeping: set[asyncio.Task[None]] = set()
-        self._declared_for: tuple[frozenset[str], D.Declarations] = (frozenset(), D.EMPTY)
+        self._declared_for: tuple[LoadedModel | None, LoadedModel | None, D.Declarations] = (
+            None,
+            None,
+            D.EMPTY,
+        )
 
     def _to_record(self, txns: Sequence[Transaction], record: Sequence[bool] | None) -> list[bool]:
         """Per transaction, whether it joins the session and declared state: asked to be
@@ -343,7 +351,7 @@ class Scorer:
             if stats.inexact:
                 _capped_reads().labels(exact="false").inc(stats.inexact)
         aggs, inexact = D.parse_batch(
-            lay.plan, reads[lay.reader :], lay.declared_writes(replies), batch.rows, batch.ts_us
+            lay.plan, reads[lay.reader :], lay.declared_writes(replies), lay.rows, batch.ts_us
         )
         if inexact:
             _inexact_declared().inc(inexact)
@@ -363,24 +371,24 @@ class Scorer:
         """The declared states the serving models read (champion and challenger): only
         those are read, and recorded for read-your-writes, here; the updater keeps them
         all. Without a model (tests reading features): all."""
-        names: set[str] = set()
-        for holder in (self.models, self.challenger):
-            current = holder.current if holder is not None else None
-            if current is not None:
-                names.update(current.meta.feature_names)
         decl = F.declarations()
-        if self.models.current is None:
+        champion = self.models.current
+        if champion is None:
             return decl
-        key = frozenset(names)
-        if self._declared_for[0] != key:
+        challenger = self.challenger.current if self.challenger is not None else None
+        held = self._declared_for  # the models change seldom: decide once per pair
+        if held[0] is not champion or held[1] is not challenger:
+            names = set(champion.meta.feature_names)
+            if challenger is not None:
+                names.update(challenger.meta.feature_names)
             needed = set(decl.aggregate_names()) & names
             # A derived feature reads others: keep every state when any derived is used.
             if any(d.name in names for d in decl.derived):
                 specs = decl.specs
             else:
                 specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
-            self._declared_for = (key, dataclasses.replace(decl, specs=specs))
-        return self._declared_for[1]
+            self._declared_for = (champion, challenger, dataclasses.replace(decl, specs=specs))
+        return self._declared_for[2]
 
     async def _round_trip(self, batch: _Batch) -> tuple[list[Any], _Layout]:
         """The batch's one pipelined round trip: the reads (batch features, session
@@ -399,17 +407,19 @@ class Scorer:
             session.queue_apply_many(pipe, batch.by_card, self.limits, per_card=per_card)
             marks.append(len(pipe))
 
-        plan, _ = D.queue_batch(
+        decl = self._declared_read()
+        rows = batch.rows if decl.specs else []
+        plan = D.queue_batch(
             pipe,
-            self._declared_read(),
-            batch.rows,
+            decl,
+            rows,
             batch.ts_us,
             batch.recorded,
             self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
             writes_after=session_writes,
             per_key=is_cluster_pipeline(pipe),
         )
-        lay = _Layout(n_reader, marks[0], marks[1], plan)
+        lay = _Layout(n_reader, marks[0], marks[1], plan, rows)
         return await self._bounded(pipe, "feature read"), lay
 
     async def _bounded(self, pipe: Any, what: str) -> list[Any]:
