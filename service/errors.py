@@ -27,7 +27,8 @@ class ErrorCode(StrEnum):
     UNAUTHENTICATED = "unauthenticated"  # 401: no key, or an unknown one
     FORBIDDEN = "forbidden"  # 403: the key lacks the scope
     BODY_TIMEOUT = "body_timeout"  # 408: the body did not arrive in time
-    NOT_FOUND = "not_found"  # 404: no review item with that transaction_id
+    NOT_FOUND = "not_found"  # 404: no review item with that transaction_id, or no route
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405: the route does not take the method
     MODEL_REJECTED = "model_rejected"  # 409: the new model failed to load or validate
     ID_REUSED = "id_reused"  # 409: the transaction_id was used for another transaction
     TOO_LARGE = "too_large"  # 413: body bytes or transactions over the limit

@@ -45,6 +45,9 @@ def create_key(keys_file: Path, key_id: str, scopes: str) -> str:
     return out.stdout.strip()
 
 
+JSON_TYPE = {"Content-Type": "application/json"}  # what state-changing admin routes need
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -148,7 +151,7 @@ def test_scopes_are_enforced_with_403(authed: AuthServer) -> None:
         r = c.post("/v1/models/reload", headers=bearer(authed.scorer))
         assert r.status_code == 403 and "'admin'" in r.json()["detail"][0]["message"]
         assert c.post("/v1/models/reload").status_code == 401
-        r = c.post("/v1/models/reload", headers=bearer(authed.ops))
+        r = c.post("/v1/models/reload", headers=bearer(authed.ops) | JSON_TYPE)
         assert r.status_code == 200 and r.json()["serving_version"] == "1"
         assert c.get("/metrics").status_code == 401
         assert c.get("/metrics", headers=bearer(authed.scorer)).status_code == 403

@@ -174,7 +174,9 @@ def rows(world: World) -> list[dict]:
 
 def lineup(s: Server, body: dict[str, Any] | None) -> dict[str, Any]:
     with s.client() as c:
-        r = c.post("/v1/models/reload", json=body) if body else c.post("/v1/models/reload")
+        r = c.post(
+            "/v1/models/reload", json=body or None, headers={"Content-Type": "application/json"}
+        )
     assert r.status_code == 200, r.text
     return r.json()
 

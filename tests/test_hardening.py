@@ -139,3 +139,35 @@ def test_amount_must_be_a_number(hardened: Server, amount: object) -> None:
         r = c.post("/v1/score", json={**TXN, "amount": amount})
     assert r.status_code == 422
     assert r.json()["detail"][0]["field"] == "amount"
+
+
+def test_reload_refuses_a_cross_site_form_post(hardened: Server) -> None:
+    """Auth off, an empty HTML form posted from another site (a form or plain-text
+    Content-Type, or none) reloads nothing: 415 naming the header. JSON goes through."""
+    with hardened.client() as c:
+        for headers in (
+            {"content-type": "application/x-www-form-urlencoded"},
+            {"content-type": "text/plain"},
+            {"content-type": "multipart/form-data; boundary=x"},
+            {},
+        ):
+            r = c.post("/v1/models/reload", content=b"", headers=headers)
+            assert r.status_code == 415, (headers, r.text)
+            [problem] = r.json()["detail"]
+            assert (problem["field"], problem["code"]) == (
+                "header.Content-Type",
+                "unsupported_media_type",
+            )
+        r = c.post("/v1/models/reload", headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+
+def test_routing_errors_have_the_one_error_shape(hardened: Server) -> None:
+    with hardened.client() as c:
+        for r, status, code in [
+            (c.get("/v1/no-such-route"), 404, "not_found"),
+            (c.get("/v1/models/reload"), 405, "method_not_allowed"),
+        ]:
+            assert r.status_code == status, r.text
+            [problem] = r.json()["detail"]
+            assert problem["code"] == code and problem["message"], problem

@@ -88,7 +88,11 @@ def test_every_answer_matches_the_published_schema(server: Server) -> None:
                 "/v1/score/batch",
                 c.post("/v1/score/batch", json={"transactions": [TXN] * 257}),
             ),
-            ("POST", "/v1/models/reload", c.post("/v1/models/reload")),
+            (
+                "POST",
+                "/v1/models/reload",
+                c.post("/v1/models/reload", headers={"Content-Type": "application/json"}),
+            ),
             ("POST", "/v1/feedback", c.post("/v1/feedback", json={"label": "maybe"})),
         ]
     statuses = [r.status_code for _, _, r in calls]

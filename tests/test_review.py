@@ -12,7 +12,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -34,7 +34,9 @@ class Reviewing:
     srv: Server
     log_url: str
     scorer: str  # scope score: the payment system
-    analyst: str  # scope admin: the review page's user
+    analyst: str  # scope admin (which implies label): the review page's user
+    feed: str  # scope label: a chargeback feed
+    scraper: str  # scope metrics
 
     def client(self, key: str | None = None) -> httpx.Client:
         c = self.srv.client()
@@ -48,7 +50,12 @@ def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tmp = tmp_path_factory.mktemp("review")
     keys = tmp / "keys.jsonl"
     made = {}
-    for key_id, scope in (("checkout", Scope.SCORE), ("analyst", Scope.ADMIN)):
+    for key_id, scope in (
+        ("checkout", Scope.SCORE),
+        ("analyst", Scope.ADMIN),
+        ("feed", Scope.LABEL),
+        ("prometheus", Scope.METRICS),
+    ):
         key, digest = new_key(key_id)
         append_key(keys, KeyEntry(id=key_id, sha256=digest, scopes=frozenset({scope})))
         made[key_id] = key
@@ -66,7 +73,9 @@ def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             FRAUD_MODEL_POLL_S="600",
         )
         try:
-            yield Reviewing(srv, log_url, made["checkout"], made["analyst"])
+            yield Reviewing(
+                srv, log_url, made["checkout"], made["analyst"], made["feed"], made["prometheus"]
+            )
         finally:
             stop_server(srv)
 
@@ -135,8 +144,8 @@ def test_review_decisions_are_queued_once_and_leave_on_a_label(
         assert item["key_features"][0] == {"name": "amount", "value": LIMIT + 500, "flag": None}
         assert 0 <= item["score"] <= 1 and item["model_version"] == "1"
 
-        detail = c.get(f"/v1/review/items/{ids[0]}")
-        check_against_openapi(spec, "GET", "/v1/review/items/{transaction_id}", detail)
+        detail = c.get("/v1/review/item", params={"transaction_id": ids[0]})
+        check_against_openapi(spec, "GET", "/v1/review/item", detail)
         d = detail.json()
         assert d["queued"] is True and d["label"] is None
         assert d["features"]["amount"] == LIMIT + 500 and len(d["features"]) > 10
@@ -151,12 +160,17 @@ def test_review_decisions_are_queued_once_and_leave_on_a_label(
         # A label from any source, through POST /v1/feedback, takes it out of the queue.
         fb = {"transaction_id": ids[0], "label": "legitimate", "source": "chargeback"}
         fb["time"] = txns[0]["event_time"]
-        with r.client(r.scorer) as s:
-            assert s.post("/v1/feedback", json=fb).status_code == 200
+        with r.client(r.feed) as s:
+            a = s.post("/v1/feedback", json=fb)
+            assert a.status_code == 200 and a.json()["matched"] is True, a.text
         assert ids[0] not in queued_ids(r) and ids[1] in queued_ids(r)
-        d = c.get(f"/v1/review/items/{ids[0]}").json()
+        d = c.get("/v1/review/item", params={"transaction_id": ids[0]}).json()
         assert d["queued"] is False
         assert (d["label"]["label"], d["label"]["source"]) == ("legitimate", "chargeback")
+        # The close is kept with the key that sent it, in the queue and in the log.
+        assert d["label"]["key_id"] == "feed"
+        [stored] = labels(r, ids[0])
+        assert (stored["key_id"], stored["matched"]) == ("feed", True)
 
     # Scored again after its label (a late retry): it does not come back.
     score(r, [txns[0]])
@@ -166,7 +180,7 @@ def test_review_decisions_are_queued_once_and_leave_on_a_label(
     assert ids[0] not in queued_ids(r)
 
 
-def test_review_api_validates_and_needs_admin(reviewing: Reviewing) -> None:
+def test_review_api_validates_and_needs_the_label_scope(reviewing: Reviewing) -> None:
     r = reviewing
     with r.client() as c:
         spec = c.get("/openapi.json").json()
@@ -174,14 +188,22 @@ def test_review_api_validates_and_needs_admin(reviewing: Reviewing) -> None:
         assert c.get("/v1/review/items").status_code == 401
     with r.client(r.scorer) as c:
         a = c.get("/v1/review/items")
-        assert a.status_code == 403 and "'admin'" in a.json()["detail"][0]["message"]
-        a = c.post("/v1/review/items/x/label", json={"label": "fraud"})
+        assert a.status_code == 403 and "'label'" in a.json()["detail"][0]["message"]
+        a = c.post("/v1/review/label", json={"transaction_id": "x", "label": "fraud"})
         assert a.status_code == 403
-    with r.client(r.analyst) as c:
-        for params, field in [({"limit": 0}, "query.limit"), ({"offset": -1}, "query.offset")]:
+    with r.client(r.feed) as c:  # the label scope alone reads the queue
+        assert c.get("/v1/review/items").status_code == 200
+    with r.client(r.analyst) as c:  # admin implies label
+        for params, field in [
+            ({"limit": 0}, "query.limit"),
+            ({"offset": -1}, "query.offset"),
+        ]:
             a = c.get("/v1/review/items", params=params)
             assert a.status_code == 422 and a.json()["detail"][0]["field"] == field
-        a = c.get("/v1/review/items/no-such-id")
+        a = c.get("/v1/review/item")
+        assert a.status_code == 422
+        assert a.json()["detail"][0]["field"] == "query.transaction_id"
+        a = c.get("/v1/review/item", params={"transaction_id": "no-such-id"})
         assert a.status_code == 404
         assert a.json()["detail"] == [
             {
@@ -190,12 +212,135 @@ def test_review_api_validates_and_needs_admin(reviewing: Reviewing) -> None:
                 "message": "no review item for 'no-such-id' (never decided 'review', or expired)",
             }
         ]
-        check_against_openapi(spec, "GET", "/v1/review/items/{transaction_id}", a)
-        label = "/v1/review/items/no-such-id/label"
-        assert c.post(label, json={"label": "fraud"}).status_code == 404
-        for body, field in [({"label": "maybe"}, "label"), ({"label": "fraud", "x": 1}, "x")]:
-            a = c.post(label, json=body)
+        check_against_openapi(spec, "GET", "/v1/review/item", a)
+        mark = {"transaction_id": "no-such-id", "label": "fraud"}
+        assert c.post("/v1/review/label", json=mark).status_code == 404
+        for body, field in [
+            ({**mark, "label": "maybe"}, "label"),
+            ({**mark, "x": 1}, "x"),
+            ({"label": "fraud"}, "transaction_id"),
+        ]:
+            a = c.post("/v1/review/label", json=body)
             assert a.status_code == 422 and a.json()["detail"][0]["field"] == field
+
+
+def label_body(transaction_id: str, when: str | datetime, **patch: str) -> dict[str, Any]:
+    at = when.isoformat() if isinstance(when, datetime) else when
+    body = {"transaction_id": transaction_id, "label": "fraud", "source": "chargeback"}
+    return {**body, "time": at, **patch}
+
+
+def test_feedback_needs_the_label_scope(reviewing: Reviewing) -> None:
+    r = reviewing
+    fb = label_body("rv-scope-1", datetime.now(UTC))
+    with r.client(r.scorer) as c:
+        a = c.post("/v1/feedback", json=fb)
+    assert a.status_code == 403
+    assert a.json()["detail"] == [
+        {
+            "code": "forbidden",
+            "message": "key 'checkout' lacks scope 'label' needed for POST /v1/feedback",
+        }
+    ]
+    assert labels(r, "rv-scope-1") == []
+    for key in (r.feed, r.analyst):  # label, and admin (which implies it)
+        with r.client(key) as c:
+            assert c.post("/v1/feedback", json=fb).status_code == 200
+
+
+def test_a_label_for_an_unscored_id_is_unmatched_and_hides_nothing(
+    reviewing: Reviewing, world: World
+) -> None:
+    r = reviewing
+    txns = card_txns(world, "rv-early", [LIMIT + 700])
+    tid = txns[0]["transaction_id"]
+    early = label_body(tid, txns[0]["event_time"], label="legitimate", source="customer")
+    with r.client(r.feed) as c:
+        a = c.post("/v1/feedback", json=early)
+    assert a.status_code == 200 and a.json()["matched"] is False, a.text
+    [stored] = labels(r, tid)  # kept, marked
+    assert (stored["matched"], stored["key_id"]) == (False, "feed")
+    # Scored after the label: its review decision still reaches the queue.
+    assert score(r, txns) == ["review"]
+    wait_until(lambda: tid in queued_ids(r), what="the review decision queued")
+    with r.client(r.scraper) as c:
+        metrics = c.get("/metrics").text
+    counted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("fraud_feedback_labels_total{")
+        and 'matched="false"' in line
+        and 'source="customer"' in line
+    ]
+    assert counted and float(counted[0].split()[-1]) >= 1, counted
+
+
+def test_label_times_outside_event_time_and_now_are_422(reviewing: Reviewing, world: World) -> None:
+    r = reviewing
+    txns = card_txns(world, "rv-time", [LIMIT + 900])
+    tid = txns[0]["transaction_id"]
+    assert score(r, txns) == ["review"]
+    wait_until(lambda: tid in queued_ids(r), what="the review decision queued")
+    event = datetime.fromisoformat(txns[0]["event_time"])
+    now = datetime.now(UTC)
+    with r.client(r.feed) as c:
+        for transaction_id, when, why in [
+            (tid, event - timedelta(seconds=1), "is before the transaction's event_time"),
+            (tid, datetime(1, 1, 1, tzinfo=UTC), "is before the transaction's event_time"),
+            (tid, now + timedelta(hours=1), "is after the server clock"),
+            (tid, datetime(9999, 12, 31, tzinfo=UTC), "is after the server clock"),
+            ("rv-time-never-scored", datetime(1, 1, 1, tzinfo=UTC), "days ago"),
+        ]:
+            a = c.post("/v1/feedback", json=label_body(transaction_id, when))
+            assert a.status_code == 422, (when, a.text)
+            [problem] = a.json()["detail"]
+            assert (problem["field"], problem["code"]) == ("time", "invalid")
+            assert why in problem["message"], problem
+        assert c.post("/v1/feedback", json=label_body(tid, event)).status_code == 200
+    assert len(labels(r, tid)) == 1 and tid not in queued_ids(r)
+
+
+def test_ids_with_slashes_and_dots_are_listed_opened_and_marked(
+    reviewing: Reviewing, world: World
+) -> None:
+    r = reviewing
+    odd = ["rv/odd/1", "..", "rv odd?x=1&y=%2F#z"]
+    txns = [
+        {**t, "transaction_id": tid}
+        for t, tid in zip(card_txns(world, "rv-odd", [LIMIT + 10] * 3), odd, strict=True)
+    ]
+    assert score(r, txns) == ["review"] * 3
+    wait_until(lambda: set(odd) <= set(queued_ids(r)), what="the odd ids queued")
+    with r.client(r.analyst) as c:
+        for tid in odd:
+            d = c.get("/v1/review/item", params={"transaction_id": tid})
+            assert d.status_code == 200, (tid, d.text)
+            assert (d.json()["transaction_id"], d.json()["queued"]) == (tid, True)
+            a = c.post("/v1/review/label", json={"transaction_id": tid, "label": "legitimate"})
+            assert a.status_code == 200 and a.json()["matched"] is True, (tid, a.text)
+            d = c.get("/v1/review/item", params={"transaction_id": tid}).json()
+            assert d["queued"] is False and d["label"]["key_id"] == "analyst"
+    assert not set(odd) & set(queued_ids(r))
+
+
+def test_label_bodies_must_be_utf8_json(reviewing: Reviewing) -> None:
+    r = reviewing
+    bad = b'{"transaction_id": "rv-bytes-\xff", "label": "fraud"}'
+    json_type = {"content-type": "application/json"}
+    with r.client(r.analyst) as c:
+        spec = c.get("/openapi.json").json()
+        for path in ("/v1/review/label", "/v1/feedback"):
+            a = c.post(path, content=bad, headers=json_type)
+            assert a.status_code == 422, (path, a.text)
+            [problem] = a.json()["detail"]
+            assert (problem["field"], problem["code"]) == ("body", "invalid_json"), problem
+            check_against_openapi(spec, "POST", path, a)
+            # A form (what a cross-site page can post) is not JSON: 415.
+            form = {"transaction_id": "rv-form", "label": "fraud"}
+            a = c.post(path, data=form)
+            assert a.status_code == 415, (path, a.text)
+            assert a.json()["detail"][0]["field"] == "header.Content-Type"
+            check_against_openapi(spec, "POST", path, a)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
@@ -203,6 +348,7 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     r = reviewing
     txns = card_txns(world, "rv-page", [LIMIT + 250, 35.0, LIMIT + 4000])
+    txns[2]["transaction_id"] = "rv-page/../t2"  # the page keeps any id whole
     assert score(r, txns) == ["review", "approve", "review"]
     target = txns[2]["transaction_id"]
     wait_until(lambda: target in queued_ids(r), what="the item queued")

@@ -276,7 +276,7 @@ def test_reload_keeps_old_model_when_new_one_is_broken(world: World, tmp_path: P
         shutil.copytree(repo / "fraud" / "1", broken)
         (broken / "model.onnx").write_bytes(b"garbage")
         with srv.client() as c:
-            r = c.post("/v1/models/reload")
+            r = c.post("/v1/models/reload", headers={"Content-Type": "application/json"})
             assert r.status_code == 409 and "model.onnx" in r.json()["detail"][0]["message"]
             assert c.post("/v1/score", json=TXN).json()["model_version"] == "1"
             shutil.rmtree(broken)
@@ -286,7 +286,7 @@ def test_reload_keeps_old_model_when_new_one_is_broken(world: World, tmp_path: P
             (good / "metadata.json").write_text(
                 meta.model_copy(update={"version": "3"}).model_dump_json()
             )
-            r = c.post("/v1/models/reload")
+            r = c.post("/v1/models/reload", headers={"Content-Type": "application/json"})
             assert r.status_code == 200 and r.json()["serving_version"] == "3"
             assert c.post("/v1/score", json=TXN).json()["model_version"] == "3"
     finally:

@@ -62,12 +62,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(oip.router)
-    # Feedback is scored traffic's other half: the same `score` scope.
-    app.include_router(
-        feedback_router, dependencies=[Depends(auth.require_scope(auth.Scope.SCORE))]
-    )
-    # The analysts' review queue: its API reads and writes need `admin`; the page is open.
-    app.include_router(review.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))])
+    # Labels steer training and the review queue: their own `label` scope (admin implies
+    # it), for feedback and the analysts' queue, reads included; the page is open.
+    labelling = [Depends(auth.require_scope(auth.Scope.LABEL))]
+    app.include_router(feedback_router, dependencies=labelling)
+    app.include_router(review.router, dependencies=labelling)
     app.include_router(review.page_router)
     admission = functools.partial(
         AdmissionLimit,

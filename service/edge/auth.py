@@ -56,12 +56,25 @@ RELOAD_CHECK_S = 1.0
 
 
 class Scope(StrEnum):
-    """What a key may do. Scopes do not imply each other: a key lists each it needs."""
+    """What a key may do. A key lists each scope it needs; the one implication is
+    ``admin`` → ``label`` (:data:`IMPLIED`)."""
 
-    SCORE = "score"  # POST /v1/score, /v1/score/batch, /v1/feedback
-    # POST /v1/models/reload, replay-mode scoring (X-Fraud-Record: false), /v1/review/*
+    SCORE = "score"  # POST /v1/score, /v1/score/batch, /v2 metadata and inference
+    # POST /v1/feedback and /v1/review/* (the analysts' page, chargeback feeds): labels
+    # steer training and the review queue, so a payment system's score key cannot.
+    LABEL = "label"
+    # POST /v1/models/reload, replay-mode scoring (X-Fraud-Record: false)
     ADMIN = "admin"
     METRICS = "metrics"  # GET /metrics (the Prometheus scraper's key)
+
+
+# The review queue needed ``admin`` before ``label`` existed: admin keys keep their reach.
+IMPLIED: dict[Scope, frozenset[Scope]] = {Scope.ADMIN: frozenset({Scope.LABEL})}
+
+
+def held_scopes(listed: frozenset[Scope]) -> frozenset[Scope]:
+    """The scopes a key holds: those it lists and those they imply (:data:`IMPLIED`)."""
+    return listed.union(*(IMPLIED.get(s, frozenset()) for s in listed))
 
 
 class KeyEntry(BaseModel):
@@ -78,7 +91,8 @@ class KeyEntry(BaseModel):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the key's id (safe to log), its scopes and its admission share."""
+    """Who is calling: the key's id (safe to log), the scopes it holds (implied ones
+    included) and its admission share."""
 
     key_id: str
     scopes: frozenset[Scope]
@@ -214,7 +228,7 @@ class KeyRing:
         digest = hashlib.sha256(key.encode()).hexdigest()
         if entry is None or not hmac.compare_digest(digest, entry.sha256):
             raise AuthError(401, "invalid API key", "invalid_token")
-        return Principal(entry.id, entry.scopes, entry.share)
+        return Principal(entry.id, held_scopes(entry.scopes), entry.share)
 
 
 def keyring_for(settings: Settings) -> KeyRing | None:

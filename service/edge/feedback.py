@@ -13,8 +13,27 @@ without sharing a volume or a lock.
 ``time`` the caller reports (kept as ``reported_time``): a label counts only from its
 arrival, so a back-dated label cannot leak into features or training sets of the past.
 
-A label also takes its transaction out of the analysts' review queue
-(``service/loop/review_queue.py``); the review page's marks come through :func:`store_label`.
+**Who may label.** The ``label`` scope (or ``admin``, which implies it): analysts and
+chargeback feeds, not a payment system's ``score`` key. Each stored label carries the
+caller's key id (``key_id``).
+
+**Matched or not.** A label is *matched* when the service still holds the decision of
+its ``transaction_id`` (:func:`scored_event_time`): its review-queue item (every
+``review`` decision, kept for the decision log's retention), else the id's claim
+(``service/core/idempotency.py``: every answered recorded decision, kept
+``FRAUD_IDEMPOTENCY_TTL_S``). Both are already written by scoring, hold the event time,
+and cost one read here. An *unmatched* label (never scored, or scored too long ago) is
+stored all the same, with ``matched: false`` in the log and in the answer, and counted
+(``fraud_feedback_labels_total{source,matched}``); only a matched label takes an item
+out of the analysts' review queue (``service/loop/review_queue.py``), and that close is
+kept with the key id. The review page's marks come through :func:`store_label`.
+
+**Label time.** ``time`` must lie in [the transaction's event time, now +
+:data:`LABEL_SKEW_S`] (unmatched: not more than :data:`UNMATCHED_MAX_AGE_S` ago), else
+422 naming ``time``.
+
+The body must be JSON (``Content-Type: application/json``, else 415; bytes that are not
+UTF-8 JSON: the one 422 ``invalid_json``), so a cross-site form cannot post a label.
 
 Authentication: the router has no dependency of its own; the app adds the API's
 authentication when it includes it (``app.include_router(router, dependencies=[...])``).
@@ -22,17 +41,25 @@ authentication when it includes it (``app.include_router(router, dependencies=[.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Literal
 
+import redis
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import Counter
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable
 from fraud_scoring.events import ID_PATTERN
+from service.core import idempotency
+from service.edge import auth
+from service.edge.routes import json_model
 from service.errors import ErrorCode, error_body, error_responses
 from service.resources import Resources, resources
 
@@ -41,6 +68,9 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 Source = Literal["chargeback", "analyst", "customer"]
+LABEL_SKEW_S = 300.0  # a label's time may run this far ahead of the server clock
+# An unmatched label's time may be this old at most (no card scheme takes disputes older).
+UNMATCHED_MAX_AGE_S = 2 * 365 * 86_400.0
 
 
 class FeedbackIn(BaseModel):
@@ -49,13 +79,19 @@ class FeedbackIn(BaseModel):
     transaction_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
     label: Literal["fraud", "legitimate"]
     source: Source
-    time: AwareDatetime = Field(description="When the source established the label.")
+    time: AwareDatetime = Field(
+        description="When the source established the label: at or after the transaction's "
+        "event time, at most 300 s past the server clock."
+    )
 
 
 class FeedbackOut(BaseModel):
     transaction_id: str
     source: Source
     duplicate: bool  # True: this (transaction_id, source) was already stored; nothing changed
+    # False: the service holds no decision for the id (never scored, or too long ago):
+    # stored all the same, but it closes no review item.
+    matched: bool
     label_time: float  # arrival, epoch seconds (UTC); for a duplicate, this call's arrival
 
 
@@ -64,23 +100,95 @@ def feedback_key(transaction_id: str, source: str) -> str:
     return f"{transaction_id}\x1f{source}"
 
 
+@functools.cache
+def _labels() -> Counter:
+    return Counter(
+        "fraud_feedback_labels",
+        "Labels stored through POST /v1/feedback and the review page, by source and by "
+        "whether the service held the decision of their transaction_id (matched)",
+        ["source", "matched"],
+    )
+
+
 @router.post(
     "/v1/feedback",
     response_model=FeedbackOut,
-    responses=error_responses(401, 403, 408, 413, 422, 503),
+    responses=error_responses(401, 403, 408, 413, 415, 422, 503),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": FeedbackIn.model_json_schema()}},
+        }
+    },
 )
-async def feedback(request: Request, body: FeedbackIn) -> FeedbackOut | JSONResponse:
-    """Store one label. 200 with ``duplicate`` telling a retry from a new label; 422
-    naming the field for a bad body; 503 (Retry-After) when the log cannot take it, or
-    is off (FRAUD_DECISION_LOG=off)."""
-    return await store_label(resources(request), body)
+async def feedback(request: Request) -> FeedbackOut | JSONResponse:
+    """Store one label. 200 with ``duplicate`` telling a retry from a new label and
+    ``matched`` whether the service holds the transaction's decision; 415 for a body
+    that is not JSON; 422 naming the field for a bad body or ``time``; 503 (Retry-After)
+    when the log cannot take it, or is off (FRAUD_DECISION_LOG=off)."""
+    body = await json_model(request, FeedbackIn)
+    return await store_label(resources(request), body, auth.principal(request).key_id)
 
 
-async def store_label(res: Resources, body: FeedbackIn) -> FeedbackOut | JSONResponse:
-    """The feedback path, for this route and the review page's marks: append the label
-    to the feedback log, then take the transaction out of the review queue (a queue that
-    does not answer is logged, not failed: the label is stored). The answer as the route
-    gives it: :class:`FeedbackOut`, or the 503 as a JSONResponse."""
+async def scored_event_time(res: Resources, transaction_id: str) -> float | None:
+    """The event time (epoch s, UTC) of the decision the service holds for
+    ``transaction_id``, None when it holds none: its review-queue item, else its claim
+    (kept ``FRAUD_IDEMPOTENCY_TTL_S``; a claim that cannot be read, with the feature
+    store down, counts as none). Raises LogUnavailable when the queue does not answer."""
+    if res.review is not None:
+        found = await res.review.get(transaction_id)
+        if found is not None:
+            return datetime.fromisoformat(found.item["transaction"]["event_time"]).timestamp()
+    if not res.settings.idempotency_ttl_s or (res.health is not None and res.health.is_open):
+        return None
+    try:
+        held = await res.redis.get(idempotency.key(transaction_id))
+    except (redis.RedisError, OSError) as exc:
+        log.warning("feedback: claim of %r not read: %s", transaction_id, type(exc).__name__)
+        return None
+    if held is None:
+        return None
+    text = held.decode() if isinstance(held, bytes) else str(held)
+    content, _, answer = text.partition(idempotency.SEP)
+    if not answer:  # claimed, not answered (refused, or still in flight)
+        return None
+    return int(json.loads(content)["event_time"]) / 1e6
+
+
+def check_time(body: FeedbackIn, event_ts: float | None, now: float) -> None:
+    """``body.time`` in [the event time, now + LABEL_SKEW_S] (unmatched: within
+    UNMATCHED_MAX_AGE_S of now), else the one 422 naming ``time``."""
+    t = body.time.timestamp()
+    why = None
+    if t > now + LABEL_SKEW_S:
+        why = f"is after the server clock (more than {LABEL_SKEW_S:g} s ahead)"
+    elif event_ts is not None and t < event_ts:
+        at = datetime.fromtimestamp(event_ts, UTC).isoformat()
+        why = f"is before the transaction's event_time ({at})"
+    elif event_ts is None and t < now - UNMATCHED_MAX_AGE_S:
+        why = f"is more than {UNMATCHED_MAX_AGE_S / 86_400:g} days ago"
+    if why is not None:
+        error = {"loc": ("body", "time"), "type": "value_error", "msg": why}
+        raise RequestValidationError([error])
+
+
+def _unavailable(exc: LogUnavailable) -> JSONResponse:
+    log.warning("feedback not stored: %s", exc)
+    return JSONResponse(
+        # The cause names the log's host: it goes to the log, not to the caller.
+        error_body(ErrorCode.LOG_UNAVAILABLE, "the label could not be stored now"),
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
+
+
+async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> FeedbackOut | JSONResponse:
+    """The feedback path, for this route and the review page's marks: match the label to
+    the decision the service holds (:func:`scored_event_time`), check its time, append it
+    to the feedback log with ``key_id``, then, when matched, take the transaction out of
+    the review queue (a queue that does not answer then is logged, not failed: the label
+    is stored). The answer as the route gives it: :class:`FeedbackOut`, or the 503 as a
+    JSONResponse; a bad ``time`` raises the 422."""
     if res.feedback is None:
         return JSONResponse(
             error_body(
@@ -90,6 +198,12 @@ async def store_label(res: Resources, body: FeedbackIn) -> FeedbackOut | JSONRes
             status_code=503,
             headers={"Retry-After": "60"},
         )
+    try:
+        event_ts = await scored_event_time(res, body.transaction_id)
+    except LogUnavailable as exc:
+        return _unavailable(exc)
+    matched = event_ts is not None
+    check_time(body, event_ts, time.time())
     arrived_us = time.time_ns() // 1000
     record = {
         "transaction_id": body.transaction_id,
@@ -97,6 +211,8 @@ async def store_label(res: Resources, body: FeedbackIn) -> FeedbackOut | JSONRes
         "source": body.source,
         "reported_time": int(body.time.timestamp() * 1e6),
         "label_time": arrived_us,
+        "matched": matched,
+        "key_id": key_id,
     }
     payload = json.dumps(record, separators=(",", ":")).encode()
     try:
@@ -104,17 +220,25 @@ async def store_label(res: Resources, body: FeedbackIn) -> FeedbackOut | JSONRes
             [LogRecord(feedback_key(body.transaction_id, body.source), payload)]
         )
     except LogUnavailable as exc:
-        log.warning("feedback not stored: %s", exc)
-        return JSONResponse(
-            # The cause names the log's host: it goes to the log, not to the caller.
-            error_body(ErrorCode.LOG_UNAVAILABLE, "the label could not be stored now"),
-            status_code=503,
-            headers={"Retry-After": "1"},
-        )
-    if res.review is not None:
-        label = {"is_fraud": record["is_fraud"], "source": body.source, "label_time": arrived_us}
+        return _unavailable(exc)
+    if new:
+        _labels().labels(source=body.source, matched=str(matched).lower()).inc()
+    if matched and res.review is not None:
+        label = {
+            "is_fraud": record["is_fraud"],
+            "source": body.source,
+            "label_time": arrived_us,
+            "key_id": key_id,
+        }
         try:
-            await res.review.resolve(body.transaction_id, label)
+            if await res.review.resolve(body.transaction_id, label):
+                log.info(
+                    "review: %s closed by a %s label (%s) from key %s",
+                    body.transaction_id,
+                    body.source,
+                    body.label,
+                    key_id,
+                )
         except LogUnavailable as exc:
             log.warning(
                 "label stored, but %s stays in the review queue: %s", body.transaction_id, exc
@@ -124,5 +248,6 @@ async def store_label(res: Resources, body: FeedbackIn) -> FeedbackOut | JSONRes
         transaction_id=body.transaction_id,
         source=body.source,
         duplicate=new == 0,
+        matched=matched,
         label_time=arrived_us / 1e6,
     )

@@ -6,19 +6,24 @@
   data; everything it shows comes from the API below.
 * ``GET /v1/review/items?offset=&limit=``: the queue, oldest decision first, each item
   with the transaction, score, reasons and its key features.
-* ``GET /v1/review/items/{transaction_id}``: one item in full (every feature the model
+* ``GET /v1/review/item?transaction_id=``: one item in full (every feature the model
   saw), whether it is still queued, its label once one arrived, and the card's recent
   history (its session events in the online store, newest first).
-* ``POST /v1/review/items/{transaction_id}/label`` ``{"label": "fraud" | "legitimate"}``:
+* ``POST /v1/review/label`` ``{"transaction_id", "label": "fraud" | "legitimate"}``:
   the analyst's mark, stored through the feedback path (``service.edge.feedback.store_label``:
-  the feedback log, source ``analyst``, arrival time the service's clock), which also
-  takes the item out of the queue.
+  the feedback log, source ``analyst``, arrival time the service's clock, the key's id),
+  which also takes the item out of the queue.
 
-Authentication: the API's routes need the ``admin`` scope, reads included (the app adds
-it where it includes :data:`router`): the queue shows card and merchant ids, amounts and
-features of other callers' transactions, which a ``score`` key (a payment system) has no
-need to read. The page asks for a key once and keeps it in the tab's ``sessionStorage``.
-Errors have the ``/v1`` shape: 404 ``not_found``, 422 naming the field, 503
+The id travels in a query parameter or the body, never in the path: an id may hold any
+printable character, and ``/``, ``..`` or ``%2F`` in a path are split, normalised away
+by clients, or decoded before routing.
+
+Authentication: the API's routes need the ``label`` scope (or ``admin``, which implies
+it), reads included (the app adds it where it includes :data:`router`): the queue shows
+card and merchant ids, amounts and features of other callers' transactions, which a
+``score`` key (a payment system) has no need to read. The page asks for a key once and
+keeps it in the tab's ``sessionStorage``. Errors have the ``/v1`` shape: 404
+``not_found``, 415 for a mark that is not JSON, 422 naming the field, 503
 ``log_unavailable`` (the queue's server does not answer) or ``log_off``.
 """
 
@@ -31,9 +36,9 @@ from importlib import resources as package_files
 from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from fraud_scoring.event_log import LogUnavailable
 from fraud_scoring.events import ID_PATTERN
@@ -41,6 +46,7 @@ from fraud_scoring.session import decode_member, events_key
 from service.core.decision import INDICATORS
 from service.edge import auth
 from service.edge.feedback import FeedbackIn, FeedbackOut, store_label
+from service.edge.routes import json_model
 from service.edge.schemas import ReasonOut
 from service.errors import ErrorCode, error_body, error_responses
 from service.loop.review_queue import QueuedItem, ReviewQueue
@@ -48,7 +54,7 @@ from service.resources import Resources, resources
 
 log = logging.getLogger(__name__)
 
-router = APIRouter()  # the JSON API (the app adds the admin scope)
+router = APIRouter()  # the JSON API (the app adds the label scope)
 page_router = APIRouter()  # the page and its assets (open)
 
 KEY_FEATURES = 6  # shown per item: the reasons' features, then by model importance
@@ -56,7 +62,7 @@ HISTORY = 20  # the card's most recent session events shown with an item
 # The feature each reason code is about (the amount rule's is the amount).
 REASON_FEATURES = {i.code: i.feature for i in INDICATORS} | {"RULE_AMOUNT_OVER_LIMIT": "amount"}
 
-TransactionId = Annotated[str, Path(min_length=1, max_length=128, pattern=ID_PATTERN)]
+TransactionId = Annotated[str, Query(min_length=1, max_length=128, pattern=ID_PATTERN)]
 
 
 class KeyFeature(BaseModel):
@@ -98,6 +104,7 @@ class Label(BaseModel):
     label: Literal["fraud", "legitimate"]
     source: str
     label_time: datetime  # arrival, UTC
+    key_id: str | None = None  # the key that sent it (None: stored before keys were kept)
 
 
 class HistoryEvent(BaseModel):
@@ -123,6 +130,7 @@ class ReviewDetail(ReviewItem):
 class LabelIn(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
+    transaction_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
     label: Literal["fraud", "legitimate"]
 
 
@@ -261,7 +269,7 @@ async def list_items(
 
 
 @router.get(
-    "/v1/review/items/{transaction_id}",
+    "/v1/review/item",
     response_model=ReviewDetail,
     responses=error_responses(401, 403, 404, 422, 503),
 )
@@ -283,6 +291,7 @@ async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDet
                 "label": "fraud" if label["is_fraud"] else "legitimate",
                 "source": label["source"],
                 "label_time": datetime.fromtimestamp(label["label_time"] / 1e6, UTC),
+                "key_id": label.get("key_id"),
             },
             "device_id": t.get("device_id"),
             "features": entry["features"],
@@ -294,30 +303,38 @@ async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDet
 
 
 @router.post(
-    "/v1/review/items/{transaction_id}/label",
+    "/v1/review/label",
     response_model=FeedbackOut,
-    responses=error_responses(401, 403, 404, 408, 413, 422, 503),
+    responses=error_responses(401, 403, 404, 408, 413, 415, 422, 503),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": LabelIn.model_json_schema()}},
+        }
+    },
 )
-async def label_item(
-    request: Request, transaction_id: TransactionId, body: LabelIn
-) -> FeedbackOut | JSONResponse:
+async def label_item(request: Request) -> FeedbackOut | JSONResponse:
     """The analyst's mark: stored as ``POST /v1/feedback`` stores a label (source
-    ``analyst``, ``time`` now), and the item leaves the queue. 404 for an id that is not
-    a review item; ``duplicate`` as in feedback (an analyst's first mark stands)."""
+    ``analyst``, ``time`` now, or the event time if that is later), and the item leaves
+    the queue. 404 for an id that is not a review item; ``duplicate`` as in feedback (an
+    analyst's first mark stands)."""
+    body = await json_model(request, LabelIn)
     res = resources(request)
-    found = await _item(res, transaction_id)
+    found = await _item(res, body.transaction_id)
     if isinstance(found, JSONResponse):
         return found
+    # An event time may lie a little ahead of the clock (FRAUD_MAX_EVENT_SKEW_S).
+    event_time = datetime.fromisoformat(found.item["transaction"]["event_time"])
     label = FeedbackIn(
-        transaction_id=transaction_id,
+        transaction_id=body.transaction_id,
         label=body.label,
         source="analyst",
-        time=datetime.now(UTC),
+        time=max(datetime.now(UTC), event_time),
     )
-    out = await store_label(res, label)
+    who = auth.principal(request).key_id
+    out = await store_label(res, label, who)
     if isinstance(out, FeedbackOut):
-        who = auth.principal(request).key_id
-        log.info("review: %s marked %s by key %s", transaction_id, body.label, who)
+        log.info("review: %s marked %s by key %s", body.transaction_id, body.label, who)
     return out
 
 

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import from_json, to_json
 from starlette import types as asgi
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
@@ -114,6 +115,20 @@ async def _json_body(request: Request) -> bytes:
     if media != "application/json" and not media.endswith("+json"):
         raise NotJson(f"Content-Type must be application/json, got {ctype or 'none'!r}")
     return await request.body()
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+async def json_model(request: Request, model: type[_Model]) -> _Model:
+    """The request's body as ``model``: :class:`NotJson` (415) for another Content-Type,
+    the one 422 for a body that is not UTF-8 JSON (``invalid_json``, field ``body``) or
+    not valid (one problem per field). Routes that change state read their body so:
+    a cross-site form can only send a form or plain-text Content-Type."""
+    try:
+        return model.model_validate_json(await _json_body(request))
+    except ValidationError as exc:
+        raise _invalid_body(exc.errors(include_url=False)) from None
 
 
 def _check_clock(txn: Transaction, max_skew_s: float, *loc: str | int) -> None:
@@ -480,15 +495,16 @@ class ReloadOut(BaseModel):
 async def reload_model(request: Request) -> JSONResponse:
     """Load the configured version (e.g. 'latest') and swap it in; keep the old on failure.
     An optional body (:class:`~service.core.challenger.LineupChange`) changes this process's
-    champion version, challenger and canary share: promotion and rollback."""
+    champion version, challenger and canary share: promotion and rollback. The request
+    needs ``Content-Type: application/json`` even without a body (415 otherwise)."""
+    # JSON only, body or not, auth on or off: a cross-site form post cannot send it
+    # (a browser asks first, and the service answers no CORS preflight).
+    raw = await _json_body(request)
     res = resources(request)
     old = res.models.current.version if res.models.current else None
     change = LineupChange()
-    if (await request.body()).strip():
-        try:
-            change = LineupChange.model_validate_json(await _json_body(request))
-        except ValidationError as exc:
-            raise _invalid_body(exc.errors(include_url=False)) from None
+    if raw.strip():
+        change = await json_model(request, LineupChange)
     assert res.challenger is not None  # open_resources always makes one
     try:
         new = await asyncio.to_thread(res.challenger.apply, res.models, change)
@@ -603,6 +619,19 @@ async def _not_json(request: Request, exc: NotJson) -> JSONResponse:
     return JSONResponse(status_code=415, content=body)
 
 
+# Starlette's own answers (no such route, a method the route does not take) in the one
+# shape; a route answers its own errors itself.
+_HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code < 400 or exc.status_code in (204, 304):
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(error_body(code, message), exc.status_code, headers=exc.headers)
+
+
 EXCEPTION_HANDLERS: dict[
     int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
 ] = {
@@ -612,4 +641,5 @@ EXCEPTION_HANDLERS: dict[
     IdReused: _id_reused,
     AuthError: _unauthorized,
     NotJson: _not_json,
+    StarletteHTTPException: _http_error,
 }

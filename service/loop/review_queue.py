@@ -4,7 +4,9 @@ Written by the decision log's background writer (``DecisionLog(after_write=...)`
 each batch is in the log: one Lua call for the batch's ``review`` decisions, never on
 the scoring path. An item leaves the queue when a label for its ``transaction_id``
 arrives through the feedback path (``POST /v1/feedback`` or the review page, which uses
-it), from any source.
+it), from any source, when the label is *matched* (the service holds the decision:
+``service.edge.feedback``): a label for an id never scored neither removes an item nor,
+kept, hides the decision that comes under that id later.
 
 **Redis layout** (the decision log's Redis server: ``FRAUD_DECISION_LOG_URL``, else
 ``REDIS_URL``'s; with the log on Kafka, ``REDIS_URL``'s), all under the hash tag of the
@@ -12,7 +14,8 @@ log's stream name, so one Cluster slot holds the queue and its items::
 
     {decisions}:review              sorted set: transaction_id, score = decision time (µs)
     {decisions}:review:item:<id>    the item (JSON), kept for the log's retention
-    {decisions}:review:done:<id>    the first label that arrived (JSON), as long
+    {decisions}:review:done:<id>    the first label that closed it (JSON, with the key id),
+                                    as long
 
 **Idempotent and bounded.** An item is added only if its item key is new and no label
 arrived for it, so a retried ``transaction_id`` (also one retried after it was labelled)
@@ -69,8 +72,8 @@ FOREVER_MS = 10 * 365 * 86_400_000  # retention 0 ("forever"): ten years, as the
 @dataclass(frozen=True)
 class QueuedItem:
     """One item as stored (``item``: the decision log's entry, with reason messages) and,
-    once labelled, the first label that arrived (``label``: ``is_fraud``, ``source``,
-    ``label_time`` in epoch µs)."""
+    once labelled, the label that closed it (``label``: ``is_fraud``, ``source``,
+    ``label_time`` in epoch µs, ``key_id``: the caller's key)."""
 
     item: dict[str, Any]
     queued: bool
@@ -119,7 +122,10 @@ class ReviewQueue:
 
     async def resolve(self, transaction_id: str, label: dict[str, Any]) -> bool:
         """A label arrived for ``transaction_id``: take it out of the queue and keep the
-        label (the first one stands). True if it was queued."""
+        label (the first one stands; a decision logged after it is not queued). True if
+        it was queued. Only for a transaction the service scored (a *matched* label,
+        ``service.edge.feedback``): for any other id the kept label would hide its
+        decision when it comes."""
         payload = json.dumps(label, separators=(",", ":"))
         done = self._resolve(keys=[self.key], args=[transaction_id, payload, self.ttl_ms])
         return bool(await self._call(done))

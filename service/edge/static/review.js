@@ -133,7 +133,8 @@ function row(table, cells) {
 }
 
 async function openItem(id) {
-  const d = await api("v1/review/items/" + encodeURIComponent(id));
+  // The id in a query parameter: ids may hold "/" or be "..", which a path would lose.
+  const d = await api("v1/review/item?transaction_id=" + encodeURIComponent(id));
   if (!d) return;
   openId = id;
   for (const tr of $("items").tBodies[0].rows) tr.classList.toggle("open", tr.dataset.id === id);
@@ -199,10 +200,10 @@ async function mark(label) {
   const id = $("detail").dataset.id;
   if (!id) return;
   $("mark-fraud").disabled = $("mark-legit").disabled = true;
-  const out = await api("v1/review/items/" + encodeURIComponent(id) + "/label", {
+  const out = await api("v1/review/label", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({ label }),
+    body: JSON.stringify({ transaction_id: id, label }),
   });
   if (!out) {
     $("mark-fraud").disabled = $("mark-legit").disabled = false;
