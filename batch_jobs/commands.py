@@ -1,4 +1,8 @@
-"""The batch subcommands: ``simulate``, ``batch``, ``train``, ``evaluate``, ``decisions``.
+"""The batch subcommands: ``simulate``, ``ingest``, ``batch``, ``train``, ``evaluate``,
+``decisions``.
+
+``batch`` and ``train`` check the raw partitions they read against the input contract
+(``fraud_scoring/contract.py``) before they write anything.
 
 The heavy modules (DuckDB, Feast, LightGBM) are imported inside each command so that
 ``fraud-scoring --help`` and the other subcommands start without them.
@@ -17,6 +21,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 from fraud_scoring.commands import Command, UsageError, iso_date
+from fraud_scoring.contract import check_raw
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import Settings
 
@@ -44,6 +49,30 @@ def run_simulate(args: argparse.Namespace, settings: Settings) -> None:
     )
 
 
+def configure_ingest(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "mapping",
+        type=Path,
+        help="the mapping file (YAML): your files and columns -> the contract "
+        "(docs/data-contract.md); file paths in it are relative to it",
+    )
+    p.add_argument(
+        "--rejects",
+        type=Path,
+        help="where refused rows go, with their reason (default: "
+        "FRAUD_DATA_DIR/ingest/rejects.csv; a manifest.json lands beside it)",
+    )
+
+
+def run_ingest(args: argparse.Namespace, settings: Settings) -> None:
+    from batch_jobs.ingest import ingest
+
+    t0 = time.perf_counter()
+    report = ingest(args.mapping, settings.data_dir, args.rejects)
+    print(report.text())
+    print(f"into {settings.data_dir / 'raw'} in {time.perf_counter() - t0:.1f}s")
+
+
 def configure_batch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--date", type=iso_date, help="the day to compute (default: yesterday, UTC)")
     p.add_argument("--from", dest="from_", type=iso_date, help="first day of a backfill range")
@@ -67,6 +96,8 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
         days = batch.day_range(args.from_, args.to)
     else:
         days = [args.date or (datetime.now(UTC).date() - timedelta(days=1))]
+    # Every partition the days read (all earlier ones: first-seen dates), before writing.
+    check_raw(settings.data_dir / "raw", until=max(days), need=days)
     engine = args.engine or settings.batch_engine
     with contextlib.ExitStack() as stack:
         compute: batch.DayCompute = batch.compute_day
@@ -180,6 +211,7 @@ def run_train(args: argparse.Namespace, settings: Settings) -> None:
     cfg = TrainConfig(
         holdout_days=args.holdout_days, model_name=settings.model_name, force=args.force
     )
+    check_raw(settings.data_dir / "raw")
     with contextlib.ExitStack() as stack:
         pit_join = None
         if (args.engine or settings.batch_engine) == "spark":
@@ -402,6 +434,12 @@ COMMANDS: list[Command] = [
         "write simulated raw transaction history (parquet)",
         run_simulate,
         configure_simulate,
+    ),
+    Command(
+        "ingest",
+        "read your CSV or parquet export through a mapping file into the raw daily partitions",
+        run_ingest,
+        configure_ingest,
     ),
     Command(
         "batch",

@@ -123,7 +123,9 @@ def day_inputs(raw: Path, day: date) -> DayInputs:
     """
     own = partition_file(raw, "transactions", day)
     if not own.exists():
-        raise DataError(f"missing raw partition {own} (run `fraud-scoring simulate` or ingest)")
+        raise DataError(
+            f"missing raw partition {own} (run `fraud-scoring ingest` or `fraud-scoring simulate`)"
+        )
     snap = snapshot_time(day)
     return DayInputs(
         views={

@@ -1,6 +1,8 @@
 """The transaction event: the one schema shared by HTTP requests, stream events and raw files.
 
-The fields and their rules are listed in ``docs/architecture.md`` (Transaction event).
+The fields and their rules are listed in ``docs/architecture.md`` (Transaction event); the
+raw files' columns, which follow the same rules, in ``docs/data-contract.md``
+(``fraud_scoring/contract.py`` checks them).
 Validation errors name the field.
 """
 
@@ -16,6 +18,8 @@ from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
 
 CHANNELS = ("pos", "ecom", "atm")
 ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+ID_MAX_LEN = 128
+AMOUNT_MAX = 1e9  # exclusive; amounts are > 0
 
 
 @cache
@@ -26,6 +30,16 @@ def _currencies() -> frozenset[str]:
 @cache
 def _countries() -> frozenset[str]:
     return frozenset(c.alpha_2 for c in pycountry.countries)
+
+
+def currency_codes() -> frozenset[str]:
+    """The ISO 4217 alpha-3 codes ``currency`` accepts (the raw-file contract reads them too)."""
+    return _currencies()
+
+
+def country_codes() -> frozenset[str]:
+    """The ISO 3166-1 alpha-2 codes ``country`` accepts."""
+    return _countries()
 
 
 def _currency(v: str) -> str:
@@ -46,17 +60,17 @@ class Transaction(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, str_strip_whitespace=True)
 
     # Ids: printable, no control characters (the session state joins fields with \x1f).
-    transaction_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
-    card_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
-    merchant_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
+    transaction_id: str = Field(min_length=1, max_length=ID_MAX_LEN, pattern=ID_PATTERN)
+    card_id: str = Field(min_length=1, max_length=ID_MAX_LEN, pattern=ID_PATTERN)
+    merchant_id: str = Field(min_length=1, max_length=ID_MAX_LEN, pattern=ID_PATTERN)
     # strict: a number, never a boolean (true would be 1.0) or a numeric string.
-    amount: float = Field(gt=0, lt=1e9, allow_inf_nan=False, strict=True)
+    amount: float = Field(gt=0, lt=AMOUNT_MAX, allow_inf_nan=False, strict=True)
     currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$"), AfterValidator(_currency)]
     event_time: AwareDatetime
     country: Annotated[str, Field(pattern=r"^[A-Z]{2}$"), AfterValidator(_country)]
     channel: Literal["pos", "ecom", "atm"]
     mcc: str = Field(pattern=r"^[0-9]{4}$")
-    device_id: str | None = Field(default=None, max_length=128, pattern=ID_PATTERN)
+    device_id: str | None = Field(default=None, max_length=ID_MAX_LEN, pattern=ID_PATTERN)
 
     @classmethod
     def model_validate_event(cls, raw: object) -> Transaction:

@@ -1,0 +1,348 @@
+"""The input contract (``fraud_scoring/contract.py``, ``docs/data-contract.md``) and
+``fraud-scoring ingest``: every break is refused at the door naming the column, with
+nothing written, and another company's export goes ingest -> batch -> train end to end."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+from cli.main import main
+from fraud_scoring import contract as C
+from fraud_scoring.events import Transaction, raw_row_to_event
+from fraud_scoring.model_repo import load_metadata, resolve
+from fraud_scoring.settings import get_settings
+from fraud_scoring.storage import partition_days, partition_file, write_partition
+
+BERLIN = ZoneInfo("Europe/Berlin")
+START = date(2025, 3, 24)  # a DST change (Mar 30) inside the export
+
+MAPPING = """\
+# Another company's export: integer ids, Berlin wall-clock times to the second, no
+# country, currency or MCC, labels without an arrival time.
+transactions:
+  files: [export/transactions_*.csv]
+  time_zone: Europe/Berlin
+  columns:
+    transaction_id: TX_ID
+    card_id: CUSTOMER_ID
+    merchant_id: TERMINAL_ID
+    amount: TX_AMOUNT
+    event_time: {column: TX_DATETIME, format: "%Y-%m-%d %H:%M:%S"}
+    channel: {column: TX_TYPE, map: {STORE: pos, ONLINE: ecom, CASH: atm}}
+    country: {const: DE}
+labels:
+  files: [export/frauds.csv]
+  arrival_delay_days: 7
+  columns:
+    transaction_id: TX_ID
+    is_fraud: FRAUD
+"""
+
+
+def other_company_export(folder: Path, customers: int = 700, days: int = 16, seed: int = 3) -> int:
+    """Write a CSV export in another company's shape under ``folder/export``; returns the
+    number of good transactions. Fraud: a stolen customer's burst of large online
+    payments at a few terminals in the night. Some lines are repeated, one id comes back
+    with other content, and a few lines are malformed."""
+    rng = np.random.default_rng(seed)
+    out = folder / "export"
+    out.mkdir(parents=True)
+    rows: list[list[str]] = []
+    frauds: list[int] = []
+    tx = 100_000
+    terminals = 150
+    for d in range(days):
+        day = START + timedelta(days=d)
+        for c in range(customers):
+            for _ in range(rng.poisson(2.0)):
+                local = datetime.combine(day, datetime.min.time()) + timedelta(
+                    seconds=int(rng.integers(7 * 3600, 23 * 3600))
+                )
+                kind = rng.choice(["STORE", "ONLINE", "CASH"], p=[0.6, 0.35, 0.05])
+                rows.append(
+                    [
+                        str(tx),
+                        str(c),
+                        str(int(rng.integers(0, terminals))),
+                        f"{rng.lognormal(3.2, 0.6):.2f}",
+                        f"{local:%Y-%m-%d %H:%M:%S}",
+                        str(kind),
+                    ]
+                )
+                tx += 1
+        for c in rng.choice(customers, size=4, replace=False):  # stolen cards
+            t = datetime.combine(day, datetime.min.time()) + timedelta(
+                seconds=int(rng.integers(0, 5 * 3600))
+            )
+            for _ in range(int(rng.integers(3, 7))):
+                t += timedelta(seconds=int(rng.integers(20, 400)))
+                rows.append(
+                    [
+                        str(tx),
+                        str(c),
+                        str(terminals + int(rng.integers(0, 3))),  # a few fraud terminals
+                        f"{rng.uniform(300, 1500):.2f}",
+                        f"{t:%Y-%m-%d %H:%M:%S}",
+                        "ONLINE",
+                    ]
+                )
+                frauds.append(tx)
+                tx += 1
+    good = len(rows)
+    rows.sort(key=lambda r: r[4])
+    dup = [rows[i] for i in rng.choice(len(rows), size=25, replace=False)]
+    clash = [rows[7][0], rows[8][1], rows[8][2], rows[8][3], rows[8][4], rows[8][5]]
+    bad = [
+        ["999000001", "5", "7", "12.00"],  # too few fields
+        ["999000002", "5", "7", "n/a", "2025-03-25 10:00:00", "STORE"],
+        ["999000003", "", "7", "9.99", "2025-03-25 10:00:00", "STORE"],
+        ["999000004", "5", "7", "9.99", "25/03/2025 10:00", "STORE"],
+        ["999000005", "5", "7", "9.99", "2025-03-30 02:30:00", "STORE"],  # no such Berlin time
+    ]
+    lines = rows + dup + [clash] + bad
+    half = len(lines) // 2
+    for i, part in enumerate((lines[:half], lines[half:])):
+        with open(out / f"transactions_{i}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(
+                ["TX_ID", "CUSTOMER_ID", "TERMINAL_ID", "TX_AMOUNT", "TX_DATETIME", "TX_TYPE"]
+            )
+            w.writerows(part)
+    with open(out / "frauds.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["TX_ID", "FRAUD"])
+        w.writerows([[t, 1] for t in frauds])
+        w.writerow([frauds[0], 1])  # a repeated label
+    (folder / "mapping.yaml").write_text(MAPPING)
+    return good - 1  # the clash refuses rows[7] and its twin
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """FRAUD_DATA_DIR and FRAUD_MODEL_REPO under ``tmp_path`` for in-process CLI calls."""
+    for k in ("REDIS_URL", "FRAUD_DATA_DIR", "FRAUD_MODEL_REPO", "FRAUD_DECISION_LOG"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("FRAUD_MODEL_REPO", str(tmp_path / "models"))
+    get_settings.cache_clear()
+    yield tmp_path / "data"
+    get_settings.cache_clear()
+
+
+def _good_day(day: date, ids: range) -> pa.Table:
+    t0 = datetime.combine(day, datetime.min.time(), UTC)
+    n = len(ids)
+    return pa.table(
+        {
+            "transaction_id": [f"t{i}" for i in ids],
+            "card_id": [f"c{i % 3}" for i in ids],
+            "merchant_id": ["m1"] * n,
+            "amount": [10.0 + i for i in range(n)],
+            "currency": ["EUR"] * n,
+            "event_time": [t0 + timedelta(hours=1 + i) for i in range(n)],
+            "utc_offset_min": [60] * n,
+            "country": ["DE"] * n,
+            "channel": ["pos"] * n,
+            "mcc": ["5411"] * n,
+            "device_id": [None] * n,
+        },
+        schema=C.TRANSACTIONS,
+    )
+
+
+def _raw_world(data: Path) -> Path:
+    raw = data / "raw"
+    for k in range(3):
+        day = date(2026, 1, 1) + timedelta(days=k)
+        write_partition(raw, "transactions", day, _good_day(day, range(10 * k, 10 * k + 5)))
+    return raw
+
+
+def _replace(raw: Path, day: date, table: pa.Table) -> None:
+    pq.write_table(table, partition_file(raw, "transactions", day))
+
+
+JAN2 = date(2026, 1, 2)
+
+
+def _naive(t: pa.Table) -> pa.Table:
+    i = t.schema.get_field_index("event_time")
+    return t.set_column(i, "event_time", t.column("event_time").cast(pa.timestamp("us")))
+
+
+def _int_ids(t: pa.Table) -> pa.Table:
+    i = t.schema.get_field_index("card_id")
+    return t.set_column(i, "card_id", pa.array(range(t.num_rows), pa.int64()))
+
+
+@pytest.mark.parametrize(
+    ("break_", "column", "what"),
+    [
+        (_naive, "event_time", "naive timestamp"),
+        (lambda t: t.drop_columns(["merchant_id"]), "merchant_id", "missing"),
+        (_int_ids, "card_id", "integers, not text"),
+        (
+            lambda t: t.set_column(0, "transaction_id", pa.array(["t0"] * t.num_rows)),
+            "transaction_id",
+            "more than one row",
+        ),
+        (lambda t: t.slice(0, 0), "*", "no rows"),
+    ],
+    ids=["naive-time", "missing-column", "integer-ids", "duplicate-ids", "empty-day"],
+)
+@pytest.mark.parametrize("command", ["batch", "train"])
+def test_a_contract_break_is_refused_at_the_door_naming_the_column(
+    cli_env: Path,
+    caplog: pytest.LogCaptureFixture,
+    command: str,
+    break_: object,
+    column: str,
+    what: str,
+) -> None:
+    raw = _raw_world(cli_env)
+    _replace(raw, JAN2, break_(pq.read_table(partition_file(raw, "transactions", JAN2))))  # type: ignore[operator]
+    argv = ["batch", "--no-materialize", "--from", "2026-01-01", "--to", "2026-01-03"]
+    with caplog.at_level(logging.ERROR, logger="fraud_scoring"):
+        rc = main(argv if command == "batch" else ["train"])
+    assert rc == 2
+    text = caplog.text
+    assert f"column {column!r}" in text and what in text, text
+    assert "fix:" in text and ("date=2026-01-02" in text or "transactions" in text)
+    assert not (cli_env / "features").exists() and not (cli_env.parent / "models").exists()
+
+
+def test_a_missing_day_is_refused_before_any_day_is_written(
+    cli_env: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _raw_world(cli_env)
+    with caplog.at_level(logging.ERROR, logger="fraud_scoring"):
+        rc = main(["batch", "--no-materialize", "--from", "2026-01-01", "--to", "2026-01-05"])
+    assert rc == 2 and "date=2026-01-04" in caplog.text and "fraud-scoring ingest" in caplog.text
+    assert not (cli_env / "features").exists()
+
+
+def test_a_raw_row_that_keeps_the_contract_is_a_valid_event() -> None:
+    """The doc, the contract and the event model agree: each good row validates as a
+    ``Transaction``, and values the contract refuses, the model refuses too."""
+    table = _good_day(JAN2, range(4))
+    assert C.check_table(table, C.TRANSACTION_COLUMNS, "t", JAN2) == []
+    for row in table.to_pylist():
+        Transaction.model_validate_event(raw_row_to_event(row))
+    for column, value in (("country", "ZZ"), ("currency", "EU"), ("channel", "web"), ("mcc", "54")):
+        bad = table.set_column(table.schema.get_field_index(column), column, pa.array([value] * 4))
+        problems = C.check_table(bad, C.TRANSACTION_COLUMNS, "t", JAN2)
+        assert [p.column for p in problems] == [column]
+        with pytest.raises(ValidationError, match=column):
+            Transaction.model_validate_event(raw_row_to_event(bad.to_pylist()[0]))
+    for c in C.TRANSACTION_COLUMNS:
+        assert c.name in Transaction.model_fields or c.name == "utc_offset_min"
+
+
+def _small_export(folder: Path, time_col: str = "2025-03-25 10:00:00") -> Path:
+    (folder / "export").mkdir(parents=True)
+    with open(folder / "export" / "transactions_0.csv", "w") as f:
+        f.write("TX_ID,CUSTOMER_ID,TERMINAL_ID,TX_AMOUNT,TX_DATETIME,TX_TYPE\n")
+        f.write(f"1,5,7,12.5,{time_col},STORE\n2,5,7,3.0,{time_col},ONLINE\n")
+    (folder / "export" / "frauds.csv").write_text("TX_ID,FRAUD\n2,1\n")
+    (folder / "mapping.yaml").write_text(MAPPING)
+    return folder / "mapping.yaml"
+
+
+def test_ingest_refuses_naive_times_without_a_zone_and_writes_nothing(
+    cli_env: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mapping = _small_export(tmp_path / "in")
+    mapping.write_text(MAPPING.replace("  time_zone: Europe/Berlin\n", ""))
+    with caplog.at_level(logging.ERROR, logger="fraud_scoring"):
+        assert main(["ingest", str(mapping)]) == 2
+    assert "'event_time (TX_DATETIME)'" in caplog.text and "time_zone" in caplog.text
+    assert not cli_env.exists()
+
+
+def test_ingest_refuses_a_mapping_that_names_a_missing_column(
+    cli_env: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mapping = _small_export(tmp_path / "in")
+    mapping.write_text(MAPPING.replace("TX_AMOUNT", "AMOUNT_EUR"))
+    with caplog.at_level(logging.ERROR, logger="fraud_scoring"):
+        assert main(["ingest", str(mapping)]) == 2
+    assert "'AMOUNT_EUR': not in the file" in caplog.text and not cli_env.exists()
+    mapping.write_text(MAPPING.replace("    country: {const: DE}\n", ""))
+    assert main(["ingest", str(mapping)]) == 2
+    assert "required fields not mapped: ['country']" in caplog.text
+
+
+def test_ingest_reads_aware_times_with_their_own_offset(cli_env: Path, tmp_path: Path) -> None:
+    mapping = _small_export(tmp_path / "in", time_col="2025-03-25T10:00:00+05:30")
+    mapping.write_text(MAPPING.replace('format: "%Y-%m-%d %H:%M:%S"', "format: null"))
+    assert main(["ingest", str(mapping)]) == 0
+    t = pq.read_table(partition_file(cli_env / "raw", "transactions", date(2025, 3, 25)))
+    assert t.column("utc_offset_min").to_pylist() == [330, 330]
+    assert t.column("event_time")[0].as_py() == datetime(2025, 3, 25, 4, 30, tzinfo=UTC)
+    assert t.column("currency").to_pylist() == ["XXX", "XXX"]  # the declared default
+
+
+def test_ingest_then_batch_then_train_on_another_companys_export(
+    cli_env: Path,
+    tmp_path: Path,
+    redis_server: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_server)
+    get_settings.cache_clear()
+    good = other_company_export(tmp_path / "in")
+    mapping = str(tmp_path / "in" / "mapping.yaml")
+    assert main(["ingest", mapping]) == 0
+    summary = capsys.readouterr().out
+    raw = cli_env / "raw"
+    files = {p: p.read_bytes() for p in sorted(raw.rglob("*.parquet"))}
+    # Idempotent: the same export writes the same files.
+    assert main(["ingest", mapping]) == 0
+    assert capsys.readouterr().out.splitlines()[:-1] == summary.splitlines()[:-1]
+    assert {p: p.read_bytes() for p in sorted(raw.rglob("*.parquet"))} == files
+
+    days = partition_days(raw, "transactions")
+    assert len(days) in (16, 17)  # 16 Berlin days; early hours of the 24th are the 23rd in UTC
+    txns = pa.concat_tables(pq.read_table(partition_file(raw, "transactions", d)) for d in days)
+    assert txns.num_rows == good and len(set(txns.column("transaction_id").to_pylist())) == good
+    assert set(txns.column("utc_offset_min").to_pylist()) == {60, 120}  # CET, then CEST
+    assert set(txns.column("country").to_pylist()) == {"DE"}
+    with open(cli_env / "ingest" / "rejects.csv") as f:
+        rejects = list(csv.DictReader(f))
+    reasons = {r["reason"] for r in rejects}
+    assert {
+        "duplicate row",
+        "conflicting transaction_id",
+        "malformed line",
+        "unparsable value: amount",
+        "missing value: card_id",
+        "unparsable value: event_time",
+        "rule: event_time",
+        "duplicate label",
+        "unknown transaction",  # the label of a refused transaction
+    } <= reasons, reasons
+    assert "rejected: " in summary and "duplicate row" in summary
+    labels = pa.concat_tables(
+        pq.read_table(partition_file(raw, "labels", d)) for d in partition_days(raw, "labels")
+    )
+    lt, et = labels.column("label_time").to_pylist(), labels.column("event_time").to_pylist()
+    assert all(a - b == timedelta(days=7) for a, b in zip(lt, et, strict=True))
+
+    last = days[-1]
+    assert main(["batch", "--from", str(days[0]), "--to", str(last)]) == 0
+    assert main(["train", "--holdout-days", "3"]) == 0, capsys.readouterr()
+    meta = load_metadata(resolve(cli_env.parent / "models", "fraud"))
+    assert meta.metrics["holdout_frauds"] >= 10
+    assert meta.metrics["holdout_roc_auc"] > 0.8
