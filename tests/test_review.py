@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from fraud_scoring.redis_server import embedded_redis
+from service.core import idempotency
 from service.edge.auth import KeyEntry, Scope, append_key, new_key
 from tests.conftest import Server, World, start_server, stop_server, wait_until
 from tests.test_protocols import check_against_openapi
@@ -71,6 +72,9 @@ def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             FRAUD_DECLINE_THRESHOLD="1",
             FRAUD_REVIEW_AMOUNT_LIMIT=str(LIMIT),
             FRAUD_MODEL_POLL_S="600",
+            # As deployed: an answered id's claim is what matches a label to an approved
+            # or declined decision.
+            FRAUD_IDEMPOTENCY_TTL_S="3600",
         )
         try:
             yield Reviewing(
@@ -273,6 +277,28 @@ def test_a_label_for_an_unscored_id_is_unmatched_and_hides_nothing(
         and 'source="customer"' in line
     ]
     assert counted and float(counted[0].split()[-1]) >= 1, counted
+
+
+def test_a_label_for_an_approved_decision_is_matched_by_its_claim(
+    reviewing: Reviewing, world: World
+) -> None:
+    r = reviewing
+    txns = card_txns(world, "rv-approved", [25.0])
+    assert score(r, txns) == ["approve"]
+    tid = txns[0]["transaction_id"]
+    # The claim keeps the answer just after answering (off the answer's path).
+    store: Any = redis.Redis.from_url(world.redis_url)
+    try:
+        wait_until(
+            lambda: idempotency.SEP.encode() in (store.get(idempotency.key(tid)) or b""),
+            what="the answer kept in the claim",
+        )
+    finally:
+        store.close()
+    with r.client(r.feed) as c:
+        a = c.post("/v1/feedback", json=label_body(tid, txns[0]["event_time"]))
+    assert a.status_code == 200 and a.json()["matched"] is True, a.text
+    assert labels(r, tid)[0]["matched"] is True
 
 
 def test_label_times_outside_event_time_and_now_are_422(reviewing: Reviewing, world: World) -> None:
