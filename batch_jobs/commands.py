@@ -406,6 +406,7 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
     states = list(decl.specs) if args.all else the_plan.new_states
     if states:
         raw = settings.data_dir / "raw"
+        check_raw(raw)
         days = partition_days(raw, "transactions")
         if not days:
             raise UsageError(f"no raw transactions under {raw / 'transactions'}")

@@ -346,3 +346,63 @@ def test_ingest_then_batch_then_train_on_another_companys_export(
     meta = load_metadata(resolve(cli_env.parent / "models", "fraud"))
     assert meta.metrics["holdout_frauds"] >= 10
     assert meta.metrics["holdout_roc_auc"] > 0.8
+
+
+def test_the_documented_example_ingests(cli_env: Path) -> None:
+    """docs/examples/ (the page's mapping and export) as a user runs it."""
+    mapping = Path(__file__).resolve().parent.parent / "docs" / "examples" / "mapping.yaml"
+    assert main(["ingest", str(mapping)]) == 0
+    raw = cli_env / "raw"
+    assert partition_days(raw, "transactions") == [date(2025, 3, 24), date(2025, 3, 25)]
+    labels = pq.read_table(partition_file(raw, "labels", date(2025, 4, 24)))
+    assert labels.column("transaction_id").to_pylist() == ["100004", "100005"]
+    C.check_raw(raw)
+
+
+def test_ingest_reads_parquet_with_integer_ids_and_aware_times(
+    cli_env: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "in"
+    src.mkdir()
+    t0 = datetime(2025, 6, 1, 12, tzinfo=UTC)
+    pq.write_table(
+        pa.table(
+            {
+                "id": pa.array([7, 8, 9], pa.int64()),
+                "cust": pa.array([1, 1, 2], pa.int64()),
+                "shop": pa.array([3, 3, None], pa.int64()),
+                "eur": [5.0, 6.0, 7.0],
+                "ts": pa.array([t0, t0 + timedelta(hours=1), t0], pa.timestamp("ms", tz="UTC")),
+                "fraud": [False, True, False],
+            }
+        ),
+        src / "export.parquet",
+    )
+    (src / "m.yaml").write_text(
+        """\
+transactions:
+  files: [export.parquet]
+  time_zone: America/New_York   # aware times keep their instant; the zone gives the local hour
+  columns:
+    transaction_id: id
+    card_id: cust
+    merchant_id: shop
+    amount: eur
+    event_time: ts
+    channel: {const: ecom}
+    country: {const: US}
+    currency: {const: usd}
+    is_fraud: fraud
+labels:
+  arrival_delay_days: 10
+  columns: {}
+"""
+    )
+    assert main(["ingest", str(src / "m.yaml")]) == 0
+    t = pq.read_table(partition_file(cli_env / "raw", "transactions", t0.date())).to_pylist()
+    assert [r["transaction_id"] for r in t] == ["7", "8"]  # 9 has no merchant: rejected
+    assert {r["utc_offset_min"] for r in t} == {-240} and {r["currency"] for r in t} == {"USD"}
+    labels = pq.read_table(partition_file(cli_env / "raw", "labels", date(2025, 6, 11)))
+    assert labels.column("transaction_id").to_pylist() == ["8"]
+    with open(cli_env / "ingest" / "rejects.csv") as f:
+        assert [r["reason"] for r in csv.DictReader(f)] == ["missing value: merchant_id"]
