@@ -130,14 +130,15 @@ class ServiceStartError(RuntimeError):
 
 _WHEN = {
     401: "No API key, or an unknown one (`unauthenticated`); auth on only.",
-    403: "The key lacks the route's scope (`forbidden`); auth on only.",
+    403: "The key lacks the route's scope (`forbidden`, naming it); auth on only.",
     408: "The body did not arrive within FRAUD_BODY_TIMEOUT_S (`body_timeout`).",
     404: "No review item with that transaction_id (`not_found`).",
     409: "The new model failed to load or validate (`model_rejected`; the old one serves), "
     "or the transaction_id was already used for another transaction (`id_reused`, naming "
     "the fields that differ; a retry with the same content gets the original answer).",
     413: "The body is over FRAUD_MAX_BODY_BYTES, or has too many transactions (`too_large`).",
-    415: "Content-Type is not JSON (`unsupported_media_type`).",
+    415: "Content-Type is not JSON (`unsupported_media_type`); every POST needs it, "
+    "/v1/models/reload also without a body (no cross-site form can post).",
     422: "The body or a header is invalid (`invalid_json`, `missing`, `invalid`), one "
     "problem per field.",
     503: "Cannot be served now; retry after `Retry-After` seconds. `code` is the reason: "
