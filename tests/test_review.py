@@ -261,12 +261,13 @@ def test_a_label_for_an_unscored_id_is_unmatched_and_hides_nothing(
     early = label_body(tid, txns[0]["event_time"], label="legitimate", source="customer")
     with r.client(r.feed) as c:
         a = c.post("/v1/feedback", json=early)
-    assert a.status_code == 200 and a.json()["matched"] is False, a.text
-    [stored] = labels(r, tid)  # kept, marked
-    assert (stored["matched"], stored["key_id"]) == (False, "feed")
+    assert a.status_code == 200, a.text
     # Scored after the label: its review decision still reaches the queue.
     assert score(r, txns) == ["review"]
     wait_until(lambda: tid in queued_ids(r), what="the review decision queued")
+    assert a.json()["matched"] is False
+    [stored] = labels(r, tid)  # kept, marked
+    assert (stored["matched"], stored["key_id"]) == (False, "feed")
     with r.client(r.scraper) as c:
         metrics = c.get("/metrics").text
     counted = [
@@ -355,7 +356,7 @@ def test_label_bodies_must_be_utf8_json(reviewing: Reviewing) -> None:
     json_type = {"content-type": "application/json"}
     with r.client(r.analyst) as c:
         spec = c.get("/openapi.json").json()
-        for path in ("/v1/review/label", "/v1/feedback"):
+        for path in ("/v1/feedback", "/v1/review/label"):
             a = c.post(path, content=bad, headers=json_type)
             assert a.status_code == 422, (path, a.text)
             [problem] = a.json()["detail"]
