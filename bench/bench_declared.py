@@ -1,4 +1,4 @@
-"""What a declared key costs as its traffic grows: the tiled read (``READ_LUA``) of a
+"""What a declared key costs as its traffic grows: the tiled read (``declared.queue_read``) of a
 merchant key holding 10 to 100,000 events in its windows, side by side with the card's
 session read (``fraud_scoring.session``, the hand-written per-card state) holding the
 same events in its 24 h, in one run; and the Redis bytes each key keeps.
@@ -6,9 +6,10 @@ same events in its 24 h, in one run; and the Redis bytes each key keeps.
     python -m bench.bench_declared [--events 10,1000,10000,100000] [--repeat 200]
 
 Per size: p50 and p99 of one read's round trip (queue, Redis, parse, the features),
-and ``MEMORY USAGE`` of the keys. The declared spec is the default file's merchant
-windows (10m, 1h, 1d, 7d, 30d). Goal (issue): p50 within 1.5x from 10 to 100,000.
-Events are spread over the last 7 days, a tenth of them in the last hour.
+Redis's own time per read (``INFO commandstats``: what bounds a service's held rate
+when Redis shares its cores) and ``MEMORY USAGE`` of the keys. The declared spec is the
+default file's merchant windows (10m, 1h, 1d, 7d, 30d). Goal (issue): p50 within 1.5x
+from 10 to 100,000. Events are spread over the last 7 days, a tenth of them in the last hour.
 """
 
 from __future__ import annotations
@@ -61,9 +62,14 @@ def fill_declared(client: Any, spec: D.Spec, key: str, ts: np.ndarray) -> None:
 def read_declared(client: Any, spec: D.Spec, key: str) -> dict[str, float]:
     pipe = client.pipeline(transaction=False)
     D.queue_read(pipe, spec, key, T)
-    (reply,) = pipe.execute()
-    feats, _ = D.online_row(spec, D.KeyState.parse(reply), T)
+    (state,) = D.parse_reads(spec, pipe.execute(), [T])
+    feats, _ = D.online_row(spec, state, T)
     return feats
+
+
+def redis_usec(client: Any) -> float:
+    """Redis's own time in commands so far (INFO commandstats), µs."""
+    return sum(float(v["usec"]) for v in client.info("commandstats").values())
 
 
 def fill_session(client: Any, card: str, ts: np.ndarray) -> None:
@@ -105,8 +111,9 @@ def main() -> None:
     spec = next(s for s in declarations().specs if s.entity == ("merchant_id",))
     print(f"declared spec: merchant_id, windows {[w.label for w in spec.windows]}")
     print(
-        f"{'events':>8} | {'declared p50':>12} {'p99':>7} {'bytes':>8} | "
-        f"{'session p50':>11} {'p99':>7} {'bytes':>9}   (ms, one read; bytes per key)"
+        f"{'events':>8} | {'declared p50':>12} {'p99':>7} {'redis us':>8} {'bytes':>8} | "
+        f"{'session p50':>11} {'p99':>7} {'redis us':>8} {'bytes':>9}   "
+        "(ms, one read; Redis's own time per read; bytes per key)"
     )
     base = None
     with embedded_redis() as url:
@@ -119,15 +126,20 @@ def main() -> None:
             key, card = f"m{n}", f"c{n}"
             fill_declared(client, spec, key, ts)
             fill_session(client, card, ts)
+            client.config_resetstat()
             d50, d99 = timed(lambda k=key: read_declared(client, spec, k), args.repeat)
+            d_srv = redis_usec(client) / (args.repeat + 1)
+            client.config_resetstat()
             s50, s99 = timed(lambda c=card: read_session(client, c), args.repeat)
+            s_srv = redis_usec(client) / (args.repeat + 1)
             p = spec.prefix(key)
-            dbytes = memory(client, [p + ":t", p + ":n", p + ":ids"])
+            dbytes = memory(client, [p + ":t", p + ":ids"])
             sbytes = memory(client, [events_key(card), ids_key(card)])
             base = base or d50
             print(
-                f"{n:>8,} | {d50:>12.3f} {d99:>7.3f} {dbytes:>8,} | "
-                f"{s50:>11.3f} {s99:>7.3f} {sbytes:>9,}   declared p50 {d50 / base:.2f}x of 10"
+                f"{n:>8,} | {d50:>12.3f} {d99:>7.3f} {d_srv:>8.1f} {dbytes:>8,} | "
+                f"{s50:>11.3f} {s99:>7.3f} {s_srv:>8.1f} {sbytes:>9,}   "
+                f"declared p50 {d50 / base:.2f}x of 10"
             )
     print(
         "bytes: the declared key keeps its tiles (bounded by the windows), its newest "

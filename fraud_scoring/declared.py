@@ -4,8 +4,9 @@ A declaration names an entity (one or more transaction columns), an optional fil
 value column, windows and the aggregations wanted; each (aggregation, window) becomes a
 feature ``<prefix>_<window>``. This module is the language (parsed and checked:
 :func:`load`), the tile math every engine shares (:func:`tile_of`, :func:`finish`), the
-Redis layout and its two scripts (record an event: :data:`APPLY_LUA`; read a key's
-windows: :data:`READ_LUA`), and the derived-feature evaluator (:func:`evaluate`).
+Redis layout (record an event: the script :data:`APPLY_LUA`; read a key's windows:
+:func:`queue_read` and :func:`parse_reads`), and the derived-feature evaluator
+(:func:`evaluate`).
 The batch side compiles the same declarations to DuckDB (``batch_jobs/declared_sql.py``).
 
 **Semantics (every engine, exactly).** A window ``W`` has a tile width ``u`` (the
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import math
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -277,7 +280,10 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
     for canon, ds in groups.items():
         windows = {parse_window(w) for d in ds for w in d.windows}
         # The id covers the windows: a new window starts a new state (backfill it).
-        sid = hashlib.blake2b((canon + repr(sorted(windows))).encode(), digest_size=5).hexdigest()
+        # and the storage layout: a new layout starts new keys too.
+        sid = hashlib.blake2b(
+            (canon + repr(sorted(windows)) + f"L{LAYOUT}").encode(), digest_size=5
+        ).hexdigest()
         feats = []
         for d in ds:
             for agg, prefix in d.features.items():
@@ -472,34 +478,47 @@ def derived_columns(
     return out
 
 
-# --- the Redis layout and scripts ---------------------------------------------------------
+# --- the Redis layout and the recording script --------------------------------------------
 #
-# Per (spec, key), three keys sharing the hash tag {agg:<spec id>:<key>}:
-#   <p>:t   hash, per tile width u and ring slot, field "<u>|<slot>" = "idx count sum
-#           squares" (the tile's index; sums as %.17g)
-#   <p>:n   zset of the NEWEST newest events: score ts (µs), member "id\x1fvalue"
+# Per (spec, key), two keys sharing the hash tag {agg:<spec id>:<key>}:
+#   <p>:t   hash: field "<u>" per tile width u, that width's tiles as packed records of
+#           four little-endian doubles (tile index, count, sum, sum of squares), one per
+#           tile holding events; it keeps the tiles of the last ``slots`` indexes (older
+#           ones are dropped once the field holds more than ``slots``: no read reaches
+#           them). Field "n": the NEWEST newest events, packed (ts µs, value) doubles in
+#           time order.
 #   <p>:ids zset transaction_id -> ts, the last ``horizon`` of the key (idempotency)
-# All three expire ``ttl`` after the key's last write.
+# Both expire ``ttl`` after the key's last write. A read is one HMGET of the hash
+# (:func:`queue_read`; no script), summed in the client, vectorized over a micro-batch
+# (:func:`parse_reads`).
+TILE = struct.Struct("<4d")
+NEWEST_REC = struct.Struct("<2d")
+LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 
-# KEYS: t, n, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
+# KEYS: t, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
 # nwidths, (u, slots)*, then per key: nev, (id, ts, value)*. Returns per key a list, per
 # event 1 (added), 0 (duplicate) or -1 (older than the key's newest by more than the
 # horizon: dropped, as nothing live reads that far back). A key's events in one call are
-# summed per tile first: a burst of one key costs one write per tile.
+# summed per tile first, and its hash read and written once.
 APPLY_LUA = """
 local horizon, keep, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local nw = tonumber(ARGV[4])
-local widths = {}
+local widths, fields = {}, {}
 for w = 1, nw do
   widths[w] = {ARGV[3 + 2*w], tonumber(ARGV[3 + 2*w]), tonumber(ARGV[4 + 2*w])}
+  fields[w] = ARGV[3 + 2*w]
 end
+fields[nw + 1] = 'n'
 local pos = 5 + 2 * nw
 local result = {}
-for g = 1, #KEYS / 3 do
-  local kt, kn, kid = KEYS[3*g - 2], KEYS[3*g - 1], KEYS[3*g]
-  local top = redis.call('ZREVRANGE', kn, 0, 0, 'WITHSCORES')
-  local newest = top[2] and tonumber(top[2]) or nil
+for g = 1, #KEYS / 2 do
+  local kt, kid = KEYS[2*g - 1], KEYS[2*g]
+  local held = redis.call('HMGET', kt, unpack(fields))
+  local recent = held[nw + 1] or ''
+  local newest = nil
+  if #recent > 0 then newest = struct.unpack('<d', recent, #recent - 15) end
   local out, tiles, added = {}, {}, false
+  for w = 1, nw do tiles[w] = {} end
   local nev = tonumber(ARGV[pos])
   for e = 1, nev do
     local id, ts, v = ARGV[pos + 3*e - 2], tonumber(ARGV[pos + 3*e - 1]), ARGV[pos + 3*e]
@@ -509,87 +528,73 @@ for g = 1, #KEYS / 3 do
       out[e] = -1
     else
       redis.call('ZADD', kid, ts, id)
-      redis.call('ZADD', kn, ts, id .. '\\31' .. v)
       local x = tonumber(v)
       for w = 1, nw do
         local u = widths[w][2]
         local idx = (ts - math.fmod(ts, u)) / u
-        local f = widths[w][1] .. '|' .. string.format('%d', math.fmod(idx, widths[w][3]))
-        local t = tiles[f]
-        if t == nil then t = {idx, 0, 0, 0}; tiles[f] = t end
-        if t[1] == idx then
-          t[2], t[3], t[4] = t[2] + 1, t[3] + x, t[4] + x * x
-        elseif t[1] < idx then  -- two tiles of one slot in a call: the newer one wins
-          tiles[f] = {idx, 1, x, x * x}
-        end
+        local t = tiles[w][idx]
+        if t == nil then t = {idx, 0, 0, 0}; tiles[w][idx] = t end
+        t[2], t[3], t[4] = t[2] + 1, t[3] + x, t[4] + x * x
       end
+      local at = #recent + 1  -- keep `recent` in time order: insert after any <= ts
+      while at > 1 and struct.unpack('<d', recent, at - 16) > ts do at = at - 16 end
+      recent = recent:sub(1, at - 1) .. struct.pack('<dd', ts, x) .. recent:sub(at)
       if not newest or ts > newest then newest = ts end
       out[e] = 1
       added = true
     end
   end
   pos = pos + 1 + 3 * nev
-  for f, t in pairs(tiles) do
-    local held = redis.call('HGET', kt, f)
-    local idx, c, s, q = t[1], t[2], t[3], t[4]
-    if held then
-      local hi, hc, hs, hq = string.match(held, '^(%S+) (%S+) (%S+) (%S+)$')
-      hi = tonumber(hi)
-      if hi == idx then
-        c, s, q = c + tonumber(hc), s + tonumber(hs), q + tonumber(hq)
-      elseif hi > idx then
-        c = nil  -- the slot already holds a newer tile: these events are too old for it
-      end
-    end
-    if c then
-      redis.call('HSET', kt, f, string.format('%d %d %.17g %.17g', idx, c, s, q))
-    end
-  end
   if added then
-    redis.call('ZREMRANGEBYRANK', kn, 0, -keep - 1)
+    local set = {}
+    for w = 1, nw do
+      local ring = held[w] or ''
+      local grew = false
+      for idx, t in pairs(tiles[w]) do
+        local needle, at = struct.pack('<d', idx), 0
+        repeat  -- the record of this tile, if held (a match must start a record)
+          at = string.find(ring, needle, at + 1, true)
+        until at == nil or at % 32 == 1
+        if at then
+          local _, hc, hs, hq = struct.unpack('<dddd', ring, at)
+          local rec = struct.pack('<dddd', idx, t[2] + hc, t[3] + hs, t[4] + hq)
+          ring = ring:sub(1, at - 1) .. rec .. ring:sub(at + 32)
+        else
+          ring = ring .. struct.pack('<dddd', idx, t[2], t[3], t[4])
+          grew = true
+        end
+      end
+      local slots = widths[w][3]
+      if grew and #ring > 32 * slots then  -- keep the tiles of the last `slots` indexes
+        local top, recs = -1, {}
+        for at = 1, #ring, 32 do
+          local idx = struct.unpack('<d', ring, at)
+          recs[#recs + 1] = {idx, at}
+          if idx > top then top = idx end
+        end
+        local kept = {}
+        for _, r in ipairs(recs) do
+          if r[1] > top - slots then kept[#kept + 1] = ring:sub(r[2], r[2] + 31) end
+        end
+        ring = table.concat(kept)
+      end
+      set[#set + 1] = widths[w][1]
+      set[#set + 1] = ring
+    end
+    if #recent > 16 * keep then recent = recent:sub(#recent - 16 * keep + 1) end
+    set[#set + 1] = 'n'
+    set[#set + 1] = recent
+    redis.call('HSET', kt, unpack(set))
     redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
     redis.call('PEXPIRE', kt, ttl)
-    redis.call('PEXPIRE', kn, ttl)
     redis.call('PEXPIRE', kid, ttl)
   end
   result[g] = out
 end
 return result
 """
-
-# KEYS: t, n. ARGV: t (µs), newest, nwin, (u, slots, tiles)*. Returns {newest events as
-# member, score, ...; then per window count, sum, squares over its tiles, the current one
-# included} (sums as strings: exact doubles).
-READ_LUA = """
-local t, keep, nw = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local out = {redis.call('ZREVRANGE', KEYS[2], 0, keep - 1, 'WITHSCORES')}
-for w = 1, nw do
-  local us, slots, n = ARGV[1 + 3*w], tonumber(ARGV[2 + 3*w]), tonumber(ARGV[3 + 3*w])
-  local u = tonumber(us)
-  local last = (t - math.fmod(t, u)) / u
-  local fields = {}
-  for idx = last - n, last do
-    fields[#fields + 1] = us .. '|' .. string.format('%d', math.fmod(idx, slots))
-  end
-  local got = redis.call('HMGET', KEYS[1], unpack(fields))
-  local c, s, q, k = 0, 0, 0, 1
-  for idx = last - n, last do
-    local held = got[k]
-    if held then
-      local hi, hc, hs, hq = string.match(held, '^(%S+) (%S+) (%S+) (%S+)$')
-      if tonumber(hi) == idx then
-        c, s, q = c + tonumber(hc), s + tonumber(hs), q + tonumber(hq)
-      end
-    end
-    k = k + 1
-  end
-  out[#out + 1] = {c, string.format('%.17g', s), string.format('%.17g', q)}
-end
-return out
-"""
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
-READ_SHA = hashlib.sha1(READ_LUA.encode()).hexdigest()
-SCRIPTS = (APPLY_LUA, READ_LUA)
+SCRIPTS = (APPLY_LUA,)
 
 
 @dataclass(frozen=True)
@@ -648,7 +653,7 @@ def queue_apply(
         args = list(head)
         for key in keys:
             p = spec.prefix(key)
-            names += (p + ":t", p + ":n", p + ":ids")
+            names += (p + ":t", p + ":ids")
             args.append(len(by_key[key]))
             for e in by_key[key]:
                 args += (e.transaction_id, e.ts_us, repr(float(e.value)))
@@ -657,35 +662,60 @@ def queue_apply(
 
 
 def queue_read(pipe: Any, spec: Spec, key: str, t_us: int) -> None:
-    """Queue one READ call for ``key`` as of ``t_us``."""
-    p = spec.prefix(key)
-    args: list[Any] = [t_us, NEWEST, len(spec.windows)]
-    for w in spec.windows:
-        args += (w.width_us, spec.widths[w.width_us], w.tiles)
-    pipe.execute_command("EVALSHA", READ_SHA, 2, p + ":t", p + ":n", *args)
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    """Queue the read of ``key`` (one HMGET: its tiles per width and its newest events;
+    parsed, as of each read's time, by :func:`parse_reads`)."""
+    pipe.execute_command("HMGET", spec.prefix(key) + ":t", *spec.widths, "n")
 
 
 @dataclass
 class KeyState:
-    """A READ reply, parsed: the newest events (ts, id, value) and per window the sums
-    over its tiles, the tile holding ``t`` included."""
+    """A key's read, parsed: its stored events at or after ``t`` (ts, value; at most
+    :data:`NEWEST`), its newest stored event before ``t`` (None: none kept), and per
+    window the sums over its tiles, the tile holding ``t`` included."""
 
-    newest: list[tuple[int, str, float]]
+    ahead: list[tuple[int, float]]
+    last_before: int | None
     sums: list[tuple[float, float, float]]
 
-    @classmethod
-    def parse(cls, reply: Sequence[Any]) -> KeyState:
-        flat = reply[0]
-        newest = []
-        for k in range(0, len(flat), 2):
-            tid, _, val = _text(flat[k]).rpartition("\x1f")
-            newest.append((int(float(_text(flat[k + 1]))), tid, float(val)))
-        sums = [(float(c), float(_text(s)), float(_text(q))) for c, s, q in reply[1:]]
-        return cls(newest, sums)
+
+def _recent(blob: bytes | None, t_us: int) -> tuple[list[tuple[int, float]], int | None]:
+    """From a key's newest events (packed, in time order): those at or after ``t_us``
+    and the time of the newest before it."""
+    if not blob:
+        return [], None
+    ts, _ = NEWEST_REC.unpack_from(blob, len(blob) - NEWEST_REC.size)
+    if ts < t_us:  # scoring live: nothing stored lies ahead
+        return [], int(ts)
+    recs = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob)]
+    before = [a for a, _ in recs if a < t_us]
+    return [r for r in recs if r[0] >= t_us], (before[-1] if before else None)
+
+
+def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list[KeyState]:
+    """The states of the keys :func:`queue_read` read for ``spec`` (``replies``: their
+    replies in order; ``t_us``: each read's time). The tiles are summed for the whole
+    batch at once."""
+    n = len(t_us)
+    assert len(replies) == n, (len(replies), n)
+    t = np.asarray(t_us, dtype=np.int64)
+    sums: list[np.ndarray] = []  # per window: (n, 3) count, sum, squares
+    rings: dict[int, np.ndarray] = {}
+    for pos, (u, slots) in enumerate(spec.widths.items()):
+        held = [r[pos] or b"" for r in replies]
+        size = max([slots * TILE.size, *map(len, held)])
+        raw = b"".join(h.ljust(size, b"\0") for h in held)
+        rings[u] = np.frombuffer(raw, dtype="<f8").reshape(n, size // TILE.size, 4)
+    for w in spec.windows:
+        ring = rings[w.width_us]
+        last = (t // w.width_us).astype(np.float64)[:, None]
+        idx = ring[:, :, 0]
+        inside = (idx >= last - w.tiles) & (idx <= last)
+        sums.append((ring[:, :, 1:] * inside[:, :, None]).sum(axis=1))
+    out = []
+    for i, r in enumerate(replies):
+        ahead, before = _recent(r[-1], t_us[i])
+        out.append(KeyState(ahead, before, [tuple(x[i].tolist()) for x in sums]))  # type: ignore[misc]
+    return out
 
 
 def online_row(
@@ -694,16 +724,19 @@ def online_row(
     t_us: int,
     batch_mates: Sequence[Event] = (),
 ) -> tuple[dict[str, float], bool]:
-    """One transaction's features of ``spec`` as of ``t_us`` from its key's READ reply
-    (None: no key; defaults), plus the events of the same micro-batch recorded with it
-    that were new to the store (the read ran before they were written). Returns the
+    """One transaction's features of ``spec`` as of ``t_us`` from its key's read
+    (:func:`parse_reads`; None: no key, defaults), plus the events of the same
+    micro-batch recorded with it that were new to the store (the read ran before they
+    were written). Returns the
     features and whether they are exact (False only when :data:`NEWEST` or more stored
     events lie at or after ``t_us``: a replay far behind the key's present)."""
-    newest = list(state.newest) if state else []
-    exact = len(newest) < NEWEST or min(ts for ts, _, _ in newest) < t_us
-    ahead = [(ts, v) for ts, _, v in newest if ts >= t_us]
+    ahead = state.ahead if state else []
+    # Fewer than NEWEST kept events at or after t: every event after t is kept.
+    exact = len(ahead) < NEWEST
     mates = [(e.ts_us, e.value) for e in batch_mates if e.ts_us < t_us]
-    before = [ts for ts, _, _ in newest if ts < t_us] + [ts for ts, _ in mates]
+    before = [ts for ts, _ in mates]
+    if state is not None and state.last_before is not None:
+        before.append(state.last_before)
     since = (t_us - max(before)) / US if before else math.inf
     out: dict[str, float] = {}
     for w_i, w in enumerate(spec.windows):
@@ -812,19 +845,26 @@ def parse_batch(
             ]
     cols: dict[str, list[float]] = {}
     inexact = 0
-    got = iter(reads)
-    for spec, i, read_key in plan.reads:
-        state = KeyState.parse(next(got)) if read_key is not None else None
-        tid = str(rows[i]["transaction_id"])
-        mates = (
-            [e for e in fresh.get((spec.id, read_key), []) if e.transaction_id != tid]
-            if read_key is not None
-            else []
-        )
-        feats, exact = online_row(spec, state, ts_us[i], mates)
-        inexact += not exact
-        for k, v in feats.items():
-            cols.setdefault(k, []).append(v)
+    pos = 0
+    for _, group in itertools.groupby(plan.reads, key=lambda r: r[0].id):
+        rows_of = list(group)
+        spec = rows_of[0][0]
+        keyed = [i for _, i, key in rows_of if key is not None]
+        n = len(keyed)
+        states = iter(parse_reads(spec, reads[pos : pos + n], [ts_us[i] for i in keyed]))
+        pos += n
+        for _, i, read_key in rows_of:
+            state = next(states) if read_key is not None else None
+            tid = str(rows[i]["transaction_id"])
+            mates = (
+                [e for e in fresh.get((spec.id, read_key), []) if e.transaction_id != tid]
+                if read_key is not None
+                else []
+            )
+            feats, exact = online_row(spec, state, ts_us[i], mates)
+            inexact += not exact
+            for k, v in feats.items():
+                cols.setdefault(k, []).append(v)
     return cols, inexact
 
 

@@ -147,9 +147,9 @@ def _live(
         fresh: dict[tuple[str, str], list[D.Event]] = {}
         for (spec, key, es), (added,) in zip(writes, replies[n_reads:], strict=True):
             fresh[(spec.id, key)] = [e for e, a in zip(es, added, strict=True) if int(a) == 1]
-        got = iter(replies[:n_reads])
+        got = iter(_states(decl, reads, replies[:n_reads], ts))
         for spec, i, key in reads:
-            state = D.KeyState.parse(next(got)) if key is not None else None
+            state = next(got) if key is not None else None
             mates = [
                 e
                 for e in fresh.get((spec.id, key), [])
@@ -160,6 +160,23 @@ def _live(
             assert exact, (spec.feature_names(), rows[i])
             served.setdefault(rows[i]["transaction_id"], {}).update(feats)
     return served
+
+
+def _states(
+    decl: D.Declarations,
+    reads: list[tuple[D.Spec, int, str | None]],
+    replies: list[Any],
+    ts: list[int],
+) -> list[D.KeyState]:
+    """The states of ``reads`` (queued spec by spec) from their replies, in order."""
+    out: list[D.KeyState] = []
+    pos = 0
+    for spec in decl.specs:
+        keyed = [i for s, i, key in reads if s is spec and key is not None]
+        n = len(keyed)
+        out += D.parse_reads(spec, replies[pos : pos + n], [ts[i] for i in keyed])
+        pos += n
+    return out
 
 
 def _assert_equal(
@@ -242,10 +259,14 @@ def test_late_shuffled_and_duplicated_events_land_at_their_own_time(
         for key, t in zip(keys, t_us, strict=True):
             if key is not None:
                 D.queue_read(pipe, spec, key, t)
-        replies = iter(pipe.execute())
+        states = iter(
+            D.parse_reads(
+                spec, pipe.execute(), [t for k, t in zip(keys, t_us, strict=True) if k is not None]
+            )
+        )
         flags = []
         for row, key, t in zip(rows, keys, t_us, strict=True):
-            state = D.KeyState.parse(next(replies)) if key is not None else None
+            state = next(states) if key is not None else None
             feats, exact = D.online_row(spec, state, t)
             if not exact:  # the documented condition, counted from the history
                 same = np.ones(len(hist), bool)
