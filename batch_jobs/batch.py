@@ -10,6 +10,7 @@ while it writes) so that corrected values replace it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,11 +23,14 @@ import pyarrow as pa
 from feast import FeatureStore
 from tqdm import tqdm
 
+from batch_jobs import declared_sql
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
+from batch_jobs.feature_plan import history_days
 from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
+from fraud_scoring import declared as D
 from fraud_scoring.feast_store import batch_marker_key, online_key, open_store, stored_time
-from fraud_scoring.features import VIEWS
+from fraud_scoring.features import VIEWS, declarations
 from fraud_scoring.redis_clients import sync_client
 
 log = logging.getLogger(__name__)
@@ -106,6 +110,41 @@ def mark_materialized(redis_url: str, project: str) -> None:
         client.close()
 
 
+def backfill_declared(raw: Path, last: date, redis_url: str, allowed_lateness_s: float) -> int:
+    """Record the raw history up to ``last`` into every declared state whose backfilled
+    marker is missing (a new state, or the store was emptied), with a progress line per
+    state; states already backfilled are left to the updater. Returns the events
+    recorded."""
+    decl = declarations()
+    client = sync_client(redis_url)
+    try:
+        states = declared_sql.missing_states(client, decl)
+        if not states:
+            return 0
+        first = last - history_days(states)
+        history = declared_sql.load_history(raw, first, last)
+        if history.empty:
+            return 0
+        only = dataclasses.replace(decl, specs=tuple(states))
+        n = declared_sql.backfill_tiles(
+            client,
+            only,
+            history,
+            allowed_lateness_s + D.HORIZON_S,
+            progress=lambda m: log.info("declared backfill: %s", m),
+        )
+        log.info(
+            "declared backfill: %d events from %s..%s into %s",
+            n,
+            first,
+            last,
+            ", ".join(s.id for s in states),
+        )
+        return n
+    finally:
+        client.close()
+
+
 def run_batch(
     data_dir: Path,
     days: list[date],
@@ -114,10 +153,12 @@ def run_batch(
     materialize: bool = True,
     compute: DayCompute = compute_day,
     materializer: Materializer = "direct",
+    allowed_lateness_s: float = 300.0,
 ) -> BatchReport:
     """Compute (with ``compute``: DuckDB unless told), write and (optionally)
     materialize the snapshots of ``days``; both materializers leave the same Redis
-    state (tests/test_materialize.py)."""
+    state (tests/test_materialize.py). Materializing also backfills the declared states
+    the store does not hold yet (:func:`backfill_declared`)."""
     raw, feats = data_dir / "raw", data_dir / "features"
     t0 = time.perf_counter()
     rows = 0
@@ -145,6 +186,7 @@ def run_batch(
     else:  # one read of the stored times serves both rules
         materialize_days(store, redis_url, feats, days, start, end, recomputed)
     mark_materialized(redis_url, store.project)
+    backfill_declared(raw, max(days), redis_url, allowed_lateness_s)
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(

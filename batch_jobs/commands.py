@@ -116,6 +116,7 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
             materialize=not args.no_materialize,
             compute=compute,
             materializer=settings.materializer,
+            allowed_lateness_s=settings.allowed_lateness_s,
         )
     print(
         f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -23,6 +25,7 @@ from redis.cluster import RedisCluster
 
 from fraud_scoring import declared as D
 from fraud_scoring.session import epoch_us
+from fraud_scoring.storage import partition_days, partition_dir
 
 log = logging.getLogger(__name__)
 
@@ -130,28 +133,59 @@ def backfill_tiles(
 ) -> int:
     """Record every transaction of ``history`` in the declared keys (the updater's own
     script: idempotent per transaction_id, so running it again, or after the stream
-    already recorded some, changes nothing within the horizon). Returns the events
-    recorded. Events are sent in event-time order, per key in chunks of 500; ``progress``
-    is told every 1,000 keys."""
+    already recorded some, changes nothing), then set each state's backfilled marker
+    (:meth:`fraud_scoring.declared.Spec.backfilled_key`). Returns the events recorded.
+
+    Events are sent per key in event-time order, 500 a call, accepted however far
+    behind the key's newest event they lie (live traffic may have reached a key first,
+    e.g. after the store was flushed); each key's ids are then trimmed back to
+    ``horizon_s`` (the live idempotency span). ``progress`` is told every 1,000 keys."""
     hist = history.drop_duplicates("transaction_id").sort_values("event_time")
     rows = hist.to_dict("records")
     ts = [int(x) for x in epoch_us(hist[["event_time"]])]
+    span_s = (max(ts) - min(ts)) / D.US if ts else 0.0
     written = 0
     for script in D.SCRIPTS:  # on a cluster: on every primary
         client.script_load(script)
     cluster = isinstance(client, RedisCluster)
     for spec in decl.specs:
-        limits = D.Limits.for_spec(spec, horizon_s)
+        live = D.Limits.for_spec(spec, horizon_s)
+        accept = D.Limits(live.horizon_us + int(span_s * D.US), live.ttl_ms)
         by_key = D.events_for(spec, rows, ts)
         for n, key in enumerate(by_key):
             events = by_key[key]
             pipe = client.pipeline(transaction=False)
             for i in range(0, len(events), 500):
-                D.queue_apply(pipe, spec, {key: events[i : i + 500]}, limits, per_key=cluster)
+                D.queue_apply(pipe, spec, {key: events[i : i + 500]}, accept, per_key=cluster)
+            newest = max(e.ts_us for e in events)
+            pipe.zremrangebyscore(
+                spec.prefix(key) + ":ids", "-inf", f"({newest - int(horizon_s * D.US)}"
+            )
             written += _send(pipe)
             if progress and n % 1000 == 999:
                 progress(f"{spec.id}: {n + 1:,} of {len(by_key):,} keys")
+        client.set(spec.backfilled_key(), datetime.now(UTC).isoformat())
     return written
+
+
+def missing_states(client: Any, decl: D.Declarations) -> list[D.Spec]:
+    """The states whose backfilled marker is not in the store (new, or the store was
+    emptied)."""
+    return [s for s in decl.specs if not client.exists(s.backfilled_key())]
+
+
+def load_history(raw: Path, first: date, last: date) -> pd.DataFrame:
+    """The raw transactions of ``first..last`` (what a backfill records)."""
+    days = [d for d in partition_days(raw, "transactions") if first <= d <= last]
+    if not days:
+        return pd.DataFrame()
+    files = [str(partition_dir(raw, "transactions", d) / "part-0.parquet") for d in days]
+    con = duckdb.connect()
+    try:
+        con.execute("SET TimeZone='UTC'")
+        return con.sql("SELECT * FROM read_parquet($f)", params={"f": files}).df()
+    finally:
+        con.close()
 
 
 def _send(pipe: Any) -> int:
@@ -160,5 +194,6 @@ def _send(pipe: Any) -> int:
     for r in replies:
         if isinstance(r, Exception):
             raise r
-        n += sum(1 for per_key in r for x in per_key if int(x) == 1)
+        if isinstance(r, list):  # an APPLY reply (the ids' trim answers a count)
+            n += sum(1 for per_key in r for x in per_key if int(x) == 1)
     return n

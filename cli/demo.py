@@ -67,6 +67,7 @@ def run_demo(
             day_range(cfg.start, last - timedelta(days=1)),
             url,
             settings.feature_store_yaml,
+            allowed_lateness_s=settings.allowed_lateness_s,
         )
         run_batch(settings.data_dir, [last], url, settings.feature_store_yaml, materialize=False)
         print(

@@ -239,6 +239,12 @@ class Spec:
     def value(self, row: Mapping[str, Any]) -> float:
         return float(row[self.value_column]) if self.value_column else 1.0
 
+    def backfilled_key(self) -> str:
+        """Set once the raw history is recorded into this state (``features backfill``,
+        or the daily batch for a state without it); the service refuses to serve a
+        state without it (an empty or not yet backfilled state would serve zeros)."""
+        return "fraud:declared:" + self.id + ":backfilled"
+
     def prefix(self, key: str) -> str:
         # One hash tag per (spec, key): a key's three Redis keys share a Cluster slot.
         return "{agg:" + self.id + ":" + key + "}"

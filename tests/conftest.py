@@ -74,6 +74,20 @@ def materialize_world(world: World, url: str) -> None:
     start, end = snapshot_time(days[0]), snapshot_time(days[-1]) + timedelta(seconds=1)
     materialize_days(store, url, world.data_dir / "features", days, start, end)
     mark_materialized(url, store.project)
+    mark_declared(url)  # the declared states stay empty: the tests feed them
+
+
+def mark_declared(url: str) -> None:
+    """Set the declared states' backfilled markers (the batch job's backfill sets them;
+    without them the service refuses to serve those states)."""
+    from fraud_scoring.features import declarations
+
+    client = sync_client(url)
+    try:
+        for spec in declarations().specs:
+            client.set(spec.backfilled_key(), "test")
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="session")

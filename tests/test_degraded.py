@@ -25,12 +25,16 @@ import pytest
 import redis
 
 from batch_jobs.batch import mark_materialized
+from fraud_scoring import features as F
 from fraud_scoring.features import VIEWS
+from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
-from tests.conftest import World, start_server, stop_server, wait_until
+from fraud_scoring.settings import Settings
+from tests.conftest import World, mark_declared, start_server, stop_server, wait_until
 from tests.test_service import TXN
 
 PROJECT = "fraud_scoring"  # feature_repo/feature_store.yaml
+MODEL = Settings().model_name
 FAST_CHECKS = {"FRAUD_BATCH_MARKER_CHECK_S": "0.1"}
 
 
@@ -39,6 +43,7 @@ def own_redis() -> Iterator[str]:
     """A server this test may flush or stop, holding the batch job's markers."""
     with embedded_redis() as url:
         mark_materialized(url, PROJECT)
+        mark_declared(url)
         yield url
 
 
@@ -97,11 +102,41 @@ def test_flushed_store_is_declared_and_the_policy_applies(
                 )
 
             mark_materialized(own_redis, PROJECT)  # the batch job runs again
+            mark_declared(own_redis)  # and backfills the declared states
             wait_until(
                 lambda: (r := c.get("/readyz")).status_code == 200 and "degraded" not in r.json(),
                 what="ready, not degraded",
             )
             assert c.post("/v1/score", json=txn(3)).json()["degraded"] is False
+    finally:
+        stop_server(srv)
+
+
+def test_an_emptied_store_is_refused_from_its_first_read(
+    world: World, tmp_path: Path, own_redis: str
+) -> None:
+    """The markers travel with every micro-batch's read: the first request after a
+    flush is refused, whatever the watcher's period (here a minute); so is a declared
+    state the batch job has not backfilled, by name."""
+    srv = start_server(world, tmp_path, REDIS_URL=own_redis, FRAUD_BATCH_MARKER_CHECK_S="60")
+    try:
+        with srv.client() as c:
+            assert c.post("/v1/score", json=txn(0)).status_code == 200
+            redis.Redis.from_url(own_redis).flushall()
+            first = c.post("/v1/score", json=txn(1))
+            assert first.status_code == 503, first.text
+            assert first.json()["detail"][0]["code"] == "no_batch_features"
+            mark_materialized(own_redis, PROJECT)
+            names = set(load_metadata(resolve(world.model_repo, MODEL)).feature_names)
+            read = [s for s in F.declarations().specs if set(s.feature_names()) & names]
+            assert read, "the test model reads declared features"
+            refused = c.post("/v1/score", json=txn(2))
+            assert refused.status_code == 503, refused.text
+            message = refused.json()["detail"][0]["message"]
+            assert f"declared state {read[0].id}" in message, message
+            assert c.get("/readyz").status_code == 503
+            mark_declared(own_redis)
+            assert c.post("/v1/score", json=txn(3)).status_code == 200
     finally:
         stop_server(srv)
 

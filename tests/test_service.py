@@ -377,11 +377,13 @@ def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> Non
     retry or route to its fallback, for the batched and the naive path alike."""
     from batch_jobs.batch import mark_materialized
     from fraud_scoring.redis_server import embedded_redis
+    from tests.conftest import mark_declared
 
     for batching in ("true", "false"):
         with contextlib.ExitStack() as own_redis:
             url = own_redis.enter_context(embedded_redis())  # a server this test may stop
             mark_materialized(url, "fraud_scoring")  # not empty: this test is the outage
+            mark_declared(url)
             srv = start_server(
                 world, tmp_path, REDIS_URL=url, FRAUD_BATCHING=batching, FRAUD_REDIS_TIMEOUT_S="0.5"
             )

@@ -133,11 +133,13 @@ class _Layout:
     declared reads (to ``reads_end``), the session writes (to ``session_end``), then the
     declared writes."""
 
+    markers: int  # the batch views' markers, then the read declared states'
     reader: int
     reads_end: int
     session_end: int
     plan: D.BatchPlan
     rows: list[dict[str, Any]]  # what the declared reads and writes were queued for
+    states: list[tuple[str, str]]  # the declared states' markers read (StoreHealth)
 
     def declared_writes(self, replies: list[Any]) -> list[Any]:
         return replies[self.session_end :]
@@ -329,7 +331,7 @@ class Scorer:
         replies, lay = await self._round_trip(batch)
         if any(
             isinstance(r, NoScriptError)
-            for r in replies[: lay.reads_end] + lay.declared_writes(replies)
+            for r in replies[lay.markers : lay.reads_end] + lay.declared_writes(replies)
         ):
             # The server lost the scripts (restart, flush): load them and run the batch
             # again (its writes are idempotent).
@@ -337,21 +339,26 @@ class Scorer:
             replies, lay = await self._round_trip(batch)
         if self.health is not None:
             self.health.succeeded()
-        reads = replies[: lay.reads_end]
-        for r in reads:
+        for r in replies[: lay.reads_end]:
             if isinstance(r, Exception):
                 log.warning("feature read failed: %s", r)
                 raise FeatureStoreUnavailable("feature store unavailable: a read failed")
+        if self.health is not None:
+            self.health.observed(replies[: lay.markers], lay.states)
         if batch.by_card:
             await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
         stats = session.ReadStats()
-        rows = self.reader.parse(reads[: lay.reader], txns, stats)
+        rows = self.reader.parse(replies[lay.markers : lay.reader], txns, stats)
         if stats.capped:
             _capped_reads().labels(exact="true").inc(stats.capped - stats.inexact)
             if stats.inexact:
                 _capped_reads().labels(exact="false").inc(stats.inexact)
         aggs, inexact = D.parse_batch(
-            lay.plan, reads[lay.reader :], lay.declared_writes(replies), lay.rows, batch.ts_us
+            lay.plan,
+            replies[lay.reader : lay.reads_end],
+            lay.declared_writes(replies),
+            lay.rows,
+            batch.ts_us,
         )
         if inexact:
             _inexact_declared().inc(inexact)
@@ -388,6 +395,11 @@ class Scorer:
             else:
                 specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
             self._declared_for = (champion, challenger, dataclasses.replace(decl, specs=specs))
+            if self.health is not None:  # their markers are checked with the views'
+                self.health.states = [
+                    (f"declared state {s.id} ({', '.join(s.feature_names())})", s.backfilled_key())
+                    for s in specs
+                ]
         return self._declared_for[2]
 
     async def _round_trip(self, batch: _Batch) -> tuple[list[Any], _Layout]:
@@ -397,6 +409,12 @@ class Scorer:
         lies; a failed or late round trip is FeatureStoreUnavailable (and a failure for
         the breaker)."""
         pipe = self._pipeline()
+        decl = self._declared_read()
+        # The markers first: an emptied store is refused on this very read, not a
+        # watcher's check later. One GET each (on a Cluster they lie in other slots).
+        markers = self.health.all_markers() if self.health is not None else []
+        for m in markers:
+            pipe.execute_command("GET", m)
         self.reader.queue(pipe, batch.txns)
         n_reader = len(pipe)
         marks: list[int] = []
@@ -407,7 +425,6 @@ class Scorer:
             session.queue_apply_many(pipe, batch.by_card, self.limits, per_card=per_card)
             marks.append(len(pipe))
 
-        decl = self._declared_read()
         rows = batch.rows if decl.specs else []
         plan = D.queue_batch(
             pipe,
@@ -419,7 +436,8 @@ class Scorer:
             writes_after=session_writes,
             per_key=is_cluster_pipeline(pipe),
         )
-        lay = _Layout(n_reader, marks[0], marks[1], plan, rows)
+        states = list(self.health.states) if self.health is not None else []
+        lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, rows, states)
         return await self._bounded(pipe, "feature read"), lay
 
     async def _bounded(self, pipe: Any, what: str) -> list[Any]:
@@ -543,9 +561,6 @@ class Scorer:
         The steps, one call each: read → assemble → predict → route → decide → observe."""
         clock = _StageClock()
         refuse = self.settings.degraded_policy == "refuse"
-        absent = self.health.absent_views if self.health is not None else None
-        if absent and refuse:
-            raise NoBatchFeatures(absent)
         try:
             claims = await self._claim(txns, record)
             if claims is not None:  # a retry or a reused id records nothing
@@ -555,6 +570,16 @@ class Scorer:
             if refuse:
                 raise
             return self._rules_only(txns, None, "feature_store", clock.t0)
+        # The markers this read carried: an emptied or un-backfilled store is refused
+        # (or decided by rules) from its first read, and served again from the first
+        # read after the batch job.
+        absent = (
+            [*(self.health.absent_views or []), *self.health.absent_states]
+            if (self.health is not None)
+            else []
+        )
+        if absent and refuse:
+            raise NoBatchFeatures(absent)
         if absent:
             return self._rules_only(txns, cols, "no_batch_features", clock.t0)
         clock.mark("feature_read")

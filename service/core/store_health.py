@@ -12,11 +12,14 @@ open for another ``open_s``. Each change of state is one log line. ``/readyz`` r
 past it.
 
 **Batch features present.** The batch job sets a marker key per view after it
-materializes (:func:`fraud_scoring.feast_store.batch_marker_key`). :meth:`watch` checks
-the markers every ``check_s`` seconds in the background (never per request); a Redis
-that restarted without persistence lacks them, and :attr:`absent_views` names those views
-until the next materialization. Presence is reported through ``on_presence`` (the
-``fraud_batch_features_present{view}`` gauge), so this module imports no telemetry.
+materializes (:func:`fraud_scoring.feast_store.batch_marker_key`), and one per declared
+state once its history is backfilled. Every micro-batch's read carries the markers (one
+GET each, in the same round trip: :meth:`observed`), and :meth:`watch` checks the views'
+every ``check_s`` seconds in the background (so readiness recovers without traffic); a
+Redis that restarted without persistence lacks them, and :attr:`absent_views` (and
+:attr:`absent_states`) name them from the first read until the next batch run.
+Presence is reported through ``on_presence`` (the ``fraud_batch_features_present{view}``
+gauge), so this module imports no telemetry.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ class StoreHealth:
         self._open_until: float | None = None  # None: closed; else when the next probe is due
         # None until the first check: not known yet, so not reported absent.
         self.absent_views: list[str] | None = None
+        # The declared states the serving models read, (name, backfilled marker): set
+        # by the scorer, which knows the models; and those whose marker the last check
+        # or read did not find.
+        self.states: list[tuple[str, str]] = []
+        self.absent_states: list[str] = []
 
     # --- breaker ------------------------------------------------------------------------
     @property
@@ -115,6 +123,8 @@ class StoreHealth:
             return "feature store unreachable (circuit open)"
         if self.absent_views:
             return f"no batch features for {', '.join(self.absent_views)}"
+        if self.absent_states:
+            return f"not backfilled: {', '.join(self.absent_states)}"
         return None
 
     # --- markers ------------------------------------------------------------------------
@@ -124,11 +134,12 @@ class StoreHealth:
         :attr:`absent_views` as it was."""
         if self._open_until is not None and self.clock() < self._open_until:
             return
+        states = list(self.states)
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 # One GET each (not MGET): on a Redis Cluster the markers lie in other slots.
                 pipe = self.redis.pipeline(transaction=False)
-                for marker in self.markers:
+                for marker in self.all_markers():
                     pipe.get(marker)
                 found = await pipe.execute()
         except PROBE_ERRORS as exc:
@@ -137,6 +148,21 @@ class StoreHealth:
             self.failed()
             return
         self.succeeded()
+        self.observed(found, states)
+
+    def all_markers(self) -> list[str]:
+        """The views' markers, then the declared states' (what a check reads)."""
+        return [*self.markers, *(m for _, m in self.states)]
+
+    def observed(self, found: Sequence[Any], states: Sequence[tuple[str, str]]) -> None:
+        """The markers as one read found them (None: absent), in :meth:`all_markers`
+        order for ``states`` (the declared states when the read was queued): by the
+        watcher's check, or by a micro-batch's read (which carries them)."""
+        views = len(self.markers)
+        self.absent_states = [
+            name for (name, _), f in zip(states, found[views:], strict=True) if f is None
+        ]
+        found = found[:views]
         absent = [v for v, f in zip(self.views, found, strict=True) if f is None]
         if absent and absent != self.absent_views:
             log.warning("online store holds no batch features for %s", ", ".join(absent))

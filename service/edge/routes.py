@@ -523,7 +523,8 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> JSONResponse:
     """200 with the serving model, or 503 naming each part that is not ready and why
     (``model``: e.g. "not loaded: <why it cannot load>"; ``redis``: unreachable or the
-    circuit breaker open; ``batch_features``: the store holds none for a view). Under
+    circuit breaker open; ``batch_features``: the store holds none for a view;
+    ``declared_features``: a declared state the models read is not backfilled). Under
     FRAUD_DEGRADED_POLICY=rules the store's problems do not make it 503: the body says
     ``degraded`` with the reasons instead."""
     res = resources(request)
@@ -543,6 +544,8 @@ async def readyz(request: Request) -> JSONResponse:
             store["redis"] = "feature store unreachable"
     if res.health is not None and res.health.absent_views:
         store["batch_features"] = "none in the store for " + ", ".join(res.health.absent_views)
+    if res.health is not None and res.health.absent_states:
+        store["declared_features"] = "not backfilled: " + ", ".join(res.health.absent_states)
     degraded = res.settings.degraded_policy == "rules"
     if not degraded:
         problems |= store
