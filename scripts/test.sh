@@ -3,13 +3,16 @@
 # --quick: only the tests that need no simulated world, server or subprocess (about
 # 20 s of tests); other arguments go to pytest.
 # Everything the tests need (a Redis-protocol server, a Kafka-protocol broker, Helm's
-# Go SDK) comes from PyPI wheels and is started by the tests themselves.
+# Go SDK) comes from PyPI wheels and is started by the tests themselves; promtool (the
+# alert rules' unit tests) from Debian's prometheus package (scripts/install-promtool.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
+# Without it the rule tests skip locally and fail under CI=true.
+./scripts/install-promtool.sh || echo "promtool not installed: the alert rule tests skip" >&2
 echo "== ruff"
 # One command per line: under `set -e` a failure inside an `a && b` list does not stop
 # the script, so a lint error would pass unnoticed.

@@ -181,13 +181,19 @@ def _bind(ins: Instruments, model_version: str) -> Bound:
     )
 
 
+# fraud_degraded_decisions_total's causes (service.core.scoring's rules-only modes), each
+# exported at 0 from the start: a series born at its first count looks flat to rate(), so
+# FraudScoringDegraded would miss the first degraded decisions.
+DEGRADED_CAUSES = ("no_batch_features", "feature_store")
+
+
 @cache
 def setup() -> Instruments:
     """Create the process's instruments (once) and install the tracer provider when
     ``OTEL_TRACES_EXPORTER`` asks for one."""
     _setup_traces()
     version = ("model_version",)
-    return Instruments(
+    ins = Instruments(
         queue_time=Histogram(
             "fraud_batch_queue_time_seconds",
             "Time a request waited for its batch",
@@ -243,6 +249,9 @@ def setup() -> Instruments:
             ("feature", "state"),
         ),
     )
+    for cause in DEGRADED_CAUSES:
+        ins.degraded.labels(cause=cause)
+    return ins
 
 
 # Families other libraries register on import that this service never records.

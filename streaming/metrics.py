@@ -37,6 +37,10 @@ from fraud_scoring.redis_clients import STORE_ERRORS
 # poll timeout (0.2 s); a full batch a few seconds at most.
 READY_MAX_AGE_S = 30.0
 
+# fraud_stream_events_total's outcomes, each exported at 0 from the start: a series born
+# at its first count looks flat to increase() (FraudUpdaterDeadLetters would miss it).
+OUTCOMES = ("applied", "duplicate", "dead_letter", "dropped_too_late")
+
 LAG_BUCKETS = (
     0.001,
     0.0025,
@@ -77,7 +81,7 @@ class UpdaterMetrics:
     def create(cls, registry: CollectorRegistry | None = None) -> UpdaterMetrics:
         """Metrics on ``registry`` (default: a fresh one, so several updaters can coexist)."""
         reg = registry if registry is not None else CollectorRegistry()
-        return cls(
+        metrics = cls(
             registry=reg,
             lag=Histogram(
                 "fraud_stream_event_to_servable_seconds",
@@ -110,6 +114,9 @@ class UpdaterMetrics:
                 registry=reg,
             ),
         )
+        for outcome in OUTCOMES:
+            metrics.events.labels(outcome)
+        return metrics
 
 
 def readiness(

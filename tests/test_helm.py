@@ -249,7 +249,19 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
         "scoring": {"auth": {"keys": [{"id": "a", "sha256": "0" * 64, "scopes": ["root"]}]}}
     },
     "unknown degraded policy": {"scoring": {"degradedPolicy": "guess"}},
+    "schedule in words": {"batch": {"schedule": "every day"}},
+    "schedule with six fields": {"training": {"schedule": "0 0 3 * * 0"}},
+    "schedule minute out of range": {"batch": {"schedule": "61 1 * * *"}},
+    "schedule with a TZ prefix": {"batch": {"schedule": "TZ=Europe/Paris 30 1 * * *"}},
+    "unknown schedule macro": {"training": {"schedule": "@fortnightly"}},
 }
+
+GOOD_SCHEDULES = ["*/15 * * * *", "0 0 1,15 * MON-FRI", "5 4 * JAN,JUL SUN", "@daily", "@every 6h"]
+
+
+@pytest.mark.parametrize("schedule", GOOD_SCHEDULES)
+def test_schema_takes_kubernetes_cron_schedules(schedule: str) -> None:
+    _chart().validate_schema({"batch": {"schedule": schedule}, "training": {"schedule": schedule}})
 
 
 @pytest.mark.parametrize("bad", BAD_VALUES.values(), ids=list(BAD_VALUES))

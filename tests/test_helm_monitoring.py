@@ -340,9 +340,10 @@ def scrape(url: str, key: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
-    """Metric names the rendered scoring command and the rendered updater command
-    export, started with their rendered environments on a real Redis-protocol server."""
+def live_scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """The ``/metrics`` bodies of the rendered scoring command and the rendered updater
+    command, started with their rendered environments on a real Redis-protocol server
+    (scoring before any request, the updater once ready)."""
     if reason := _cli_missing_reason():
         missing_cli(f"fraud-scoring CLI not written yet: {reason}")
     workdir = tmp_path_factory.mktemp("monitoring")
@@ -374,7 +375,14 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]
         finally:
             updater.terminate()
             updater.wait(timeout=30)
-    yield exported(service) | exported(stream)
+    yield service, stream
+
+
+@pytest.fixture(scope="module")
+def live_metrics(live_scrapes: tuple[str, str]) -> set[str]:
+    """Metric names the scoring service and the updater export."""
+    service, stream = live_scrapes
+    return exported(service) | exported(stream)
 
 
 def _status(url: str) -> int:
@@ -409,3 +417,24 @@ def test_every_metric_the_dashboard_and_alerts_query_is_exported(
         "fraud_feature_psi",
     ):
         assert name in queried, name
+
+
+def test_counters_the_alerts_count_events_of_start_at_zero(
+    live_scrapes: tuple[str, str],
+) -> None:
+    """A labelled series born at its first count looks flat to rate() and increase(), so
+    an alert on it misses the first event: these start at 0, before anything happened."""
+    service, stream = live_scrapes
+
+    def zeros(text: str, name: str, label: str) -> set[str]:
+        return {
+            s.labels[label]
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name and s.value == 0
+        }
+
+    assert {"no_batch_features", "feature_store"} <= zeros(
+        service, "fraud_degraded_decisions_total", "cause"
+    )
+    assert "dead_letter" in zeros(stream, "fraud_stream_events_total", "outcome")

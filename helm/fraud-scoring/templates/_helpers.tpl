@@ -378,3 +378,12 @@ namespace="{{ .Release.Namespace }}",job="{{ include "fraud-scoring.fullname" . 
 {{- define "fraud-scoring.promStreaming" -}}
 namespace="{{ .Release.Namespace }}",job="{{ .Release.Namespace }}/{{ include "fraud-scoring.fullname" . }}-streaming"
 {{- end }}
+
+{{- /* A stopped updater's series go stale (its pod gone, or not scraped): max() over the
+last hour still sees when it last stepped, and absent() covers the rest (only where the
+chart's PodMonitor scrapes it, else it would always fire). Both sides carry no labels, so
+the alert stays one alert as it moves from one to the other. */}}
+{{- define "fraud-scoring.updaterStalledExpr" -}}
+time() - max(max_over_time({{ .sel }}[1h])) > 120
+{{- if .scraped }} or sum(absent({{ .sel }})){{ end }}
+{{- end }}
