@@ -13,7 +13,7 @@ a key's windows are full the day a declaration is added.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
@@ -136,10 +136,13 @@ def backfill_tiles(
     already recorded some, changes nothing), then set each state's backfilled marker
     (:meth:`fraud_scoring.declared.Spec.backfilled_key`). Returns the events recorded.
 
-    Events are sent per key in event-time order, 500 a call, accepted however far
+    Events are sent per key in event-time order, about 500 a call, accepted however far
     behind the key's newest event they lie (live traffic may have reached a key first,
-    e.g. after the store was flushed); each key's ids are then trimmed back to
-    ``horizon_s`` (the live idempotency span). ``progress`` is told every 1,000 keys."""
+    e.g. after the store was flushed); a key records only events older than its oldest
+    live one (the stream recorded the rest) and newer than an earlier backfill's newest,
+    so each transaction counts once however often this runs. Each key's ids are then
+    trimmed back to ``horizon_s`` (the live idempotency span). ``progress`` is told
+    every 1,000 keys."""
     hist = history.drop_duplicates("transaction_id").sort_values("event_time")
     rows = hist.to_dict("records")
     ts = [int(x) for x in epoch_us(hist[["event_time"]])]
@@ -150,13 +153,13 @@ def backfill_tiles(
     cluster = isinstance(client, RedisCluster)
     for spec in decl.specs:
         live = D.Limits.for_spec(spec, horizon_s)
-        accept = D.Limits(live.horizon_us + int(span_s * D.US), live.ttl_ms)
+        accept = D.Limits(live.horizon_us + int(span_s * D.US), live.ttl_ms, backfill=True)
         by_key = D.events_for(spec, rows, ts)
         for n, key in enumerate(by_key):
             events = by_key[key]
             pipe = client.pipeline(transaction=False)
-            for i in range(0, len(events), 500):
-                D.queue_apply(pipe, spec, {key: events[i : i + 500]}, accept, per_key=cluster)
+            for chunk in _chunks(events, 500):
+                D.queue_apply(pipe, spec, {key: chunk}, accept, per_key=cluster)
             newest = max(e.ts_us for e in events)
             pipe.zremrangebyscore(
                 spec.prefix(key) + ":ids", "-inf", f"({newest - int(horizon_s * D.US)}"
@@ -166,6 +169,18 @@ def backfill_tiles(
                 progress(f"{spec.id}: {n + 1:,} of {len(by_key):,} keys")
         client.set(spec.backfilled_key(), datetime.now(UTC).isoformat())
     return written
+
+
+def _chunks(events: list[D.Event], size: int) -> Iterator[list[D.Event]]:
+    """``events`` (in time order) in calls of about ``size``, never splitting events of
+    one time across calls (a call records only events newer than the last call's)."""
+    i = 0
+    while i < len(events):
+        j = min(i + size, len(events))
+        while j < len(events) and events[j].ts_us == events[j - 1].ts_us:
+            j += 1
+        yield events[i:j]
+        i = j
 
 
 def missing_states(client: Any, decl: D.Declarations) -> list[D.Spec]:

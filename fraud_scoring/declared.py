@@ -492,7 +492,8 @@ def derived_columns(
 #           tile holding events; it keeps the tiles of the last ``slots`` indexes (older
 #           ones are dropped once the field holds more than ``slots``: no read reaches
 #           them). Field "n": the NEWEST newest events, packed (ts µs, value) doubles in
-#           time order.
+#           time order. Fields "f" and "b": the oldest event time recorded live and
+#           the newest recorded by a backfill (a backfill records only between them).
 #   <p>:ids zset transaction_id -> ts, the last ``horizon`` of the key (idempotency)
 # Both expire ``ttl`` after the key's last write. A read is one HMGET of the hash
 # (:func:`queue_read`; no script), summed in the client, vectorized over a micro-batch
@@ -502,25 +503,29 @@ NEWEST_REC = struct.Struct("<2d")
 LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 
 # KEYS: t, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
-# nwidths, (u, slots)*, then per key: nev, (id, ts, value)*. Returns per key a list, per
-# event 1 (added), 0 (duplicate) or -1 (older than the key's newest by more than the
-# horizon: dropped, as nothing live reads that far back). A key's events in one call are
-# summed per tile first, and its hash read and written once.
+# backfill (1/0), nwidths, (u, slots)*, then per key: nev, (id, ts, value)*. Returns
+# per key a list, per event 1 (added), 0 (duplicate, or a backfill's event the key
+# holds already) or -1 (older than the key's newest by more than the horizon: dropped,
+# as nothing live reads that far back). A key's events in one call are summed per tile
+# first, and its hash read and written once.
 APPLY_LUA = """
 local horizon, keep, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local nw = tonumber(ARGV[4])
+local backfill, nw = ARGV[4] == '1', tonumber(ARGV[5])
 local widths, fields = {}, {}
 for w = 1, nw do
-  widths[w] = {ARGV[3 + 2*w], tonumber(ARGV[3 + 2*w]), tonumber(ARGV[4 + 2*w])}
-  fields[w] = ARGV[3 + 2*w]
+  widths[w] = {ARGV[4 + 2*w], tonumber(ARGV[4 + 2*w]), tonumber(ARGV[5 + 2*w])}
+  fields[w] = ARGV[4 + 2*w]
 end
-fields[nw + 1] = 'n'
-local pos = 5 + 2 * nw
+fields[nw + 1], fields[nw + 2], fields[nw + 3] = 'n', 'f', 'b'
+local pos = 6 + 2 * nw
 local result = {}
 for g = 1, #KEYS / 2 do
   local kt, kid = KEYS[2*g - 1], KEYS[2*g]
   local held = redis.call('HMGET', kt, unpack(fields))
   local recent = held[nw + 1] or ''
+  -- f: the oldest event recorded live; b: the newest recorded by a backfill
+  local first = held[nw + 2] and tonumber(held[nw + 2])
+  local back = held[nw + 3] and tonumber(held[nw + 3])
   local newest = nil
   if #recent > 0 then newest = struct.unpack('<d', recent, #recent - 15) end
   local out, tiles, added = {}, {}, false
@@ -528,7 +533,9 @@ for g = 1, #KEYS / 2 do
   local nev = tonumber(ARGV[pos])
   for e = 1, nev do
     local id, ts, v = ARGV[pos + 3*e - 2], tonumber(ARGV[pos + 3*e - 1]), ARGV[pos + 3*e]
-    if redis.call('ZSCORE', kid, id) then
+    if backfill and ((back and ts <= back) or (first and ts >= first)) then
+      out[e] = 0  -- recorded by an earlier backfill, or live (the stream has it)
+    elseif redis.call('ZSCORE', kid, id) then
       out[e] = 0
     elseif newest and ts < newest - horizon then
       out[e] = -1
@@ -546,6 +553,11 @@ for g = 1, #KEYS / 2 do
       while at > 1 and struct.unpack('<d', recent, at - 16) > ts do at = at - 16 end
       recent = recent:sub(1, at - 1) .. struct.pack('<dd', ts, x) .. recent:sub(at)
       if not newest or ts > newest then newest = ts end
+      if backfill then
+        if not back or ts > back then back = ts end
+      elseif not first or ts < first then
+        first = ts
+      end
       out[e] = 1
       added = true
     end
@@ -590,6 +602,8 @@ for g = 1, #KEYS / 2 do
     if #recent > 16 * keep then recent = recent:sub(#recent - 16 * keep + 1) end
     set[#set + 1] = 'n'
     set[#set + 1] = recent
+    if first then set[#set + 1] = 'f'; set[#set + 1] = string.format('%d', first) end
+    if back then set[#set + 1] = 'b'; set[#set + 1] = string.format('%d', back) end
     redis.call('HSET', kt, unpack(set))
     redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
     redis.call('PEXPIRE', kt, ttl)
@@ -610,6 +624,9 @@ class Limits:
 
     horizon_us: int
     ttl_ms: int
+    # A backfill's call: it records only events older than the key's oldest live one
+    # and newer than the newest an earlier backfill recorded (each transaction once).
+    backfill: bool = False
 
     @classmethod
     def for_spec(cls, spec: Spec, horizon_s: float) -> Limits:
@@ -650,7 +667,8 @@ def queue_apply(
     ``per_key`` (a Redis Cluster, where one call's keys must share a slot) one per key.
     Returns the keys in reply order (each call's reply: a list per key, of per event
     results)."""
-    head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, len(spec.widths)]
+    head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
+    head.append(len(spec.widths))
     for u, slots in spec.widths.items():
         head += (u, slots)
     groups = [[k] for k in by_key] if per_key else [list(by_key)] if by_key else []

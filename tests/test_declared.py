@@ -341,3 +341,47 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
     before = {k: client.dump(k) for k in keys if not k.endswith(b":ids")}
     assert backfill_tiles(client, decl, hist, horizon_s=10 * 86400) == 0
     assert {k: client.dump(k) for k in keys if not k.endswith(b":ids")} == before
+
+
+def test_a_backfill_after_live_traffic_counts_the_whole_history_once(
+    store: Callable[[], Any],
+) -> None:
+    """Live traffic reached the keys first (the last hours, recorded by the updater's
+    script); the backfill of the whole history, days behind those keys' newest events,
+    is still recorded, each transaction once: the reads equal those of a store that was
+    backfilled first, and the state's backfilled marker is set."""
+    client = store()
+    decl = D.parse(yaml.safe_load(DECL), "test")
+    hist = history(seed=6)
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    live = hist[hist["event_time"] >= hist["event_time"].max() - pd.Timedelta(hours=6)]
+    rows = live.to_dict("records")
+    ts = [int(pd.Timestamp(r["event_time"]).value // 1000) for r in rows]
+    for spec in decl.specs:
+        pipe = client.pipeline(transaction=False)
+        limits = D.Limits.for_spec(spec, D.HORIZON_S)
+        D.queue_apply(pipe, spec, D.events_for(spec, rows, ts), limits, per_key=True)
+        pipe.execute()
+    assert all(not client.exists(s.backfilled_key()) for s in decl.specs)
+    assert backfill_tiles(client, decl, hist, D.HORIZON_S) > 0
+    assert all(client.exists(s.backfilled_key()) for s in decl.specs)
+    assert backfill_tiles(client, decl, hist, D.HORIZON_S) == 0  # once, however often run
+    t = int(hist["event_time"].max().value // 1000) + 1
+    q = hist.tail(300).rename(columns={"event_time": "event_timestamp"}).reset_index(drop=True)
+    q["event_timestamp"] = pd.Timestamp(t * 1000, tz="UTC")
+    served: dict[str, list[float]] = {}
+    for spec in decl.specs:
+        keys = [spec.key_value(r) for r in q.to_dict("records")]
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            if key is not None:
+                D.queue_read(pipe, spec, key, t)
+        states = iter(D.parse_reads(spec, pipe.execute(), [t] * sum(k is not None for k in keys)))
+        for key in keys:
+            feats, _ = D.online_row(spec, next(states) if key is not None else None, t)
+            for k, v in feats.items():
+                served.setdefault(k, []).append(v)
+    trained = training_columns(decl, q, hist)
+    ref = reference(yaml.safe_load(DECL), q, hist, "event_timestamp")
+    _assert_equal(q, served, trained, ref)
