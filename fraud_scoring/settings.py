@@ -392,7 +392,23 @@ class Settings(BaseSettings):
         default=10_000,
         ge=1,
         description="Decisions held in memory while the log is slow or unreachable; past "
-        "it new decisions are dropped and counted (fraud_decision_log_dropped).",
+        "it new ones wait in the spool only (without a spool: dropped and counted, "
+        "fraud_decision_log_dropped).",
+    )
+    decision_spool_dir: str = Field(
+        default="",
+        description="The decision log's local spool (an append-only file per process, "
+        "service/loop/spool.py): every answered decision is written there before its "
+        "answer leaves, and shipped to the log from it, so a crash or a log outage loses "
+        "none; files a previous process left are replayed at start. Put it on the pod's "
+        "volume. '': <data_dir>/decision-spool; 'off': memory only.",
+    )
+    decision_spool_fsync_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="fsync the spool this often (off the event loop): a killed process "
+        "loses nothing (the kernel holds the write), a machine that loses power at most "
+        "this much. 0: fsync every micro-batch's write before its answers (slow disks: ms).",
     )
     decision_log_retention_s: float = Field(
         default=3 * 86_400.0,

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -38,6 +39,7 @@ from service.errors import Rejected, RejectReason
 from service.loop.decision_log import DecisionLog
 from service.loop.drift import DriftMonitor
 from service.loop.review_queue import ReviewQueue
+from service.loop.spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
                 log_producer(settings, url, settings.decision_log_stream),
                 settings.decision_log_buffer,
                 after_write=review.add,
+                spool=_spool(settings),
             )
             decision_log.start()
             stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
@@ -161,16 +164,31 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         drift = DriftMonitor(models, settings.drift_window)
         stack.callback(drift.start().cancel)
         stack.callback(telemetry.before_scrape(drift.flush))
-        sinks = [drift.observe, *([decision_log.submit] if decision_log else [])]
+
+        def fresh(r: ScoreResult) -> bool:
+            """A new decision, or a retry scored afresh because its first attempt's answer
+            was never kept (that batch was cancelled or failed, so nothing was logged):
+            the log takes it if it is answered. A kept answer (ScoreResult.repeated)
+            carries no champion version."""
+            return r.logged or (r.repeat and r.champion_version is not None)
+
+        sinks: list[tuple[Callable[..., None], Callable[[ScoreResult], bool]]] = [
+            (drift.observe, lambda r: r.logged)
+        ]
+        if decision_log is not None:
+            sinks.append((decision_log.submit, fresh))
 
         def on_scored(txns: Any, x: Any, names: Any, results: Any) -> None:
-            keep = [i for i, r in enumerate(results) if r.logged]
-            if len(keep) < len(results):  # retries and refusals are no new decisions
-                if not keep:
-                    return
-                txns, x, results = [txns[i] for i in keep], x[keep], [results[i] for i in keep]
-            for sink in sinks:  # each only counts or buffers: no I/O here
-                sink(txns, x, names, results)
+            for sink, new in sinks:  # each only counts or keeps aside: no I/O here
+                keep = [i for i, r in enumerate(results) if new(r)]
+                if len(keep) == len(results):
+                    sink(txns, x, names, results)
+                elif keep:  # retries and refusals are no new decisions
+                    sink([txns[i] for i in keep], x[keep], names, [results[i] for i in keep])
+
+        # The log takes a decision once its answer goes to a waiting caller (the batcher
+        # says which, just before): a request answered 503 is never logged.
+        on_answered = decision_log.answered if decision_log is not None else None
 
         scorer = Scorer(
             scoring_client,
@@ -186,6 +204,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
             """The scorer, plus the batch's decisions counted once per micro-batch."""
             results = await scorer.score_requests(items)
+            if on_answered is not None and not settings.batching:  # answered by the caller
+                on_answered(results, [True] * len(results))
             instruments.count_decisions(Counter((r.decision, r.model_version) for r in results))
             for cause, n in Counter(r.degraded for r in results if r.degraded).items():
                 instruments.degraded.labels(cause=cause).inc(n)
@@ -210,7 +230,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
                 max_queue_size=settings.max_queue_size,
                 preferred_batch_sizes=settings.preferred_batch_sizes,
                 concurrency=settings.model_instances,
-                stats=BatchStats(on_batch=on_batch),
+                stats=BatchStats(on_batch=on_batch, on_answered=on_answered),
             )
             batcher.start()
             stack.push_async_callback(batcher.stop, drain_s=settings.drain_seconds)
@@ -258,6 +278,14 @@ def _store_client(url: str, settings: Settings, *, read_timeout: bool = True) ->
         url, max_connections=64, timeout=settings.redis_timeout_s, **timeouts
     )
     return aioredis.Redis.from_pool(packed_by_hiredis(pool))  # the client closes the pool
+
+
+def _spool(settings: Settings) -> Spool | None:
+    """The decision log's spool (FRAUD_DECISION_SPOOL_DIR), None when 'off'."""
+    if settings.decision_spool_dir == "off":
+        return None
+    directory = Path(settings.decision_spool_dir or settings.data_dir / "decision-spool")
+    return Spool(directory, fsync_s=settings.decision_spool_fsync_s)
 
 
 def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:

@@ -171,6 +171,8 @@ def start_server(world: World, tmp: Path, wait_for: str = "/readyz", **env: str)
         # to see another model's answer: one id, one transaction is tested on its own
         # (tests/test_idempotency.py), with it on as deployed.
         "FRAUD_IDEMPOTENCY_TTL_S": "0",
+        # A spool of its own: the world's data dir is shared by every test's servers.
+        "FRAUD_DECISION_SPOOL_DIR": str(log.with_suffix(".spool")),
         **env,
     }
     with open(log, "wb") as out:

@@ -20,7 +20,7 @@ inference for the whole micro-batch). Bounds, all from settings:
   :class:`DeadlineExceeded` before it reaches the model; at the deadline itself a caller
   still waiting (queued, or in a batch that runs late) gets :class:`TimedOut` (one timer
   handle per item, cheaper than wrapping the await in ``asyncio.timeout``); a result
-  that arrives later is dropped.
+  that arrives later is dropped (``BatchStats.on_answered`` is told which were not).
 
 All three are :class:`~service.errors.Rejected` (answered 503 with Retry-After and counted by
 the service's one handler); this module counts nothing itself.
@@ -112,6 +112,9 @@ class BatchStats:
     """Observations for metrics; ``on_batch`` is called once per micro-batch that ran."""
 
     on_batch: Callable[[int, float, list[float]], None] | None = None  # size, compute_s, waits
+    # Told of each batch's results and which go to a waiting caller, just before they do
+    # (the decision log writes the answered ones ahead of the answers).
+    on_answered: Callable[[Sequence[Any], list[bool]], None] | None = None
     ewma_batch_s: float = 0.0
     batches: int = 0
     last_batch_at: float = 0.0  # time.monotonic() when the last batch finished
@@ -323,8 +326,11 @@ class Batcher(Generic[T, R]):
             s.batches += 1
             if s.on_batch:
                 s.on_batch(len(batch), elapsed, [start - it.enqueued for it in batch])
-            for it, res in zip(batch, results, strict=True):
-                if not it.future.done():
+            waiting = [not it.future.done() for it in batch]
+            if s.on_answered:
+                s.on_answered(results, waiting)
+            for it, res, w in zip(batch, results, waiting, strict=True):
+                if w:
                     it.future.set_result(res)
         finally:
             # The slot is freed after the answers: callers woken by them (who may call

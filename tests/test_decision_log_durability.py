@@ -1,0 +1,166 @@
+"""Every answered decision is in the log and no refused one is, through a crash and a log
+outage: the real service (killed with SIGKILL, stopped with SIGTERM), the log on a real
+Redis-protocol server of its own (paused with SIGSTOP), the spool on disk shipped by the
+next process (service/loop/spool.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from fraud_scoring.redis_server import embedded_redis
+from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.test_decision_log import entries
+from tests.test_degraded import own_redis  # noqa: F401 (fixture)
+from tests.test_service import TXN
+
+
+@pytest.fixture
+def log_url() -> Iterator[str]:
+    with embedded_redis() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def paused(url: str) -> Iterator[None]:
+    """The server hangs (SIGSTOP: the kernel accepts connections, nothing answers)."""
+    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+class Load:
+    """``threads`` callers sending /v1/score, each time a new transaction_id, until the
+    block ends; ``status`` maps each id sent to its answer's status (0: no answer)."""
+
+    def __init__(self, srv: Server, prefix: str, threads: int = 8, **headers: str) -> None:
+        self.srv, self.prefix, self.headers = srv, prefix, headers
+        self.status: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._send, args=(i,)) for i in range(threads)]
+
+    def _send(self, worker: int) -> None:
+        with httpx.Client(base_url=self.srv.url, timeout=10) as c:
+            n = 0
+            while not self.stop.is_set():
+                tid = f"{self.prefix}-{worker}-{n}"
+                n += 1
+                try:
+                    code = c.post(
+                        "/v1/score", json={**TXN, "transaction_id": tid}, headers=self.headers
+                    ).status_code
+                except httpx.TransportError:
+                    code = 0
+                with self.lock:
+                    self.status[tid] = code
+
+    def answered(self, code: int = 200) -> set[str]:
+        with self.lock:
+            return {t for t, s in self.status.items() if s == code}
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def logged(url: str) -> Counter[str]:
+    return Counter(e["transaction_id"] for e in entries(url))
+
+
+def test_sigkill_under_load_loses_no_answered_decision(
+    world: World, tmp_path: Path, log_url: str
+) -> None:
+    env = {"FRAUD_DECISION_LOG_URL": log_url, "FRAUD_DECISION_SPOOL_DIR": str(tmp_path / "s")}
+    srv = start_server(world, tmp_path, **env)
+    with Load(srv, "kill") as load:
+        wait_until(lambda: len(load.answered()) >= 300, what="300 answers")
+        srv.process.proc.kill()  # mid-load: the last answers are not in the log yet
+        srv.process.proc.wait()
+    answered = load.answered()
+    again = start_server(world, tmp_path, **env)  # ships what the killed one spooled
+    try:
+        wait_until(lambda: answered <= set(logged(log_url)), what="every answer in the log")
+        assert max(logged(log_url).values()) == 1
+    finally:
+        stop_server(again)
+
+
+def test_sigterm_while_the_log_hangs_loses_no_answered_decision(
+    world: World, tmp_path: Path, log_url: str
+) -> None:
+    env = {"FRAUD_DECISION_LOG_URL": log_url, "FRAUD_DECISION_SPOOL_DIR": str(tmp_path / "s")}
+    # A small buffer: most of the outage's decisions wait in the spool's files only.
+    srv = start_server(world, tmp_path, FRAUD_DECISION_LOG_BUFFER="50", **env)
+    with Load(srv, "term") as load:
+        wait_until(lambda: len(load.answered()) >= 100, what="100 answers")
+        with paused(log_url):
+            before = len(load.answered())
+            wait_until(lambda: len(load.answered()) >= before + 300, what="300 more answers")
+            srv.process.proc.terminate()  # under load, the log hanging
+            srv.process.proc.wait(timeout=30)
+            load.stop.set()
+    answered = load.answered()
+    assert answered - set(logged(log_url))  # some were only in the spool
+    again = start_server(world, tmp_path, **env)
+    try:
+        wait_until(lambda: answered <= set(logged(log_url)), what="every answer in the log")
+        assert max(logged(log_url).values()) == 1
+    finally:
+        stop_server(again)
+    assert "left in" in srv.log.read_text()  # the stop said where they wait
+
+
+def test_a_request_answered_503_is_not_logged_and_its_retry_is_once(
+    world: World,
+    tmp_path: Path,
+    log_url: str,
+    own_redis: str,  # noqa: F811
+) -> None:
+    # The online store hangs for longer than the requests' deadline and less than its
+    # timeout: the batch in flight finishes after its callers were answered 503.
+    srv = start_server(
+        world,
+        tmp_path,
+        REDIS_URL=own_redis,
+        FRAUD_DECISION_LOG_URL=log_url,
+        FRAUD_REDIS_TIMEOUT_S="3",
+        FRAUD_IDEMPOTENCY_TTL_S="3600",  # as deployed: a retry gets the first answer
+    )
+    try:
+        with Load(srv, "late", **{"X-Request-Timeout-Ms": "100"}) as load:
+            wait_until(lambda: len(load.answered()) >= 50, what="50 answers")
+            with paused(own_redis):
+                wait_until(lambda: len(load.answered(503)) >= 20, what="20 answered 503")
+            after = len(load.answered())
+            wait_until(lambda: len(load.answered()) >= after + 50, what="answers again")
+        refused = load.answered(503)
+        answered = load.answered()
+        wait_until(lambda: answered <= set(logged(log_url)), what="every answer in the log")
+        assert not refused & set(logged(log_url))
+        with srv.client() as c:  # the callers retry: each retry's answer is logged once
+            for tid in refused:
+                r = c.post("/v1/score", json={**TXN, "transaction_id": tid})
+                assert r.status_code == 200, r.text
+        wait_until(lambda: refused <= set(logged(log_url)), what="the retries in the log")
+        assert max(logged(log_url).values()) == 1
+    finally:
+        stop_server(srv)
