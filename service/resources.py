@@ -285,7 +285,16 @@ def _spool(settings: Settings) -> Spool | None:
     if settings.decision_spool_dir == "off":
         return None
     directory = Path(settings.decision_spool_dir or settings.data_dir / "decision-spool")
-    return Spool(directory, fsync_s=settings.decision_spool_fsync_s)
+    try:
+        return Spool(directory, fsync_s=settings.decision_spool_fsync_s)
+    except OSError as exc:  # e.g. a read-only root filesystem: scoring goes on
+        log.error(
+            "decision spool %s unusable (%s): decisions are held in memory only; set "
+            "FRAUD_DECISION_SPOOL_DIR to a writable volume",
+            directory,
+            exc,
+        )
+        return None
 
 
 def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:

@@ -164,3 +164,24 @@ def test_a_request_answered_503_is_not_logged_and_its_retry_is_once(
         assert max(logged(log_url).values()) == 1
     finally:
         stop_server(srv)
+
+
+def test_spool_reads_up_to_a_torn_tail_and_replays_only_what_no_live_process_holds(
+    tmp_path: Path,
+) -> None:
+    from service.loop.spool import Spool, SpoolRecord, read_segment
+
+    live = Spool(tmp_path, fsync_s=0)
+    records = [SpoolRecord(f"t-{i}", b'{"n": %d}' % i, b"x" * i) for i in range(3)]
+    held = live.append(records)
+    dead = Spool(tmp_path)
+    left = dead.append(records[:2])
+    dead.close()  # its process is gone: the kernel let go of the lock
+    with open(left, "ab") as f:
+        f.write(b"\x00\x00\x00\x05torn")  # a write cut short by a power loss
+    assert list(read_segment(left)) == records[:2]
+    assert list(read_segment(held)) == records
+    other = Spool(tmp_path)
+    assert other.orphans() == [left]  # not the live one's segment
+    other.release(left)
+    assert not left.exists() and held.exists()

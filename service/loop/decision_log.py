@@ -205,6 +205,7 @@ class DecisionLog:
         self._unshipped: dict[Path, int] = {}
         self._backlog: list[Path] = []  # segments shipped from their files, oldest first
         self._spilling: Path | None = None  # the backlog segment new decisions go to
+        self._spool_error: str | None = None
 
     # -- the scoring side: no I/O but the spool's one write, no await, never raises ------
     def submit(
@@ -262,8 +263,11 @@ class DecisionLog:
                 if spill and self._spilling is None:
                     self.spool.rotate()  # the spilled decisions in a segment of their own
                 segment = self.spool.append([_spooled(e) for e in entries])
-            except OSError as exc:
-                log.error("decision spool not writable, decisions in memory only: %s", exc)
+                self._spool_error = None
+            except OSError as exc:  # said once per spell, not per micro-batch
+                if self._spool_error is None:
+                    log.error("decision spool not writable, decisions in memory only: %s", exc)
+                self._spool_error = str(exc)
         if segment is not None and spill:
             if segment != self._spilling:
                 self._spilling = segment
