@@ -1,24 +1,29 @@
-"""The service's failure types: one rejection type for every 503, and the start-up error.
+"""The service's failure types: one exception per meaning, each carrying its answer.
 
-A part that cannot serve a request raises :class:`Rejected` (or a subclass named after
-where it happens: the batcher's ``QueueFull``, the scorer's ``FeatureStoreUnavailable``)
-with a reason from the closed set :class:`RejectReason`. One handler turns it into
-``503`` with ``Retry-After`` and counts it in ``fraud_rejections_total{reason}``. This
-module imports nothing else from the service, so the batcher can raise these types and
-stay free of HTTP and telemetry.
+Every refusal is an :class:`ApiError`, raised where it happens: its class fixes the HTTP
+``status``, the stable ``code`` (:class:`ErrorCode`; a 503's code is its
+:class:`RejectReason`) and whether it is ``counted`` in ``fraud_rejections_total{reason}``
+(every 503 but the readiness probe's). :data:`ERRORS` is the table (docs/api.md, "Error
+answers", lists it for callers); ``service.edge.errors_http`` turns any of them into the
+one answer. This module imports nothing else from the service and no HTTP framework, so
+the core (the batcher, the scorer) raises these types too.
 
-Every error answer of the ``/v1`` API has one shape, :class:`ErrorOut`: ``detail`` is a
-list of :class:`Problem` (``field`` when one field is at fault, a stable ``code`` from
-:class:`ErrorCode` or :class:`RejectReason`, and a human ``message``). Build it with
-:func:`error_body`. (The ``/v2`` inference protocol has its own shape, ``{"error"}``.)
+The ``/v1`` body is :class:`ErrorOut` (:meth:`ApiError.content`): ``detail``, a list of
+:class:`Problem` (``field`` when one field is at fault, ``code``, a human ``message``).
+The ``/v2`` inference protocol's body is ``{"error": message}``
+(:meth:`ApiError.oip_content`), from the same types.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field
+
+# Shown in a 422's problem list: more than this many problems end in a count, not a list.
+MAX_PROBLEMS = 20
 
 
 class ErrorCode(StrEnum):
@@ -35,9 +40,28 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: not JSON
     INVALID_JSON = "invalid_json"  # 422: the body is not JSON
     MISSING = "missing"  # 422: a required field is absent
-    INVALID = "invalid"  # 422: a field's value is not acceptable
-    LOG_OFF = "log_off"  # 503 on /v1/feedback, /v1/review: the event log is off
-    LOG_UNAVAILABLE = "log_unavailable"  # 503 on /v1/feedback, /v1/review: the log's server
+    INVALID = "invalid"  # 422: a field's value is not acceptable (400 on /v2)
+
+
+class RejectReason(StrEnum):
+    """Why a request cannot be served now: the ``code`` of its 503 and the ``reason``
+    label values of ``fraud_rejections_total`` (a closed set, so dashboards can rely on
+    it)."""
+
+    INFLIGHT = "inflight"  # admission: the process holds its capacity in transactions
+    CLIENT_SHARE = "client_share"  # admission: the caller's key holds its fair share
+    QUEUE_FULL = "queue_full"  # the micro-batch queue is at max_queue_size
+    DEADLINE = "deadline"  # the deadline passed, or cannot be met, before the model
+    TIMEOUT = "timeout"  # the request's own deadline fired while it waited
+    FEATURE_STORE = "feature_store"  # the online store (Redis) did not answer
+    NO_BATCH_FEATURES = "no_batch_features"  # the store holds no batch features (refuse)
+    NO_MODEL = "no_model"  # no model loaded (none published yet, or it cannot load)
+    SHUTTING_DOWN = "shutting_down"  # still queued when the service stopped
+    DRAINING = "draining"  # arrived on an open connection after SIGTERM
+    LOG_OFF = "log_off"  # /v1/feedback, /v1/review: the event log is off
+    LOG_UNAVAILABLE = "log_unavailable"  # /v1/feedback, /v1/review: the log's server is down
+    DISCONNECTED = "disconnected"  # the client left first (nobody reads the answer)
+    NOT_READY = "not_ready"  # the readiness probe (not counted: not a refused request)
 
 
 class Problem(BaseModel):
@@ -72,61 +96,211 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
     return {"detail": [problem]}
 
 
-class RejectReason(StrEnum):
-    """Why a scoring request got no decision: the ``reason`` label values of
-    ``fraud_rejections_total`` (a closed set, so dashboards can rely on it)."""
+class ApiError(Exception):
+    """A request refused: answered :attr:`status` with one problem (:attr:`code`,
+    ``message``, ``field`` when one field is at fault). ``headers`` go with the answer;
+    ``extra`` fields join the body (either shape)."""
 
-    INFLIGHT = "inflight"  # admission: the process holds its capacity in transactions
-    CLIENT_SHARE = "client_share"  # admission: the caller's key holds its fair share
-    QUEUE_FULL = "queue_full"  # the micro-batch queue is at max_queue_size
-    DEADLINE = "deadline"  # the deadline passed, or cannot be met, before the model
-    TIMEOUT = "timeout"  # the request's own deadline fired while it waited
-    FEATURE_STORE = "feature_store"  # the online store (Redis) did not answer
-    NO_BATCH_FEATURES = "no_batch_features"  # the store holds no batch features (refuse)
-    NO_MODEL = "no_model"  # no model loaded (none published yet, or it cannot load)
-    SHUTTING_DOWN = "shutting_down"  # still queued when the service stopped
-    DRAINING = "draining"  # arrived on an open connection after SIGTERM
-    DISCONNECTED = "disconnected"  # the client left first (answered 499, not 503)
-    NOT_READY = "not_ready"  # the readiness probe (not counted: not a scoring request)
+    status: ClassVar[int]
+    code: str  # a class default; a 503's is its reason
+    counted: ClassVar[bool] = False  # counted in fraud_rejections_total
 
+    def __init__(
+        self,
+        message: str,
+        field: str | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.field = message, field
+        self.headers = dict(headers or {})
+        self.extra = extra
 
-class Rejected(Exception):
-    """The request cannot be served now; the caller should retry after ``retry_after_s``
-    or use its own fallback. Answered ``503`` with one problem whose ``code`` is
-    ``reason``."""
-
-    counted: ClassVar[bool] = True  # counted in fraud_rejections_total
-
-    def __init__(self, reason: RejectReason, detail: str, retry_after_s: int = 1) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-        self.retry_after_s = retry_after_s
+    def problems(self) -> list[dict[str, Any]]:
+        body: list[dict[str, Any]] = error_body(self.code, self.message, self.field)["detail"]
+        return body
 
     def content(self) -> dict[str, Any]:
-        """The JSON body of the 503 answer."""
-        return error_body(self.reason, self.detail)
+        """The ``/v1`` body (:class:`ErrorOut`)."""
+        return {"detail": self.problems(), **self.extra}
+
+    def oip_content(self) -> dict[str, Any]:
+        """The ``/v2`` (Open Inference Protocol) body: ``{"error": message}``."""
+        return {"error": self.message, **self.extra}
+
+
+class BadRequest(ApiError):
+    """``/v2`` only: the inference request or its tensor is not acceptable (the protocol
+    answers 400 where ``/v1`` answers :class:`Invalid`)."""
+
+    status, code = 400, ErrorCode.INVALID
+
+
+class Unauthenticated(ApiError):
+    """No API key, or an unknown one (``headers``: ``WWW-Authenticate``)."""
+
+    status, code = 401, ErrorCode.UNAUTHENTICATED
+
+
+class Forbidden(ApiError):
+    """The key lacks the scope the route (or a header's mode) needs."""
+
+    status, code = 403, ErrorCode.FORBIDDEN
+
+
+class NotFound(ApiError):
+    """No such route, review item, model or model version."""
+
+    status, code = 404, ErrorCode.NOT_FOUND
+
+
+class MethodNotAllowed(ApiError):
+    """The route does not take the method (``headers``: ``Allow``)."""
+
+    status, code = 405, ErrorCode.METHOD_NOT_ALLOWED
+
+
+class BodyTimeout(ApiError):
+    """The body did not arrive whole within FRAUD_BODY_TIMEOUT_S."""
+
+    status, code = 408, ErrorCode.BODY_TIMEOUT
+
+
+class ModelRejected(ApiError):
+    """A reload's new model failed to load or validate; ``serving_version`` keeps
+    serving (it joins the body)."""
+
+    status, code = 409, ErrorCode.MODEL_REJECTED
+
+    def __init__(self, message: str, serving_version: str | None) -> None:
+        super().__init__(message, serving_version=serving_version)
+
+
+class TransactionIdReused(ApiError):
+    """The ``transaction_id`` was already used for another transaction."""
+
+    status, code = 409, ErrorCode.ID_REUSED
+
+
+class TooLarge(ApiError):
+    """The body's bytes, or the batch's transactions (or a tensor's rows on ``/v2``:
+    :class:`BadRequest`), are over the limit."""
+
+    status, code = 413, ErrorCode.TOO_LARGE
+
+
+class UnsupportedMediaType(ApiError):
+    """The request's Content-Type is not JSON."""
+
+    status, code = 415, ErrorCode.UNSUPPORTED_MEDIA_TYPE
+
+
+class Invalid(ApiError):
+    """The body or a header is not valid: one problem per field (the first
+    :data:`MAX_PROBLEMS`, then ``problems_total``). One problem:
+    ``Invalid(message, field, code)``; pydantic's errors: :meth:`from_errors`."""
+
+    status, code = 422, ErrorCode.INVALID
+
+    def __init__(
+        self, message: str, field: str | None = None, code: ErrorCode = ErrorCode.INVALID
+    ) -> None:
+        super().__init__(message, field)
+        self.code = code
+        self.listed = [{"field": field or "body", "code": code, "message": message}]
+        self.total = 1
+
+    @classmethod
+    def from_errors(cls, errors: Sequence[Mapping[str, Any]], *prefix: str | int) -> Invalid:
+        """pydantic's (or FastAPI's) errors, located under ``prefix``: ``loc`` without
+        its ``body`` parts, dotted, is the ``field``; pydantic's ``json_invalid`` is
+        ``invalid_json`` and ``missing`` is ``missing``, any other type ``invalid``."""
+        listed = [_problem(e, prefix) for e in errors[:MAX_PROBLEMS]]
+        first = listed[0]
+        exc = cls(first["message"], first["field"], first["code"])
+        exc.listed, exc.total = listed, len(errors)
+        return exc
+
+    def problems(self) -> list[dict[str, Any]]:
+        return self.listed
+
+    def content(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"detail": self.listed}
+        if self.total > len(self.listed):
+            body["problems_total"] = self.total
+        return body
+
+
+_PYDANTIC_CODES = {"json_invalid": ErrorCode.INVALID_JSON, "missing": ErrorCode.MISSING}
+
+
+def _problem(e: Mapping[str, Any], prefix: Sequence[str | int]) -> dict[str, Any]:
+    loc = [str(p) for p in (*prefix, *e["loc"]) if p != "body"]
+    code, message = _PYDANTIC_CODES.get(e["type"], ErrorCode.INVALID), e["msg"]
+    if e["type"] == "json_invalid":
+        message = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+    return {"field": ".".join(loc) or "body", "code": code, "message": message}
+
+
+class Rejected(ApiError):
+    """The request cannot be served now; the caller should retry after ``retry_after_s``
+    (the ``Retry-After`` header) or use its own fallback. Answered ``503`` with one
+    problem whose ``code`` is ``reason``, and counted under that reason. Subclasses are
+    named after where it happens (the batcher's ``QueueFull``, the scorer's
+    ``FeatureStoreUnavailable``)."""
+
+    status = 503
+    counted = True
+
+    def __init__(self, reason: RejectReason, detail: str, retry_after_s: int = 1) -> None:
+        super().__init__(detail, headers={"Retry-After": str(retry_after_s)})
+        self.code = self.reason = reason
+        self.detail = detail
+        self.retry_after_s = retry_after_s
 
 
 class NotReady(Rejected):
     """``/readyz``: the process cannot serve yet; ``problems`` names each part and why
-    (e.g. ``{"model": "not loaded"}``). A probe is not a refused scoring request, so it is
-    not counted."""
+    (e.g. ``{"model": "not loaded"}``), and is the body. A probe is not a refused
+    request, so it is not counted."""
 
     counted = False
 
     def __init__(self, problems: dict[str, str], retry_after_s: int = 5) -> None:
         super().__init__(RejectReason.NOT_READY, "not ready", retry_after_s)
-        self.problems = problems
+        self.ready_problems = problems
 
     def content(self) -> dict[str, Any]:
-        return {"status": "not ready", **self.problems}
+        return {"status": "not ready", **self.ready_problems}
+
+
+# The table: every type a refusal is raised as (docs/api.md lists each status and code).
+ERRORS: tuple[type[ApiError], ...] = (
+    BadRequest,
+    Unauthenticated,
+    Forbidden,
+    NotFound,
+    MethodNotAllowed,
+    BodyTimeout,
+    ModelRejected,
+    TransactionIdReused,
+    TooLarge,
+    UnsupportedMediaType,
+    Invalid,
+    Rejected,
+    NotReady,
+)
 
 
 class ServiceStartError(RuntimeError):
     """The service refused to start (e.g. no REDIS_URL), or its process exited or did not
     become ready in time."""
 
+
+# 503 codes a caller can meet (``disconnected`` has no reader, ``not_ready`` is /readyz).
+SERVING_REASONS = tuple(r for r in RejectReason if r not in ("disconnected", "not_ready"))
 
 _WHEN = {
     401: "No API key, or an unknown one (`unauthenticated`); auth on only.",
@@ -142,8 +316,8 @@ _WHEN = {
     422: "The body or a header is invalid (`invalid_json`, `missing`, `invalid`), one "
     "problem per field.",
     503: "Cannot be served now; retry after `Retry-After` seconds. `code` is the reason: "
-    + ", ".join(f"`{r}`" for r in RejectReason if r not in ("disconnected", "not_ready"))
-    + "; on /v1/feedback and /v1/review `log_off`, `log_unavailable`.",
+    + ", ".join(f"`{r}`" for r in SERVING_REASONS)
+    + " (`log_off`, `log_unavailable` on /v1/feedback and /v1/review only).",
 }
 
 

@@ -24,12 +24,10 @@ from collections.abc import Callable
 
 from pydantic_core import from_json
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.edge import auth
-from service.errors import ErrorCode, Rejected, RejectReason, error_body
-from service.resources import resources
+from service.edge import auth, errors_http
+from service.errors import BodyTimeout, Rejected, RejectReason, TooLarge
 
 # Scope key: when the request arrived (time.time_ns()), the start of its trace.
 RECEIVED_NS = "fraud_scoring.received_ns"
@@ -46,14 +44,6 @@ SHARE_WINDOW_S = 1.0
 # to keep the model busy between them, but only 64 single calls, about one micro-batch:
 # what is admitted is answered within ~20 ms at the single-call ceiling.
 CALL_WEIGHT = 2
-
-
-class BodyProblem(Exception):
-    """The body could not be read whole: too large (413) or too slow (408)."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.detail = status, detail
 
 
 class WorkShares:
@@ -200,13 +190,10 @@ class AdmissionLimit:
         scope[RECEIVED_NS] = time.time_ns()
         try:
             body = await self._read(scope, receive)
-        except BodyProblem as exc:
+        except (TooLarge, BodyTimeout) as exc:
             # Closing the connection: the rest of the body is not worth reading.
-            headers = {"Connection": "close"}
-            code = ErrorCode.TOO_LARGE if exc.status == 413 else ErrorCode.BODY_TIMEOUT
-            content = {"error": exc.detail} if oip else error_body(code, exc.detail)
-            answer = JSONResponse(content, exc.status, headers=headers)
-            await answer(scope, receive, send)
+            exc.headers["Connection"] = "close"
+            await errors_http.answer(scope, exc)(scope, receive, send)
             return
         replayed = _Replayed(body, receive).receive
         who = client_of(scope)
@@ -221,8 +208,7 @@ class AdmissionLimit:
             if weight > CALL_WEIGHT:
                 refused = self.shares.refusal(client, weight, now, who.share)
         if refused is not None:
-            reply = resources(scope).answer(refused, {"error": refused.detail} if oip else None)
-            await reply(scope, receive, send)
+            await errors_http.answer(scope, refused)(scope, receive, send)
             return
         self.shares.take(client, weight)
         try:
@@ -247,7 +233,7 @@ class AdmissionLimit:
         limit = self.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise BodyProblem(413, f"body of {int(value)} bytes; at most {limit}")
+                raise TooLarge(f"body of {int(value)} bytes; at most {limit}")
         chunks: list[bytes] = []
         size = 0
         # uvicorn usually holds the whole body before the app starts: then receiving
@@ -263,13 +249,13 @@ class AdmissionLimit:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        raise BodyProblem(413, f"body larger than {limit} bytes")
+                        raise TooLarge(f"body larger than {limit} bytes")
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            raise BodyProblem(
-                408, f"request body not received within {self.body_timeout_s:g} s"
+            raise BodyTimeout(
+                f"request body not received within {self.body_timeout_s:g} s"
             ) from None
         return b"".join(chunks)
 

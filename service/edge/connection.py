@@ -28,13 +28,12 @@ import asyncio
 import logging
 from typing import Any
 
-from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fraud_scoring.settings import get_settings
+from service.edge import errors_http
 from service.errors import Rejected, RejectReason
-from service.resources import STATE_KEY, Resources
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +50,7 @@ async def answer_draining(scope: Scope, receive: Receive, send: Send) -> None:
     """The answer to a request that arrives on an open connection after SIGTERM: 503
     ``draining`` (counted), ``Connection: close``; ``{"error"}`` on the ``/v2`` paths."""
     exc = Rejected(RejectReason.DRAINING, "shutting down: send this request to another instance", 0)
-    res: Resources | None = scope.get("state", {}).get(STATE_KEY)
-    content = {"error": exc.detail} if scope["path"].startswith("/v2/") else None
-    if res is not None:
-        reply = res.answer(exc, content)
-    else:  # the lifespan never started: nothing to count with
-        reply = JSONResponse(content or exc.content(), 503, headers={"Retry-After": "0"})
+    reply = errors_http.answer(scope, exc)
     reply.headers["Connection"] = "close"
     await reply(scope, receive, send)
 

@@ -50,8 +50,6 @@ from typing import Literal
 
 import redis
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
@@ -60,7 +58,7 @@ from fraud_scoring.events import ID_PATTERN
 from service.core import idempotency
 from service.edge import auth
 from service.edge.routes import json_model
-from service.errors import ErrorCode, error_body, error_responses
+from service.errors import Invalid, Rejected, RejectReason, error_responses
 from service.resources import Resources, resources
 
 log = logging.getLogger(__name__)
@@ -121,7 +119,7 @@ def _labels() -> Counter:
         }
     },
 )
-async def feedback(request: Request) -> FeedbackOut | JSONResponse:
+async def feedback(request: Request) -> FeedbackOut:
     """Store one label. 200 with ``duplicate`` telling a retry from a new label and
     ``matched`` whether the service holds the transaction's decision; 415 for a body
     that is not JSON; 422 naming the field for a bad body or ``time``; 503 (Retry-After)
@@ -168,40 +166,33 @@ def check_time(body: FeedbackIn, event_ts: float | None, now: float) -> None:
     elif event_ts is None and t < now - UNMATCHED_MAX_AGE_S:
         why = f"is more than {UNMATCHED_MAX_AGE_S / 86_400:g} days ago"
     if why is not None:
-        error = {"loc": ("body", "time"), "type": "value_error", "msg": why}
-        raise RequestValidationError([error])
+        raise Invalid(why, "time")
 
 
-def _unavailable(exc: LogUnavailable) -> JSONResponse:
+def _unavailable(exc: LogUnavailable) -> Rejected:
     log.warning("feedback not stored: %s", exc)
-    return JSONResponse(
-        # The cause names the log's host: it goes to the log, not to the caller.
-        error_body(ErrorCode.LOG_UNAVAILABLE, "the label could not be stored now"),
-        status_code=503,
-        headers={"Retry-After": "1"},
-    )
+    # The cause names the log's host: it goes to the log, not to the caller.
+    return Rejected(RejectReason.LOG_UNAVAILABLE, "the label could not be stored now")
 
 
-async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> FeedbackOut | JSONResponse:
+async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> FeedbackOut:
     """The feedback path, for this route and the review page's marks: match the label to
     the decision the service holds (:func:`scored_event_time`), check its time, append it
     to the feedback log with ``key_id``, then, when matched, take the transaction out of
     the review queue (a queue that does not answer then is logged, not failed: the label
-    is stored). The answer as the route gives it: :class:`FeedbackOut`, or the 503 as a
-    JSONResponse; a bad ``time`` raises the 422."""
+    is stored). Raises :class:`~service.errors.Rejected` (503 ``log_off``,
+    ``log_unavailable``) when the log cannot take it, :class:`~service.errors.Invalid`
+    (422) for a bad ``time``."""
     if res.feedback is None:
-        return JSONResponse(
-            error_body(
-                ErrorCode.LOG_OFF,
-                "feedback needs the event log, which is off (FRAUD_DECISION_LOG=off)",
-            ),
-            status_code=503,
-            headers={"Retry-After": "60"},
+        raise Rejected(
+            RejectReason.LOG_OFF,
+            "feedback needs the event log, which is off (FRAUD_DECISION_LOG=off)",
+            retry_after_s=60,
         )
     try:
         event_ts = await scored_event_time(res, body.transaction_id)
     except LogUnavailable as exc:
-        return _unavailable(exc)
+        raise _unavailable(exc) from None
     matched = event_ts is not None
     check_time(body, event_ts, time.time())
     arrived_us = time.time_ns() // 1000
@@ -220,7 +211,7 @@ async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> Feedback
             [LogRecord(feedback_key(body.transaction_id, body.source), payload)]
         )
     except LogUnavailable as exc:
-        return _unavailable(exc)
+        raise _unavailable(exc) from None
     if new:
         _labels().labels(source=body.source, matched=str(matched).lower()).inc()
     if matched and res.review is not None:

@@ -13,10 +13,12 @@ tensor → the model, on the scoring thread pool (never on the event loop) under
 request's deadline (``X-Request-Timeout-Ms`` as on ``/v1``) → encode. The micro-batcher
 is not used: its items are transactions, and a tensor request is already a batch.
 
-Errors use the protocol's shape, ``{"error": "..."}``: 400 bad request, 401/403 auth,
-404 unknown model or version, 503 (Retry-After) when the model cannot serve now
-(``code`` as the ``reason`` of ``fraud_rejections_total``). The health endpoints are
-open, like ``/healthz``; metadata and inference need the ``score`` scope.
+Errors are raised as ``service.errors``' types, as on ``/v1``, and answered in the
+protocol's shape, ``{"error": "..."}`` (``service.edge.errors_http``, by path): 400 bad
+request (:class:`~service.errors.BadRequest`), 401/403 auth, 404 unknown model or
+version, 503 (Retry-After) when the model cannot serve now (counted under its reason in
+``fraud_rejections_total``). The health endpoints are open, like ``/healthz``; metadata
+and inference need the ``score`` scope.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from service.core.batching import TimedOut
 from service.core.model import LoadedModel
-from service.edge.auth import AuthError, Scope, check_scope
+from service.edge.auth import Scope, check_scope
 from service.edge.routes import request_deadline
-from service.errors import Rejected, RejectReason
+from service.errors import BadRequest, Invalid, NotFound, Rejected
 from service.resources import Resources, resources
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
@@ -96,18 +98,6 @@ class OipErrorOut(BaseModel):
     error: str
 
 
-class OipError(Exception):
-    """An inference-protocol error answer: ``status`` with ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-
-def _answer(exc: OipError) -> JSONResponse:
-    return JSONResponse({"error": exc.message}, exc.status, headers=exc.headers)
-
-
 _ERRORS: dict[int | str, dict[str, Any]] = {
     s: {"model": OipErrorOut, "description": d}
     for s, d in {
@@ -125,25 +115,15 @@ _SERVE_ERRORS = {
 
 def _model(request: Request, name: str, version: str | None) -> tuple[Resources, LoadedModel]:
     """The serving model if it is ``name`` (and ``version``), after the scope check;
-    else :class:`OipError` (401/403, 404, or 503 when none serves)."""
-    try:
-        check_scope(request, Scope.SCORE)
-    except AuthError as exc:
-        raise OipError(exc.status, exc.detail, exc.headers) from None
+    else the key check's 401/403, :class:`~service.errors.NotFound`, or
+    :class:`~service.errors.Rejected` (503 ``no_model``) when none serves."""
+    check_scope(request, Scope.SCORE)
     res = resources(request)
     if name != res.settings.model_name:
-        raise OipError(
-            404, f"unknown model {name!r}; this service serves {res.settings.model_name!r}"
-        )
-    try:
-        model = res.models.require()
-    except Rejected as exc:
-        res.count_rejection(exc.reason)
-        raise OipError(503, exc.detail, {"Retry-After": str(exc.retry_after_s)}) from None
+        raise NotFound(f"unknown model {name!r}; this service serves {res.settings.model_name!r}")
+    model = res.models.require()
     if version is not None and version != model.version:
-        raise OipError(
-            404, f"model {name!r} version {version!r} is not served; {model.version!r} is"
-        )
+        raise NotFound(f"model {name!r} version {version!r} is not served; {model.version!r} is")
     return res, model
 
 
@@ -159,7 +139,7 @@ async def ready(request: Request) -> JSONResponse:
     protocol asks (a 4xx means "not ready")."""
     why = resources(request).models.readiness()
     if why is not None:
-        return JSONResponse({"error": f"model {why}", "ready": False}, 400)
+        raise BadRequest(f"model {why}", ready=False)
     return JSONResponse({"ready": True})
 
 
@@ -170,10 +150,7 @@ async def server_metadata(request: Request) -> dict[str, Any]:
 
 
 def _metadata(request: Request, name: str, version: str | None) -> JSONResponse:
-    try:
-        _, model = _model(request, name, version)
-    except OipError as exc:
-        return _answer(exc)
+    _, model = _model(request, name, version)
     meta = model.meta
     body = ModelMetaOut(
         name=meta.name,
@@ -205,9 +182,9 @@ async def model_ready(request: Request, name: str) -> JSONResponse:
     """200 when ``name`` serves, 400 (not ready) when no model is loaded yet."""
     try:
         _model(request, name, None)
-    except OipError as exc:
-        # Not ready is a 4xx in this protocol, not a 503.
-        return _answer(OipError(400, exc.message) if exc.status == 503 else exc)
+    except Rejected as exc:
+        # Not ready is a 4xx in this protocol, not a 503 (and a probe: not counted).
+        raise BadRequest(exc.detail) from None
     return JSONResponse({"name": name, "ready": True})
 
 
@@ -227,23 +204,19 @@ async def infer_version(request: Request, name: str, version: str) -> JSONRespon
 
 
 async def _infer(request: Request, name: str, version: str | None) -> JSONResponse:
+    res, model = _model(request, name, version)
     try:
-        res, model = _model(request, name, version)
-        try:
-            deadline = request_deadline(request, res)
-        except RequestValidationError as exc:
-            raise OipError(400, str(exc.errors()[0]["msg"])) from None
-        x, req = _decode(await request.body(), request, model, res.settings.batch_request_limit)
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                scores = await asyncio.get_running_loop().run_in_executor(
-                    res.scorer.pool, model.predict, x
-                )
-        except TimeoutError:
-            res.count_rejection(RejectReason.TIMEOUT)
-            raise OipError(503, "deadline exceeded: timed out", {"Retry-After": "1"}) from None
-    except OipError as exc:
-        return _answer(exc)
+        deadline = request_deadline(request, res)
+    except Invalid as exc:
+        raise BadRequest(exc.message) from None  # the protocol's 400, not /v1's 422
+    x, req = _decode(await request.body(), request, model, res.settings.batch_request_limit)
+    try:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+            scores = await asyncio.get_running_loop().run_in_executor(
+                res.scorer.pool, model.predict, x
+            )
+    except TimeoutError:
+        raise TimedOut() from None
     out = TensorOut(
         name=model.meta.output_name,
         shape=[len(scores)],
@@ -254,42 +227,36 @@ async def _infer(request: Request, name: str, version: str | None) -> JSONRespon
 
 
 def _decode(raw: bytes, request: Request, model: LoadedModel, max_rows: int) -> tuple[Any, InferIn]:
-    """The request's tensor as float32 ``[n, n_features]``, or :class:`OipError` (400)
-    naming what is wrong."""
+    """The request's tensor as float32 ``[n, n_features]``, or
+    :class:`~service.errors.BadRequest` naming what is wrong."""
     if "inference-header-content-length" in request.headers:
-        raise OipError(400, "the binary tensor data extension is not supported; send JSON data")
+        raise BadRequest("the binary tensor data extension is not supported; send JSON data")
     try:
         req = InferIn.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise OipError(400, f"{where}: {first['msg']}") from None
+        raise BadRequest(f"{where}: {first['msg']}") from None
     meta = model.meta
     tensor = req.inputs[0]
     n_features = len(meta.features)
     if tensor.name != meta.input_name:
-        raise OipError(
-            400, f"input {tensor.name!r} unknown; the model's input is {meta.input_name!r}"
-        )
+        raise BadRequest(f"input {tensor.name!r} unknown; the model's input is {meta.input_name!r}")
     if tensor.datatype != "FP32":
-        raise OipError(
-            400, f"input {tensor.name!r}: datatype must be FP32, got {tensor.datatype!r}"
-        )
+        raise BadRequest(f"input {tensor.name!r}: datatype must be FP32, got {tensor.datatype!r}")
     if len(tensor.shape) != 2 or tensor.shape[1] != n_features or tensor.shape[0] < 1:
-        raise OipError(
-            400, f"input {tensor.name!r}: shape must be [n, {n_features}], got {tensor.shape}"
+        raise BadRequest(
+            f"input {tensor.name!r}: shape must be [n, {n_features}], got {tensor.shape}"
         )
     if tensor.shape[0] > max_rows:
-        raise OipError(400, f"input {tensor.name!r}: {tensor.shape[0]} rows; at most {max_rows}")
+        raise BadRequest(f"input {tensor.name!r}: {tensor.shape[0]} rows; at most {max_rows}")
     for wanted in req.outputs or []:
         if wanted.name != meta.output_name:
-            raise OipError(
-                400, f"output {wanted.name!r} unknown; the model's is {meta.output_name!r}"
-            )
+            raise BadRequest(f"output {wanted.name!r} unknown; the model's is {meta.output_name!r}")
     try:
         x = np.asarray(tensor.data, dtype=np.float32).reshape(tensor.shape)
     except (ValueError, TypeError) as exc:
-        raise OipError(
-            400, f"input {tensor.name!r}: data does not fit shape {tensor.shape}: {exc}"
+        raise BadRequest(
+            f"input {tensor.name!r}: data does not fit shape {tensor.shape}: {exc}"
         ) from None
     return x, req

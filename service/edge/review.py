@@ -37,7 +37,7 @@ from typing import Annotated, Any, Literal
 
 import redis
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from fraud_scoring.event_log import LogUnavailable
@@ -48,7 +48,7 @@ from service.edge import auth
 from service.edge.feedback import FeedbackIn, FeedbackOut, store_label
 from service.edge.routes import json_model
 from service.edge.schemas import ReasonOut
-from service.errors import ErrorCode, error_body, error_responses
+from service.errors import NotFound, Rejected, RejectReason, error_responses
 from service.loop.review_queue import QueuedItem, ReviewQueue
 from service.resources import Resources, resources
 
@@ -134,49 +134,37 @@ class LabelIn(BaseModel):
     label: Literal["fraud", "legitimate"]
 
 
-def _queue(res: Resources) -> ReviewQueue | JSONResponse:
+def _queue(res: Resources) -> ReviewQueue:
+    """The review queue; :class:`~service.errors.Rejected` (503 ``log_off``) when the
+    event log is off."""
     if res.review is None:
-        return JSONResponse(
-            error_body(
-                ErrorCode.LOG_OFF, "the review queue needs the event log (FRAUD_DECISION_LOG=off)"
-            ),
-            status_code=503,
-            headers={"Retry-After": "60"},
+        raise Rejected(
+            RejectReason.LOG_OFF,
+            "the review queue needs the event log (FRAUD_DECISION_LOG=off)",
+            retry_after_s=60,
         )
     return res.review
 
 
-def _unavailable(exc: LogUnavailable) -> JSONResponse:
+def _unavailable(exc: LogUnavailable) -> Rejected:
     log.warning("review queue: %s", exc)  # names the server: to the log, not the caller
-    return JSONResponse(
-        error_body(ErrorCode.LOG_UNAVAILABLE, "the review queue cannot be read now"),
-        status_code=503,
-        headers={"Retry-After": "1"},
-    )
+    return Rejected(RejectReason.LOG_UNAVAILABLE, "the review queue cannot be read now")
 
 
-def _not_found(transaction_id: str) -> JSONResponse:
-    return JSONResponse(
-        error_body(
-            ErrorCode.NOT_FOUND,
-            f"no review item for {transaction_id!r} (never decided 'review', or expired)",
-            "transaction_id",
-        ),
-        status_code=404,
-    )
-
-
-async def _item(res: Resources, transaction_id: str) -> QueuedItem | JSONResponse:
-    """The queued (or labelled, not yet expired) item, else the error answer: 503 when
-    the queue is off or unreadable, 404 when there is no such item."""
+async def _item(res: Resources, transaction_id: str) -> QueuedItem:
+    """The queued (or labelled, not yet expired) item; raises 503 when the queue is off
+    or unreadable, :class:`~service.errors.NotFound` when there is no such item."""
     queue = _queue(res)
-    if isinstance(queue, JSONResponse):
-        return queue
     try:
         found = await queue.get(transaction_id)
     except LogUnavailable as exc:
-        return _unavailable(exc)
-    return _not_found(transaction_id) if found is None else found
+        raise _unavailable(exc) from None
+    if found is None:
+        raise NotFound(
+            f"no review item for {transaction_id!r} (never decided 'review', or expired)",
+            "transaction_id",
+        )
+    return found
 
 
 def key_features(entry: dict[str, Any], importance: dict[str, float]) -> list[KeyFeature]:
@@ -253,16 +241,14 @@ async def list_items(
     request: Request,
     offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-) -> ReviewPage | JSONResponse:
+) -> ReviewPage:
     """The review queue, oldest decision first: ``limit`` items from ``offset``."""
     res = resources(request)
     queue = _queue(res)
-    if isinstance(queue, JSONResponse):
-        return queue
     try:
         total, entries = await queue.page(offset, limit)
     except LogUnavailable as exc:
-        return _unavailable(exc)
+        raise _unavailable(exc) from None
     importance = _importance(res)
     items = [ReviewItem.model_validate(_summary(e, importance)) for e in entries]
     return ReviewPage(total=total, offset=offset, items=items)
@@ -273,12 +259,10 @@ async def list_items(
     response_model=ReviewDetail,
     responses=error_responses(401, 403, 404, 422, 503),
 )
-async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDetail | JSONResponse:
+async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDetail:
     """One item in full, its label once one arrived, and the card's recent history."""
     res = resources(request)
     found = await _item(res, transaction_id)
-    if isinstance(found, JSONResponse):
-        return found
     entry, label = found.item, found.label
     t = entry["transaction"]
     return ReviewDetail.model_validate(
@@ -313,7 +297,7 @@ async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDet
         }
     },
 )
-async def label_item(request: Request) -> FeedbackOut | JSONResponse:
+async def label_item(request: Request) -> FeedbackOut:
     """The analyst's mark: stored as ``POST /v1/feedback`` stores a label (source
     ``analyst``, ``time`` now, or the event time if that is later), and the item leaves
     the queue. 404 for an id that is not a review item; ``duplicate`` as in feedback (an
@@ -321,8 +305,6 @@ async def label_item(request: Request) -> FeedbackOut | JSONResponse:
     body = await json_model(request, LabelIn)
     res = resources(request)
     found = await _item(res, body.transaction_id)
-    if isinstance(found, JSONResponse):
-        return found
     # An event time may lie a little ahead of the clock (FRAUD_MAX_EVENT_SKEW_S).
     event_time = datetime.fromisoformat(found.item["transaction"]["event_time"])
     label = FeedbackIn(
@@ -333,8 +315,7 @@ async def label_item(request: Request) -> FeedbackOut | JSONResponse:
     )
     who = auth.principal(request).key_id
     out = await store_label(res, label, who)
-    if isinstance(out, FeedbackOut):
-        log.info("review: %s marked %s by key %s", body.transaction_id, body.label, who)
+    log.info("review: %s marked %s by key %s", body.transaction_id, body.label, who)
     return out
 
 

@@ -1,13 +1,13 @@
-"""The HTTP surface: scoring, model reload, health, metrics, and the error answers.
+"""The HTTP surface: scoring, model reload, health and metrics.
 
 The life of a scoring request, top to bottom: admission (``service.edge.admission``: body
 read whole, bounded in size and time, then weighed in transactions against the capacity
 and the key's fair share) → the key's scope
 (``service.edge.auth``) → JSON content type → parse and validate (the batch endpoint counts
 its items first) → the event-time bound (live mode) → deadline from
-``X-Request-Timeout-Ms`` → micro-batch (or the naive path) → response. Any
-:class:`~service.errors.Rejected` becomes the one 503 answer
-(:meth:`Resources.answer <service.resources.Resources.answer>`). Two kinds of batch meet
+``X-Request-Timeout-Ms`` → micro-batch (or the naive path) → response. Each refusal is
+raised as one of ``service.errors``' types and answered by ``service.edge.errors_http``.
+Two kinds of batch meet
 here: the client's batch endpoint (``score_many``), whose transactions each join the
 service's micro-batches like single requests do.
 """
@@ -24,30 +24,30 @@ from typing import Any, TypeVar, cast
 
 import prometheus_client
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import from_json, to_json
 from starlette import types as asgi
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service import telemetry
 from service.core.batching import DeadlineExceeded
 from service.core.challenger import LineupChange
-from service.core.idempotency import IdReused
 from service.core.scoring import ScoreRequest, ScoreResult
 from service.edge.admission import PARSED_BODY, RECEIVED_NS
-from service.edge.auth import AuthError, Scope, check_scope, require_scope
+from service.edge.auth import Scope, check_scope, require_scope
+from service.edge.errors_http import EXCEPTION_HANDLERS as EXCEPTION_HANDLERS
 from service.edge.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
 from service.errors import (
     ErrorCode,
+    Invalid,
+    ModelRejected,
     NotReady,
-    Rejected,
-    error_body,
+    TooLarge,
+    UnsupportedMediaType,
     error_responses,
 )
 from service.resources import Resources, resources
@@ -59,8 +59,6 @@ TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 MAX_TIMEOUT_MS = 60_000
 RECORD_HEADER = "X-Fraud-Record"
 _TIMEOUT_KEY, _RECORD_KEY = TIMEOUT_HEADER.lower().encode(), RECORD_HEADER.lower().encode()
-# Shown in problem lists: more than this many problems end in a count, not a list.
-MAX_PROBLEMS = 20
 _RECORD_DOC: dict[str, Any] = {
     "name": RECORD_HEADER,
     "in": "header",
@@ -80,14 +78,6 @@ _TIMEOUT_DOC: dict[str, Any] = {
 }
 
 
-class PayloadTooLarge(Exception):
-    """More transactions than ``max_batch_request`` in one batch-endpoint call (413)."""
-
-
-class NotJson(Exception):
-    """The request's Content-Type is not JSON (415)."""
-
-
 _TRANSACTIONS = TypeAdapter(list[Transaction])
 _UNPARSED = object()
 
@@ -102,18 +92,17 @@ def header(request: Request, name: bytes) -> str | None:
     return None
 
 
-def _invalid_body(errors: list[Any], *prefix: str | int) -> RequestValidationError:
-    """pydantic's errors as the one 422 answer, located under ``body`` (+ ``prefix``)."""
-    return RequestValidationError([{**e, "loc": ("body", *prefix, *e["loc"])} for e in errors])
-
-
 async def _json_body(request: Request) -> bytes:
-    """The body of a JSON request; :class:`NotJson` (415) for another Content-Type. The
-    body is already in memory (admission read it), so this does not wait."""
+    """The body of a JSON request; :class:`UnsupportedMediaType` (415) for another
+    Content-Type. The body is already in memory (admission read it), so this does not
+    wait."""
     ctype = header(request, b"content-type") or ""
     media = ctype.partition(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise NotJson(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+        raise UnsupportedMediaType(
+            f"Content-Type must be application/json, got {ctype or 'none'!r}",
+            "header.Content-Type",
+        )
     return await request.body()
 
 
@@ -121,29 +110,25 @@ _Model = TypeVar("_Model", bound=BaseModel)
 
 
 async def json_model(request: Request, model: type[_Model]) -> _Model:
-    """The request's body as ``model``: :class:`NotJson` (415) for another Content-Type,
-    the one 422 for a body that is not UTF-8 JSON (``invalid_json``, field ``body``) or
-    not valid (one problem per field). Routes that change state read their body so:
-    a cross-site form can only send a form or plain-text Content-Type."""
+    """The request's body as ``model``: :class:`UnsupportedMediaType` (415) for another
+    Content-Type, :class:`Invalid` (422) for a body that is not UTF-8 JSON
+    (``invalid_json``, field ``body``) or not valid (one problem per field). Routes that
+    change state read their body so: a cross-site form can only send a form or
+    plain-text Content-Type."""
     try:
         return model.model_validate_json(await _json_body(request))
     except ValidationError as exc:
-        raise _invalid_body(exc.errors(include_url=False)) from None
+        raise Invalid.from_errors(exc.errors(include_url=False)) from None
 
 
 def _check_clock(txn: Transaction, max_skew_s: float, *loc: str | int) -> None:
     """Live scoring: ``event_time`` within ``max_skew_s`` of this host's clock, else a
     422 naming the field (0: no bound)."""
     if max_skew_s and abs(txn.event_ts - time.time()) > max_skew_s:
-        raise RequestValidationError(
-            [
-                {
-                    "loc": ("body", *loc, "event_time"),
-                    "type": "value_error",
-                    "msg": f"more than {max_skew_s:g} s from the server clock; score old "
-                    f"transactions in replay mode ({RECORD_HEADER}: false, admin scope)",
-                }
-            ]
+        raise Invalid(
+            f"more than {max_skew_s:g} s from the server clock; score old transactions in "
+            f"replay mode ({RECORD_HEADER}: false, admin scope)",
+            ".".join(str(p) for p in (*loc, "event_time")),
         )
 
 
@@ -158,15 +143,9 @@ def request_deadline(request: Request, res: Resources) -> float:
     except ValueError:
         ms = -1.0
     if not 0 < ms <= MAX_TIMEOUT_MS:
-        raise RequestValidationError(
-            [
-                {
-                    "loc": ("header", TIMEOUT_HEADER),
-                    "type": "value_error",
-                    "msg": f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], "
-                    f"got {raw!r}",
-                }
-            ]
+        raise Invalid(
+            f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], got {raw!r}",
+            f"header.{TIMEOUT_HEADER}",
         )
     return time.monotonic() + ms / 1e3
 
@@ -181,15 +160,7 @@ def _record(request: Request) -> bool:
     if raw.lower() == "false":
         check_scope(request, Scope.ADMIN, f"replay mode ({RECORD_HEADER}: false)")
         return False
-    raise RequestValidationError(
-        [
-            {
-                "loc": ("header", RECORD_HEADER),
-                "type": "value_error",
-                "msg": f"must be 'true' or 'false', got {raw!r}",
-            }
-        ]
-    )
+    raise Invalid(f"must be 'true' or 'false', got {raw!r}", f"header.{RECORD_HEADER}")
 
 
 _Endpoint = TypeVar("_Endpoint", bound=Callable[[Request], Coroutine[Any, Any, Response]])
@@ -291,7 +262,7 @@ async def score(request: Request) -> Response:
     try:
         txn = Transaction.model_validate_json(await _json_body(request))
     except ValidationError as exc:
-        raise _invalid_body(exc.errors(include_url=False)) from None
+        raise Invalid.from_errors(exc.errors(include_url=False)) from None
     res = resources(request)
     if record:
         _check_clock(txn, res.settings.max_event_skew_s)
@@ -343,37 +314,25 @@ async def score_many(request: Request) -> Response:
         try:
             parsed = from_json(raw)
         except ValueError as exc:
-            raise RequestValidationError(
-                [{"loc": ("body",), "type": "json_invalid", "msg": str(exc), "ctx": {"error": exc}}]
+            raise Invalid(
+                f"body is not valid JSON ({exc})", "body", ErrorCode.INVALID_JSON
             ) from None
     items = parsed.get("transactions") if isinstance(parsed, dict) else None
     if not isinstance(items, list):
-        raise RequestValidationError(
-            [
-                {
-                    "loc": ("body", "transactions"),
-                    "type": "missing",
-                    "msg": "the body must be a JSON object with a 'transactions' list",
-                }
-            ]
+        raise Invalid(
+            "the body must be a JSON object with a 'transactions' list",
+            "transactions",
+            ErrorCode.MISSING,
         )
     limit = res.settings.batch_request_limit
     if len(items) > limit:
-        raise PayloadTooLarge(f"{len(items)} transactions; at most {limit} per call")
+        raise TooLarge(f"{len(items)} transactions; at most {limit} per call", "transactions")
     try:
         transactions = _TRANSACTIONS.validate_python(items)
     except ValidationError as exc:
-        raise _invalid_body(exc.errors(include_url=False), "transactions") from None
+        raise Invalid.from_errors(exc.errors(include_url=False), "transactions") from None
     if not transactions:
-        raise RequestValidationError(
-            [
-                {
-                    "loc": ("body", "transactions"),
-                    "type": "too_short",
-                    "msg": "at least one transaction is required",
-                }
-            ]
-        )
+        raise Invalid("at least one transaction is required", "transactions")
     if record:
         for i, txn in enumerate(transactions):
             _check_clock(txn, res.settings.max_event_skew_s, "transactions", i)
@@ -509,8 +468,7 @@ async def reload_model(request: Request) -> JSONResponse:
     try:
         new = await asyncio.to_thread(res.challenger.apply, res.models, change)
     except ModelError as exc:
-        body = error_body(ErrorCode.MODEL_REJECTED, str(exc))
-        return JSONResponse(status_code=409, content={**body, "serving_version": old})
+        raise ModelRejected(str(exc), serving_version=old) from None
     return JSONResponse({"previous_version": old, **dataclasses.asdict(new)})
 
 
@@ -574,75 +532,3 @@ async def readyz(request: Request) -> JSONResponse:
 )
 async def metrics() -> Response:
     return Response(telemetry.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
-
-
-# --- error answers -------------------------------------------------------------------
-async def _rejected(request: Request, exc: Rejected) -> Response:
-    return resources(request).answer(exc)
-
-
-# pydantic's error types as the API's stable codes; any other type is ``invalid``.
-_CODES = {"json_invalid": ErrorCode.INVALID_JSON, "missing": ErrorCode.MISSING}
-
-
-async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = []
-    found = exc.errors()
-    for e in found[:MAX_PROBLEMS]:
-        loc = [str(p) for p in e["loc"] if p != "body"]
-        message, code = e["msg"], _CODES.get(e["type"], ErrorCode.INVALID)
-        if e["type"] == "json_invalid":
-            message = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
-        errors.append({"field": ".".join(loc) or "body", "code": code, "message": message})
-    content: dict[str, Any] = {"detail": errors}
-    if len(found) > MAX_PROBLEMS:
-        content["problems_total"] = len(found)  # the list shows the first MAX_PROBLEMS
-    return JSONResponse(status_code=422, content=content)
-
-
-async def _too_large(request: Request, exc: PayloadTooLarge) -> JSONResponse:
-    return JSONResponse(
-        status_code=413, content=error_body(ErrorCode.TOO_LARGE, str(exc), "transactions")
-    )
-
-
-async def _id_reused(request: Request, exc: IdReused) -> JSONResponse:
-    return JSONResponse(
-        status_code=409, content=error_body(ErrorCode.ID_REUSED, str(exc), "transaction_id")
-    )
-
-
-async def _unauthorized(request: Request, exc: AuthError) -> JSONResponse:
-    code = ErrorCode.UNAUTHENTICATED if exc.status == 401 else ErrorCode.FORBIDDEN
-    return JSONResponse(error_body(code, exc.detail), exc.status, headers=exc.headers)
-
-
-async def _not_json(request: Request, exc: NotJson) -> JSONResponse:
-    body = error_body(ErrorCode.UNSUPPORTED_MEDIA_TYPE, str(exc), "header.Content-Type")
-    return JSONResponse(status_code=415, content=body)
-
-
-# Starlette's own answers (no such route, a method the route does not take) in the one
-# shape; a route answers its own errors itself.
-_HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    if exc.status_code < 400 or exc.status_code in (204, 304):
-        return Response(status_code=exc.status_code, headers=exc.headers)
-    code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID)
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return JSONResponse(error_body(code, message), exc.status_code, headers=exc.headers)
-
-
-EXCEPTION_HANDLERS: dict[
-    int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]
-] = {
-    Rejected: _rejected,
-    RequestValidationError: _invalid,
-    PayloadTooLarge: _too_large,
-    IdReused: _id_reused,
-    AuthError: _unauthorized,
-    NotJson: _not_json,
-    StarletteHTTPException: _http_error,
-}
