@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from string import Template
 from typing import Any, overload
 
@@ -277,6 +277,59 @@ def to_us(ts: float | datetime | npt.NDArray[np.floating[Any]]) -> int | npt.NDA
     if isinstance(ts, np.ndarray):
         return np.rint(ts * US).astype(np.int64)
     return round(ts * US)
+
+
+# --- time the caller cannot move back ------------------------------------------------------
+
+
+def effective_us(
+    cards: Sequence[str],
+    ts_us: Sequence[int],
+    newest: Mapping[str, int] | None = None,
+    within_us: int = 1200 * US,
+) -> list[int]:
+    """Each transaction's **effective time**, in arrival order: its event time, unless
+    that is earlier than its card's newest recorded event (``newest``: the store's, then
+    the earlier ones here) by at most ``within_us`` (what the service's event-time bound
+    lets a caller move, twice), in which case 1 µs after it; older is a late event, left
+    at its time. A caller that stamps each
+    attempt earlier than the last cannot hide a burst from the velocity windows: every
+    window (session and declared) reads and records the transaction at this time. Equal
+    times are left as they are; for transactions that arrive in event-time order (the
+    raw history's order) this changes nothing."""
+    top = dict(newest or {})
+    out = []
+    for card, ts in zip(cards, ts_us, strict=True):
+        held = top.get(card)
+        if held is not None and held - within_us <= ts < held:
+            ts = held + 1
+        top[card] = ts if held is None else max(held, ts)
+        out.append(ts)
+    return out
+
+
+def effective_times(
+    txns: Sequence[Transaction],
+    recorded: Sequence[bool],
+    newest: Mapping[str, int],
+    within_us: int,
+) -> list[Transaction]:
+    """``txns`` with each recorded one's event time moved to its effective time
+    (:func:`effective_us`, in batch order after the store's ``newest`` per card); the
+    others (what-if reads that record nothing) keep theirs."""
+    rec = [t for t, r in zip(txns, recorded, strict=True) if r]
+    eff = iter(
+        effective_us(
+            [t.card_id for t in rec], [to_us(t.event_time) for t in rec], newest, within_us
+        )
+    )
+    out = []
+    for t, r in zip(txns, recorded, strict=True):
+        if r and (us := next(eff)) != to_us(t.event_time):
+            moved = (_EPOCH + timedelta(microseconds=us)).astimezone(t.event_time.tzinfo)
+            t = t.model_copy(update={"event_time": moved})
+        out.append(t)
+    return out
 
 
 # --- Redis layout -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -332,3 +332,44 @@ def test_a_burst_sees_its_own_earlier_attempts(
     xadd_all(client, STREAM, encode([_attempt(i) for i in range(5)]))
     _drain(url, tmp_path / "updater.log")
     assert dump_state(client) == state
+
+
+def test_backdating_each_attempt_does_not_hide_a_burst(
+    world: World, tmp_path: Path, online_store: Callable[[int], str]
+) -> None:
+    """A card-testing burst whose every attempt is stamped 25 s earlier than the last
+    (all inside the event-time bound) counts its earlier attempts exactly as the honest
+    burst 25 s apart does, and is declined from the same attempt: each is read and
+    recorded at its effective time, just after the card's newest recorded event."""
+    url = online_store(4)
+    srv = start_server(world, tmp_path, REDIS_URL=url, FRAUD_MAX_EVENT_SKEW_S="600")
+    now = datetime.now(UTC).replace(microsecond=0)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    try:
+        with srv.client() as c:
+            for name, start, step in (
+                ("honest", now - timedelta(seconds=300), 25),
+                ("backdated", now, -25),
+            ):
+                runs[name] = []
+                for i in range(13):  # one at a time: each attempt its own micro-batch
+                    body = _attempt(i) | {
+                        "transaction_id": f"{name}-{i}",
+                        "card_id": f"c-{name}",
+                        "amount": 1.5,
+                        "event_time": (start + timedelta(seconds=step * i)).isoformat(),
+                    }
+                    r = c.post("/v1/score", json=body)
+                    assert r.status_code == 200, r.text
+                    runs[name].append(r.json())
+            metrics = c.get("/metrics").text
+    finally:
+        stop_server(srv)
+    for i in range(3, 13):  # the 10-minute window holds both whole bursts
+        want = f"{i} transactions on this card in the last 10 minutes."
+        assert _velocity(runs["honest"][i]) == want, (i, runs["honest"][i])
+        assert _velocity(runs["backdated"][i]) == want, (i, runs["backdated"][i])
+    decisions = {n: [b["decision"] for b in bodies] for n, bodies in runs.items()}
+    first = {n: d.index("decline") if "decline" in d else None for n, d in decisions.items()}
+    assert first["backdated"] == first["honest"], decisions
+    assert "fraud_backdated_transactions_total 12.0" in metrics

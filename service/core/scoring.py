@@ -87,6 +87,16 @@ def _inexact_declared() -> Counter:
 
 
 @functools.cache
+def _backdated() -> Counter:
+    """Transactions stamped earlier than their card's newest recorded event: read and
+    recorded at their effective time instead (fraud_scoring.session.effective_us)."""
+    return Counter(
+        "fraud_backdated_transactions",
+        "Transactions stamped before their card's newest recorded event (moved after it)",
+    )
+
+
+@functools.cache
 def _id_reused() -> Counter:
     return Counter(
         "fraud_id_reused", "Requests refused 409: their transaction_id was used for another"
@@ -300,6 +310,7 @@ class Scorer:
         self.pool = pool
         self.limits = session.SessionLimits(settings.allowed_lateness_s)
         self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
+        _backdated()  # exported at 0 from the start: alerts on rate() see the first
         self._keeping: set[asyncio.Task[None]] = set()
         self._declared_for: tuple[LoadedModel | None, LoadedModel | None, D.Declarations] = (
             None,
@@ -562,10 +573,16 @@ class Scorer:
         clock = _StageClock()
         refuse = self.settings.degraded_policy == "refuse"
         try:
-            claims = await self._claim(txns, record)
+            claims, newest = await self._claim(txns, record)
             if claims is not None:  # a retry or a reused id records nothing
                 record = [c is not None and c.claim.new for c in claims]
-            cols, missing, stale = await self.read_features(txns, record)
+            timed = list(txns)
+            if (skew := self.settings.max_event_skew_s) > 0:  # off: replays, any order
+                within = session.to_us(2 * skew)
+                timed = session.effective_times(txns, self._to_record(txns, record), newest, within)
+                if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
+                    _backdated().inc(moved)
+            cols, missing, stale = await self.read_features(timed, record)
         except FeatureStoreUnavailable:
             if refuse:
                 raise
@@ -598,18 +615,31 @@ class Scorer:
 
     async def _claim(
         self, txns: Sequence[Transaction], record: Sequence[bool] | None
-    ) -> list[_Claimed | None] | None:
-        """Claim the ids of the transactions this batch records (one round trip; see
-        service/core/idempotency.py). None when nothing is claimed."""
+    ) -> tuple[list[_Claimed | None] | None, dict[str, int]]:
+        """Claim the ids of the transactions this batch records (see
+        service/core/idempotency.py; None when nothing is claimed), and read the newest
+        recorded event time of their cards (:func:`fraud_scoring.session.effective_times`),
+        in one round trip."""
         ttl = self.settings.idempotency_ttl_s
         recorded = self._to_record(txns, record)
-        if ttl <= 0 or not any(recorded):
-            return None
+        if not any(recorded):
+            return None, {}
         asked = [t for t, r in zip(txns, recorded, strict=True) if r]
+        cards = list(dict.fromkeys(t.card_id for t in asked))
         pipe = self._pipeline()
-        contents = idempotency.queue_claims(pipe, asked, ttl)
+        for card in cards:
+            pipe.execute_command("ZREVRANGE", session.events_key(card), 0, 0, "WITHSCORES")
+        contents = idempotency.queue_claims(pipe, asked, ttl) if ttl > 0 else []
         replies = await self._bounded(pipe, "claiming transaction ids")
-        got = iter(zip(asked, contents, replies, strict=True))
+        newest: dict[str, int] = {}
+        for card, top in zip(cards, replies, strict=False):
+            if isinstance(top, Exception):
+                raise FeatureStoreUnavailable("feature store unavailable: a read failed")
+            if top:
+                newest[card] = int(float(top[1]))
+        if ttl <= 0:
+            return None, newest
+        got = iter(zip(asked, contents, replies[len(cards) :], strict=True))
         out: list[_Claimed | None] = []
         for r in recorded:
             if not r:
@@ -619,7 +649,7 @@ class Scorer:
             if isinstance(reply, Exception):
                 raise FeatureStoreUnavailable("feature store unavailable: a claim failed")
             out.append(_Claimed(idempotency.outcome(t, c, reply), c))
-        return out
+        return out, newest
 
     def _settle(self, out: list[ScoreResult], claims: list[_Claimed | None]) -> list[ScoreResult]:
         """Retries get their original answer (or, before it is stored, this one, marked
