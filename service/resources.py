@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from starlette.responses import JSONResponse
 
 from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.feast_store import open_store
@@ -35,7 +34,7 @@ from service.core.model import ModelHolder, load_configured, watch_models
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer, ScoreRequest, ScoreResult
 from service.core.store_health import StoreHealth
-from service.errors import Rejected, RejectReason
+from service.errors import RejectReason
 from service.loop.decision_log import DecisionLog
 from service.loop.drift import DriftMonitor
 from service.loop.review_queue import ReviewQueue
@@ -70,17 +69,6 @@ class Resources:
         self.instruments.rejections.labels(
             reason=reason.value, model_version=_version_label(self.models)
         ).inc()
-
-    def answer(self, exc: Rejected, content: dict[str, Any] | None = None) -> JSONResponse:
-        """The one 503 answer: counted (unless ``exc`` says not), with Retry-After; the
-        body is ``exc.content()`` unless ``content`` is given (another protocol's shape)."""
-        if exc.counted:
-            self.count_rejection(exc.reason)
-        return JSONResponse(
-            exc.content() if content is None else content,
-            status_code=503,
-            headers={"Retry-After": str(exc.retry_after_s)},
-        )
 
 
 def _version_label(models: ModelHolder) -> str:

@@ -25,8 +25,9 @@ from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
 from service.edge import auth, oip, review
 from service.edge.admission import AdmissionLimit
+from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
-from service.edge.routes import EXCEPTION_HANDLERS, DirectDispatch, router
+from service.edge.routes import DirectDispatch, router
 from service.resources import STATE_KEY, open_resources
 
 

@@ -39,7 +39,6 @@ from service.core.challenger import LineupChange
 from service.core.scoring import ScoreRequest, ScoreResult
 from service.edge.admission import PARSED_BODY, RECEIVED_NS
 from service.edge.auth import Scope, check_scope, require_scope
-from service.edge.errors_http import EXCEPTION_HANDLERS as EXCEPTION_HANDLERS
 from service.edge.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
 from service.errors import (
     ErrorCode,
