@@ -11,7 +11,10 @@ bench/README.md):
    heavy key offering 3x that capacity in batch calls while the light key sends single
    calls (``--light-rate``), for ``--seconds``;
 3. **after**: at once, 2 s at a quarter of the capacity plus the light calls, to see how
-   soon every call is answered 200 within the deadline again.
+   soon every call is answered 200 within the deadline again;
+4. **big calls**: the heavy key sends ``--big-rate`` (8) calls/s of 128 transactions (the
+   default capacity), then of 256 (more than it: refused 413, never admitted alone),
+   beside the light calls, for ``--seconds`` each: the light key's share served.
 
 It prints, for each phase, offered and served transactions/s, served as % of capacity,
 p50/p99 of accepted calls (vs the deadline, ``FRAUD_REQUEST_TIMEOUT_MS`` = 100), the share
@@ -55,6 +58,7 @@ BATCH = 32
 AFTER_S = 2.0
 DEADLINE_MS = 100.0
 CONNS = max(1, 128 // BATCH)  # batch calls the default admission capacity holds
+BIG_CALLS = (128, 256)  # the default capacity, and twice it (refused 413: never admitted alone)
 
 
 @dataclass
@@ -316,12 +320,30 @@ def measure(
             over = Stream("heavy", batches, BATCH, a.factor * capacity / BATCH)
             calm = Stream("heavy", batches, BATCH, 0.25 * capacity / BATCH)
             light = Stream("light", singles, 1, a.light_rate)
+            big = [  # fairness under any call size: calls as big as the capacity, then twice
+                Stream(
+                    "heavy",
+                    [
+                        request(
+                            host,
+                            "/v1/score/batch",
+                            keys["heavy"],
+                            json.dumps({"transactions": rows[i : i + size]}).encode(),
+                        )
+                        for i in range(0, len(rows) - size, size)
+                    ],
+                    size,
+                    a.big_rate,
+                )
+                for size in BIG_CALLS
+            ]
             phases, raw = run(
                 open_loop(
                     service.url,
                     [
                         (f"{a.factor:g}x overload", a.seconds, [over, light]),
                         ("after", AFTER_S, [calm, light]),
+                        *((f"{a.big_rate:g}/s x{b.weight}", a.seconds, [b, light]) for b in big),
                     ],
                 )
             )
@@ -346,6 +368,8 @@ def report(r: Result) -> None:
         f"(<= 5); recovery {r.recovery_s * 1e3:.0f} ms (< 1000); light key served "
         f"{o.light_served:.1%}"
     )
+    for ph in r.phases[2:]:
+        print(f"fairness ({ph.name} heavy calls): light key served {ph.light_served:.1%} (>= 95 %)")
 
 
 def main() -> None:
@@ -353,6 +377,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="length of capacity and overload")
     p.add_argument("--factor", type=float, default=3.0, help="overload as a multiple of capacity")
     p.add_argument("--light-rate", type=float, default=100.0, help="light key's calls per second")
+    p.add_argument(
+        "--big-rate", type=float, default=8.0, help="heavy calls/s in the big-call phases"
+    )
     p.add_argument("--no-pin", action="store_true", help="let service and generator share cores")
     p.add_argument(
         "--baseline",
