@@ -210,7 +210,10 @@ def run_train(args: argparse.Namespace, settings: Settings) -> None:
     from batch_jobs.train import TrainConfig, train
 
     cfg = TrainConfig(
-        holdout_days=args.holdout_days, model_name=settings.model_name, force=args.force
+        holdout_days=args.holdout_days,
+        model_name=settings.model_name,
+        force=args.force,
+        batch_available_after_s=settings.batch_available_after_s,
     )
     check_raw(settings.data_dir / "raw")
     with contextlib.ExitStack() as stack:

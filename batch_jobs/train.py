@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pandas as pd
+from feast import FeatureStore
 from onnx import TensorProto, helper, numpy_helper
 from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
@@ -102,6 +103,11 @@ class TrainConfig:
     # Largest drop of holdout PR-AUC or ROC-AUC allowed against the latest version.
     max_regression: float = 0.05
     force: bool = False  # publish despite failed metric gates (recorded in the metadata)
+    # When a day's snapshot reaches the online store after its cutoff (midnight UTC):
+    # the nightly batch's schedule plus its run time. Training joins each transaction to
+    # the snapshot serving has at its time (0: the moment the day ends, as when the
+    # batch ran before serving started: the demo, the tests).
+    batch_available_after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,27 @@ def feature_columns(
 _SLICES = ("training", "validation", "holdout")
 
 
+def _available_join(
+    sample: pd.DataFrame,
+    after_s: float,
+    store: FeatureStore,
+    pit_join: Callable[[pd.DataFrame], pd.DataFrame] | None,
+) -> pd.DataFrame:
+    """The point-in-time join as of when each snapshot is *available* online: a
+    snapshot (event time = its cutoff) is used from cutoff + ``after_s``, so the join
+    looks up ``t - after_s`` (a 00:30 transaction, with the batch at 01:30, gets the
+    day before's snapshot, as serving does). Rows keep their own event time."""
+    asked = sample
+    if after_s > 0:
+        shift = timedelta(seconds=after_s)
+        asked = sample.assign(event_timestamp=sample["event_timestamp"] - shift)
+    joined = pit_join(asked) if pit_join else point_in_time_join(store, asked)
+    if after_s > 0:
+        own = sample.set_index("transaction_id")["event_timestamp"]
+        joined["event_timestamp"] = joined["transaction_id"].map(own).to_numpy()
+    return joined
+
+
 def train(
     data_dir: Path,
     redis_url: str,
@@ -243,7 +270,7 @@ def train(
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
     with _phase(f"point-in-time join of {len(sample):,} transactions"):
-        joined = pit_join(sample) if pit_join else point_in_time_join(store, sample)
+        joined = _available_join(sample, cfg.batch_available_after_s, store, pit_join)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
         cols = feature_columns(joined, history)

@@ -311,6 +311,15 @@ class Settings(BaseSettings):
         default="127.0.0.1:9092",
         description="Kafka bootstrap servers, host:port[,host:port...] (source 'kafka').",
     )
+    batch_available_after_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=86_400,
+        description="How long after a day's end (midnight UTC) its batch snapshot reaches "
+        "the online store: the nightly batch's schedule plus its run time (the chart: "
+        "its CronJob at 01:30, plus 30 min). train joins each transaction to the snapshot "
+        "serving has at its time. 0: at once (the batch ran before serving: demo, tests).",
+    )
     allowed_lateness_s: float = Field(
         default=300.0,
         ge=0,

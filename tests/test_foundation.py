@@ -341,3 +341,35 @@ def test_hour_of_day_is_local_to_the_event() -> None:
     normal = ~cols_sim["is_fraud"]
     local_h = ((cols_sim["event_time"] // 1_000_000 + cols_sim["utc_offset_min"] * 60) // 3600) % 24
     assert np.mean((local_h[normal] >= 2) & (local_h[normal] < 5)) < 0.04
+
+
+def test_training_joins_the_snapshot_serving_has_at_the_transactions_time(
+    world: World,
+) -> None:
+    """With the nightly batch landing at 01:30, a 00:30 transaction is served with the
+    day before's snapshot: training (``batch_available_after_s``) joins that one too,
+    while a 02:00 transaction gets the new one; each row keeps its own event time."""
+    from batch_jobs.train import _available_join
+
+    feats = world.data_dir / "features"
+    day = world.start + timedelta(days=10)
+    cards = pq.read_table(partition_dir(feats, "card_30d", day)).to_pandas()
+    older = pq.read_table(partition_dir(feats, "card_30d", day - timedelta(days=1))).to_pandas()
+    both = cards.merge(older, on="card_id", suffixes=("", "_before"))
+    card = both[both["card_txn_count_30d"] != both["card_txn_count_30d_before"]].iloc[0]
+    snap = pd.Timestamp(snapshot_time(day))
+    entity = pd.DataFrame(
+        {
+            "transaction_id": ["early", "late"],
+            "card_id": [card["card_id"]] * 2,
+            "merchant_id": ["m00001"] * 2,
+            "event_timestamp": [snap + pd.Timedelta(minutes=30), snap + pd.Timedelta(hours=2)],
+        }
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    out = _available_join(entity, 5400, store, None).set_index("transaction_id")
+    assert out.loc["early", "card_txn_count_30d"] == card["card_txn_count_30d_before"]
+    assert out.loc["late", "card_txn_count_30d"] == card["card_txn_count_30d"]
+    assert list(out["event_timestamp"]) == list(entity["event_timestamp"])
+    now = _available_join(entity, 0, store, None).set_index("transaction_id")
+    assert now.loc["early", "card_txn_count_30d"] == card["card_txn_count_30d"]

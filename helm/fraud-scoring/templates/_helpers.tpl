@@ -175,6 +175,8 @@ environment variable. */}}
 - name: FRAUD_CANARY_PERCENT
   value: {{ $.Values.model.canaryPercent | quote }}
 {{- end }}
+- name: FRAUD_BATCH_AVAILABLE_AFTER_S
+  value: {{ $.Values.batchAvailableAfterSeconds | quote }}
 - name: FRAUD_FEATURE_STORE_YAML
   value: {{ printf "%s/feature_store.yaml" (include "fraud-scoring.configMountPath" $) | quote }}
 - name: FRAUD_STREAM_SOURCE
