@@ -190,13 +190,75 @@ def run_decisions(args: argparse.Namespace, settings: Settings) -> None:
     _compact(args.date or (datetime.now(UTC).date() - timedelta(days=1)), settings)
 
 
+def _aware_time(v: str) -> datetime:
+    t = datetime.fromisoformat(v)
+    if t.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{v!r} has no time zone (e.g. +00:00)")
+    return t
+
+
+def _lgbm_param(s: str) -> tuple[str, str]:
+    key, eq, value = s.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE: {s!r}")
+    return key.strip(), value.strip()
+
+
+# Flags of ``train`` that set a TrainConfig field of the same name (dest, type, help).
+_TRAIN_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
+    (
+        "labels_as_of",
+        _aware_time,
+        "labels known up to this instant (RFC 3339, with a zone; default: now)",
+    ),
+    (
+        "label_delay_days",
+        int,
+        "days until a transaction's chargeback is taken as in "
+        "(default 20): the holdout ends this long before --labels-as-of",
+    ),
+    ("warmup_days", int, "first days skipped: no batch history yet (default 7)"),
+    ("valid_days", int, "validation days, fitting the calibration (default 2)"),
+    ("holdout_days", int, "last days held out by time (default 3)"),
+    ("max_train_negatives", int, "legitimate rows sampled for training (default 60000)"),
+    (
+        "max_holdout_negatives",
+        int,
+        "legitimate rows sampled per validation and holdout slice, weighted back (default 60000)",
+    ),
+    (
+        "min_label_coverage",
+        float,
+        "refuse when the holdout's labelled fraud rate is below "
+        "this fraction of the training slice's or the latest version's (default 0.5)",
+    ),
+    ("seed", int, "random seed (default 7)"),
+)
+
+
 def configure_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--holdout-days", type=int, default=3, help="last days held out by time")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="training config (YAML: the fields of batch_jobs.train.TrainConfig, "
+        "docs/model-quality.md); flags override it",
+    )
+    for dest, typ, text in _TRAIN_FLAGS:
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=text)
+    p.add_argument(
+        "--lgbm",
+        type=_lgbm_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a LightGBM parameter, e.g. --lgbm num_leaves=63 (repeatable; "
+        "TrainConfig.lightgbm lists them)",
+    )
     p.add_argument(
         "--force",
         action="store_true",
-        help="publish even when the holdout metrics fail a quality gate (recorded in the "
-        "metadata); a window without enough frauds is refused all the same",
+        help="publish even when a quality gate or the label-coverage check fails "
+        "(recorded in the metadata); a window without enough frauds is refused all the same",
     )
     p.add_argument(
         "--engine",
@@ -207,14 +269,20 @@ def configure_train(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace, settings: Settings) -> None:
-    from batch_jobs.train import TrainConfig, train
+    from batch_jobs.train import load_train_config, train
 
-    cfg = TrainConfig(
-        holdout_days=args.holdout_days,
-        model_name=settings.model_name,
-        force=args.force,
-        batch_available_after_s=settings.batch_available_after_s,
+    overrides: dict[str, object] = {
+        "model_name": settings.model_name,
+        "batch_available_after_s": settings.batch_available_after_s,
+    }
+    overrides.update(
+        {d: getattr(args, d) for d, _, _ in _TRAIN_FLAGS if getattr(args, d) is not None}
     )
+    if args.lgbm:
+        overrides["lightgbm"] = dict(args.lgbm)
+    if args.force:
+        overrides["force"] = True
+    cfg = load_train_config(args.config, overrides)
     check_raw(settings.data_dir / "raw")
     with contextlib.ExitStack() as stack:
         pit_join = None
@@ -288,13 +356,6 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="--served: report folder (default: FRAUD_DATA_DIR/reports/served-D1_D2)",
     )
-
-
-def _aware_time(v: str) -> datetime:
-    t = datetime.fromisoformat(v)
-    if t.tzinfo is None:
-        raise argparse.ArgumentTypeError(f"{v!r} has no time zone (e.g. +00:00)")
-    return t
 
 
 def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:

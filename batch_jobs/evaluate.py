@@ -313,6 +313,11 @@ def report_data(
         "pattern_recall": patterns,
         "segment_recall": segments,
         "decisions_per_day": per_day,
+        "training_config": meta.training_config,
+        "label_coverage": meta.label_coverage.model_dump(mode="json")
+        if meta.label_coverage
+        else None,
+        "overridden_gates": meta.overridden_gates,
     }
 
 
@@ -479,11 +484,68 @@ def _markdown(d: dict[str, Any]) -> str:
             for r in d["decisions_per_day"]
         ),
         "",
+        *_label_coverage_md(d.get("label_coverage"), d.get("overridden_gates", [])),
+        *_config_md(d.get("training_config", {})),
         "![precision-recall](pr_curve.png) ![reliability](reliability.png)",
         "![scores by class](score_histogram.png) ![decisions per day](decisions_per_day.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def _label_coverage_md(cov: dict[str, Any] | None, overridden: list[str]) -> list[str]:
+    if cov is None:
+        return []
+    latest = (
+        f"; the latest version {cov['latest_version']}'s holdout: {cov['latest_version_rate']:.4f}"
+        if cov.get("latest_version")
+        else ""
+    )
+    verdict = (
+        ["**Labels looked incomplete; published with --force:**", ""]
+        + [f"- {r}" for r in cov["incomplete"]]
+        if cov["incomplete"]
+        else ["Labels looked complete (no day's slice below the threshold)."]
+    )
+    return [
+        "## Label coverage",
+        "",
+        f"Expected labelled fraud rate {cov['expected_rate']:.4f} (the training slice's: "
+        f"every day is older than the {cov['label_delay_days']}-day label delay){latest}; "
+        f"a slice below {cov['min_fraction']:g} x is refused.",
+        "",
+        *verdict,
+        "",
+        "| day | slice | label age (days) | transactions | frauds | fraud rate |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['day']} | {r['part']} | {r['age_days']} | {r['rows']:,} | {r['frauds']} "
+            f"| {r['fraud_rate']:.4f} |"
+            for r in cov["days"]
+        ),
+        "",
+        *(["Gates overridden (--force): " + "; ".join(overridden), ""] if overridden else []),
+    ]
+
+
+def _config_md(cfg: dict[str, Any]) -> list[str]:
+    """The training run's settings, nested ones (``lightgbm``, ``costs``) as ``a.b``."""
+    if not cfg:
+        return []
+    flat: dict[str, Any] = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            flat[k] = v
+    return [
+        "## Training configuration",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in flat.items()),
+        "",
+    ]
 
 
 def evaluate_version(

@@ -11,8 +11,9 @@ training | validation (fits the calibration) | holdout (every metric and thresho
 The holdout ends ``label_delay_days`` before ``labels_as_of``, so its labels are mostly
 in. The exported ONNX model outputs the calibrated probability; every number in the
 metadata comes from running that export in ONNX Runtime on the holdout
-(``batch_jobs.evaluate``). A model that fails a publishing gate is not published
-(``PublishRefused``) unless ``force`` is set, which the metadata records.
+(``batch_jobs.evaluate``). Labels that look incomplete (``label_coverage``) or a model
+that fails a publishing gate are not published (``PublishRefused``) unless ``force`` is
+set, which the metadata records with every value of the ``TrainConfig``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import lightgbm as lgb
@@ -31,8 +33,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pandas as pd
+import yaml
 from feast import FeatureStore
 from onnx import TensorProto, helper, numpy_helper
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import Pipeline
@@ -63,6 +67,8 @@ from fraud_scoring.model_repo import (
     Calibration,
     DecisionCosts,
     FeatureSpec,
+    LabelAgeDay,
+    LabelCoverage,
     ModelError,
     ModelMetadata,
     ModelNotFound,
@@ -77,37 +83,99 @@ from fraud_scoring.storage import DataError, partition_days, partition_dir
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Knobs of one training run; the defaults fit the demo world (3,000 cards, 21 days)."""
+class LightGBMParams(BaseModel):
+    """LightGBM's settings (``lightgbm.LGBMClassifier`` keyword arguments). The defaults
+    fit the demo world; on other data a few of them (``num_leaves``, ``learning_rate``,
+    ``n_estimators``, ``min_child_samples``) matter most."""
 
-    holdout_days: int = 3  # about 140 frauds on the demo world (at least 100 wanted)
-    valid_days: int = 2  # between training and holdout: fits the calibration
-    warmup_days: int = 7  # first days have no batch history: skip them
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_estimators: int = Field(default=300, ge=1)
+    learning_rate: float = Field(default=0.05, gt=0)
+    num_leaves: int = Field(default=31, ge=2)
+    max_depth: int = -1  # -1: no limit
+    min_child_samples: int = Field(default=20, ge=1)
+    subsample: float = Field(default=0.8, gt=0, le=1)
+    subsample_freq: int = Field(default=1, ge=0)
+    colsample_bytree: float = Field(default=0.8, gt=0, le=1)
+    reg_alpha: float = Field(default=0.0, ge=0)
+    reg_lambda: float = Field(default=0.0, ge=0)
+    # No class re-weighting (scale_pos_weight) by default: it only shifts and stretches
+    # the margin, which the calibration then has to undo; ranking is no better with it.
+    scale_pos_weight: float = Field(default=1.0, gt=0)
+    n_jobs: int = 2
+
+
+class TrainConfig(BaseModel):
+    """Knobs of one training run; the defaults fit the demo world (3,000 cards, 21 days).
+
+    Read from a YAML file by :func:`load_train_config` (``fraud-scoring train --config``);
+    every value is recorded in the model metadata (``training_config``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    holdout_days: int = Field(default=3, ge=1)  # about 140 frauds on the demo world
+    valid_days: int = Field(default=2, ge=1)  # between training and holdout: calibration
+    warmup_days: int = Field(default=7, ge=0)  # first days have no batch history: skip
     # Chargebacks arrive up to 20 days late (the simulator's range): the holdout ends
     # this long before labels_as_of, and later days are left out.
-    label_delay_days: int = 20
-    labels_as_of: datetime | None = None  # None: now (what a scheduled run wants)
-    max_train_negatives: int = 60_000
-    max_holdout_negatives: int = 60_000  # per slice (validation, holdout); weighted back
+    label_delay_days: int = Field(default=20, ge=0)
+    labels_as_of: AwareDatetime | None = None  # None: now (what a scheduled run wants)
+    max_train_negatives: int = Field(default=60_000, ge=1)
+    # Per slice (validation, holdout); weighted back.
+    max_holdout_negatives: int = Field(default=60_000, ge=1)
     seed: int = 7
     model_name: str = "fraud"
     features: tuple[str, ...] | None = None  # None: F.default_model_features()
-    costs: DecisionCosts = field(default_factory=DecisionCosts)
+    costs: DecisionCosts = Field(default_factory=DecisionCosts)
+    lightgbm: LightGBMParams = Field(default_factory=LightGBMParams)
     # Publishing gates. Each of training, validation and holdout needs this many frauds
     # (never overridable: there is nothing to fit or measure without them).
-    min_positives: int = 10
+    min_positives: int = Field(default=10, ge=1)
     warn_holdout_positives: int = 100
-    min_holdout_pr_auc: float = 0.3
-    min_holdout_roc_auc: float = 0.8
+    min_holdout_pr_auc: float = Field(default=0.3, ge=0, le=1)
+    min_holdout_roc_auc: float = Field(default=0.8, ge=0, le=1)
     # Largest drop of holdout PR-AUC or ROC-AUC allowed against the latest version.
-    max_regression: float = 0.05
-    force: bool = False  # publish despite failed metric gates (recorded in the metadata)
+    max_regression: float = Field(default=0.05, ge=0)
+    # Label coverage: the validation's and the holdout's labelled fraud rate must reach
+    # this fraction of the training slice's, and the holdout's that of the latest
+    # version's holdout (``label_coverage``).
+    min_label_coverage: float = Field(default=0.5, ge=0, le=1)
+    force: bool = False  # publish despite failed metric or label gates (recorded)
     # When a day's snapshot reaches the online store after its cutoff (midnight UTC):
     # the nightly batch's schedule plus its run time. Training joins each transaction to
     # the snapshot serving has at its time (0: the moment the day ends, as when the
     # batch ran before serving started: the demo, the tests).
-    batch_available_after_s: float = 0.0
+    batch_available_after_s: float = Field(default=0.0, ge=0)
+
+
+def load_train_config(path: Path | None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The config file's values (YAML, the fields of :class:`TrainConfig`), then
+    ``overrides`` (e.g. command-line flags; ``lightgbm`` merged key by key). Raises
+    ValueError naming the file and each bad field."""
+    raw: Any = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the training config ({exc})") from exc
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not YAML ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of training settings")
+    values = {**raw}
+    for k, v in (overrides or {}).items():
+        if k == "lightgbm" and isinstance(values.get(k), dict):
+            values[k] = {**values[k], **v}
+        else:
+            values[k] = v
+    try:
+        return TrainConfig.model_validate(values)
+    except ValidationError as exc:
+        errs = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"{path or 'training config'}: {errs}") from None
 
 
 @dataclass(frozen=True)
@@ -247,7 +315,8 @@ def train(
     folder); it must keep ``training_set.point_in_time_join``'s contract.
 
     Raises PublishRefused (nothing published) when a slice holds fewer than
-    ``cfg.min_positives`` frauds, or, unless ``cfg.force``, when the served model's
+    ``cfg.min_positives`` frauds, or, unless ``cfg.force``, when the labels look
+    incomplete (``label_coverage``, checked before fitting) or the served model's
     holdout metrics fail a gate (``publishing_gates``); DataError when the raw history
     is too short or unreadable.
     """
@@ -264,6 +333,15 @@ def train(
     part = np.select(
         [t < split.at(split.valid_start), t < split.at(split.holdout_start)], [0, 1], 2
     )
+    coverage = label_coverage(
+        txns, part, labels_as_of, cfg, latest_fraud_rate(model_repo, cfg.model_name)
+    )
+    if coverage.incomplete and not cfg.force:
+        raise PublishRefused(
+            "model not published: labels look incomplete: "
+            + "; ".join(coverage.incomplete)
+            + " (force overrides this)"
+        )
     _check_positives(txns["label"].to_numpy(), part, split, cfg)
     sample = _sample(txns.assign(part=part), cfg).rename(columns={"event_time": "event_timestamp"})
 
@@ -291,20 +369,7 @@ def train(
         transaction_id=joined["transaction_id"].to_numpy(object)[ho],
     )
 
-    model = lgb.LGBMClassifier(
-        n_estimators=300,
-        learning_rate=0.05,
-        num_leaves=31,
-        min_child_samples=20,
-        subsample=0.8,
-        subsample_freq=1,
-        colsample_bytree=0.8,
-        # No class re-weighting (scale_pos_weight): it only shifts and stretches the
-        # margin, which the calibration then has to undo; ranking is no better with it.
-        random_state=cfg.seed,
-        n_jobs=2,
-        verbose=-1,
-    )
+    model = lgb.LGBMClassifier(**cfg.lightgbm.model_dump(), random_state=cfg.seed, verbose=-1)
     with _phase(f"LightGBM on {int(tr.sum()):,} rows"):
         model.fit(X[tr], y[tr])
     # The tensor-op variant: every node runs on a GPU (tree ensembles run only on CPU).
@@ -336,7 +401,9 @@ def train(
         m = served_metrics(hold, scores[variant], thresholds[variant], cfg.costs)
         metrics.update({prefix + k: v for k, v in m.items()})
 
-    failed = publishing_gates(metrics, champion_metrics(model_repo, cfg, hold, split), cfg)
+    failed = coverage.incomplete + publishing_gates(
+        metrics, champion_metrics(model_repo, cfg, hold, split), cfg
+    )
     if failed and not cfg.force:
         raise PublishRefused(
             "model not published: " + "; ".join(failed) + " (force overrides these gates)"
@@ -362,6 +429,8 @@ def train(
         reliability={v: reliability(hold.label, p, hold.weight) for v, p in scores.items()},
         forced=cfg.force,
         overridden_gates=failed,
+        training_config=cfg.model_dump(mode="json"),
+        label_coverage=coverage,
     )
     files[HOLDOUT_FILE] = hold.to_parquet()
     files[REFERENCE_FILE] = reference_json(X[va | ho], w[va | ho], names, files, split)
@@ -389,6 +458,91 @@ def reference_json(
         window=(split.at(split.valid_start), snapshot_time(split.holdout_last)),
     )
     return ref.model_dump_json(indent=1).encode()
+
+
+def latest_fraud_rate(model_repo: Path, name: str) -> tuple[str, float] | None:
+    """The latest published version and its holdout's labelled fraud rate (None: no
+    version, or one that did not record it)."""
+    try:
+        latest = load_metadata(resolve(model_repo, name))
+    except ModelNotFound:
+        return None
+    rate = latest.metrics.get("holdout_fraud_rate")
+    return None if rate is None else (latest.version, rate)
+
+
+def label_coverage(
+    txns: pd.DataFrame,
+    part: np.ndarray,
+    labels_as_of: datetime,
+    cfg: TrainConfig,
+    latest: tuple[str, float] | None = None,
+) -> LabelCoverage:
+    """The labelled fraud rate per day (``txns``: every transaction, ``label`` as of
+    ``labels_as_of``; ``part``: 0/1/2 for training/validation/holdout) beside what the
+    label delay implies, and the checks that fail (``incomplete``).
+
+    Every day used is at least ``label_delay_days`` old, so its labels should be in and
+    its rate about the training slice's: the validation's or the holdout's rate below
+    ``min_label_coverage`` times it fails, as does a holdout rate below that fraction of
+    the ``latest`` version's holdout rate (``(version, rate)``). Each failure names the
+    days furthest below, with their observed and expected rates."""
+    frac = cfg.min_label_coverage
+    label = txns["label"].to_numpy()
+    day = txns["event_time"].dt.date.to_numpy()
+    days: list[LabelAgeDay] = []
+    for d in sorted(set(day)):
+        m = day == d
+        end = datetime.combine(d + timedelta(days=1), datetime.min.time(), UTC)
+        n, k = int(m.sum()), int(label[m].sum())
+        days.append(
+            LabelAgeDay(
+                day=d,
+                part=_SLICES[int(part[m][0])],
+                age_days=(labels_as_of - end).days,
+                rows=n,
+                frauds=k,
+                fraud_rate=k / n,
+            )
+        )
+    rate = {
+        name: float(label[part == k].mean()) if (part == k).any() else 0.0
+        for k, name in enumerate(_SLICES)
+    }
+    expected = rate["training"]
+    failed = []
+
+    def short(name: str, want: float, against: str) -> None:
+        mine = [r for r in days if r.part == name]
+        low = sorted((r for r in mine if r.fraud_rate < frac * want), key=lambda r: r.fraud_rate)
+        ages = f"{min(r.age_days for r in mine)}-{max(r.age_days for r in mine)}"
+        failed.append(
+            f"the {name} {mine[0].day}..{mine[-1].day} (labels {ages} days old) has a "
+            f"labelled fraud rate of {rate[name]:.4f}, below {frac:g} x the expected "
+            f"{want:.4f} ({against})"
+            + (
+                "; days below: "
+                + ", ".join(f"{r.day} {r.fraud_rate:.4f} ({r.age_days} days old)" for r in low)
+                if low
+                else ""
+            )
+        )
+
+    implied = f"the training slice's; a {cfg.label_delay_days}-day label delay implies all in"
+    for name in ("validation", "holdout"):
+        if rate[name] < frac * expected:
+            short(name, expected, implied)
+    if latest is not None and rate["holdout"] < frac * latest[1]:
+        short("holdout", latest[1], f"the latest version {latest[0]}'s holdout")
+    return LabelCoverage(
+        expected_rate=expected,
+        min_fraction=frac,
+        label_delay_days=cfg.label_delay_days,
+        latest_version=latest[0] if latest else None,
+        latest_version_rate=latest[1] if latest else None,
+        days=days,
+        incomplete=failed,
+    )
 
 
 def _check_positives(label: np.ndarray, part: np.ndarray, split: Split, cfg: TrainConfig) -> None:

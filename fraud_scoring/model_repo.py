@@ -11,8 +11,9 @@ import errno
 import functools
 import json
 import os
-from datetime import datetime
+from datetime import date, datetime
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -82,6 +83,34 @@ class ReliabilityBin(BaseModel):
     fraud_rate: float
 
 
+class LabelAgeDay(BaseModel):
+    """One day's labelled fraud rate at training time (labels as of ``labels_as_of``)."""
+
+    day: date
+    part: str  # "training", "validation" or "holdout"
+    age_days: int  # whole days from the day's end to labels_as_of
+    rows: int
+    frauds: int
+    fraud_rate: float
+
+
+class LabelCoverage(BaseModel):
+    """How complete the labels looked when the model was trained.
+
+    Every day trained on is older than the label delay, so the delay implies its labels
+    are in: its labelled fraud rate should be about ``expected_rate`` (the training
+    slice's). ``incomplete`` lists each check that failed (empty: the labels were
+    trusted); a version published with failed checks was forced."""
+
+    expected_rate: float
+    min_fraction: float  # a slice below min_fraction x the expected rate is refused
+    label_delay_days: int
+    latest_version: str | None = None
+    latest_version_rate: float | None = None  # its holdout's labelled fraud rate
+    days: list[LabelAgeDay] = Field(default_factory=list)
+    incomplete: list[str] = Field(default_factory=list)
+
+
 class ModelMetadata(BaseModel):
     """What the service needs to know to feed and trust a model."""
 
@@ -118,6 +147,10 @@ class ModelMetadata(BaseModel):
     # Published with ``--force`` despite the gates listed in ``overridden_gates``.
     forced: bool = False
     overridden_gates: list[str] = Field(default_factory=list)
+    # Fields below were added with configured training; older metadata loads without them.
+    # Every value of the run's ``TrainConfig`` (batch_jobs/train.py), LightGBM's included.
+    training_config: dict[str, Any] = Field(default_factory=dict)
+    label_coverage: LabelCoverage | None = None
 
     def thresholds_for(self, variant: str) -> Thresholds:
         return self.variant_thresholds.get(variant, self.thresholds)

@@ -36,3 +36,11 @@ def test_every_app_folder_contributes_its_subcommands(tmp_path: Path) -> None:
         assert name in r.stdout
     for command in ("serve", "stream"):
         assert "--embedded-redis" in _cli([command, "--help"], tmp_path).stdout
+
+
+def test_train_names_a_bad_config_field(tmp_path: Path) -> None:
+    bad = tmp_path / "train.yaml"
+    bad.write_text("holdout_days: 3\nlightgbm:\n  num_leafs: 63\n")
+    r = _cli(["train", "--config", str(bad)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "lightgbm.num_leafs" in r.stderr and str(bad) in r.stderr

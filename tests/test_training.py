@@ -9,6 +9,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from batch_jobs.evaluate import (
@@ -19,7 +20,14 @@ from batch_jobs.evaluate import (
     served_metrics,
     served_scores,
 )
-from batch_jobs.train import TrainConfig, plan_split, publishing_gates, train
+from batch_jobs.train import (
+    TrainConfig,
+    label_coverage,
+    load_train_config,
+    plan_split,
+    publishing_gates,
+    train,
+)
 from fraud_scoring.model_repo import (
     ModelMetadata,
     PublishRefused,
@@ -98,10 +106,19 @@ def test_evaluate_version_writes_the_report_with_the_metadata_numbers(
 
 def test_old_metadata_without_the_new_fields_still_loads(world: World) -> None:
     raw = json.loads((resolve(world.model_repo, "fraud") / "metadata.json").read_text())
-    for k in ("calibration", "costs", "reliability", "forced", "overridden_gates"):
+    for k in (
+        "calibration",
+        "costs",
+        "reliability",
+        "forced",
+        "overridden_gates",
+        "training_config",
+        "label_coverage",
+    ):
         raw.pop(k)
     old = ModelMetadata.model_validate(raw)
     assert old.costs is None and not old.forced and old.calibration == {}
+    assert old.training_config == {} and old.label_coverage is None
 
 
 def test_the_holdout_ends_a_label_delay_before_labels_as_of() -> None:
@@ -173,3 +190,111 @@ def test_a_model_worse_than_latest_is_refused_unless_forced(world: World, tmp_pa
     stored = load_metadata(resolve(repo, "fraud"))
     assert stored.forced and len(stored.overridden_gates) >= 1
     assert "below the latest version" in stored.overridden_gates[0]
+
+
+_CONFIG = """
+holdout_days: 4
+warmup_days: 5
+labels_as_of: 2030-01-01T00:00:00Z
+max_train_negatives: 15000
+min_label_coverage: 0.6
+force: true
+lightgbm:
+  num_leaves: 15
+  n_estimators: 150
+"""
+
+
+def test_a_config_file_sets_every_field_and_flags_override_it(tmp_path: Path) -> None:
+    f = tmp_path / "train.yaml"
+    f.write_text(_CONFIG)
+    cfg = load_train_config(f, {"holdout_days": 3, "lightgbm": {"learning_rate": "0.1"}})
+    assert (cfg.holdout_days, cfg.warmup_days, cfg.min_label_coverage) == (3, 5, 0.6)
+    assert cfg.labels_as_of == datetime(2030, 1, 1, tzinfo=UTC)
+    assert (cfg.lightgbm.num_leaves, cfg.lightgbm.learning_rate) == (15, 0.1)
+    assert cfg.lightgbm.subsample == 0.8  # unset: the default
+    # What the metadata records reads back into the same config.
+    assert TrainConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("lightgbm:\n  num_leafs: 63\n", "lightgbm.num_leafs: Extra inputs"),
+        ("holdout_dayz: 3\n", "holdout_dayz: Extra inputs"),
+        ("holdout_days: 0\n", "holdout_days: Input should be greater than or equal to 1"),
+        ("labels_as_of: 2026-01-01T00:00:00\n", "labels_as_of: Input should have timezone"),
+    ],
+)
+def test_a_bad_config_field_is_named(tmp_path: Path, text: str, named: str) -> None:
+    f = tmp_path / "train.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=named) as bad:
+        load_train_config(f)
+    assert str(f) in str(bad.value)
+
+
+def test_label_coverage_compares_each_slice_with_what_the_delay_implies() -> None:
+    day0 = datetime(2026, 1, 1, tzinfo=UTC)
+    t = pd.Series(pd.date_range(day0, periods=9 * 1000, freq="86400ms", tz="UTC"))
+    part = np.repeat([0] * 5 + [1] * 2 + [2] * 2, 1000)
+    label = np.zeros(len(t), np.int8)
+    label[::100] = 1  # 1 % everywhere
+    txns = pd.DataFrame({"event_time": t, "label": label})
+    cfg = TrainConfig(label_delay_days=10)
+    as_of = datetime(2026, 1, 25, tzinfo=UTC)
+    ok = label_coverage(txns, part, as_of, cfg, ("3", 0.012))
+    assert ok.incomplete == [] and ok.expected_rate == pytest.approx(0.01)
+    assert [d.age_days for d in ok.days] == list(range(23, 14, -1))
+    # Most of the holdout's labels missing, and a latest version at 5 %.
+    label[7000:] = 0
+    label[7000::500] = 1
+    txns["label"] = label
+    low = label_coverage(txns, part, as_of, cfg, ("3", 0.05))
+    assert len(low.incomplete) == 2
+    assert "holdout 2026-01-08..2026-01-09" in low.incomplete[0]
+    assert "rate of 0.0020, below 0.5 x the expected 0.0100" in low.incomplete[0]
+    assert "days below: 2026-01-08 0.0020 (16 days old), 2026-01-09" in low.incomplete[0]
+    assert "latest version 3" in low.incomplete[1]
+
+
+def test_incomplete_holdout_labels_are_refused_unless_forced(world: World, tmp_path: Path) -> None:
+    """80 % of the holdout's chargebacks removed: refused before anything is fitted;
+    forced (from a config file), published with the reason and the config recorded."""
+    data, repo = tmp_path / "data", tmp_path / "models"
+    shutil.copytree(world.data_dir, data)
+    shutil.copytree(world.model_repo, repo)
+    before = versions(repo, "fraud")
+    start = load_metadata(resolve(repo, "fraud")).holdout_window[0]
+    txns = pd.concat(
+        pd.read_parquet(f, columns=["transaction_id", "event_time"])
+        for f in (data / "raw" / "transactions").glob("*/part-0.parquet")
+    )
+    held = set(txns.loc[txns["event_time"] >= start, "transaction_id"])
+    for f in (data / "raw" / "labels").glob("*/part-0.parquet"):
+        labels = pd.read_parquet(f)
+        gone = labels["transaction_id"].isin(held) & (np.arange(len(labels)) % 5 != 0)
+        labels[~gone].to_parquet(f, index=False)
+
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(_CONFIG.replace("force: true", "force: false"))
+    cfg = load_train_config(cfg_file)
+    with pytest.raises(PublishRefused, match=r"labels look incomplete: the holdout") as refused:
+        train(data, world.redis_url, repo, cfg)
+    assert "days below: " in str(refused.value) and "expected" in str(refused.value)
+    assert versions(repo, "fraud") == before
+
+    cfg_file.write_text(_CONFIG)
+    forced_cfg = load_train_config(cfg_file)
+    forced = train(data, world.redis_url, repo, forced_cfg)
+    stored = load_metadata(resolve(repo, "fraud"))
+    assert stored.version == forced.version and stored.forced
+    assert stored.label_coverage is not None and stored.label_coverage.incomplete
+    assert stored.overridden_gates[: len(stored.label_coverage.incomplete)] == (
+        stored.label_coverage.incomplete
+    )
+    assert TrainConfig.model_validate(stored.training_config) == forced_cfg
+    assert stored.training_config["lightgbm"]["num_leaves"] == 15
+    report = (resolve(repo, "fraud") / REPORT_DIR / "report.md").read_text()
+    assert "## Label coverage" in report and "published with --force" in report
+    assert "| lightgbm.num_leaves | 15 |" in report
