@@ -1,15 +1,17 @@
 """What the scoring service holds while it runs, made in one place and handed to handlers.
 
-:func:`open_resources` creates everything (Redis pool, Feast project, model holder and
-its watcher, scorer, micro-batcher, instruments) and closes it in reverse on exit; the
-app's lifespan yields the one :class:`Resources` object and handlers read it back with
-:func:`resources`. Nothing connects at import time.
+:func:`open_resources` runs one named builder per part (models, store clients, store
+health, event log, challenger, drift, batcher) and closes them in reverse on exit; the
+micro-batcher runs :meth:`ScoringPath.score_batch`, the scorer hands its decisions to
+:meth:`Sinks.on_scored`. The app's lifespan yields the one :class:`Resources` object and
+handlers read it back with :func:`resources`. Nothing connects at import time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -18,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
+from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import ModelError, ModelNotFound
@@ -88,161 +92,283 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
     """Create the service's resources and close them on exit (queued micro-batches get
     ``drain_seconds``). Raises ``RedisNotConfigured`` without REDIS_URL unless
     ``embedded_redis`` is set. A model that is missing or cannot load does not stop the
-    start: the service is not ready, answers 503 and keeps looking."""
+    start: the service is not ready, answers 503 and keeps looking.
+
+    Each builder registers its own closing on the stack; the order below is the closing
+    order reversed (the batcher drains first, then shadow runs, then the decision log)."""
     instruments = telemetry.setup()
     async with contextlib.AsyncExitStack() as stack:
         url = stack.enter_context(
             redis_url(settings.redis_url, allow_embedded=settings.embedded_redis)
         )
         store = open_store(settings.data_dir, url, settings.feature_store_yaml)
-        models = ModelHolder()
-        try:
-            models.swap(lambda: load_configured(settings))
-        except ModelNotFound as exc:
-            log.warning("%s; not ready until a model appears", exc)
-        except ModelError as exc:
-            log.error("no model can serve: %s; not ready, trying again", exc)
-        stack.callback(watch_models(models, settings).cancel)
-        client = _store_client(url, settings)
-        stack.push_async_callback(client.aclose)
-        scoring_client = _store_client(url, settings, read_timeout=False)
-        stack.push_async_callback(scoring_client.aclose)
-        pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
-        stack.callback(pool.shutdown, wait=True)
-        reader = OnlineFeatureReader(store.project, store.config.entity_key_serialization_version)
-        health = StoreHealth(
-            client,
-            store.project,
-            [v.name for v in VIEWS],
-            failures=settings.breaker_failures,
-            open_s=settings.breaker_open_s,
-            check_s=settings.batch_marker_check_s,
-            probe_timeout_s=settings.redis_timeout_s,
-            on_presence=lambda view, present: instruments.batch_features_present.labels(
-                view=view
-            ).set(1 if present else 0),
-        )
-        watcher = asyncio.get_running_loop().create_task(health.watch(), name="batch-markers")
-        stack.callback(watcher.cancel)
-        decision_log, feedback, review = None, None, None
-        if settings.decision_log != "off":
-            # The log's writer also feeds the review queue, on the log's Redis server.
-            review = ReviewQueue(
-                settings.decision_log_url or url,
-                settings.decision_log_stream,
-                settings.decision_log_retention_s,
-                settings.redis_timeout_s,
-            )
-            stack.push_async_callback(review.close)
-            # Registered before the batcher: on exit the batcher drains first, then the log.
-            decision_log = DecisionLog(
-                log_producer(settings, url, settings.decision_log_stream),
-                settings.decision_log_buffer,
-                after_write=review.add,
-                spool=_spool(settings),
-            )
-            decision_log.start()
-            stack.push_async_callback(decision_log.stop, drain_s=settings.drain_seconds)
-            feedback = log_producer(settings, url, settings.feedback_stream)
-            stack.push_async_callback(feedback.close)
-        challenger = Challenger(settings)
-        await asyncio.to_thread(challenger.load)
-        # After the log, before the batcher: on exit shadow runs finish into the log.
-        stack.push_async_callback(challenger.stop, drain_s=settings.drain_seconds)
-        drift = DriftMonitor(models, settings.drift_window)
-        stack.callback(drift.start().cancel)
-        stack.callback(telemetry.before_scrape(drift.flush))
-
-        def fresh(r: ScoreResult) -> bool:
-            """A new decision, or a retry scored afresh because its first attempt's answer
-            was never kept (that batch was cancelled or failed, so nothing was logged):
-            the log takes it if it is answered. A kept answer (ScoreResult.repeated)
-            carries no champion version."""
-            return r.logged or (r.repeat and r.champion_version is not None)
-
-        sinks: list[tuple[Callable[..., None], Callable[[ScoreResult], bool]]] = [
-            (drift.observe, lambda r: r.logged)
-        ]
-        if decision_log is not None:
-            sinks.append((decision_log.submit, fresh))
-
-        def on_scored(txns: Any, x: Any, names: Any, results: Any) -> None:
-            for sink, new in sinks:  # each only counts or keeps aside: no I/O here
-                keep = [i for i, r in enumerate(results) if new(r)]
-                if len(keep) == len(results):
-                    sink(txns, x, names, results)
-                elif keep:  # retries and refusals are no new decisions
-                    sink([txns[i] for i in keep], x[keep], names, [results[i] for i in keep])
-
-        # The log takes a decision once its answer goes to a waiting caller (the batcher
-        # says which, just before): a request answered 503 is never logged.
-        on_answered = decision_log.answered if decision_log is not None else None
-
+        models = _open_models(stack, settings)
+        client, scoring_client = _open_store_clients(stack, url, settings)
+        pool = _open_pool(stack, settings)
+        health = _open_store_health(stack, client, store.project, settings, instruments)
+        event_log = _open_event_log(stack, url, settings)
+        challenger = await _open_challenger(stack, settings)
+        drift = _open_drift(stack, models, settings)
         scorer = Scorer(
             scoring_client,
-            reader,
+            OnlineFeatureReader(store.project, store.config.entity_key_serialization_version),
             models,
             settings,
             pool,
-            on_scored=on_scored,
+            on_scored=Sinks(drift, event_log.decisions).on_scored,
             health=health,
             challenger=challenger,
         )
-
-        async def score_batch(items: Sequence[ScoreRequest]) -> list[ScoreResult]:
-            """The scorer, plus the batch's decisions counted once per micro-batch."""
-            results = await scorer.score_requests(items)
-            if on_answered is not None and not settings.batching:  # answered by the caller
-                on_answered(results, [True] * len(results))
-            instruments.count_decisions(Counter((r.decision, r.model_version) for r in results))
-            for cause, n in Counter(r.degraded for r in results if r.degraded).items():
-                instruments.degraded.labels(cause=cause).inc(n)
-            instruments.count_unavailable(
-                (f for r in results for f in r.missing), (f for r in results for f in r.stale)
-            )
-            return results
-
-        def on_batch(size: int, compute_s: float, waits: list[float]) -> None:
-            bound = instruments.bound(_version_label(models))
-            bound.batch_size.observe(size)
-            bound.compute_time.observe(compute_s)
-            for w in waits:
-                bound.queue_time.observe(w)
-
-        batcher: Batcher[ScoreRequest, ScoreResult] | None = None
-        if settings.batching:
-            batcher = Batcher(
-                score_batch,
-                max_batch_size=settings.max_batch_size,
-                max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
-                max_queue_size=settings.max_queue_size,
-                preferred_batch_sizes=settings.preferred_batch_sizes,
-                concurrency=settings.model_instances,
-                stats=BatchStats(on_batch=on_batch, on_answered=on_answered),
-            )
-            batcher.start()
-            stack.push_async_callback(batcher.stop, drain_s=settings.drain_seconds)
-            sampler = asyncio.get_running_loop().create_task(
-                _sample_depth(batcher, instruments), name="queue-depth"
-            )
-            stack.callback(sampler.cancel)
-        kept = asyncio.get_running_loop().create_task(_flush_kept(), name="kept-metrics")
-        stack.callback(kept.cancel)
-        stack.callback(telemetry.worker_exited)
+        path = ScoringPath(scorer, instruments, models, event_log.decisions, settings.batching)
+        batcher = _open_batcher(stack, path, settings, instruments)
+        _start_metric_flush(stack)
         yield Resources(
             settings,
             client,
             models,
             scorer,
-            score_batch,
+            path.score_batch,
             batcher,
             instruments,
-            decision_log,
-            feedback,
+            event_log.decisions,
+            event_log.feedback,
             health,
             challenger,
-            review=review,
+            review=event_log.review,
         )
+
+
+class Sinks:
+    """Where a scored micro-batch goes after the answer (the scorer's ``on_scored``): the
+    drift monitor takes new decisions, the decision log (when on) takes what
+    :func:`_log_takes`. Each only counts or keeps aside: no I/O here."""
+
+    def __init__(self, drift: DriftMonitor, decision_log: DecisionLog | None) -> None:
+        self._sinks: list[tuple[Callable[..., None], Callable[[ScoreResult], bool]]] = [
+            (drift.observe, _is_new)
+        ]
+        if decision_log is not None:
+            self._sinks.append((decision_log.submit, _log_takes))
+
+    def on_scored(
+        self,
+        txns: Sequence[Transaction],
+        x: np.ndarray,
+        names: Sequence[str],
+        results: Sequence[ScoreResult],
+    ) -> None:
+        for sink, takes in self._sinks:
+            keep = [i for i, r in enumerate(results) if takes(r)]
+            if len(keep) == len(results):
+                sink(txns, x, names, results)
+            elif keep:  # retries and refusals are no new decisions
+                sink([txns[i] for i in keep], x[keep], names, [results[i] for i in keep])
+
+
+def _is_new(r: ScoreResult) -> bool:
+    """A new decision (not a retry's kept answer, not a refusal)."""
+    return r.logged
+
+
+def _log_takes(r: ScoreResult) -> bool:
+    """A new decision, or a retry scored afresh because its first attempt's answer was
+    never kept (that batch was cancelled or failed, so nothing was logged): the log takes
+    it if it is answered. A kept answer (ScoreResult.repeated) carries no champion
+    version."""
+    return r.logged or (r.repeat and r.champion_version is not None)
+
+
+class ScoringPath:
+    """The scorer as both paths call it: :meth:`score_batch` is what the micro-batcher
+    runs (and the naive path calls directly), :meth:`on_batch` and :attr:`on_answered`
+    what it reports to."""
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        instruments: telemetry.Instruments,
+        models: ModelHolder,
+        decision_log: DecisionLog | None,
+        batching: bool,
+    ) -> None:
+        self.scorer = scorer
+        self.instruments = instruments
+        self.models = models
+        self.batching = batching
+        # The log takes a decision once its answer goes to a waiting caller (the batcher
+        # says which, just before): a request answered 503 is never logged.
+        self.on_answered = decision_log.answered if decision_log is not None else None
+
+    async def score_batch(self, items: Sequence[ScoreRequest]) -> list[ScoreResult]:
+        """The scorer, plus the batch's decisions counted once per micro-batch."""
+        results = await self.scorer.score_requests(items)
+        if self.on_answered is not None and not self.batching:  # answered by the caller
+            self.on_answered(results, [True] * len(results))
+        ins = self.instruments
+        ins.count_decisions(Counter((r.decision, r.model_version) for r in results))
+        for cause, n in Counter(r.degraded for r in results if r.degraded).items():
+            ins.degraded.labels(cause=cause).inc(n)
+        ins.count_unavailable(
+            (f for r in results for f in r.missing), (f for r in results for f in r.stale)
+        )
+        return results
+
+    def on_batch(self, size: int, compute_s: float, waits: list[float]) -> None:
+        """One micro-batch ran: its size, compute time and each item's queue time."""
+        bound = self.instruments.bound(_version_label(self.models))
+        bound.batch_size.observe(size)
+        bound.compute_time.observe(compute_s)
+        for w in waits:
+            bound.queue_time.observe(w)
+
+
+@dataclass(frozen=True)
+class EventLog:
+    """The decision log, the feedback producer and the review queue (all None when
+    FRAUD_DECISION_LOG=off)."""
+
+    decisions: DecisionLog | None = None
+    feedback: Producer | None = None
+    review: ReviewQueue | None = None
+
+
+def _open_models(stack: contextlib.AsyncExitStack, settings: Settings) -> ModelHolder:
+    """The model holder, loaded if it can be, and its watcher."""
+    models = ModelHolder()
+    try:
+        models.swap(functools.partial(load_configured, settings))
+    except ModelNotFound as exc:
+        log.warning("%s; not ready until a model appears", exc)
+    except ModelError as exc:
+        log.error("no model can serve: %s; not ready, trying again", exc)
+    stack.callback(watch_models(models, settings).cancel)
+    return models
+
+
+def _open_store_clients(
+    stack: contextlib.AsyncExitStack, url: str, settings: Settings
+) -> tuple[Any, Any]:
+    """The online store's clients: one with socket timeouts (handlers, health probes),
+    one without (the scorer, which bounds each round trip as a whole)."""
+    client = _store_client(url, settings)
+    stack.push_async_callback(client.aclose)
+    scoring_client = _store_client(url, settings, read_timeout=False)
+    stack.push_async_callback(scoring_client.aclose)
+    return client, scoring_client
+
+
+def _open_pool(stack: contextlib.AsyncExitStack, settings: Settings) -> ThreadPoolExecutor:
+    """The threads the model runs on, one per model instance."""
+    pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
+    stack.callback(pool.shutdown, wait=True)
+    return pool
+
+
+def _open_store_health(
+    stack: contextlib.AsyncExitStack,
+    client: Any,
+    project: str,
+    settings: Settings,
+    instruments: telemetry.Instruments,
+) -> StoreHealth:
+    """The online store's breaker and batch-marker state, and the task that watches it."""
+    health = StoreHealth(
+        client,
+        project,
+        [v.name for v in VIEWS],
+        failures=settings.breaker_failures,
+        open_s=settings.breaker_open_s,
+        check_s=settings.batch_marker_check_s,
+        probe_timeout_s=settings.redis_timeout_s,
+        on_presence=functools.partial(_set_presence, instruments),
+    )
+    watcher = asyncio.get_running_loop().create_task(health.watch(), name="batch-markers")
+    stack.callback(watcher.cancel)
+    return health
+
+
+def _set_presence(instruments: telemetry.Instruments, view: str, present: bool) -> None:
+    instruments.batch_features_present.labels(view=view).set(1 if present else 0)
+
+
+def _open_event_log(stack: contextlib.AsyncExitStack, url: str, settings: Settings) -> EventLog:
+    """The decision log (its writer also feeds the review queue, on the log's Redis
+    server) and the feedback producer; nothing with FRAUD_DECISION_LOG=off."""
+    if settings.decision_log == "off":
+        return EventLog()
+    review = ReviewQueue(
+        settings.decision_log_url or url,
+        settings.decision_log_stream,
+        settings.decision_log_retention_s,
+        settings.redis_timeout_s,
+    )
+    stack.push_async_callback(review.close)
+    # Registered before the batcher: on exit the batcher drains first, then the log.
+    decisions = DecisionLog(
+        log_producer(settings, url, settings.decision_log_stream),
+        settings.decision_log_buffer,
+        after_write=review.add,
+        spool=_spool(settings),
+    )
+    decisions.start()
+    stack.push_async_callback(decisions.stop, drain_s=settings.drain_seconds)
+    feedback = log_producer(settings, url, settings.feedback_stream)
+    stack.push_async_callback(feedback.close)
+    return EventLog(decisions, feedback, review)
+
+
+async def _open_challenger(stack: contextlib.AsyncExitStack, settings: Settings) -> Challenger:
+    """The challenger (none loaded by default)."""
+    challenger = Challenger(settings)
+    await asyncio.to_thread(challenger.load)
+    # After the log, before the batcher: on exit shadow runs finish into the log.
+    stack.push_async_callback(challenger.stop, drain_s=settings.drain_seconds)
+    return challenger
+
+
+def _open_drift(
+    stack: contextlib.AsyncExitStack, models: ModelHolder, settings: Settings
+) -> DriftMonitor:
+    """The drift monitor, flushed at each scrape."""
+    drift = DriftMonitor(models, settings.drift_window)
+    stack.callback(drift.start().cancel)
+    stack.callback(telemetry.before_scrape(drift.flush))
+    return drift
+
+
+def _open_batcher(
+    stack: contextlib.AsyncExitStack,
+    path: ScoringPath,
+    settings: Settings,
+    instruments: telemetry.Instruments,
+) -> Batcher[ScoreRequest, ScoreResult] | None:
+    """The micro-batcher running :meth:`ScoringPath.score_batch`, and its queue-depth
+    sampler; None with batching off (the naive path calls the scoring path itself)."""
+    if not settings.batching:
+        return None
+    batcher = Batcher(
+        path.score_batch,
+        max_batch_size=settings.max_batch_size,
+        max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
+        max_queue_size=settings.max_queue_size,
+        preferred_batch_sizes=settings.preferred_batch_sizes,
+        concurrency=settings.model_instances,
+        stats=BatchStats(on_batch=path.on_batch, on_answered=path.on_answered),
+    )
+    batcher.start()
+    stack.push_async_callback(batcher.stop, drain_s=settings.drain_seconds)
+    sampler = asyncio.get_running_loop().create_task(
+        _sample_depth(batcher, instruments), name="queue-depth"
+    )
+    stack.callback(sampler.cancel)
+    return batcher
+
+
+def _start_metric_flush(stack: contextlib.AsyncExitStack) -> None:
+    """Kept-aside metrics flushed every second; this worker's gauges dropped on exit."""
+    kept = asyncio.get_running_loop().create_task(_flush_kept(), name="kept-metrics")
+    stack.callback(kept.cancel)
+    stack.callback(telemetry.worker_exited)
 
 
 def _store_client(url: str, settings: Settings, *, read_timeout: bool = True) -> Any:
