@@ -51,8 +51,13 @@ def _cli(cwd: Path, redis_url: str, *args: str) -> subprocess.CompletedProcess[s
 def _dump(url: str) -> dict[bytes, Any]:
     client = redis.Redis.from_url(url)
     try:
-        # Feast's hashes; the per-view markers (strings) hold each run's own time.
-        return {k: client.hgetall(k) for k in client.scan_iter(_type="HASH")}
+        # Feast's hashes; the per-view markers (strings) hold each run's own time, and
+        # the declared states ({agg:...}, recorded by the batch job) are not Feast's.
+        return {
+            k: client.hgetall(k)
+            for k in client.scan_iter(_type="HASH")
+            if not k.startswith(b"{agg:")
+        }
     finally:
         client.close()
 

@@ -252,7 +252,7 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
 def test_cli_reports_bad_input_clearly(tmp_path: Path, redis_server: str) -> None:
     env = {"FRAUD_DATA_DIR": str(tmp_path), "REDIS_URL": redis_server}
     r = _cli(["batch", "--date", "2026-02-01"], env)
-    assert r.returncode == 1 and "missing raw partition" in r.stderr
+    assert r.returncode == 2 and "missing partition" in r.stderr
     assert "date=2026-02-01" in r.stderr
     r = _cli(["batch", "--date", "yesterday"], env)
     assert r.returncode == 2 and "not a date" in r.stderr

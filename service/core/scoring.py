@@ -624,6 +624,8 @@ class Scorer:
         recorded = self._to_record(txns, record)
         if not any(recorded):
             return None, {}
+        if self.health is not None:
+            self.health.admit()  # an open breaker answers now, not after a timeout
         asked = [t for t, r in zip(txns, recorded, strict=True) if r]
         cards = list(dict.fromkeys(t.card_id for t in asked))
         pipe = self._pipeline()
