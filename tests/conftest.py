@@ -7,6 +7,9 @@ touch a shared database.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from fraud_scoring.redis_clients import is_cluster, sync_client
 from fraud_scoring.redis_server import EmbeddedCluster, embedded_cluster, embedded_redis
@@ -230,3 +234,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
         if not names & HEAVY_FIXTURES and not slow:
             item.add_marker(pytest.mark.quick)
+
+
+@contextlib.contextmanager
+def paused(url: str) -> Iterator[None]:
+    """The Redis server at ``url`` hangs (SIGSTOP: the kernel accepts connections,
+    nothing answers) for the block."""
+    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

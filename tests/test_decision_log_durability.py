@@ -5,9 +5,6 @@ next process (service/loop/spool.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -15,10 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from fraud_scoring.redis_server import embedded_redis
-from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.conftest import Server, World, paused, start_server, stop_server, wait_until
 from tests.test_decision_log import entries
 from tests.test_degraded import own_redis  # noqa: F401 (fixture)
 from tests.test_service import TXN
@@ -28,17 +24,6 @@ from tests.test_service import TXN
 def log_url() -> Iterator[str]:
     with embedded_redis() as url:
         yield url
-
-
-@contextlib.contextmanager
-def paused(url: str) -> Iterator[None]:
-    """The server hangs (SIGSTOP: the kernel accepts connections, nothing answers)."""
-    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 class Load:

@@ -13,8 +13,6 @@ test's own real Redis-protocol server (never the shared world's, which stays int
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +28,7 @@ from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.settings import Settings
-from tests.conftest import World, mark_declared, start_server, stop_server, wait_until
+from tests.conftest import World, mark_declared, paused, start_server, stop_server, wait_until
 from tests.test_service import TXN
 
 PROJECT = "fraud_scoring"  # feature_repo/feature_store.yaml
@@ -141,17 +139,6 @@ def test_an_emptied_store_is_refused_from_its_first_read(
         stop_server(srv)
 
 
-@contextlib.contextmanager
-def stopped(url: str) -> Iterator[None]:
-    """The server hangs (SIGSTOP: connections accepted by the kernel, no answers)."""
-    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
 def test_hung_store_opens_the_breaker_and_recovers(
     world: World, tmp_path: Path, own_redis: str
 ) -> None:
@@ -167,7 +154,7 @@ def test_hung_store_opens_the_breaker_and_recovers(
     try:
         with srv.client() as c:
             assert c.post("/v1/score", json=txn(0)).status_code == 200
-            with stopped(own_redis):
+            with paused(own_redis):
                 # Until the breaker opens, each request waits out the Redis timeout.
                 wait_until(
                     lambda: c.get("/readyz").json().get("redis", "").endswith("(circuit open)"),
@@ -225,7 +212,7 @@ def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
             assert c.post("/v1/score", json=txn(0)).status_code == 200
             for t in threads:
                 t.start()
-            with stopped(own_redis):
+            with paused(own_redis):
                 wait_until(
                     lambda: c.get("/readyz").json().get("redis", "").endswith("(circuit open)"),
                     what="breaker open",
