@@ -258,8 +258,9 @@ def test_label_coverage_compares_each_slice_with_what_the_delay_implies() -> Non
 
 
 def test_incomplete_holdout_labels_are_refused_unless_forced(world: World, tmp_path: Path) -> None:
-    """95 % of the holdout's chargebacks removed (a feed that delivered 5 %): refused before anything is fitted;
-    forced (from a config file), published with the reason and the config recorded."""
+    """95 % of the holdout's chargebacks removed (a feed that delivered 5 %): refused
+    before anything is fitted; forced (from a config file), published with the reason
+    and the config recorded."""
     data, repo = tmp_path / "data", tmp_path / "models"
     shutil.copytree(world.data_dir, data)
     shutil.copytree(world.model_repo, repo)
