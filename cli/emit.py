@@ -87,15 +87,27 @@ def configure_emit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", help="Redis stream / Kafka topic (default FRAUD_STREAM_NAME)")
     p.add_argument("--kafka-bootstrap", help="default FRAUD_KAFKA_BOOTSTRAP")
     p.add_argument("--partitions", type=int, default=3, help="Kafka: partitions if created")
-    p.add_argument("--cards", type=int, default=1000)
-    p.add_argument("--merchants", type=int, default=200)
-    p.add_argument("--days", type=int, default=1)
-    p.add_argument("--start", type=iso_date, default=date(2026, 1, 1))
+    p.add_argument("--cards", type=int, default=1000, help="number of cards (default 1000)")
+    p.add_argument("--merchants", type=int, default=200, help="number of merchants (default 200)")
+    p.add_argument("--days", type=int, default=1, help="days of events (default 1)")
+    p.add_argument("--start", type=iso_date, default=date(2026, 1, 1), help="first day (UTC)")
     p.add_argument("--rate", type=float, default=3.0, help="mean transactions per card-day")
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--late-fraction", type=float, default=0.05)
-    p.add_argument("--max-lateness-s", type=float, default=60.0)
-    p.add_argument("--duplicate-rate", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=7, help="random seed (same seed, same feed)")
+    p.add_argument(
+        "--late-fraction",
+        type=float,
+        default=0.05,
+        help="share of events that arrive late (out of order)",
+    )
+    p.add_argument(
+        "--max-lateness-s",
+        type=float,
+        default=60.0,
+        help="late and repeated events arrive up to this many seconds after their time",
+    )
+    p.add_argument(
+        "--duplicate-rate", type=float, default=0.02, help="share of events delivered a second time"
+    )
     p.add_argument("--events-per-s", type=float, default=0.0, help="0: as fast as possible")
 
 

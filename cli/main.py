@@ -14,11 +14,12 @@ not start), 2 bad input or configuration, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
 
-from pydantic import ValidationError
+from pydantic import AliasChoices, ValidationError
 
 import batch_jobs.commands
 import service.commands
@@ -27,7 +28,7 @@ from cli import demo, emit, feast_tools
 from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import RedisNotConfigured, RedisStartError
-from fraud_scoring.settings import get_settings
+from fraud_scoring.settings import Settings, get_settings
 from fraud_scoring.storage import DataError
 from service.edge.server import ServiceStartError
 
@@ -46,6 +47,12 @@ COMMANDS: list[Command] = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fraud-scoring", description=__doc__.split("\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {importlib.metadata.version('fraud-scoring')}",
+        help="print the installed version and exit",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for c in COMMANDS:
         cp = sub.add_parser(c.name, help=c.help, description=c.help)
@@ -62,6 +69,30 @@ def _positive(args: argparse.Namespace) -> None:
     rate = getattr(args, "rate", None)
     if rate is not None and rate <= 0:
         raise UsageError(f"--rate must be positive, got {rate}")
+
+
+def env_name(loc: tuple[int | str, ...]) -> str:
+    """The environment variable a Settings validation error is about (``port`` ->
+    ``FRAUD_PORT``, ``redis_url`` -> ``REDIS_URL``); ``settings`` for a cross-field one."""
+    if not loc:
+        return "settings"
+    field = Settings.model_fields.get(str(loc[0]))
+    if field is None:  # pydantic reports an aliased field under its alias already
+        return str(loc[0])
+    alias = field.validation_alias
+    if isinstance(alias, str):
+        return alias
+    if isinstance(alias, AliasChoices) and isinstance(alias.choices[0], str):
+        return alias.choices[0]
+    return f"{Settings.model_config.get('env_prefix', '')}{loc[0]}".upper()
+
+
+def _settings_errors(exc: ValidationError) -> str:
+    if exc.title == Settings.__name__:
+        return "; ".join(f"{env_name(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         _positive(args)
         args.run(args, settings)
     except ValidationError as exc:
-        errs = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
-        log.error("invalid configuration: %s", errs)
+        log.error("invalid configuration: %s", _settings_errors(exc))
         return 2
     except (UsageError, RedisNotConfigured, ValueError) as exc:
         log.error("%s", exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from fraud_scoring.commands import Command, UsageError, add_embedded_redis
@@ -21,7 +22,43 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> None:
     keyring_for(settings)
     from service.edge.server import serve  # uvicorn and the app: only for this command
 
-    serve(settings)
+    serve(serve_settings(args, settings))
+
+
+def serve_settings(args: argparse.Namespace, settings: Settings) -> Settings:
+    """``settings`` with the ``--host``/``--port``/``--workers`` flags that were given.
+
+    Only the parent process reads these three (uvicorn binds and forks there), so the
+    copy need not reach the workers through the environment."""
+    flags = {k: getattr(args, k) for k in ("host", "port", "workers")}
+    return settings.model_copy(update={k: v for k, v in flags.items() if v is not None})
+
+
+def _int_in(low: int, high: int | None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < low or (high is not None and v > high):
+            bound = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
+        return v
+
+    return parse
+
+
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    add_embedded_redis(parser)
+    parser.add_argument(
+        "--host", help="address to listen on, 0.0.0.0 for other hosts (default FRAUD_HOST)"
+    )
+    parser.add_argument(
+        "--port", type=_int_in(1, 65535), help="port to listen on (default FRAUD_PORT)"
+    )
+    parser.add_argument(
+        "--workers", type=_int_in(1, None), help="uvicorn worker processes (default FRAUD_WORKERS)"
+    )
 
 
 def _configure_keys(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +110,7 @@ def run_keys(args: argparse.Namespace, settings: Settings) -> None:
 
 
 COMMANDS: list[Command] = [
-    Command("serve", "run the scoring API (FastAPI + uvicorn)", run_serve, add_embedded_redis),
+    Command("serve", "run the scoring API (FastAPI + uvicorn)", run_serve, _configure_serve),
     Command(
         "keys",
         "manage the scoring API's keys (see docs/api.md, Security)",
