@@ -75,6 +75,15 @@ class Resources:
         ).inc()
 
 
+def _zero_rejections(instruments: telemetry.Instruments, models: ModelHolder) -> None:
+    """Export every counted refusal reason at 0 for the serving version from the start,
+    so an alert on ``rate()`` sees the first refusal (a series born at 1 shows none)."""
+    version = _version_label(models)
+    for reason in RejectReason:
+        if reason is not RejectReason.NOT_READY:  # the probe's own answer, never counted
+            instruments.rejections.labels(reason=reason.value, model_version=version)
+
+
 def _version_label(models: ModelHolder) -> str:
     """The serving version as a metric label ('none' while no model serves)."""
     current = models.current
@@ -122,6 +131,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         path = ScoringPath(scorer, instruments, models, event_log.decisions, settings.batching)
         batcher = _open_batcher(stack, path, settings, instruments)
         _start_metric_flush(stack)
+        _zero_rejections(instruments, models)
         yield Resources(
             settings,
             client,
