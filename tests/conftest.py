@@ -246,3 +246,13 @@ def paused(url: str) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def rejections(metrics: str, reason: str) -> float:
+    """``fraud_rejections_total`` for ``reason``, summed over model versions (every
+    reason is exported from 0 at start)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("fraud_rejections_total{") and f'reason="{reason}"' in line
+    )

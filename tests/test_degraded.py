@@ -28,7 +28,15 @@ from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.settings import Settings
-from tests.conftest import World, mark_declared, paused, start_server, stop_server, wait_until
+from tests.conftest import (
+    World,
+    mark_declared,
+    paused,
+    rejections,
+    start_server,
+    stop_server,
+    wait_until,
+)
 from tests.test_service import TXN
 
 PROJECT = "fraud_scoring"  # feature_repo/feature_store.yaml
@@ -83,7 +91,7 @@ def test_flushed_store_is_declared_and_the_policy_applies(
                 assert big.status_code == 503, big.text
                 assert big.json()["detail"][0]["code"] == "no_batch_features"
                 assert big.json()["detail"][0]["message"].startswith("no batch features")
-                assert _counted(c.get("/metrics").text, "no_batch_features") >= 1
+                assert rejections(c.get("/metrics").text, "no_batch_features") >= 1
             else:
                 assert ready.status_code == 200
                 assert "batch_features" in ready.json()["degraded"]
@@ -234,13 +242,3 @@ def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
     text = srv.log.read_text()
     assert text.count("Traceback") == 0, text[-3000:]
     assert text.count("circuit open") == 1 and text.count("circuit closed") == 1, text[-3000:]
-
-
-def _counted(metrics: str, reason: str) -> float:
-    """``fraud_rejections_total`` for ``reason``, summed over model versions (every
-    reason is exported from 0 at start)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("fraud_rejections_total{") and f'reason="{reason}"' in line
-    )

@@ -37,7 +37,7 @@ from service.errors import (
     UnsupportedMediaType,
 )
 from service.resources import STATE_KEY
-from tests.conftest import World, start_server, stop_server
+from tests.conftest import World, rejections, start_server, stop_server
 
 # (the error, its status, its code, counted); one of each type of the table.
 CASES: list[tuple[ApiError, int, str, bool]] = [
@@ -184,11 +184,7 @@ def test_docs_list_every_status_and_code_of_the_table() -> None:
 
 
 def _rejections(c: httpx.Client, reason: str) -> float:
-    total = 0.0
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith("fraud_rejections_total{") and f'reason="{reason}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return rejections(c.get("/metrics").text, reason)
 
 
 LABEL = {

@@ -15,7 +15,7 @@ import pytest
 from fraud_scoring.events import raw_row_to_event
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.storage import partition_dir
-from tests.conftest import Server, World, start_server, stop_server
+from tests.conftest import Server, World, rejections, start_server, stop_server
 
 TXN = {
     "transaction_id": "t-1",
@@ -228,7 +228,7 @@ def test_only_model_that_cannot_load_is_not_ready_until_a_good_one_appears(
             r = c.post("/v1/score", json=TXN)
             assert r.status_code == 503 and r.headers["Retry-After"] == "5"
             assert problem in r.json()["detail"][0]["message"]
-            assert _counted(c.get("/metrics").text, "no_model") >= 1
+            assert rejections(c.get("/metrics").text, "no_model") >= 1
             incoming = repo / "fraud" / ".incoming"
             shutil.copytree(resolve(world.model_repo, "fraud"), incoming)
             meta = load_metadata(incoming)
@@ -482,13 +482,3 @@ def test_metrics_ignore_a_multiprocess_dir_set_after_start(
         pytest.skip("this test process keeps prometheus_client values in files")
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert b"python_gc_objects_collected_total" in telemetry.exposition()
-
-
-def _counted(metrics: str, reason: str) -> float:
-    """``fraud_rejections_total`` for ``reason``, summed over model versions (every
-    reason is exported from 0 at start)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("fraud_rejections_total{") and f'reason="{reason}"' in line
-    )
