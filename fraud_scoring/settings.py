@@ -126,6 +126,16 @@ class Settings(BaseSettings):
     )
     port: int = Field(default=8080, ge=1, le=65535, description="Port of the scoring API.")
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    grpc_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Port of the Open Inference Protocol v2 gRPC server (KServe's "
+        "inference.GRPCInferenceService, for tritonclient.grpc and KServe clients), on "
+        "host, in each worker's process and event loop (workers share it: SO_REUSEPORT); "
+        "unset (default): no gRPC server. The chart uses 8081 (KServe's gRPC port; "
+        "Triton's is 8001).",
+    )
     redis_timeout_s: float = Field(
         default=1.0,
         gt=0,

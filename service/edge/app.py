@@ -5,6 +5,7 @@
 * ``service.edge.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
 * ``service.edge.routes``: the endpoints and the error answers (one for every 503);
 * ``service.edge.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
+  ``service.edge.oip_grpc`` the same over gRPC (``FRAUD_GRPC_PORT``);
 * ``service.edge.schemas``: the response bodies; ``service.core.model``: the model and its watcher;
 * ``service.telemetry``: metrics, and traces when ``OTEL_TRACES_EXPORTER`` is set.
 """
@@ -23,7 +24,7 @@ from starlette.types import ASGIApp
 
 from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
-from service.edge import auth, oip, review
+from service.edge import auth, oip, oip_grpc, review
 from service.edge.admission import AdmissionLimit
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
@@ -39,10 +40,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
+    async def lifespan(started: FastAPI) -> AsyncIterator[dict[str, Any]]:
         # The keys first: a bad keys file stops the start before anything connects.
         keyring = auth.keyring_for(settings)
-        async with open_resources(settings) as res:
+        async with (
+            open_resources(settings) as res,
+            # The OIP gRPC server (FRAUD_GRPC_PORT; none unless set), stopped first.
+            oip_grpc.serving(settings, res, keyring, started.version),
+        ):
             # Start-up objects (Feast, pandas, the model) never die: move them out of the
             # collector's reach so full collections stay short on the request path.
             gc.collect()

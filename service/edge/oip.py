@@ -7,49 +7,76 @@ output ``probabilities`` is the FP32 fraud probability per row, shape ``[n]``. N
 feature read, no decision policy, no session state, no decision log: that is
 ``/v1/score``.
 
+Tensor data comes as JSON (``data``, flat or nested row-major) or, with the binary
+tensor extension (what ``tritonclient.http`` sends by default), as raw bytes after a JSON
+header: the body's first ``Inference-Header-Content-Length`` bytes are the JSON, the rest
+the input's elements (little-endian FP32, row-major), ``binary_data_size`` of them in the
+input's ``parameters``. The output goes back the same way when asked for
+(``parameters.binary_data`` on a requested output, or the request's
+``binary_data_output``): an ``application/octet-stream`` answer with its own
+``Inference-Header-Content-Length``. Every element must be a finite number: ``null``,
+``NaN`` and infinities are refused (400) naming the element.
+
 The life of an inference request: admission (``service.edge.admission``: body bounds and
 the in-flight bound, shared with ``/v1``) → the ``score`` scope → decode and check the
-tensor → the model, on the scoring thread pool (never on the event loop) under the
-request's deadline (``X-Request-Timeout-Ms`` as on ``/v1``) → encode. The micro-batcher
-is not used: its items are transactions, and a tensor request is already a batch.
+tensor (``service.edge.oip_model``, shared with the gRPC server, ``service.edge.oip_grpc``)
+→ the model, on the scoring thread pool (never on the event loop) under the request's
+deadline (``X-Request-Timeout-Ms`` as on ``/v1``) → encode. The micro-batcher is not
+used: its items are transactions, and a tensor request is already a batch.
 
 Errors are raised as ``service.errors``' types, as on ``/v1``, and answered in the
-protocol's shape, ``{"error": "..."}`` (``service.edge.errors_http``, by path): 400 bad
+protocol's shape, ``{"error": "..."}`` (``service.edge.errors_http``, by path, also for a
+``/v2`` route that does not exist, 404, or a method a route does not take, 405): 400 bad
 request (:class:`~service.errors.BadRequest`), 401/403 auth, 404 unknown model or
 version, 503 (Retry-After) when the model cannot serve now (counted under its reason in
-``fraud_rejections_total``). The health endpoints are open, like ``/healthz``; metadata
-and inference need the ``score`` scope.
+``fraud_rejections_total``). Model readiness answers 200 ``{"name", "ready": true}`` or,
+with no model loaded, 400 ``{"error", "ready": false}`` (the protocol's "not ready" is a
+4xx), 404 for another model or version. The server's health endpoints are open, like
+``/healthz``; model readiness, metadata and inference need the ``score`` scope.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
+import json
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from service.core.batching import TimedOut
+from fraud_scoring.settings import Settings
 from service.core.model import LoadedModel
 from service.edge.auth import Scope, check_scope
-from service.edge.routes import request_deadline
-from service.errors import BadRequest, Invalid, NotFound, Rejected
+from service.edge.oip_model import (
+    FP32,
+    PLATFORM,
+    WIRE_FP32,
+    check_input,
+    check_outputs,
+    deadline,
+    from_bytes,
+    from_values,
+    predict,
+    served,
+)
+from service.edge.routes import TIMEOUT_HEADER, header
+from service.errors import BadRequest, Rejected
 from service.resources import Resources, resources
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
-PLATFORM = "onnxruntime_onnx"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+_TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
 
 
 class TensorIn(BaseModel):
     name: str
     shape: list[int]
     datatype: str
-    # Row-major, flat or nested as the protocol allows.
-    data: list[Any]
+    # Row-major, flat or nested as the protocol allows; absent with binary data.
+    data: list[Any] | None = None
     parameters: dict[str, Any] | None = None
 
 
@@ -69,7 +96,7 @@ class TensorOut(BaseModel):
     name: str
     shape: list[int]
     datatype: Literal["FP32"] = "FP32"
-    data: list[float]
+    data: list[float] = Field(description="absent when sent as binary data")
 
 
 class InferOut(BaseModel):
@@ -119,12 +146,7 @@ def _model(request: Request, name: str, version: str | None) -> tuple[Resources,
     :class:`~service.errors.Rejected` (503 ``no_model``) when none serves."""
     check_scope(request, Scope.SCORE)
     res = resources(request)
-    if name != res.settings.model_name:
-        raise NotFound(f"unknown model {name!r}; this service serves {res.settings.model_name!r}")
-    model = res.models.require()
-    if version is not None and version != model.version:
-        raise NotFound(f"model {name!r} version {version!r} is not served; {model.version!r} is")
-    return res, model
+    return res, served(res, name, version)
 
 
 @router.get("/health/live")
@@ -177,86 +199,160 @@ async def model_version_metadata(request: Request, name: str, version: str) -> J
     return _metadata(request, name, version)
 
 
-@router.get("/models/{name}/ready", responses={**_ERRORS, 400: {"model": OipErrorOut}})
-async def model_ready(request: Request, name: str) -> JSONResponse:
-    """200 when ``name`` serves, 400 (not ready) when no model is loaded yet."""
+class ModelReadyOut(BaseModel):
+    name: str
+    ready: bool
+
+
+class NotReadyOut(OipErrorOut):
+    ready: bool = Field(default=False, description="present when the model is not loaded")
+
+
+_READY_ERRORS = {**_ERRORS, 400: {"model": NotReadyOut, "description": "No model loaded yet."}}
+
+
+def _ready(request: Request, name: str, version: str | None) -> JSONResponse:
     try:
-        _model(request, name, None)
+        _model(request, name, version)
     except Rejected as exc:
         # Not ready is a 4xx in this protocol, not a 503 (and a probe: not counted).
-        raise BadRequest(exc.detail) from None
+        raise BadRequest(exc.detail, ready=False) from None
     return JSONResponse({"name": name, "ready": True})
 
 
+@router.get("/models/{name}/ready", response_model=ModelReadyOut, responses=_READY_ERRORS)
+async def model_ready(request: Request, name: str) -> JSONResponse:
+    """200 ``{"ready": true}`` when ``name`` serves; 400 ``{"error", "ready": false}``
+    (not ready) when no model is loaded yet."""
+    return _ready(request, name, None)
+
+
+@router.get(
+    "/models/{name}/versions/{version}/ready",
+    response_model=ModelReadyOut,
+    responses=_READY_ERRORS,
+)
+async def model_version_ready(request: Request, name: str, version: str) -> JSONResponse:
+    """As ``/v2/models/{name}/ready``; 404 unless ``version`` is the serving one."""
+    return _ready(request, name, version)
+
+
 @router.post("/models/{name}/infer", response_model=InferOut, responses=_SERVE_ERRORS)
-async def infer(request: Request, name: str) -> JSONResponse:
-    """Fraud probabilities for an FP32 ``[n, n_features]`` tensor (JSON tensor data;
-    the binary tensor extension is not supported)."""
+async def infer(request: Request, name: str) -> Response:
+    """Fraud probabilities for an FP32 ``[n, n_features]`` tensor. The binary tensor
+    extension is supported: with ``Inference-Header-Content-Length`` the body is that
+    many bytes of JSON, then the input's raw bytes (little-endian FP32, row-major; the
+    input's ``parameters.binary_data_size`` says how many); an output asked for with
+    ``parameters.binary_data: true`` (or the request's ``binary_data_output: true``)
+    comes back so (``application/octet-stream``, with the answer's own
+    ``Inference-Header-Content-Length``; then this schema is the JSON header's, its
+    output carrying ``parameters.binary_data_size`` instead of ``data``)."""
     return await _infer(request, name, None)
 
 
 @router.post(
     "/models/{name}/versions/{version}/infer", response_model=InferOut, responses=_SERVE_ERRORS
 )
-async def infer_version(request: Request, name: str, version: str) -> JSONResponse:
+async def infer_version(request: Request, name: str, version: str) -> Response:
     """As ``/v2/models/{name}/infer``, 404 unless ``version`` is the serving one."""
     return await _infer(request, name, version)
 
 
-async def _infer(request: Request, name: str, version: str | None) -> JSONResponse:
+async def _infer(request: Request, name: str, version: str | None) -> Response:
     res, model = _model(request, name, version)
-    try:
-        deadline = request_deadline(request, res)
-    except Invalid as exc:
-        raise BadRequest(exc.message) from None  # the protocol's 400, not /v1's 422
-    x, req = _decode(await request.body(), request, model, res.settings.batch_request_limit)
-    try:
-        async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-            scores = await asyncio.get_running_loop().run_in_executor(
-                res.scorer.pool, model.predict, x
-            )
-    except TimeoutError:
-        raise TimedOut() from None
-    out = TensorOut(
-        name=model.meta.output_name,
-        shape=[len(scores)],
-        data=np.asarray(scores, dtype=np.float32).tolist(),
+    until = deadline(header(request, _TIMEOUT_KEY), res)
+    x, req, binary_out = _decode(await request.body(), request, model, res.settings)
+    scores = await predict(res, model, x, until)
+    if not binary_out:
+        out = TensorOut(name=model.meta.output_name, shape=[len(scores)], data=scores.tolist())
+        body = InferOut(model_name=name, model_version=model.version, id=req.id, outputs=[out])
+        return JSONResponse(body.model_dump(exclude_none=True))
+    raw = scores.astype(WIRE_FP32).tobytes()
+    head: dict[str, Any] = {"model_name": name, "model_version": model.version}
+    if req.id is not None:
+        head["id"] = req.id
+    head["outputs"] = [
+        {
+            "name": model.meta.output_name,
+            "datatype": FP32,
+            "shape": [len(scores)],
+            "parameters": {"binary_data_size": len(raw)},
+        }
+    ]
+    text = json.dumps(head, separators=(",", ":")).encode()
+    return Response(
+        text + raw,
+        media_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(len(text))},
     )
-    body = InferOut(model_name=name, model_version=model.version, id=req.id, outputs=[out])
-    return JSONResponse(body.model_dump(exclude_none=True))
 
 
-def _decode(raw: bytes, request: Request, model: LoadedModel, max_rows: int) -> tuple[Any, InferIn]:
-    """The request's tensor as float32 ``[n, n_features]``, or
-    :class:`~service.errors.BadRequest` naming what is wrong."""
-    if "inference-header-content-length" in request.headers:
-        raise BadRequest("the binary tensor data extension is not supported; send JSON data")
+def _decode(
+    raw: bytes, request: Request, model: LoadedModel, settings: Settings
+) -> tuple[np.ndarray, InferIn, bool]:
+    """The request's tensor as float32 ``[n, n_features]``, the request, and whether the
+    output goes back as binary data; or :class:`~service.errors.BadRequest` naming what
+    is wrong."""
+    head, binary = _split(raw, header(request, _HEADER_LENGTH_KEY))
     try:
-        req = InferIn.model_validate_json(raw)
+        req = InferIn.model_validate_json(head)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise BadRequest(f"{where}: {first['msg']}") from None
-    meta = model.meta
     tensor = req.inputs[0]
-    n_features = len(meta.features)
-    if tensor.name != meta.input_name:
-        raise BadRequest(f"input {tensor.name!r} unknown; the model's input is {meta.input_name!r}")
-    if tensor.datatype != "FP32":
-        raise BadRequest(f"input {tensor.name!r}: datatype must be FP32, got {tensor.datatype!r}")
-    if len(tensor.shape) != 2 or tensor.shape[1] != n_features or tensor.shape[0] < 1:
+    shape = check_input(
+        model, tensor.name, tensor.datatype, tensor.shape, settings.batch_request_limit
+    )
+    binary_out = _flag(req.parameters, "binary_data_output", "parameters", False)
+    for i, wanted in enumerate(req.outputs or []):
+        check_outputs(model, [wanted.name])
+        where = f"outputs.{i}.parameters"
+        binary_out = _flag(wanted.parameters, "binary_data", where, binary_out)
+        if wanted.parameters and wanted.parameters.get("classification"):
+            raise BadRequest(
+                f"{where}.classification: the classification extension is not "
+                "supported; the output is the fraud probability"
+            )
+    size = (tensor.parameters or {}).get("binary_data_size")
+    if size is None:
+        if binary:
+            raise BadRequest(
+                f"{len(binary)} bytes of binary data after the JSON header, but input "
+                f"{tensor.name!r} has no parameters.binary_data_size"
+            )
+        if tensor.data is None:
+            raise BadRequest(f"inputs.0.data: input {tensor.name!r} has no data")
+        return from_values(model, tensor.name, tensor.data, shape), req, binary_out
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise BadRequest(
-            f"input {tensor.name!r}: shape must be [n, {n_features}], got {tensor.shape}"
+            f"inputs.0.parameters.binary_data_size: must be a byte count, got {size!r}"
         )
-    if tensor.shape[0] > max_rows:
-        raise BadRequest(f"input {tensor.name!r}: {tensor.shape[0]} rows; at most {max_rows}")
-    for wanted in req.outputs or []:
-        if wanted.name != meta.output_name:
-            raise BadRequest(f"output {wanted.name!r} unknown; the model's is {meta.output_name!r}")
-    try:
-        x = np.asarray(tensor.data, dtype=np.float32).reshape(tensor.shape)
-    except (ValueError, TypeError) as exc:
+    if tensor.data is not None:
+        raise BadRequest(f"inputs.0.data: input {tensor.name!r} has binary data; send no data")
+    if size != len(binary):
         raise BadRequest(
-            f"input {tensor.name!r}: data does not fit shape {tensor.shape}: {exc}"
-        ) from None
-    return x, req
+            f"inputs.0.parameters.binary_data_size: {size} bytes, but {len(binary)} bytes of "
+            "binary data follow the JSON header"
+        )
+    return from_bytes(model, tensor.name, binary, shape), req, binary_out
+
+
+def _split(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """The body's JSON header and its binary data (none without the length header)."""
+    if header_length is None:
+        return raw, b""
+    if not header_length.isdigit() or int(header_length) > len(raw):
+        raise BadRequest(
+            f"{HEADER_LENGTH}: must be the JSON header's length in bytes, at most the body's "
+            f"{len(raw)}, got {header_length!r}"
+        )
+    n = int(header_length)
+    return raw[:n], raw[n:]
+
+
+def _flag(params: dict[str, Any] | None, key: str, where: str, default: bool) -> bool:
+    value = (params or {}).get(key, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where}.{key}: must be true or false, got {value!r}")
+    return value

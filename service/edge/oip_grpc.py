@@ -1,0 +1,311 @@
+"""The Open Inference Protocol v2 over gRPC: KServe's ``inference.GRPCInferenceService``
+(``service/edge/proto/grpc_predict_v2.proto``), for ``tritonclient.grpc`` and KServe's
+clients, on the same model path as the REST protocol (``service.edge.oip``).
+
+It runs in the service's own process and event loop (``grpc.aio``), started by the app's
+lifespan when ``FRAUD_GRPC_PORT`` is set (:func:`serving`) and stopped before the
+resources close, in-flight calls given ``drain_seconds``. A call is the REST call's
+twin: the ``score`` scope (``authorization: Bearer <key>`` or ``x-api-key`` metadata,
+when auth is on) → admission (the in-flight bound, ``FRAUD_MAX_INFLIGHT``, its own
+count for gRPC calls, each weighing as a REST inference call) → the same decode and
+checks (``service.edge.oip_model``: the model's input, FP32 ``[n, n_features]``, at most
+the batch limit of rows, every element finite) → the model on the scoring thread pool
+under the call's deadline: ``x-request-timeout-ms`` metadata as on REST, else
+``FRAUD_REQUEST_TIMEOUT_MS``, and never past the client's own gRPC deadline.
+
+Input data may be ``raw_input_contents`` (what tritonclient sends) or
+``contents.fp32_contents``; the output is ``raw_output_contents`` (little-endian FP32).
+
+Refusals are ``service.errors``' types, as on REST, answered with a status code and
+the REST message (naming the field or element at fault): 400 → ``INVALID_ARGUMENT``,
+401 → ``UNAUTHENTICATED``, 403 → ``PERMISSION_DENIED``, 404 → ``NOT_FOUND``, 503 →
+``UNAVAILABLE`` (``DEADLINE_EXCEEDED`` when the call's deadline passed), with
+``retry-after`` (seconds) and ``fraud-reason`` trailing metadata; a 503 is counted in
+``fraud_rejections_total`` under its reason, as on REST. ``ModelReady`` answers
+``ready: false`` (status OK) while no model is loaded; ``ServerLive``, ``ServerReady``
+and ``ServerMetadata`` are open, like their REST twins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from grpc import aio
+
+from fraud_scoring.settings import Settings
+from service.core.model import LoadedModel
+from service.edge import auth
+from service.edge.admission import CALL_WEIGHT, WorkShares
+from service.edge.oip_model import (
+    FP32,
+    PLATFORM,
+    WIRE_FP32,
+    check_input,
+    check_outputs,
+    deadline,
+    from_bytes,
+    from_values,
+    predict,
+    served,
+)
+from service.edge.proto import grpc_predict_v2_pb2 as pb
+from service.errors import (
+    ApiError,
+    BadRequest,
+    Forbidden,
+    NotFound,
+    Rejected,
+    RejectReason,
+    Unauthenticated,
+)
+from service.resources import Resources
+
+log = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+SERVER_NAME = "fraud-scoring"
+TIMEOUT_METADATA = "x-request-timeout-ms"
+
+_CODES: dict[type[ApiError], grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Rejected: grpc.StatusCode.UNAVAILABLE,
+}
+_PAST_DEADLINE = (RejectReason.TIMEOUT, RejectReason.DEADLINE)
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+
+def status_of(exc: ApiError) -> grpc.StatusCode:
+    """The gRPC status code of a refusal (its REST status's meaning)."""
+    if isinstance(exc, Rejected) and exc.reason in _PAST_DEADLINE:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    for kind in type(exc).__mro__:
+        if kind in _CODES:
+            return _CODES[kind]
+    return grpc.StatusCode.INVALID_ARGUMENT  # another 4xx: the request is at fault
+
+
+class InferenceService:
+    """The six calls, each an ``async`` handler of (request, context)."""
+
+    def __init__(
+        self, res: Resources, keyring: auth.KeyRing | None, version: str, capacity: int
+    ) -> None:
+        self.res, self.keyring, self.version = res, keyring, version
+        self.shares = WorkShares(capacity)
+
+    # --- the protocol --------------------------------------------------------------
+    async def server_live(self, _: pb.ServerLiveRequest, __: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, _: pb.ServerReadyRequest, __: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.res.models.readiness() is None)
+
+    async def server_metadata(
+        self, _: pb.ServerMetadataRequest, __: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=self.version, extensions=[])
+
+    async def model_ready(
+        self, request: pb.ModelReadyRequest, context: aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        self.principal(context, "ModelReady")
+        try:
+            served(self.res, request.name, request.version or None)
+        except Rejected:  # no model loaded: not ready (a probe: not counted)
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def model_metadata(
+        self, request: pb.ModelMetadataRequest, context: aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        self.principal(context, "ModelMetadata")
+        meta = served(self.res, request.name, request.version or None).meta
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta.name,
+            versions=[meta.version],
+            platform=PLATFORM,
+            inputs=[tensor(name=meta.input_name, datatype=FP32, shape=[-1, len(meta.features)])],
+            outputs=[tensor(name=meta.output_name, datatype=FP32, shape=[-1])],
+        )
+
+    async def model_infer(
+        self, request: pb.ModelInferRequest, context: aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        who = self.principal(context, "ModelInfer")
+        model = served(self.res, request.model_name, request.model_version or None)
+        until = deadline(_metadata(context).get(TIMEOUT_METADATA), self.res, TIMEOUT_METADATA)
+        left = context.time_remaining()
+        if left is not None:  # the client's own deadline: nobody reads an answer after it
+            until = min(until, time.monotonic() + left)
+        # Admitted before any work, as REST's admission does (the same bound and shares).
+        refused = self.shares.refusal(who.key_id, CALL_WEIGHT, time.monotonic(), who.share)
+        if refused is not None:
+            raise refused
+        self.shares.take(who.key_id, CALL_WEIGHT)
+        try:
+            scores = await predict(self.res, model, self.decode(request, model), until)
+        finally:
+            self.shares.release(who.key_id, CALL_WEIGHT)
+        out = pb.ModelInferResponse.InferOutputTensor(
+            name=model.meta.output_name, datatype=FP32, shape=[len(scores)]
+        )
+        return pb.ModelInferResponse(
+            model_name=request.model_name,
+            model_version=model.version,
+            id=request.id,
+            outputs=[out],
+            raw_output_contents=[scores.astype(WIRE_FP32).tobytes()],
+        )
+
+    # --- the parts -----------------------------------------------------------------
+    def principal(self, context: aio.ServicerContext, call: str) -> auth.Principal:
+        """The caller if it holds the ``score`` scope (anyone with auth off); else
+        :class:`~service.errors.Unauthenticated` or :class:`~service.errors.Forbidden`."""
+        if self.keyring is None:
+            return auth.ANONYMOUS
+        try:
+            who = self.keyring.authenticate(auth.presented_key(_metadata(context)))
+        except auth.AuthError as exc:
+            detail = exc.detail.replace("'Authorization: Bearer <key>'", _HOW)
+            raise Unauthenticated(detail) from None
+        if auth.Scope.SCORE not in who.scopes:
+            raise Forbidden(f"key {who.key_id!r} lacks scope 'score' needed for {SERVICE}/{call}")
+        return who
+
+    def decode(self, request: pb.ModelInferRequest, model: LoadedModel) -> Any:
+        """The request's one input as float32 ``[n, n_features]``, checked as on REST."""
+        if len(request.inputs) != 1:
+            raise BadRequest(f"inputs: exactly one input tensor, got {len(request.inputs)}")
+        tensor = request.inputs[0]
+        limit = self.res.settings.batch_request_limit
+        shape = check_input(model, tensor.name, tensor.datatype, list(tensor.shape), limit)
+        check_outputs(model, [o.name for o in request.outputs])
+        raw = request.raw_input_contents
+        if raw:
+            if len(raw) != 1:
+                raise BadRequest(f"raw_input_contents: {len(raw)} entries for 1 input")
+            if tensor.HasField("contents"):
+                raise BadRequest(
+                    f"inputs.0.contents: input {tensor.name!r} has raw_input_contents; "
+                    "send one or the other"
+                )
+            return from_bytes(model, tensor.name, raw[0], shape)
+        contents = tensor.contents
+        others = [f.name for f, _ in contents.ListFields() if f.name != "fp32_contents"]
+        if others:
+            raise BadRequest(
+                f"inputs.0.contents.{others[0]}: an FP32 input's data is fp32_contents "
+                "(or raw_input_contents)"
+            )
+        return from_values(model, tensor.name, contents.fp32_contents, shape)
+
+
+_HOW = "'authorization: Bearer <key>' metadata"
+
+
+def _metadata(context: aio.ServicerContext) -> dict[str, str]:
+    """The call's metadata (names lower-case, as gRPC sends them; text values only)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def _handler(
+    res: Resources,
+    method: Callable[[Req, aio.ServicerContext], Awaitable[Resp]],
+    request_type: type[Req],
+    response_type: type[Resp],
+) -> grpc.RpcMethodHandler:
+    """``method`` as a unary call whose refusals are answered as status codes (and
+    counted, as on REST)."""
+
+    async def call(request: Req, context: aio.ServicerContext) -> Resp:
+        try:
+            return await method(request, context)
+        except ApiError as exc:
+            trailing: list[tuple[str, str]] = []
+            if isinstance(exc, Rejected):
+                if exc.counted:
+                    res.count_rejection(exc.reason)
+                trailing = [("retry-after", str(exc.retry_after_s)), ("fraud-reason", exc.reason)]
+            await context.abort(status_of(exc), exc.message, tuple(trailing))
+            raise  # abort raises; unreachable
+
+    return grpc.unary_unary_rpc_method_handler(
+        call,
+        request_deserializer=request_type.FromString,
+        response_serializer=response_type.SerializeToString,
+    )
+
+
+def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
+    res = service.res
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "ServerLive": _handler(
+                res, service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse
+            ),
+            "ServerReady": _handler(
+                res, service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
+            ),
+            "ModelReady": _handler(
+                res, service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse
+            ),
+            "ServerMetadata": _handler(
+                res, service.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": _handler(
+                res, service.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            "ModelInfer": _handler(
+                res, service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse
+            ),
+        },
+    )
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: Settings, res: Resources, keyring: auth.KeyRing | None, version: str
+) -> AsyncIterator[aio.Server | None]:
+    """The gRPC server on ``settings.host:settings.grpc_port`` while the context runs
+    (None, and nothing started, when ``grpc_port`` is unset); stopped on exit, giving
+    in-flight calls ``drain_seconds``. Raises RuntimeError when the port cannot be
+    bound."""
+    if settings.grpc_port is None:
+        yield None
+        return
+    server = aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.so_reuseport", 1),  # uvicorn's workers each serve the one port
+        ]
+    )
+    service = InferenceService(res, keyring, version, settings.admission_capacity)
+    server.add_generic_rpc_handlers((generic_handler(service),))
+    address = f"{settings.host}:{settings.grpc_port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT): {exc}"
+        ) from None
+    if not bound:
+        raise RuntimeError(f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT)")
+    await server.start()
+    log.info("Open Inference Protocol gRPC server listening on %s", address)
+    try:
+        yield server
+    finally:
+        await server.stop(grace=settings.drain_seconds)

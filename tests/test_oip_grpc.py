@@ -1,0 +1,352 @@
+"""The Open Inference Protocol v2 over gRPC (service/edge/oip_grpc.py): Triton's real
+client (``tritonclient.grpc``) and plain gRPC calls against ``fraud-scoring serve`` with
+FRAUD_GRPC_PORT set, keys on. The model path is REST's: the same answers, the same
+refusals (as status codes), the same counting in ``fraud_rejections_total``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from google.protobuf.message import Message
+from tritonclient.utils import InferenceServerException
+
+from fraud_scoring.model_repo import ModelMetadata, load_metadata, resolve
+from fraud_scoring.redis_server import free_port
+from service.edge.auth import KeyEntry, Scope, append_key, new_key
+from service.edge.proto import grpc_predict_v2_pb2 as pb
+from tests.conftest import Server, World, rejections, start_server, stop_server
+
+SERVICE = "/inference.GRPCInferenceService/"
+
+
+@dataclass
+class GrpcServer:
+    server: Server
+    address: str  # host:port of the gRPC server
+    score_key: str
+    metrics_key: str
+
+    def client(self) -> tgrpc.InferenceServerClient:
+        return tgrpc.InferenceServerClient(url=self.address)
+
+    def auth(self, key: str | None = None) -> dict[str, str]:
+        return {"authorization": f"Bearer {key or self.score_key}"}
+
+    def metrics(self) -> str:
+        headers = self.auth(self.metrics_key)
+        return httpx.get(self.server.url + "/metrics", headers=headers, timeout=10).text
+
+
+def _keys(path: Path) -> tuple[str, str]:
+    made = []
+    for key_id, scope in (("scorer", Scope.SCORE), ("scraper", Scope.METRICS)):
+        key, digest = new_key(key_id)
+        append_key(path, KeyEntry(id=key_id, sha256=digest, scopes=frozenset({scope})))
+        made.append(key)
+    return made[0], made[1]
+
+
+@pytest.fixture(scope="module")
+def grpc_server(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
+    tmp = tmp_path_factory.mktemp("grpc")
+    score_key, metrics_key = _keys(tmp / "keys.jsonl")
+    port = free_port()
+    srv = start_server(
+        world,
+        tmp,
+        FRAUD_GRPC_PORT=str(port),
+        FRAUD_AUTH="required",
+        FRAUD_API_KEYS_FILE=str(tmp / "keys.jsonl"),
+    )
+    yield GrpcServer(srv, f"127.0.0.1:{port}", score_key, metrics_key)
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def meta(world: World) -> ModelMetadata:
+    return load_metadata(resolve(world.model_repo, "fraud"))
+
+
+def _onnx(world: World, meta: ModelMetadata, x: np.ndarray) -> np.ndarray:
+    path = resolve(world.model_repo, "fraud") / "model.onnx"
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out: np.ndarray = session.run([meta.output_name], {meta.input_name: x})[0][:, 1]
+    return out
+
+
+def _rows(meta: ModelMetadata, n: int, seed: int = 7) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0, 50, size=(n, len(meta.features))).astype(np.float32)
+
+
+def _infer_input(meta: ModelMetadata, x: np.ndarray) -> tgrpc.InferInput:
+    inp = tgrpc.InferInput(meta.input_name, list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return inp
+
+
+def _status(exc: pytest.ExceptionInfo[InferenceServerException]) -> str:
+    status: str = exc.value.status()
+    return status.removeprefix("StatusCode.")
+
+
+def test_tritonclient_grpc_reaches_the_model(
+    grpc_server: GrpcServer, world: World, meta: ModelMetadata
+) -> None:
+    """Health, metadata and inference over gRPC; the scores are ONNX Runtime's on the
+    same model file and the REST protocol's (binary tensors) to the bit."""
+    client, headers = grpc_server.client(), grpc_server.auth()
+    try:
+        # Server health and metadata are open, like their REST twins.
+        assert client.is_server_live() and client.is_server_ready()
+        server_md = client.get_server_metadata(as_json=True)
+        assert server_md["name"] == "fraud-scoring" and server_md["version"]
+        assert client.is_model_ready("fraud", headers=headers)
+        assert client.is_model_ready("fraud", meta.version, headers=headers)
+        md = client.get_model_metadata("fraud", headers=headers, as_json=True)
+        n = len(meta.features)
+        assert md["versions"] == [meta.version] and md["platform"] == "onnxruntime_onnx"
+        shape = ["-1", str(n)]  # int64 in JSON form: strings
+        assert md["inputs"] == [{"name": meta.input_name, "datatype": "FP32", "shape": shape}]
+        assert md["outputs"] == [{"name": meta.output_name, "datatype": "FP32", "shape": ["-1"]}]
+
+        x = _rows(meta, 5)
+        out = tgrpc.InferRequestedOutput(meta.output_name)
+        result = client.infer(
+            "fraud", [_infer_input(meta, x)], outputs=[out], request_id="g-1", headers=headers
+        )
+        got = result.as_numpy(meta.output_name)
+        assert got is not None and got.dtype == np.float32 and got.shape == (5,)
+        np.testing.assert_allclose(got, _onnx(world, meta, x), rtol=1e-6)
+        response = result.get_response()
+        assert response.id == "g-1" and response.model_version == meta.version
+        # No outputs named: all of them (the one).
+        plain = client.infer("fraud", [_infer_input(meta, x)], headers=headers)
+        np.testing.assert_array_equal(plain.as_numpy(meta.output_name), got)
+        versioned = client.infer(
+            "fraud", [_infer_input(meta, x)], model_version=meta.version, headers=headers
+        )
+        np.testing.assert_array_equal(versioned.as_numpy(meta.output_name), got)
+    finally:
+        client.close()
+
+    rest = thttp.InferenceServerClient(url=grpc_server.server.url.removeprefix("http://"))
+    try:
+        inp = thttp.InferInput(meta.input_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        over_rest = rest.infer("fraud", [inp], headers=headers)
+        np.testing.assert_array_equal(over_rest.as_numpy(meta.output_name), got)
+    finally:
+        rest.close()
+
+
+def test_refusals_are_status_codes_naming_the_field(
+    grpc_server: GrpcServer, meta: ModelMetadata
+) -> None:
+    client, headers = grpc_server.client(), grpc_server.auth()
+    n = len(meta.features)
+    x = _rows(meta, 2)
+    try:
+        cases: list[tuple[str, str, dict[str, object]]] = [
+            ("NOT_FOUND", "unknown model 'other'", {"model_name": "other"}),
+            ("NOT_FOUND", "version '999' is not served", {"model_version": "999"}),
+        ]
+        for code, message, kwargs in cases:
+            with pytest.raises(InferenceServerException, match=message) as exc:
+                client.infer(
+                    str(kwargs.get("model_name", "fraud")),
+                    [_infer_input(meta, x)],
+                    model_version=str(kwargs.get("model_version", "")),
+                    headers=headers,
+                )
+            assert _status(exc) == code
+        with pytest.raises(InferenceServerException, match="unknown model") as exc:
+            client.get_model_metadata("other", headers=headers)
+        assert _status(exc) == "NOT_FOUND"
+        with pytest.raises(InferenceServerException, match="not served") as exc:
+            client.is_model_ready("fraud", "999", headers=headers)
+        assert _status(exc) == "NOT_FOUND"
+
+        bad = _infer_input(meta, x[:, : n - 1])
+        with pytest.raises(InferenceServerException, match=rf"shape must be \[n, {n}\]") as exc:
+            client.infer("fraud", [bad], headers=headers)
+        assert _status(exc) == "INVALID_ARGUMENT"
+        nan = x.copy()
+        nan[1, 2] = np.nan
+        element = rf"element {n + 2} \(row 1, column 2: '{meta.feature_names[2]}'\) is NaN"
+        with pytest.raises(InferenceServerException, match=element) as exc:
+            client.infer("fraud", [_infer_input(meta, nan)], headers=headers)
+        assert _status(exc) == "INVALID_ARGUMENT"
+        inf = x.copy()
+        inf[0, 0] = np.inf
+        with pytest.raises(InferenceServerException, match=r"element 0 .* is infinite"):
+            client.infer("fraud", [_infer_input(meta, inf)], headers=headers)
+        wrong_type = tgrpc.InferInput(meta.input_name, [2, n], "FP64")
+        wrong_type.set_data_from_numpy(x.astype(np.float64))
+        with pytest.raises(InferenceServerException, match="datatype must be FP32") as exc:
+            client.infer("fraud", [wrong_type], headers=headers)
+        assert _status(exc) == "INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException, match="output 'nope' unknown") as exc:
+            client.infer(
+                "fraud",
+                [_infer_input(meta, x)],
+                outputs=[tgrpc.InferRequestedOutput("nope")],
+                headers=headers,
+            )
+        assert _status(exc) == "INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException, match="x-request-timeout-ms") as exc:
+            client.infer(
+                "fraud",
+                [_infer_input(meta, x)],
+                headers={**headers, "x-request-timeout-ms": "nope"},
+            )
+        assert _status(exc) == "INVALID_ARGUMENT"
+
+        # The score scope, from metadata.
+        with pytest.raises(InferenceServerException, match="missing API key") as exc:
+            client.infer("fraud", [_infer_input(meta, x)])
+        assert _status(exc) == "UNAUTHENTICATED"
+        with pytest.raises(InferenceServerException, match="invalid API key") as exc:
+            client.get_model_metadata("fraud", headers=grpc_server.auth("scorer.forged"))
+        assert _status(exc) == "UNAUTHENTICATED"
+        scraper = grpc_server.auth(grpc_server.metrics_key)
+        with pytest.raises(InferenceServerException, match="lacks scope 'score'") as exc:
+            client.infer("fraud", [_infer_input(meta, x)], headers=scraper)
+        assert _status(exc) == "PERMISSION_DENIED"
+        assert client.is_server_ready(headers=scraper)  # health stays open
+
+        # A deadline the model cannot meet: DEADLINE_EXCEEDED, counted as on REST.
+        before = grpc_server.metrics()
+        past = sum(rejections(before, r) for r in ("timeout", "deadline"))
+        with pytest.raises(InferenceServerException, match="deadline exceeded") as exc:
+            client.infer(
+                "fraud",
+                [_infer_input(meta, _rows(meta, 64))],
+                headers={**headers, "x-request-timeout-ms": "0.001"},
+            )
+        assert _status(exc) == "DEADLINE_EXCEEDED"
+        after = grpc_server.metrics()
+        assert sum(rejections(after, r) for r in ("timeout", "deadline")) == past + 1
+    finally:
+        client.close()
+
+
+def _call(channel: grpc.Channel, method: str, response: Any, request: Message, **kw: Any) -> Any:
+    """``method`` called plainly, with this repo's own messages."""
+    stub = channel.unary_unary(
+        SERVICE + method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=response.FromString,
+    )
+    return stub(request, **kw)
+
+
+def test_contents_are_read_as_raw_contents_are(
+    grpc_server: GrpcServer, world: World, meta: ModelMetadata
+) -> None:
+    """``contents.fp32_contents`` (KServe's non-raw form) scores as raw bytes do; the
+    answer is ``raw_output_contents``; other content fields are refused by name."""
+    x = _rows(meta, 3, seed=11)
+    metadata = tuple(grpc_server.auth().items())
+    Tensor = pb.ModelInferRequest.InferInputTensor
+    with grpc.insecure_channel(grpc_server.address) as channel:
+        request = pb.ModelInferRequest(
+            model_name="fraud",
+            inputs=[
+                Tensor(
+                    name=meta.input_name,
+                    datatype="FP32",
+                    shape=list(x.shape),
+                    contents=pb.InferTensorContents(fp32_contents=x.ravel().tolist()),
+                )
+            ],
+        )
+        answer = _call(channel, "ModelInfer", pb.ModelInferResponse, request, metadata=metadata)
+        assert [o.name for o in answer.outputs] == [meta.output_name]
+        assert list(answer.outputs[0].shape) == [3] and answer.outputs[0].datatype == "FP32"
+        got = np.frombuffer(answer.raw_output_contents[0], dtype="<f4")
+        np.testing.assert_allclose(got, _onnx(world, meta, x), rtol=1e-6)
+
+        ints = pb.ModelInferRequest()
+        ints.CopyFrom(request)
+        ints.inputs[0].contents.int64_contents.extend([1] * x.size)
+        with pytest.raises(grpc.RpcError) as exc:
+            _call(channel, "ModelInfer", pb.ModelInferResponse, ints, metadata=metadata)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "inputs.0.contents.int64_contents" in exc.value.details()
+
+        short = pb.ModelInferRequest()
+        short.CopyFrom(request)
+        del short.inputs[0].contents.fp32_contents[-1]
+        with pytest.raises(grpc.RpcError) as exc:
+            _call(channel, "ModelInfer", pb.ModelInferResponse, short, metadata=metadata)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{x.size - 1} elements" in exc.value.details()
+
+        live = _call(channel, "ServerLive", pb.ServerLiveResponse, pb.ServerLiveRequest())
+        assert live.live is True
+
+
+def test_without_a_model_ready_is_false_and_inference_unavailable(
+    world: World, tmp_path: Path
+) -> None:
+    """No model yet: ServerReady and ModelReady say false (status OK), REST's model ready
+    is 400 ``ready: false``; inference is UNAVAILABLE with retry-after, counted as
+    ``no_model`` like a REST 503."""
+    empty = World(world.data_dir, tmp_path / "none", world.redis_url, world.start, world.days)
+    port = free_port()
+    srv = start_server(empty, tmp_path, wait_for="/healthz", FRAUD_GRPC_PORT=str(port))
+    client = tgrpc.InferenceServerClient(url=f"127.0.0.1:{port}")
+    try:
+        assert client.is_server_live() and not client.is_server_ready()
+        assert client.is_model_ready("fraud") is False
+        with pytest.raises(InferenceServerException, match="unknown model") as nf:
+            client.is_model_ready("other")
+        assert _status(nf) == "NOT_FOUND"
+        with srv.client() as c:
+            before = rejections(c.get("/metrics").text, "no_model")
+            for path in ("/v2/models/fraud/ready", "/v2/models/fraud/versions/1/ready"):
+                r = c.get(path)
+                assert r.status_code == 400, (path, r.text)
+                assert r.json()["ready"] is False and r.json()["error"], r.text
+            x = np.zeros((1, 4), dtype=np.float32)
+            inp = tgrpc.InferInput("input", [1, 4], "FP32")
+            inp.set_data_from_numpy(x)
+            with (
+                grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+                pytest.raises(grpc.RpcError) as exc,
+            ):
+                _call(
+                    channel,
+                    "ModelInfer",
+                    pb.ModelInferResponse,
+                    pb.ModelInferRequest(model_name="fraud"),
+                )
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no model loaded" in exc.value.details()
+            trailing = dict(exc.value.trailing_metadata() or ())
+            assert trailing["retry-after"] == "5" and trailing["fraud-reason"] == "no_model"
+            with pytest.raises(InferenceServerException) as tc:
+                client.infer("fraud", [inp])
+            assert _status(tc) == "UNAVAILABLE"
+            assert rejections(c.get("/metrics").text, "no_model") == before + 2
+    finally:
+        client.close()
+        stop_server(srv)
+
+
+def test_generated_stubs_are_current() -> None:
+    """grpc_predict_v2_pb2.py(i) are what the .proto and the generator make."""
+    from service.edge.proto.__main__ import main
+
+    assert main(["--check"]) == 0
