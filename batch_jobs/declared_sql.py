@@ -35,9 +35,10 @@ def _key_sql(spec: D.Spec, alias: str) -> str:
     return cols[0] if len(cols) == 1 else "concat_ws(chr(31), " + ", ".join(cols) + ")"
 
 
-def _present_sql(spec: D.Spec, alias: str) -> str:
+def _present_sql(spec: D.Spec, alias: str, *, value: bool = False) -> str:
+    cols = [*spec.entity, spec.value_column] if value and spec.categorical else spec.entity
     return " AND ".join(
-        f"{alias}.{c} IS NOT NULL AND CAST({alias}.{c} AS VARCHAR) <> ''" for c in spec.entity
+        f"{alias}.{c} IS NOT NULL AND CAST({alias}.{c} AS VARCHAR) <> ''" for c in cols
     )
 
 
@@ -53,23 +54,41 @@ def window_sql(spec: D.Spec, w: D.Window) -> str:
     """One window of one declaration: per row id, count, sum, squares and the newest
     earlier event time. Reads the views ``q`` (row_id, ts_us, key columns) and ``e``
     (one row per transaction_id: ts_us, key columns, value)."""
-    value = f"e.{spec.value_column}" if spec.value_column else "1.0"
     u, n = w.width_us, w.tiles
+    if spec.categorical:  # a value is a category: kept (distinct, changed), not summed
+        value, own = f"CAST(e.{spec.value_column} AS VARCHAR)", f"q.{spec.value_column}"
+        num = "0.0"
+    else:
+        value = own = "NULL"
+        num = f"CAST(e.{spec.value_column} AS DOUBLE)" if spec.value_column else "1.0"
     return f"""
 WITH ev AS (
-  SELECT {_key_sql(spec, "e")} AS k, e.ts_us, CAST({value} AS DOUBLE) AS v
-  FROM e WHERE {_present_sql(spec, "e")} AND {_filter_sql(spec, "e")}
+  SELECT {_key_sql(spec, "e")} AS k, e.ts_us, {num} AS v, {value} AS cat
+  FROM e WHERE {_present_sql(spec, "e", value=True)} AND {_filter_sql(spec, "e")}
 ), qk AS (
   SELECT q.row_id, {_key_sql(spec, "q")} AS k, q.ts_us,
-         (q.ts_us // {u} - {n}) * {u} AS lo, q.ts_us - {w.us} AS last_lo
+         (q.ts_us // {u} - {n}) * {u} AS lo, q.ts_us - {w.us} AS last_lo,
+         nullif(CAST({own} AS VARCHAR), '') AS own
   FROM q WHERE {_present_sql(spec, "q")}
+), agg AS (
+  SELECT qk.row_id, any_value(qk.k) AS k, any_value(qk.own) AS own,
+         count(CASE WHEN ev.ts_us >= qk.lo THEN 1 END) AS c,
+         coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END), 0.0) AS s,
+         coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * ev.v END), 0.0) AS q,
+         count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
+         max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
+  FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
+                       AND ev.ts_us < qk.ts_us
+  GROUP BY qk.row_id
+), latest AS (  -- the values at each key's latest time before a row (for changed)
+  SELECT DISTINCT k, ts_us, cat FROM ev
 )
-SELECT qk.row_id, count(ev.ts_us) AS c, coalesce(sum(ev.v), 0.0) AS s,
-       coalesce(sum(ev.v * ev.v), 0.0) AS q,
-       max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
-FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
-                     AND ev.ts_us < qk.ts_us
-GROUP BY qk.row_id
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us,
+       CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0
+            WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0 ELSE 1.0 END AS changed
+FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
+                          AND latest.cat = agg.own
+GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, agg.own
 """
 
 
@@ -115,6 +134,10 @@ def training_columns(
                         got["s"].fillna(0.0).to_numpy(np.float64),
                         got["q"].fillna(0.0).to_numpy(np.float64),
                         since,
+                        got["d"].fillna(0).to_numpy(np.float64) if spec.keeps_values else None,
+                        got["changed"].fillna(0).to_numpy(np.float64)
+                        if spec.keeps_values
+                        else None,
                     )
                 )
             if progress:

@@ -253,9 +253,8 @@ def feature_columns(
     service uses (:func:`fraud_scoring.features.build_features`); this only adapts the
     frame into its inputs.
 
-    Session features are computed as of each row's own event time by the same function
-    the updater and the scorer use (``fraud_scoring.session``), and the declared
-    aggregations by their DuckDB compilation (``batch_jobs/declared_sql.py``), both
+    The declared aggregations (the card's velocity among them) are computed as of each
+    row's own event time by their DuckDB compilation (``batch_jobs/declared_sql.py``),
     counting events from ``history``: pass the full raw history (negatives in ``joined``
     are sampled, so ``joined`` alone would undercount). Default: ``joined`` itself.
     """
@@ -268,12 +267,11 @@ def feature_columns(
         channel=joined["channel"].to_numpy(object),
         has_device=joined["device_id"].notna().to_numpy(),
     )
-    sess = session.offline_session_features(joined, history=history)
     src = (
         history if history is not None else joined.rename(columns={"event_timestamp": "event_time"})
     )
     aggs = declared_sql.training_columns(F.declarations(), joined, src)
-    return F.build_features(batch, sess, request, aggs)
+    return F.build_features(batch, request, aggs)
 
 
 _SLICES = ("training", "validation", "holdout")

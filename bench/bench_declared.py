@@ -1,15 +1,16 @@
 """What a declared key costs as its traffic grows: the tiled read (``declared.queue_read``) of a
-merchant key holding 10 to 100,000 events in its windows, side by side with the card's
-session read (``fraud_scoring.session``, the hand-written per-card state) holding the
-same events in its 24 h, in one run; and the Redis bytes each key keeps.
+merchant key and of a card (every state the card's features read: its velocity counts
+and sums, time since last, distinct merchants and countries, a changed country) holding
+10 to 100,000 events in their windows, in one run; and the Redis bytes each keeps.
 
     python -m bench.bench_declared [--events 10,1000,10000,100000] [--repeat 200]
 
 Per size: p50 and p99 of one read's round trip (queue, Redis, parse, the features),
 Redis's own time per read (``INFO commandstats``: what bounds a service's held rate
-when Redis shares its cores) and ``MEMORY USAGE`` of the keys. The declared spec is the
-default file's merchant windows (10m, 1h, 1d, 7d, 30d). Goal (issue): p50 within 1.5x
-from 10 to 100,000. Events are spread over the last 7 days, a tenth of them in the last hour.
+when Redis shares its cores) and ``MEMORY USAGE`` of the keys. The merchant spec is the
+default file's merchant windows; the card's are the default file's card states. Goal
+(issue 22): p50 within 1.5x from 10 to 100,000. Events are spread over the last 7 days,
+a tenth of them in the last hour; the card's come from 500 merchants and 5 countries.
 """
 
 from __future__ import annotations
@@ -24,18 +25,9 @@ import redis
 from fraud_scoring import declared as D
 from fraud_scoring.features import declarations
 from fraud_scoring.redis_server import embedded_redis
-from fraud_scoring.session import (
-    DAY_US,
-    US,
-    SessionEvent,
-    events_key,
-    ids_key,
-    parse_session_results,
-    queue_session_reads,
-)
-from fraud_scoring.session import SCRIPTS as SESSION_SCRIPTS
-from streaming.state import SessionWriter
 
+US = D.US
+DAY_US = 86_400 * US
 T = 1_767_225_600 * US + 9 * 3600 * US
 
 
@@ -47,43 +39,44 @@ def times(n: int) -> np.ndarray:
     )
 
 
-def fill_declared(client: Any, spec: D.Spec, key: str, ts: np.ndarray) -> None:
-    limits = D.Limits.for_spec(spec, 300 + D.HORIZON_S)  # the service's default
+def fill(client: Any, specs: list[D.Spec], key: str, ts: np.ndarray) -> None:
+    """Record ``ts``'s events (in time order) in ``specs``' states of ``key``."""
     order = np.sort(ts)
-    for i in range(0, len(order), 2000):
-        pipe = client.pipeline(transaction=False)
-        evs = [
-            D.Event(f"t{i + j}", int(t), 10.0 + j % 7) for j, t in enumerate(order[i : i + 2000])
-        ]
-        D.queue_apply(pipe, spec, {key: evs}, limits)
-        pipe.execute()
+    for spec in specs:
+        limits = D.Limits.for_spec(spec, 300 + D.HORIZON_S)  # the service's default
+        for i in range(0, len(order), 2000):
+            rows = [
+                {
+                    "transaction_id": f"t{i + j}",
+                    "card_id": key,
+                    "merchant_id": key if spec.entity == ("merchant_id",) else f"m{(i + j) % 500}",
+                    "country": ("US", "GB", "FR", "DE", "NL")[(i + j) % 5],
+                    "amount": 10.0 + (i + j) % 7,
+                }
+                for j in range(len(order[i : i + 2000]))
+            ]
+            pipe = client.pipeline(transaction=False)
+            evs = D.events_for(spec, rows, [int(t) for t in order[i : i + 2000]])
+            D.queue_apply(pipe, spec, evs, limits)
+            pipe.execute()
 
 
-def read_declared(client: Any, spec: D.Spec, key: str) -> dict[str, float]:
+def read(client: Any, specs: list[D.Spec], key: str) -> dict[str, float]:
     pipe = client.pipeline(transaction=False)
-    D.queue_read(pipe, spec, key, T)
-    (state,) = D.parse_reads(spec, pipe.execute(), [T])
-    feats, _ = D.online_row(spec, state, T)
+    for spec in specs:
+        D.queue_read(pipe, spec, key, T)
+    replies = pipe.execute()
+    feats: dict[str, float] = {}
+    for spec, reply in zip(specs, replies, strict=True):
+        (state,) = D.parse_reads(spec, [reply], [T])
+        got, _ = D.online_row(spec, state, T, own=D.value_code("US"))
+        feats.update(got)
     return feats
 
 
 def redis_usec(client: Any) -> float:
     """Redis's own time in commands so far (INFO commandstats), µs."""
     return sum(float(v["usec"]) for v in client.info("commandstats").values())
-
-
-def fill_session(client: Any, card: str, ts: np.ndarray) -> None:
-    writer = SessionWriter(client, allowed_lateness_s=8 * 86400)
-    day = ts[ts > T - DAY_US]
-    events = [SessionEvent(int(t), f"s{i}", 10.0, "m", "US") for i, t in enumerate(day)]
-    for i in range(0, len(events), 2000):
-        writer.apply([(card, e) for e in events[i : i + 2000]])
-
-
-def read_session(client: Any, card: str) -> Any:
-    pipe = client.pipeline(transaction=False)
-    queue_session_reads(pipe, [card], [T / US], ["x"])
-    return parse_session_results(pipe.execute(), [card], [T / US], ["x"], ["US"])
 
 
 def memory(client: Any, keys: list[str]) -> int:
@@ -108,44 +101,43 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=200)
     args = ap.parse_args()
     sizes = [int(x) for x in args.events.split(",")]
-    spec = next(s for s in declarations().specs if s.entity == ("merchant_id",))
-    print(f"declared spec: merchant_id, windows {[w.label for w in spec.windows]}")
+    decl = declarations()
+    merchant = [s for s in decl.specs if s.entity == ("merchant_id",)]
+    card = [s for s in decl.specs if s.entity == ("card_id",)]
+    print(f"merchant states: {[[w.label for w in s.windows] for s in merchant]}")
+    print(f"card states: {[s.feature_names() for s in card]}")
     print(
-        f"{'events':>8} | {'declared p50':>12} {'p99':>7} {'redis us':>8} {'bytes':>8} | "
-        f"{'session p50':>11} {'p99':>7} {'redis us':>8} {'bytes':>9}   "
+        f"{'events':>8} | {'merchant p50':>12} {'p99':>7} {'redis us':>8} {'bytes':>8} | "
+        f"{'card p50':>8} {'p99':>7} {'redis us':>8} {'bytes':>8}   "
         "(ms, one read; Redis's own time per read; bytes per key)"
     )
-    base = None
+    base: tuple[float, float] | None = None
     with embedded_redis() as url:
         client = redis.Redis.from_url(url)
         for n in sizes:
             client.flushdb()
-            for script in (*D.SCRIPTS, *SESSION_SCRIPTS):
+            for script in D.SCRIPTS:
                 client.script_load(script)
             ts = times(n)
-            key, card = f"m{n}", f"c{n}"
-            fill_declared(client, spec, key, ts)
-            fill_session(client, card, ts)
-            client.config_resetstat()
-            d50, d99 = timed(lambda k=key: read_declared(client, spec, k), args.repeat)
-            d_srv = redis_usec(client) / (args.repeat + 1)
-            client.config_resetstat()
-            s50, s99 = timed(lambda c=card: read_session(client, c), args.repeat)
-            s_srv = redis_usec(client) / (args.repeat + 1)
-            p = spec.prefix(key)
-            dbytes = memory(client, [p + ":t", p + ":ids"])
-            sbytes = memory(client, [events_key(card), ids_key(card)])
-            base = base or d50
+            rows = []
+            for specs, key in ((merchant, f"m{n}"), (card, f"c{n}")):
+                fill(client, specs, key, ts)
+                client.config_resetstat()
+                p50, p99 = timed(lambda s=specs, k=key: read(client, s, k), args.repeat)
+                srv = redis_usec(client) / (args.repeat + 1)
+                keys = [s.prefix(key) + part for s in specs for part in (":t", ":ids")]
+                rows.append((p50, p99, srv, memory(client, keys)))
+            (m50, m99, msrv, mb), (c50, c99, csrv, cb) = rows
+            base = base or (m50, c50)
             print(
-                f"{n:>8,} | {d50:>12.3f} {d99:>7.3f} {d_srv:>8.1f} {dbytes:>8,} | "
-                f"{s50:>11.3f} {s99:>7.3f} {s_srv:>8.1f} {sbytes:>9,}   "
-                f"declared p50 {d50 / base:.2f}x of 10"
+                f"{n:>8,} | {m50:>12.3f} {m99:>7.3f} {msrv:>8.1f} {mb:>8,} | "
+                f"{c50:>8.3f} {c99:>7.3f} {csrv:>8.1f} {cb:>8,}   "
+                f"p50 {m50 / base[0]:.2f}x / {c50 / base[1]:.2f}x of 10"
             )
     print(
-        "bytes: the declared key keeps its tiles (bounded by the windows), its newest "
-        "events (bounded) and the ids of the last horizon (FRAUD_ALLOWED_LATENESS_S + "
-        "1 h: the one part that grows with the key's traffic in that span); the session "
-        "key keeps every event of the card's last 24 h"
+        "bytes: a key keeps its tiles (bounded by the windows), its newest events and "
+        "values (bounded) and the ids of the last horizon (FRAUD_ALLOWED_LATENESS_S + "
+        "1 h: the one part that grows with the key's traffic in that span)"
     )
 
 

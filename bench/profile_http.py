@@ -28,9 +28,9 @@ from bench.world import bench_world
 # Stages of the request path, innermost first: a sample counts for the first of these
 # found walking its stack from the leaf up ("function (file" prefixes of py-spy frames).
 STAGES: tuple[tuple[str, str], ...] = (
-    ("session events: decode + features", "parse_session_results (fraud_scoring/session.py"),
-    ("session reads: queue", "queue_session_reads (fraud_scoring/session.py"),
-    ("record (EVALSHA) queue", "queue_apply (fraud_scoring/session.py"),
+    ("declared reads: parse + features", "parse_batch (fraud_scoring/declared.py"),
+    ("declared reads + writes: queue", "queue_batch (fraud_scoring/declared.py"),
+    ("card history (EVALSHA) queue", "queue_apply_many (fraud_scoring/session.py"),
     (
         "feast replies: parse + defaults",
         "OnlineFeatureReader.parse (service/core/online_features.py",

@@ -17,12 +17,19 @@ value for a transaction at ``t`` covers the key's events with
 (the window reaches back between ``W`` and ``W + u``), the end is exact. A transaction
 never counts in its own features, and each ``transaction_id`` counts once.
 ``seconds_since_last`` is exact: seconds since the key's newest event before ``t``,
-capped at ``W`` (also when none).
+capped at ``W`` (also when none). ``changed`` (a categorical value, e.g. ``country``) is
+1 when the key's latest event before ``t`` and at most ``W`` before it exists and none
+of the events at that latest time has the transaction's own value, else 0.
+``distinct_count`` (a categorical value) counts the distinct values of the window's
+events (the same snapped start), saturating at :data:`DISTINCT_CAP`.
 
 **Cost per key is bounded.** A key's state is a ring of tiles per width (count, sum,
 sum of squares), its :data:`NEWEST` newest events (for the exact end and
 ``seconds_since_last``) and the ids of the last ``horizon`` (for idempotency); a read
-touches ``W / u + 1`` tiles per window whatever the key's traffic.
+touches ``W / u + 1`` tiles per window whatever the key's traffic. A state with a
+categorical value (``distinct_count``, ``changed``) also keeps, per value, the newest
+time it was seen among the events older than its :data:`NEWEST` newest, for at most
+:data:`DISTINCT_CAP` values.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import json
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -63,8 +70,12 @@ UNITS = {"s": US, "m": 60 * US, "h": 3600 * US, "d": 86_400 * US}
 # The transaction columns a declaration may read (entity, filter, value).
 KEY_COLUMNS = ("card_id", "merchant_id", "device_id", "country", "channel", "mcc")
 VALUE_COLUMNS = ("amount",)
-Agg = Literal["count", "sum", "mean", "std", "seconds_since_last"]
+Agg = Literal["count", "sum", "mean", "std", "seconds_since_last", "distinct_count", "changed"]
 NEEDS_VALUE = {"sum", "mean", "std"}
+# Aggregations of a categorical value (a key column): a state keeps the values it saw.
+NEEDS_CATEGORY = {"distinct_count", "changed"}
+# distinct_count saturates here (a state keeps at most this many values per key).
+DISTINCT_CAP = 100
 
 
 class DeclarationError(ValueError):
@@ -144,8 +155,9 @@ class AggregationDecl(_Strict):
     @field_validator("value")
     @classmethod
     def _known_value(cls, v: str | None) -> str | None:
-        if v is not None and v not in VALUE_COLUMNS:
-            raise ValueError(f"unknown column {v!r}; one of {', '.join(VALUE_COLUMNS)}")
+        if v is not None and v not in (*VALUE_COLUMNS, *KEY_COLUMNS):
+            known = ", ".join((*VALUE_COLUMNS, *KEY_COLUMNS))
+            raise ValueError(f"unknown column {v!r}; one of {known}")
         return v
 
     @field_validator("windows")
@@ -219,6 +231,21 @@ class Spec:
     def longest_us(self) -> int:
         return max(w.us for w in self.windows)
 
+    @property
+    def categorical(self) -> bool:
+        """The value is a key column (a merchant, a country): its values are kept, not
+        summed."""
+        return self.value_column in KEY_COLUMNS
+
+    @cached_property
+    def keeps_values(self) -> bool:
+        """The state keeps the values it saw (for distinct_count and changed)."""
+        return any(f.agg in NEEDS_CATEGORY for f in self.features)
+
+    def distinct_back_us(self, horizon_us: int) -> int:
+        """How far behind the key's newest event a kept value can still count."""
+        return self.longest_us + max(w.width_us for w in self.windows) + horizon_us
+
     def feature_names(self) -> list[str]:
         return [f.name for f in self.features]
 
@@ -234,10 +261,25 @@ class Spec:
         return "\x1f".join(parts)
 
     def passes(self, row: Mapping[str, Any]) -> bool:
+        """Inside the filter, and (a categorical value) with a value: an event without
+        one is not recorded in this state."""
+        if self.categorical and _empty(row.get(self.value_column)):  # type: ignore[arg-type]
+            return False
         return all(row.get(c) in allowed for c, allowed in self.filter.items())
 
     def value(self, row: Mapping[str, Any]) -> float:
+        """The number recorded for an event: its value column, or (categorical) the
+        code of its value (:func:`value_code`), or 1.0 without a value column."""
+        if self.categorical:
+            return value_code(row[self.value_column])  # type: ignore[index]
         return float(row[self.value_column]) if self.value_column else 1.0
+
+    def own_code(self, row: Mapping[str, Any]) -> float | None:
+        """A transaction's own value code (a categorical state; None: none, or no
+        value)."""
+        if not self.categorical or _empty(row.get(self.value_column)):  # type: ignore[arg-type]
+            return None
+        return self.value(row)
 
     def backfilled_key(self) -> str:
         """Set once the raw history is recorded into this state (``features backfill``,
@@ -273,6 +315,17 @@ class Declarations:
 EMPTY = Declarations((), (), "nothing declared")
 
 
+def _empty(v: Any) -> bool:
+    return v is None or v != v or v == ""
+
+
+def value_code(v: Any) -> float:
+    """A categorical value as the number a state records: 48 bits of its BLAKE2b hash
+    (exact in a double; two values share a code with probability ~2**-48 per pair)."""
+    digest = hashlib.blake2b(str(v).encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "big"))
+
+
 def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
     """Group declarations by (entity, value, filter) into the states they share."""
     groups: dict[str, list[AggregationDecl]] = {}
@@ -283,8 +336,11 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
         )
         groups.setdefault(canon, []).append(d)
     specs = []
-    for canon, ds in groups.items():
+    for canon0, ds in groups.items():
         windows = {parse_window(w) for d in ds for w in d.windows}
+        # A state that keeps values is a different state (its id changes with it).
+        keeps = any(a in NEEDS_CATEGORY for d in ds for a in d.features)
+        canon = canon0 + ("+values" if keeps else "")
         # The id covers the windows: a new window starts a new state (backfill it).
         # and the storage layout: a new layout starts new keys too.
         sid = hashlib.blake2b(
@@ -330,8 +386,16 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
         loc = ".".join(str(p) for p in first["loc"])
         raise DeclarationError(f"{source}: {loc}: {first['msg']}") from None
     for i, d in enumerate(doc.aggregations):
-        if NEEDS_VALUE & set(d.features) and d.value is None:
-            raise DeclarationError(f"{source}: aggregations.{i}.value: sum/mean/std need one")
+        if NEEDS_VALUE & set(d.features) and d.value not in VALUE_COLUMNS:
+            raise DeclarationError(
+                f"{source}: aggregations.{i}.value: sum/mean/std need a number column "
+                f"({', '.join(VALUE_COLUMNS)})"
+            )
+        if NEEDS_CATEGORY & set(d.features) and d.value not in KEY_COLUMNS:
+            raise DeclarationError(
+                f"{source}: aggregations.{i}.value: distinct_count/changed need a "
+                f"categorical column ({', '.join(KEY_COLUMNS)})"
+            )
     decl = Declarations(compile_decls(doc.aggregations), doc.derived, source)
     seen = set(taken)
     for n in decl.names():
@@ -372,8 +436,11 @@ def finish(
     total: npt.ArrayLike,
     squares: npt.ArrayLike,
     since_last_s: npt.ArrayLike,
+    distinct: npt.ArrayLike | None = None,
+    changed: npt.ArrayLike | None = None,
 ) -> dict[str, np.ndarray]:
-    """The declared features over ``window`` from its sums (float64 columns)."""
+    """The declared features over ``window`` from its sums, and (a state that keeps
+    values) its distinct values and changed flags (float64 columns)."""
     c = np.asarray(count, dtype=np.float64)
     s = np.asarray(total, dtype=np.float64)
     q = np.asarray(squares, dtype=np.float64)
@@ -389,7 +456,13 @@ def finish(
             np.asarray(since_last_s, dtype=np.float64), window.us / US
         ),
     }
-    return {f.name: values[f.agg] for f in spec.features if f.window.us == window.us}
+    if distinct is not None:
+        values["distinct_count"] = np.minimum(np.asarray(distinct, np.float64), DISTINCT_CAP)
+    if changed is not None:
+        values["changed"] = np.asarray(changed, dtype=np.float64)
+    return {
+        f.name: values[f.agg] for f in spec.features if f.window.us == window.us and f.agg in values
+    }
 
 
 # --- derived features ---------------------------------------------------------------------
@@ -503,21 +576,26 @@ NEWEST_REC = struct.Struct("<2d")
 LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 
 # KEYS: t, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
-# backfill (1/0), nwidths, (u, slots)*, then per key: nev, (id, ts, value)*. Returns
+# backfill (1/0), dcap, dback_us, nwidths, (u, slots)*, then per key: nev,
+# (id, ts, value)*. dcap > 0 (a state that keeps values): the events pushed out of the
+# newest list update field "d" (per value code its newest time among them; values older
+# than the key's newest by more than dback_us are dropped, then all but the dcap
+# newest). Returns
 # per key a list, per event 1 (added), 0 (duplicate, or a backfill's event the key
 # holds already) or -1 (older than the key's newest by more than the horizon: dropped,
 # as nothing live reads that far back). A key's events in one call are summed per tile
 # first, and its hash read and written once.
 APPLY_LUA = """
 local horizon, keep, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local backfill, nw = ARGV[4] == '1', tonumber(ARGV[5])
+local backfill, dcap, dback = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
+local nw = tonumber(ARGV[7])
 local widths, fields = {}, {}
 for w = 1, nw do
-  widths[w] = {ARGV[4 + 2*w], tonumber(ARGV[4 + 2*w]), tonumber(ARGV[5 + 2*w])}
-  fields[w] = ARGV[4 + 2*w]
+  widths[w] = {ARGV[6 + 2*w], tonumber(ARGV[6 + 2*w]), tonumber(ARGV[7 + 2*w])}
+  fields[w] = ARGV[6 + 2*w]
 end
-fields[nw + 1], fields[nw + 2], fields[nw + 3] = 'n', 'f', 'b'
-local pos = 6 + 2 * nw
+fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
+local pos = 8 + 2 * nw
 local result = {}
 for g = 1, #KEYS / 2 do
   local kt, kid = KEYS[2*g - 1], KEYS[2*g]
@@ -599,7 +677,32 @@ for g = 1, #KEYS / 2 do
       set[#set + 1] = widths[w][1]
       set[#set + 1] = ring
     end
-    if #recent > 16 * keep then recent = recent:sub(#recent - 16 * keep + 1) end
+    if #recent > 16 * keep then
+      local cut = #recent - 16 * keep
+      if dcap > 0 then  -- the values pushed out: their newest time per value
+        local seen, d = {}, held[nw + 4] or ''
+        for at = 1, #d, 16 do
+          local c, ts = struct.unpack('<dd', d, at)
+          seen[c] = ts
+        end
+        for at = 1, cut, 16 do
+          local ts, c = struct.unpack('<dd', recent, at)
+          if not seen[c] or seen[c] < ts then seen[c] = ts end
+        end
+        local recs = {}
+        for c, ts in pairs(seen) do
+          if ts >= newest - dback then recs[#recs + 1] = {ts, c} end
+        end
+        -- newest first, then by code: the same bytes however the values arrived
+        table.sort(recs, function(x, y) return x[1] > y[1] or (x[1] == y[1] and x[2] < y[2]) end)
+        for i = #recs, dcap + 1, -1 do recs[i] = nil end
+        local out_d = {}
+        for i, r in ipairs(recs) do out_d[i] = struct.pack('<dd', r[2], r[1]) end
+        set[#set + 1] = 'd'
+        set[#set + 1] = table.concat(out_d)
+      end
+      recent = recent:sub(cut + 1)
+    end
     set[#set + 1] = 'n'
     set[#set + 1] = recent
     if first then set[#set + 1] = 'f'; set[#set + 1] = string.format('%d', first) end
@@ -668,7 +771,8 @@ def queue_apply(
     Returns the keys in reply order (each call's reply: a list per key, of per event
     results)."""
     head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
-    head.append(len(spec.widths))
+    dcap = DISTINCT_CAP if spec.keeps_values else 0
+    head += [dcap, spec.distinct_back_us(limits.horizon_us), len(spec.widths)]
     for u, slots in spec.widths.items():
         head += (u, slots)
     groups = [[k] for k in by_key] if per_key else [list(by_key)] if by_key else []
@@ -687,19 +791,25 @@ def queue_apply(
 
 def queue_read(pipe: Any, spec: Spec, key: str, t_us: int) -> None:
     """Queue the read of ``key`` (one HMGET: its tiles per width and its newest events;
-    parsed, as of each read's time, by :func:`parse_reads`)."""
-    pipe.execute_command("HMGET", spec.prefix(key) + ":t", *spec.widths, "n")
+    parsed, as of each read's time, by :func:`parse_reads`; a state that keeps values
+    also reads them)."""
+    extra = ("n", "d") if spec.keeps_values else ("n",)
+    pipe.execute_command("HMGET", spec.prefix(key) + ":t", *spec.widths, *extra)
 
 
 @dataclass
 class KeyState:
     """A key's read, parsed: its stored events at or after ``t`` (ts, value; at most
     :data:`NEWEST`), its newest stored event before ``t`` (None: none kept), and per
-    window the sums over its tiles, the tile holding ``t`` included."""
+    window the sums over its tiles, the tile holding ``t`` included. A state that keeps
+    values also has its newest events before ``t`` (``before``: ts, value code) and the
+    values pushed out of them (``kept``: code -> newest time)."""
 
     ahead: list[tuple[int, float]]
     last_before: int | None
     sums: list[tuple[float, float, float]]
+    before: list[tuple[int, float]] = field(default_factory=list)
+    kept: dict[float, int] = field(default_factory=dict)
 
 
 def _recent(blob: bytes | None, t_us: int) -> tuple[list[tuple[int, float]], int | None]:
@@ -736,9 +846,15 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
         inside = (idx >= last - w.tiles) & (idx <= last)
         sums.append((ring[:, :, 1:] * inside[:, :, None]).sum(axis=1))
     out = []
+    at = len(spec.widths)
     for i, r in enumerate(replies):
-        ahead, before = _recent(r[-1], t_us[i])
-        out.append(KeyState(ahead, before, [tuple(x[i].tolist()) for x in sums]))  # type: ignore[misc]
+        ahead, last_ts = _recent(r[at], t_us[i])
+        state = KeyState(ahead, last_ts, [tuple(x[i].tolist()) for x in sums])  # type: ignore[arg-type]
+        if spec.keeps_values:
+            blob = r[at] or b""
+            state.before = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob) if a < t_us[i]]
+            state.kept = {c: int(ts) for c, ts in NEWEST_REC.iter_unpack(r[at + 1] or b"")}
+        out.append(state)
     return out
 
 
@@ -747,11 +863,13 @@ def online_row(
     state: KeyState | None,
     t_us: int,
     batch_mates: Sequence[Event] = (),
+    own: float | None = None,
 ) -> tuple[dict[str, float], bool]:
     """One transaction's features of ``spec`` as of ``t_us`` from its key's read
     (:func:`parse_reads`; None: no key, defaults), plus the events of the same
     micro-batch recorded with it that were new to the store (the read ran before they
-    were written). Returns the
+    were written); ``own`` is the transaction's own value code (a categorical state:
+    ``changed``; None: it has none). Returns the
     features and whether they are exact (False only when :data:`NEWEST` or more stored
     events lie at or after ``t_us``: a replay far behind the key's present)."""
     ahead = state.ahead if state else []
@@ -776,7 +894,41 @@ def online_row(
         if not exact:  # a replay: some later events were counted; never below nothing
             c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)
         out.update(_finish_one(spec, w, c, s, q, since))
+        if spec.keeps_values:
+            out.update(_values_one(spec, w, state, mates, t_us, own))
     return out, exact
+
+
+def _values_one(
+    spec: Spec,
+    w: Window,
+    state: KeyState | None,
+    mates: Sequence[tuple[int, float]],
+    t_us: int,
+    own: float | None,
+) -> dict[str, float]:
+    """distinct_count and changed over ``w``: from the key's newest events before
+    ``t``, the values pushed out of them (all older: exact whenever the read is) and the
+    micro-batch's own earlier events."""
+    events = [*(state.before if state else ()), *mates]
+    kept = list(state.kept.items()) if state else []
+    values: dict[str, float] = {}
+    lo = t_us // w.width_us - w.tiles
+    codes = {c for ts, c in events if ts // w.width_us >= lo}
+    codes |= {c for c, ts in kept if ts < t_us and ts // w.width_us >= lo}
+    values["distinct_count"] = float(min(len(codes), DISTINCT_CAP))
+    start = t_us - w.us
+    times = [ts for ts, _ in events if ts >= start]
+    times += [ts for _, ts in kept if start <= ts < t_us]
+    if not times or own is None:
+        values["changed"] = 0.0
+    else:
+        latest = max(times)
+        same = any(ts == latest and c == own for ts, c in events) or any(
+            ts == latest and c == own for c, ts in kept
+        )
+        values["changed"] = 0.0 if same else 1.0
+    return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us and f.agg in values}
 
 
 def _finish_one(
@@ -793,7 +945,7 @@ def _finish_one(
         "std": math.sqrt(var),
         "seconds_since_last": min(since, w.us / US),
     }
-    return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us}
+    return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us and f.agg in values}
 
 
 # --- a micro-batch (the scorer's edge) ----------------------------------------------------
@@ -885,7 +1037,7 @@ def parse_batch(
                 if read_key is not None
                 else []
             )
-            feats, exact = online_row(spec, state, ts_us[i], mates)
+            feats, exact = online_row(spec, state, ts_us[i], mates, spec.own_code(rows[i]))
             inexact += not exact
             for k, v in feats.items():
                 cols.setdefault(k, []).append(v)

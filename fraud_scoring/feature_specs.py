@@ -1,8 +1,8 @@
 """What a feature declaration is: the types every declaration module shares.
 
-:mod:`fraud_scoring.features` (batch, request and spanning features, the feature
-views) and :mod:`fraud_scoring.session` (session features) both declare features with
-these types, so neither needs the other to say what a feature is.
+:mod:`fraud_scoring.features` declares the hand-written features (batch, request, the
+feature views) and turns the declared ones (``feature_repo/features.yaml``) into these
+types too, so every consumer reads one shape of declaration.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-Kind = Literal["batch", "request", "session", "spanning", "aggregation", "derived"]
+Kind = Literal["batch", "request", "aggregation", "derived"]
 Entity = Literal["card", "merchant"]
 
 

@@ -1,6 +1,6 @@
 """Every feature the model can use, declared once.
 
-Three kinds of feature, one declaration each:
+Two hand-written kinds of feature, one declaration each, and the declared ones:
 
 * **batch** features are computed by the daily job (``batch_jobs/daily_features.py``,
   one SQL expression per feature, named after the feature), written to parquet, served
@@ -9,15 +9,14 @@ Three kinds of feature, one declaration each:
 * **request** features are computed from the transaction itself and the batch values by
   :func:`request_features`, a pure function over columns that the scoring service and
   the training-set builder both call.
-* **session** features (per-card velocity over minutes) are declared in
-  ``fraud_scoring/session.py`` with the streaming updater's Redis layout.
-* **spanning** features cover both: a batch snapshot plus the stream since it, summed
-  by :func:`spanning_features`, and what the card has *not* got (no usable snapshot, no
-  recent transaction: a new card), :func:`new_card_features`.
+* **declared** features (``feature_repo/features.yaml``): windowed aggregations on any
+  entity, the card's velocity over minutes to days among them, kept in tiles by the
+  streaming updater and the scorer (``fraud_scoring/declared.py``), and derived
+  expressions over all the others (a new card, a ratio to a merchant's mean).
 
 :func:`build_features` assembles every column the model can read from (batch snapshot
-columns, session columns, the transactions themselves): the scoring service and the
-training-set builder both call it and differ only in how they fetch its inputs.
+columns, declared aggregations, the transactions themselves): the scoring service and
+the training-set builder both call it and differ only in how they fetch its inputs.
 
 ``default`` is what a missing or stale value becomes; the response lists such features.
 The declaration types and the feature views are in ``fraud_scoring/feature_specs.py``
@@ -105,88 +104,14 @@ REQUEST_FEATURES: tuple[Feature, ...] = (
 
 Columns = Mapping[str, npt.ArrayLike]
 
-_SP: Kind = "spanning"
-# Exactness, for both: the batch part counts [snapshot - 30 days, snapshot) and the
-# stream part [max(snapshot, t - 24 h), t), so the sum is the exact count over
-# [snapshot - 30 days, t) whenever the snapshot is at most 24 h old (the daily job ran
-# last night); with an older snapshot the events in [snapshot, t - 24 h) are missed (the
-# stream keeps 24 h). Without a usable snapshot (new card, or stale: flagged) it is the
-# stream's last 24 h alone. An event that arrives after its day's batch ran, with an
-# event time before the snapshot, is in neither part online; offline the backfilled
-# snapshot has it. Online and offline compute the same thing from the same inputs.
-SPANNING_FEATURES: tuple[Feature, ...] = (
-    Feature(
-        "card_txn_count_30d_live",
-        _SP,
-        "int64",
-        0,
-        "card transactions from 30 days before the batch snapshot up to the event "
-        "(snapshot count + stream since the snapshot; exact when the snapshot is <= 24 h old)",
-    ),
-    Feature(
-        "card_amount_sum_30d_live",
-        _SP,
-        "float32",
-        0.0,
-        "sum of the card's amounts over the same span as card_txn_count_30d_live",
-    ),
-    # What the card has not got is information too: without these a never-seen card
-    # looks like any card whose 30-day numbers happen to be at their defaults.
-    Feature(
-        "card_has_snapshot",
-        _SP,
-        "float32",
-        0.0,
-        "1 when the card has a usable batch snapshot (at or before the event, within the "
-        "view's TTL: the card transacted in the 30 days before it), else 0",
-    ),
-    Feature(
-        "card_is_new",
-        _SP,
-        "float32",
-        0.0,
-        "1 when the card has neither a usable batch snapshot nor any transaction in the "
-        "24 h before the event: the first the system knows of it, else 0",
-    ),
-)
-
-
-def spanning_features(columns: Columns) -> dict[str, np.ndarray]:
-    """Batch snapshot + stream since the snapshot, for n transactions (float64 columns).
-
-    ``columns`` holds the batch columns after defaults (a missing or stale snapshot
-    counts 0) and the session columns ``card_*_since_snapshot``, which
-    :func:`fraud_scoring.session.session_features` computes from the snapshot time.
-    """
-    return {
-        "card_txn_count_30d_live": np.asarray(columns["card_txn_count_30d"], dtype=np.float64)
-        + np.asarray(columns["card_txn_count_since_snapshot"], dtype=np.float64),
-        "card_amount_sum_30d_live": np.asarray(columns["card_amount_sum_30d"], dtype=np.float64)
-        + np.asarray(columns["card_amount_sum_since_snapshot"], dtype=np.float64),
-    }
-
-
-def new_card_features(columns: Columns) -> dict[str, np.ndarray]:
-    """``card_has_snapshot`` and ``card_is_new`` for n transactions (float64 columns), from
-    ``card_snapshot_time`` after defaults (0: no usable snapshot) and the session column
-    ``card_txn_count_24h``."""
-    has = np.asarray(columns["card_snapshot_time"], dtype=np.float64) > 0
-    recent = np.asarray(columns["card_txn_count_24h"], dtype=np.float64) > 0
-    return {
-        "card_has_snapshot": has.astype(np.float64),
-        "card_is_new": (~has & ~recent).astype(np.float64),
-    }
-
 
 def view_features(view: BatchView) -> tuple[Feature, ...]:
     return tuple(f for f in BATCH_FEATURES if f.entity == view.entity)
 
 
 def hand_written_features() -> dict[str, Feature]:
-    """The features written in this module and in ``session`` (batch, request, session
-    and spanning), by name."""
-    feats = (*BATCH_FEATURES, *REQUEST_FEATURES, *session.SESSION_FEATURES, *SPANNING_FEATURES)
-    return {f.name: f for f in feats}
+    """The features written in this module (batch and request), by name."""
+    return {f.name: f for f in (*BATCH_FEATURES, *REQUEST_FEATURES)}
 
 
 def hand_written_names() -> list[str]:
@@ -213,7 +138,7 @@ def declared_features() -> dict[str, Feature]:
             out[f.name] = Feature(
                 f.name,
                 "aggregation",
-                "int64" if f.agg == "count" else "float32",
+                "int64" if f.agg in ("count", "distinct_count") else "float32",
                 defaults[f.name],
                 f"{what}, {f.agg} over {f.window.label} (tiles of "
                 f"{f.window.width_us // declared.US} s)",
@@ -327,18 +252,16 @@ class RequestColumns:
 
 def build_features(
     batch: Columns,
-    session_columns: Columns,
     request: RequestColumns,
     aggregations: Columns | None = None,
 ) -> dict[str, np.ndarray]:
     """Every feature column for n transactions: the one assembly of the model's input.
 
     ``batch`` holds the batch columns after :func:`apply_defaults` (a missing or stale
-    snapshot already replaced by defaults, ``card_snapshot_time`` 0), ``session_columns``
-    the columns of :data:`fraud_scoring.session.SESSION_NAMES` as of each event time.
-    ``aggregations`` the declared aggregations' columns (any not given: its default).
-    Returns those plus the request, spanning, new-card and derived columns (float32 or
-    float64; strings stay object); :func:`assemble` picks the model's columns in its order.
+    snapshot already replaced by defaults, ``card_snapshot_time`` 0), ``aggregations``
+    the declared aggregations' columns as of each event time (any not given: its
+    default). Returns those plus the request and derived columns (float32 or float64;
+    strings stay object); :func:`assemble` picks the model's columns in its order.
     """
     event_s = np.asarray(request.event_us, dtype=np.int64) / session.US
     req = request_features(
@@ -350,8 +273,7 @@ def build_features(
         request.has_device,
         batch,
     )
-    both = {k: np.asarray(v) for k, v in {**batch, **session_columns}.items()}
-    cols = {**both, **req, **spanning_features(both), **new_card_features(both)}
+    cols = {**{k: np.asarray(v) for k, v in batch.items()}, **req}
     decl = declarations()
     n = len(event_s)
     given = aggregations or {}

@@ -173,7 +173,7 @@ def configure_stream(p: argparse.ArgumentParser) -> None:
 COMMANDS: list[Command] = [
     Command(
         "stream",
-        "run the streaming updater (session features into Redis)",
+        "run the streaming updater (windowed features into Redis)",
         run_stream,
         configure_stream,
     ),

@@ -17,6 +17,7 @@ import pandas as pd
 US = 1_000_000
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 _WIDTHS_S = (1, 5, 60, 300, 3600, 21_600, 86_400)
+CAP = 100  # distinct_count saturates here (docs/features.md)
 
 
 def _window_s(label: str) -> int:
@@ -45,7 +46,9 @@ def reference(
         for col, allowed in decl.get("filter", {}).items():
             allowed = [allowed] if isinstance(allowed, str) else allowed
             ev = ev[ev[col].isin(allowed)]
-        for c in entity:
+        value = decl.get("value")
+        categorical = value is not None and value != "amount"
+        for c in [*entity, value] if categorical else entity:
             ev = ev[ev[c].notna() & (ev[c].astype(str) != "")]
         groups = (
             {(k if isinstance(k, tuple) else (k,)): g for k, g in ev.groupby(entity)}
@@ -66,7 +69,7 @@ def reference(
                         g = groups.get(key, ev.iloc[:0])
                     before = g[g["_us"] < t]
                     inwin = before[before["_us"] // u >= t // u - w_s * US // u]
-                    x = [float(v) for v in inwin[decl["value"]]] if decl.get("value") else []
+                    x = [float(v) for v in inwin[value]] if value and not categorical else []
                     if agg == "count":
                         v = float(len(inwin))
                     elif agg == "sum":
@@ -75,6 +78,16 @@ def reference(
                         v = math.fsum(x) / len(x) if x else 0.0
                     elif agg == "std":
                         v = float(np.std(x)) if x else 0.0
+                    elif agg == "distinct_count":
+                        v = float(min(len({str(c) for c in inwin[value]}), CAP))
+                    elif agg == "changed":
+                        recent = before[before["_us"] >= t - w_s * US]
+                        own = row[value]
+                        if not len(recent) or own is None or own != own or own == "":
+                            v = 0.0
+                        else:
+                            at = recent[recent["_us"] == recent["_us"].max()]
+                            v = 0.0 if str(own) in {str(c) for c in at[value]} else 1.0
                     else:  # seconds_since_last: exact window
                         recent = before[before["_us"] >= t - w_s * US]
                         v = (t - int(recent["_us"].max())) / US if len(recent) else float(w_s)

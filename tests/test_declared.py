@@ -39,6 +39,14 @@ aggregations:
     value: amount
     windows: [1h]
     features: {mean: d_mean}
+  - entity: card_id
+    value: country
+    windows: [1h, 1d]
+    features: {distinct_count: c_countries, changed: c_country_changed}
+  - entity: merchant_id
+    value: device_id
+    windows: [10m, 1h]
+    features: {distinct_count: m_devices}
 derived:
   - name: amount_to_m_mean_1d
     expr: where(m_mean_1d > 0, amount / m_mean_1d, 1.0)
@@ -63,10 +71,20 @@ def history(seed: int = 3) -> pd.DataFrame:
             "transaction_id": [f"t{i}" for i in range(n)],
             "card_id": rng.choice([f"c{i}" for i in range(20)], n),
             "merchant_id": merchant,
-            "device_id": np.where(rng.random(n) < 0.5, rng.choice(["d1", "d2", "d3"], n), None),
+            # The hot merchant's events come from ~300 devices (its distinct count
+            # saturates), the others' from 3.
+            "device_id": np.where(
+                rng.random(n) < 0.5,
+                np.where(
+                    merchant == "m-hot",
+                    [f"d{k}" for k in rng.integers(0, 300, n)],
+                    rng.choice(["d1", "d2", "d3"], n),
+                ),
+                None,
+            ),
             "amount": rng.lognormal(3, 1, n).round(2),
             "channel": rng.choice(["pos", "ecom", "atm"], n),
-            "country": "US",
+            "country": rng.choice(["US", "US", "GB", "FR"], n),
             "event_time": T0 + pd.to_timedelta(offs, unit="s"),
         }
     ).sort_values("event_time", ignore_index=True)
@@ -92,7 +110,13 @@ def test_the_language_names_the_field_it_refuses() -> None:
         ),
         "aggregations: [{entity: card_id, windows: [1h], features: {mean: x}}]": (
             "aggregations.0.value",
-            "need one",
+            "need a number column",
+        ),
+        "aggregations: [{entity: card_id, value: amount, windows: [1h], "
+        "features: {distinct_count: x}}]": ("aggregations.0.value", "need a categorical"),
+        "aggregations: [{entity: card_id, value: colour, windows: [1h], features: {changed: x}}]": (
+            "aggregations.0.value",
+            "unknown column 'colour'",
         ),
         "derived: [{name: r, expr: 'amount / nope'}]": ("derived.0.expr", "unknown name 'nope'"),
         "derived: [{name: r, expr: '__import__(1)'}]": ("derived.0.expr", "only these functions"),
@@ -156,7 +180,7 @@ def _live(
                 if key is not None
                 if e.transaction_id != rows[i]["transaction_id"]
             ]
-            feats, exact = D.online_row(spec, state, ts[i], mates)
+            feats, exact = D.online_row(spec, state, ts[i], mates, spec.own_code(rows[i]))
             assert exact, (spec.feature_names(), rows[i])
             served.setdefault(rows[i]["transaction_id"], {}).update(feats)
     return served
@@ -267,7 +291,7 @@ def test_late_shuffled_and_duplicated_events_land_at_their_own_time(
         flags = []
         for row, key, t in zip(rows, keys, t_us, strict=True):
             state = next(states) if key is not None else None
-            feats, exact = D.online_row(spec, state, t)
+            feats, exact = D.online_row(spec, state, t, own=spec.own_code(row))
             if not exact:  # the documented condition, counted from the history
                 same = np.ones(len(hist), bool)
                 for c in spec.entity:
@@ -371,15 +395,17 @@ def test_a_backfill_after_live_traffic_counts_the_whole_history_once(
     q = hist.tail(300).rename(columns={"event_time": "event_timestamp"}).reset_index(drop=True)
     q["event_timestamp"] = pd.Timestamp(t * 1000, tz="UTC")
     served: dict[str, list[float]] = {}
+    q_rows = q.to_dict("records")
     for spec in decl.specs:
-        keys = [spec.key_value(r) for r in q.to_dict("records")]
+        keys = [spec.key_value(r) for r in q_rows]
         pipe = client.pipeline(transaction=False)
         for key in keys:
             if key is not None:
                 D.queue_read(pipe, spec, key, t)
         states = iter(D.parse_reads(spec, pipe.execute(), [t] * sum(k is not None for k in keys)))
-        for key in keys:
-            feats, _ = D.online_row(spec, next(states) if key is not None else None, t)
+        for key, row in zip(keys, q_rows, strict=True):
+            state = next(states) if key is not None else None
+            feats, _ = D.online_row(spec, state, t, own=spec.own_code(row))
             for k, v in feats.items():
                 served.setdefault(k, []).append(v)
     trained = training_columns(decl, q, hist)

@@ -27,7 +27,7 @@ from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.redis_clients import async_client
 from fraud_scoring.redis_server import EmbeddedCluster
-from fraud_scoring.session import epoch_us
+from fraud_scoring.session import epoch_us, to_us
 from fraud_scoring.settings import Settings
 from service.core.model import ModelHolder
 from service.core.online_features import OnlineFeatureReader
@@ -136,7 +136,7 @@ def test_served_vector_equals_the_training_row(
     # key's present (this test reads after the whole day was applied): they are checked
     # in live order below (test_live_order_vector_equals_the_training_row).
     names = [n for n in F.default_model_features() if kinds[n].kind not in LIVE_ONLY]
-    assert {"hour_of_day_local", "card_is_new", "card_txn_count_1m"} <= set(names)
+    assert {"hour_of_day_local", "card_txn_count_30d", "merchant_fraud_rate_90d"} <= set(names)
     mismatches = _compare(names, ids, online, offline)
     assert not mismatches, f"served != training on {len(ids)} rows: {mismatches}"
     # The comparison means something: the rows have history, bursts and new cards.
@@ -318,20 +318,23 @@ def test_a_burst_sees_its_own_earlier_attempts(
     assert len(state[b"{card:c-burst}:ev"]) == 5
 
     # The 1-minute count the fifth attempt read: the stored state as of its time.
-    from fraud_scoring.session import parse_session_results, queue_session_reads
+    from fraud_scoring import declared as D
 
     fifth = Transaction.model_validate(_attempt(4))
+    t5 = to_us(fifth.event_time)
+    spec = next(s for s in F.declarations().specs if "card_txn_count_1m" in s.feature_names())
     pipe = client.pipeline(transaction=False)
-    queue_session_reads(pipe, [fifth.card_id], [fifth.event_ts])
-    cols = parse_session_results(
-        pipe.execute(), [fifth.card_id], [fifth.event_ts], [fifth.transaction_id]
-    )
-    assert cols["card_txn_count_1m"][0] == 4
+    D.queue_read(pipe, spec, fifth.card_id, t5)
+    (read,) = D.parse_reads(spec, pipe.execute(), [t5])
+    assert D.online_row(spec, read, t5)[0]["card_txn_count_1m"] == 4
+    declared = {k: client.dump(k) for k in client.scan_iter(match="{agg:*:t")}
+    assert declared
 
     # The event log catches up: the same five events through the real updater.
     xadd_all(client, STREAM, encode([_attempt(i) for i in range(5)]))
     _drain(url, tmp_path / "updater.log")
     assert dump_state(client) == state
+    assert {k: client.dump(k) for k in client.scan_iter(match="{agg:*:t")} == declared
 
 
 def test_backdating_each_attempt_does_not_hide_a_burst(

@@ -1,126 +1,105 @@
 """The scoring path's cheaper forms give the same answers: a card with thousands of
-events in 24 h is read with a bounded cost and still gets its exact session features,
+events in 24 h is read with a bounded cost and still gets its exact declared features,
 and the response body built without a validation pass is a valid ``ScoreOut``."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+from pathlib import Path
 
-from fraud_scoring.session import (
-    DAY_US,
-    HOUR_US,
-    MINUTE_US,
-    READ_CAP,
-    READ_LUA,
-    SESSION_NAMES,
-    US,
-    ReadStats,
-    SessionEvent,
-    parse_session_results,
-    queue_session_reads,
-    session_features,
-)
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from fraud_scoring import declared as D
+from fraud_scoring import features as F
+from fraud_scoring.session import DAY_US, US, SessionEvent
 from service.core.decision import Reason
 from service.core.scoring import ScoreResult
 from service.edge.schemas import ScoreOut
-from streaming.state import SessionWriter
 from tests.conftest_streaming import connect, stream_redis
+from tests.declared_reference import reference
 
 __all__ = ["stream_redis"]
 
+MINUTE_US, HOUR_US = 60 * US, 3600 * US
 MIDNIGHT = 1_767_225_600 * US  # 2026-01-01T00:00:00Z
 T = MIDNIGHT + 9 * HOUR_US + 17 * US + 250  # the scored transactions' time (µs)
 
 
-def heavy_card(n: int, seed: int = 7) -> list[SessionEvent]:
-    """``n`` events over the 26 h before ``T``, densest in the last hour (a card-testing
-    burst), amounts whose float sums depend on their order, several merchants and
-    countries, and ties on the same microsecond."""
+def heavy_card(n: int, seed: int = 7) -> pd.DataFrame:
+    """``n`` transactions of one card over the 26 h before ``T``, densest in the last
+    hour (a card-testing burst), 400 merchants, 4 countries, ties on one microsecond."""
     rng = np.random.default_rng(seed)
     ts = np.concatenate(
         [
             T - rng.integers(1, 26 * HOUR_US, n // 2),
             T - rng.integers(1, HOUR_US, n - n // 2 - 10),
-            np.full(10, T - 30 * MINUTE_US),  # ties: ordered by transaction_id
+            np.full(10, T - 30 * MINUTE_US),
         ]
     )
-    amounts = np.round(rng.lognormal(3, 1.5, n), 2) + rng.choice([0.0, 0.1, 1e-7], n)
-    return [
-        SessionEvent(
-            int(t),
-            f"t{i:05d}",
-            float(a),
-            f"m{rng.integers(0, 400)}",
-            str(rng.choice(["US", "DE", "FR", "BR"])),
-        )
-        for i, (t, a) in enumerate(zip(ts, amounts, strict=True))
-    ]
+    return pd.DataFrame(
+        {
+            "transaction_id": [f"t{i:05d}" for i in range(n)],
+            "card_id": "heavy",
+            "merchant_id": [f"m{k}" for k in rng.integers(0, 400, n)],
+            "device_id": None,
+            "amount": np.round(rng.lognormal(3, 1.5, n), 2),
+            "channel": "ecom",
+            "mcc": "5411",
+            "country": rng.choice(["US", "DE", "FR", "BR"], n),
+            "event_time": pd.to_datetime(ts * 1000, utc=True),
+        }
+    )
 
 
-@pytest.mark.parametrize("per_card", [False, True])
-def test_a_heavy_card_is_read_bounded_and_exact(stream_redis: str, per_card: bool) -> None:
+@pytest.mark.parametrize("n", [100, 10_000])
+def test_a_heavy_cards_read_is_bounded_and_exact(stream_redis: str, n: int) -> None:
+    """A card with ``n`` events (recorded by the updater's script, shuffled): every one
+    of its declared features read as of ``T`` equals the reference, and what crosses the
+    wire is bounded by the declared windows, not by the card's traffic."""
     client = connect(stream_redis)
-    events = heavy_card(5000)
-    SessionWriter(client, allowed_lateness_s=3 * 3600).apply([("heavy", e) for e in events])
-    client.script_load(READ_LUA)
-    in_window = [e for e in events if T - DAY_US <= e.ts_us < T]
-    assert len(in_window) > 20 * READ_CAP
-    older_one = sorted(in_window, key=lambda e: (e.ts_us, e.transaction_id))[5].transaction_id
-    # (excluded id, snapshot time): none; a replayed id among the older events; the
-    # batch snapshot at the last midnight; one older than the 24 h window.
-    cases = [
-        (None, 0),
-        (older_one, MIDNIGHT),
-        ("t-new", MIDNIGHT - 2 * DAY_US),
-        ("t-new", MIDNIGHT),
-    ]
+    client.flushdb()
+    decl = F.declarations()
+    specs = [s for s in decl.specs if s.entity == ("card_id",)]
+    hist = heavy_card(n)
+    rows = hist.sample(frac=1.0, random_state=1).to_dict("records")
+    ts = [int(pd.Timestamp(r["event_time"]).value // 1000) for r in rows]
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    for spec in specs:
+        limits = D.Limits.for_spec(spec, horizon_s=2 * 86400)
+        for lo in range(0, len(rows), 500):
+            pipe = client.pipeline(transaction=False)
+            D.queue_apply(
+                pipe, spec, D.events_for(spec, rows[lo : lo + 500], ts[lo : lo + 500]), limits
+            )
+            pipe.execute()
+    q = pd.DataFrame(
+        [{**rows[0], "transaction_id": "new", "event_timestamp": pd.Timestamp(T * 1000, tz="UTC")}]
+    )
     pipe = client.pipeline(transaction=False)
-    queue_session_reads(pipe, ["heavy"] * 4, [T / US] * 4, [c[0] for c in cases], per_card=per_card)
+    for spec in specs:
+        D.queue_read(pipe, spec, "heavy", T)
     replies = pipe.execute()
-    # What crossed the wire: at most READ_CAP events per read, whatever the card holds.
-    for per_txn in replies:
-        for events_read, older in per_txn:
-            assert len(events_read) == 2 * READ_CAP and older != 0
-    stats = ReadStats()
-    online = parse_session_results(
-        replies,
-        ["heavy"] * 4,
-        [T / US] * 4,
-        [c[0] for c in cases],
-        ["US"] * 4,
-        [c[1] / US for c in cases],
-        stats,
-    )
-    assert (stats.capped, stats.inexact) == (4, 0)
-    for i, (exclude, snapshot) in enumerate(cases):
-        expected = session_features(events, T, exclude, "US", snapshot)
-        got = tuple(float(online[name][i]) for name in SESSION_NAMES)
-        assert got == expected, f"case {i}"  # the same bits, sums included
-    assert online["card_txn_count_24h"][1] == len(in_window) - 1  # the replayed id left out
-
-
-def test_a_snapshot_inside_the_older_events_is_a_counted_lower_bound(stream_redis: str) -> None:
-    client = connect(stream_redis)
-    events = heavy_card(2000, seed=3)
-    SessionWriter(client, allowed_lateness_s=3 * 3600).apply([("heavy", e) for e in events])
-    client.script_load(READ_LUA)
-    snapshot = T - 20 * HOUR_US  # not a midnight, and among the older events
-    pipe = client.pipeline(transaction=False)
-    queue_session_reads(pipe, ["heavy"], [T / US], ["t-new"])
-    stats = ReadStats()
-    online = parse_session_results(
-        pipe.execute(), ["heavy"], [T / US], ["t-new"], ["US"], [snapshot / US], stats
-    )
-    assert (stats.capped, stats.inexact) == (1, 1)
-    exact = dict(
-        zip(SESSION_NAMES, session_features(events, T, "t-new", "US", snapshot), strict=True)
-    )
-    n_since = online["card_txn_count_since_snapshot"][0]
-    assert 0 < n_since <= exact["card_txn_count_since_snapshot"]
-    for name in SESSION_NAMES:  # every other feature stays exact
-        if not name.endswith("_since_snapshot"):
-            assert online[name][0] == exact[name], name
+    served: dict[str, float] = {}
+    for spec, reply in zip(specs, replies, strict=True):
+        bound = sum(slots * D.TILE.size for slots in spec.widths.values())
+        bound += D.NEWEST * D.NEWEST_REC.size + D.DISTINCT_CAP * D.NEWEST_REC.size
+        assert sum(len(x or b"") for x in reply) <= bound, spec.feature_names()
+        (state,) = D.parse_reads(spec, [reply], [T])
+        feats, exact = D.online_row(spec, state, T, own=spec.own_code(q.iloc[0].to_dict()))
+        assert exact
+        served.update(feats)
+    raw = yaml.safe_load(Path(decl.source).read_text())
+    raw["aggregations"] = [a for a in raw["aggregations"] if a["entity"] == "card_id"]
+    ref = reference(raw, q, hist, "event_timestamp")
+    assert set(ref) == set(served)
+    for name, want in ref.items():
+        assert served[name] == pytest.approx(want[0], rel=1e-9), name
+    if n == 10_000:
+        assert served["card_txn_count_1h"] > 4000
+        assert served["card_distinct_merchants_1h"] == D.DISTINCT_CAP
 
 
 def test_the_response_body_is_a_valid_score_out() -> None:

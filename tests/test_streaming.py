@@ -6,17 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
-
 from fraud_scoring.events import Transaction
-from fraud_scoring.session import (
-    READ_LUA,
-    SESSION_NAMES,
-    offline_session_features,
-    parse_session_results,
-    queue_session_reads,
-)
 from streaming.metrics import UpdaterMetrics
 from streaming.sources import KafkaSource, Message, RedisStreamSource
 from streaming.state import CardEvent, SessionWriter, card_event
@@ -26,7 +16,6 @@ from tests.conftest_streaming import (
     dump_state,
     encode,
     feed,
-    history_frame,
     kafka_bootstrap,
     sigkill,
     start_updater,
@@ -63,86 +52,6 @@ def clean_run(url: str, events: list[dict[str, object]]) -> None:
 
 def card_event_of(e: dict[str, object]) -> CardEvent:
     return card_event(Transaction.model_validate_event(e))
-
-
-def test_online_equals_offline_for_sampled_card_times(stream_redis: str) -> None:
-    events = feed(cards=600, late_fraction=0.15, max_lateness_s=120, duplicate_rate=0.05)
-    client = connect(stream_redis)
-    xadd_all(client, STREAM, encode(events))
-    updater = run_updater_in_process(stream_redis, len(events))
-    t = updater.totals
-    assert t.messages == len(events) and t.dead_letters == 0
-    assert t.applied.duplicates > 0 and t.applied.added == len(
-        {e["transaction_id"] for e in events}
-    )
-
-    hist = history_frame(events)
-    unique = hist.drop_duplicates("transaction_id").reset_index(drop=True)
-    rng = np.random.default_rng(1)
-    # Replays: transactions the updater has already applied, scored again (the hardest
-    # case for "never counts in its own features"). Fresh: new transactions at random
-    # times. Near: new transactions seconds after a real one, so short windows fill.
-    replay = unique.iloc[rng.choice(len(unique), 600, replace=False)]
-    t_lo, t_hi = unique["event_time"].min(), unique["event_time"].max()
-    span_us = int((t_hi - t_lo).total_seconds() * 1e6)
-    near_of = unique.iloc[rng.choice(len(unique), 600, replace=False)]
-
-    def new_txns(cards: np.ndarray, times: pd.Series | pd.DatetimeIndex) -> pd.DataFrame:
-        return pd.DataFrame(
-            {
-                "transaction_id": [f"new-{i}" for i in range(len(cards))],
-                "card_id": cards,
-                "merchant_id": "m-new",
-                "amount": 1.0,
-                "country": rng.choice(["US", "FR", "GB"], len(cards)),
-                "event_time": times,
-            }
-        )
-
-    fresh = new_txns(
-        unique["card_id"].to_numpy()[rng.integers(0, len(unique), 400)],
-        t_lo + pd.to_timedelta(rng.integers(0, span_us, 400), unit="us"),
-    )
-    near = new_txns(
-        near_of["card_id"].to_numpy(),
-        pd.DatetimeIndex(near_of["event_time"])
-        + pd.to_timedelta(rng.integers(0, 90_000_000, 600), unit="us"),
-    )
-    cols = list(fresh.columns)
-    q = pd.concat([replay[cols], fresh, near], ignore_index=True)
-    q["event_time"] = pd.to_datetime(q["event_time"], utc=True)
-    ts = (q["event_time"].astype("datetime64[ns, UTC]").astype("int64") / 1e9).tolist()
-    cards = q["card_id"].tolist()
-    # Batch snapshot times for the "since snapshot" pair: some time before the event
-    # (whole seconds, as the daily job writes them), or none (NaN offline, 0 online).
-    back = np.floor(rng.uniform(0, span_us / 1e6, len(q)))
-    q["card_snapshot_time"] = np.where(
-        rng.random(len(q)) < 0.2, np.nan, np.floor(np.asarray(ts)) - back
-    )
-
-    client.script_load(READ_LUA)
-    pipe = client.pipeline(transaction=False)
-    queue_session_reads(pipe, cards, ts)
-    online = parse_session_results(
-        pipe.execute(),
-        cards,
-        ts,
-        q["transaction_id"].tolist(),
-        q["country"].tolist(),
-        np.nan_to_num(q["card_snapshot_time"].to_numpy(), nan=0.0).tolist(),
-    )
-    offline = offline_session_features(q, history=hist)
-
-    assert len(q) >= 1000
-    assert (online["card_txn_count_1h"] > 0).sum() > 300  # not a test of empty windows
-    assert (online["card_txn_count_1m"] > 0).sum() > 300
-    since = online["card_txn_count_since_snapshot"]
-    assert (since > 0).sum() > 300 and (since < online["card_txn_count_24h"]).sum() > 100
-    for name in SESSION_NAMES:
-        if "count" in name or "distinct" in name or "changed" in name:
-            np.testing.assert_array_equal(online[name], offline[name], err_msg=name)
-        else:
-            np.testing.assert_allclose(online[name], offline[name], rtol=1e-12, err_msg=name)
 
 
 def test_malformed_events_go_to_the_dead_letter(stream_redis: str) -> None:

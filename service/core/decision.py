@@ -135,6 +135,8 @@ class Policy:
 # Rules-only decisions (degraded mode) use only what does not come from the batch job:
 # the request and the card's session counts.
 _SESSION_INDICATORS = tuple(i for i in INDICATORS if i.code.startswith("VELOCITY_"))
+# The features the rules-only decision reads (the card's velocity), when they were read.
+RULE_FEATURES = tuple(i.feature for i in _SESSION_INDICATORS)
 
 
 def rules_only(

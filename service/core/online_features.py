@@ -2,7 +2,8 @@
 
 Batch features are read straight from Feast's Redis layout (the same key and field
 encoding Feast's own reader uses, via Feast's helpers), which lets the batch and the
-session features of a whole micro-batch travel in one pipeline. Feast's Python read path
+declared features (``fraud_scoring/declared.py``, queued by the scorer) of a whole
+micro-batch travel in one pipeline. Feast's Python read path
 does not check TTL, so this reader does, as of each transaction's own event time:
 
 * snapshot time > t (a snapshot newer than the transaction, e.g. a replay): not usable;
@@ -23,7 +24,6 @@ import numpy as np
 from feast.infra.online_stores.helpers import _mmh3
 from feast.protos.feast.types.Value_pb2 import Value
 
-from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_key, stored_time
 from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
@@ -86,7 +86,7 @@ HMGET_SHA = hashlib.sha1(HMGET_LUA.encode()).hexdigest()
 
 
 class OnlineFeatureReader:
-    """Reads batch (Feast) and session features for many transactions at once."""
+    """Reads the batch (Feast) features of many transactions at once."""
 
     def __init__(self, project: str, entity_key_serialization_version: int = 3) -> None:
         self.project = project
@@ -102,7 +102,7 @@ class OnlineFeatureReader:
         for v in VIEWS:
             self._hmget_args += [len(self._fields[v.name]), *self._fields[v.name]]
         # Scripts a server must have loaded for :meth:`queue` (SCRIPT LOAD each).
-        self.scripts = (HMGET_LUA, *session.SCRIPTS)
+        self.scripts = (HMGET_LUA,)
 
     def key(self, view: BatchView, entity_id: str) -> bytes:
         return _online_key(self.project, view.join_key, entity_id, self.eksv)
@@ -110,8 +110,7 @@ class OnlineFeatureReader:
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
         """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline):
         the batch features (one :data:`HMGET_LUA` call for the batch; on a Redis Cluster
-        one HMGET per transaction and view), then the session reads (one script call for
-        the batch; one per transaction on a Cluster). Needs :attr:`scripts` loaded
+        one HMGET per transaction and view). Needs :attr:`scripts` loaded
         (``SCRIPT LOAD``); otherwise the replies are ``NoScriptError``."""
         cluster = is_cluster_pipeline(pipe)
         keys = [self.key(view, getattr(t, view.join_key)) for t in txns for view in VIEWS]
@@ -120,28 +119,15 @@ class OnlineFeatureReader:
                 pipe.hmget(key, self._fields[VIEWS[k % len(VIEWS)].name])
         elif keys:
             pipe.execute_command("EVALSHA", HMGET_SHA, len(keys), *keys, *self._hmget_args)
-        session.queue_session_reads(
-            pipe,
-            [t.card_id for t in txns],
-            [t.event_ts for t in txns],
-            [t.transaction_id for t in txns],
-            per_card=cluster,
-        )
 
-    def parse(
-        self,
-        replies: Sequence[Any],
-        txns: Sequence[Transaction],
-        stats: session.ReadStats | None = None,
-    ) -> FeatureRows:
+    def parse(self, replies: Sequence[Any], txns: Sequence[Transaction]) -> FeatureRows:
         """Turn the pipeline's replies (in queue order, exactly those :meth:`queue` queued)
-        into defaulted feature columns; ``stats`` is told of capped session reads."""
+        into defaulted feature columns."""
         n = len(txns)
-        if n and len(replies) == 2:
-            # One server: HMGET_LUA's one reply (the HMGETs' replies, in order), then the
-            # batch's one session read. (Per-key HMGETs are at least 2 x n replies plus
-            # n session reads on a Cluster, so never 2.)
-            replies = [*replies[0], replies[1]]
+        if n and len(replies) == 1:
+            # One server: HMGET_LUA's one reply (the HMGETs' replies, in order). (Per-key
+            # HMGETs on a Cluster are 2 x n replies, so never 1.)
+            replies = replies[0]
         event_ts = [t.event_ts for t in txns]  # a property that converts: once per row
         raw: dict[str, list[Any]] = {}
         missing: list[list[str]] = [[] for _ in range(n)]
@@ -170,16 +156,4 @@ class OnlineFeatureReader:
                 rows.append(values)
             columns = zip(*rows, strict=True) if rows else ((),) * len(names)
             raw.update(zip(names, map(list, columns), strict=True))
-        cols = apply_defaults(raw)
-        cols.update(
-            session.parse_session_results(
-                list(replies[n_views * n :]),
-                [t.card_id for t in txns],
-                event_ts,
-                [t.transaction_id for t in txns],
-                [t.country for t in txns],
-                cols["card_snapshot_time"].tolist(),
-                stats,
-            )
-        )
-        return FeatureRows(cols, missing, stale)
+        return FeatureRows(apply_defaults(raw), missing, stale)

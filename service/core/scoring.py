@@ -7,18 +7,19 @@ Runtime, off the event loop) → route (the challenger's canary) → decide (the
 observe (drift, decision log); one method each in :meth:`Scorer.score_batch`.
 
 **Read-your-writes.** The scoring request is the first place a transaction is seen, so
-each scored transaction joins its card's session state as part of scoring: after the
-batch's reads, the same pipeline carries one call per card of the updater's own script
-(:data:`fraud_scoring.session.APPLY_LUA`, idempotent on ``transaction_id``; all the
-micro-batch's cards in one call of its many-card form on one server), so the next
-attempt of a burst counts it even while the event log lags, and the updater's later copy
-is a duplicate. A transaction never counts in its own features (its read excludes it by
-time and id, and is queued before the write). Two attempts of one card in the *same*
-micro-batch do not see each other. Off with ``FRAUD_RECORD_SCORED=false`` or per request
-(``X-Fraud-Record: false``, for what-if and replay calls). A transaction stamped more
-than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is scored but not recorded,
-as the updater dead-letters it; one far in the past is dropped by the script itself
-without trimming the card's real history (see ``streaming/state.py``).
+each scored transaction joins its card's history and every declared state as part of
+scoring: after the batch's reads, the same pipeline carries the updater's own scripts
+(:data:`fraud_scoring.session.APPLY_LUA` for the card's history,
+:data:`fraud_scoring.declared.APPLY_LUA` for the declared keys; idempotent on
+``transaction_id``), so the next attempt of a burst counts it even while the event log
+lags, and the updater's later copy is a duplicate. A transaction never counts in its own
+features (its read is queued before the write, and counts only what is before its time).
+Attempts of one key in the *same* micro-batch see each other in event-time order
+(:func:`fraud_scoring.declared.parse_batch`). Off with ``FRAUD_RECORD_SCORED=false`` or
+per request (``X-Fraud-Record: false``, for what-if and replay calls). A transaction
+stamped more than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is scored but
+not recorded, as the updater dead-letters it; one far in the past is dropped by the
+script itself without trimming the card's real history (see ``streaming/state.py``).
 
 The dynamic batcher calls :meth:`Scorer.score_batch` with whatever micro-batch it formed;
 the naive path (batching off) calls it with one transaction per request.
@@ -49,7 +50,7 @@ from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluste
 from fraud_scoring.settings import Settings
 from service.core import idempotency
 from service.core.challenger import Challenger
-from service.core.decision import FEATURES_READ, Policy, Reason, rules_only
+from service.core.decision import FEATURES_READ, RULE_FEATURES, Policy, Reason, rules_only
 from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
@@ -58,18 +59,6 @@ log = logging.getLogger(__name__)
 
 # A failed store call, or one past FRAUD_REDIS_TIMEOUT_S (the scorer's own bound).
 STORE_OR_TIMEOUT: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
-
-
-@functools.cache
-def _capped_reads() -> Counter:
-    """Session reads of a card with more than ``session.READ_CAP`` events in its 24 h
-    window (the rest came as server-side totals): ``exact`` "false" when that left the
-    ``*_since_snapshot`` pair a lower bound (see ``session.OlderEvents``)."""
-    return Counter(
-        "fraud_session_reads_capped",
-        "Session reads whose older events came as server-side totals (read cap)",
-        ("exact",),
-    )
 
 
 # Declared keys accept an event up to this long behind their newest (plus the allowed
@@ -332,8 +321,8 @@ class Scorer:
     async def read_features(
         self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
     ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]]]:
-        """All feature columns (batch, session, declared, request, spanning, new-card,
-        derived) for ``txns``, assembled by :func:`fraud_scoring.features.build_features`,
+        """All feature columns (batch, declared, request and derived) for ``txns``,
+        assembled by :func:`fraud_scoring.features.build_features`,
         in one round trip that also records the transactions (``record[i]`` False: not
         that one; None: all)."""
         batch = _Batch.of(txns, self._to_record(txns, record))
@@ -358,12 +347,7 @@ class Scorer:
             self.health.observed(replies[: lay.markers], lay.states)
         if batch.by_card:
             await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
-        stats = session.ReadStats()
-        rows = self.reader.parse(replies[lay.markers : lay.reader], txns, stats)
-        if stats.capped:
-            _capped_reads().labels(exact="true").inc(stats.capped - stats.inexact)
-            if stats.inexact:
-                _capped_reads().labels(exact="false").inc(stats.inexact)
+        rows = self.reader.parse(replies[lay.markers : lay.reader], txns)
         aggs, inexact = D.parse_batch(
             lay.plan,
             replies[lay.reader : lay.reads_end],
@@ -381,8 +365,7 @@ class Scorer:
             channel=[t.channel for t in txns],
             has_device=[t.device_id is not None for t in txns],
         )
-        # rows.columns holds both the batch (defaulted) and the session columns.
-        cols = F.build_features(rows.columns, rows.columns, request, aggs)
+        cols = F.build_features(rows.columns, request, aggs)
         return cols, rows.missing, rows.stale
 
     def _declared_read(self) -> D.Declarations:
@@ -414,10 +397,10 @@ class Scorer:
         return self._declared_for[2]
 
     async def _round_trip(self, batch: _Batch) -> tuple[list[Any], _Layout]:
-        """The batch's one pipelined round trip: the reads (batch features, session
-        state, declared keys), then the writes (queued after them, so no read sees its
-        own transaction). Returns the replies (errors in place) and where each part
-        lies; a failed or late round trip is FeatureStoreUnavailable (and a failure for
+        """The batch's one pipelined round trip: the reads (batch features, declared keys),
+        then the writes (the card's history, the declared keys; queued after them, so no
+        read sees its own transaction). Returns the replies (errors in place) and where each
+        part lies; a failed or late round trip is FeatureStoreUnavailable (and a failure for
         the breaker)."""
         pipe = self._pipeline()
         decl = self._declared_read()
@@ -488,9 +471,9 @@ class Scorer:
     async def _load_scripts(self) -> None:
         try:
             async with asyncio.timeout(self.settings.redis_timeout_s):
-                await self._load([*self.reader.scripts, *D.SCRIPTS])
+                await self._load([*self.reader.scripts, *session.SCRIPTS, *D.SCRIPTS])
         except STORE_OR_TIMEOUT as exc:
-            log.warning("loading the session scripts failed: %s", exc)
+            log.warning("loading the store's scripts failed: %s", exc)
             if self.health is not None:
                 self.health.failed()
             raise FeatureStoreUnavailable("feature store unavailable") from exc
@@ -514,7 +497,7 @@ class Scorer:
                 replies = [exc]
         for r in replies:
             if isinstance(r, Exception):
-                log.warning("recording scored transactions in session state failed: %s", r)
+                log.warning("recording scored transactions in the card history failed: %s", r)
                 return
 
     def _rules_only(
@@ -525,13 +508,11 @@ class Scorer:
         t0: float,
     ) -> list[ScoreResult]:
         """Degraded decisions: rules on the request and, when read (``cols``), the
-        session counts. Not sent to the decision log (it records model inputs)."""
+        card's velocity counts. Not sent to the decision log (it records model inputs)."""
         out = []
         for i, t in enumerate(txns):
             sess = (
-                {}
-                if cols is None
-                else {n: float(cols[n][i]) for n in session.SESSION_NAMES if n in cols}
+                {} if cols is None else {n: float(cols[n][i]) for n in RULE_FEATURES if n in cols}
             )
             decision, reasons = rules_only(t.amount, sess, self.settings.review_amount_limit)
             out.append(

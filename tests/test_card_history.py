@@ -1,0 +1,49 @@
+"""A card's history in the online store: the write side every recorder shares."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fraud_scoring.session import (
+    DAY_US,
+    US,
+    SessionEvent,
+    events_key,
+    ids_key,
+)
+from streaming.state import SessionWriter
+from tests.conftest_streaming import connect, stream_redis
+
+__all__ = ["stream_redis"]
+
+T0 = 1_767_225_600 * US  # 2026-01-01T00:00:00Z in µs
+
+
+def ev(
+    t_s: float, tid: str, amount: float = 10.0, merchant: str = "m1", country: str = "US"
+) -> SessionEvent:
+    return SessionEvent(T0 + round(t_s * US), tid, amount, merchant, country)
+
+
+def test_apply_is_idempotent_and_state_is_bounded(stream_redis: str) -> None:
+    client = connect(stream_redis)
+    writer = SessionWriter(client, allowed_lateness_s=60)
+    # 3 days of one event every 10 minutes for one card, applied twice, shuffled.
+    evs = [ev(600 * i, f"t{i:04d}") for i in range(3 * 144)]
+    rng = np.random.default_rng(0)
+    first = writer.apply([("c1", evs[i]) for i in rng.permutation(len(evs))])
+    again = writer.apply([("c1", e) for e in evs])
+    assert first.added + first.dropped >= len(evs) and first.duplicates == 0
+    assert again.added == 0 and again.duplicates + again.dropped == len(evs)
+    newest = evs[-1].ts_us
+    kept = client.zrange(events_key("c1"), 0, -1, withscores=True)
+    assert min(s for _, s in kept) >= newest - DAY_US - 60 * US
+    assert len(kept) == client.hlen(ids_key("c1")) <= 24 * 6 + 1 + 1
+    assert client.ttl(events_key("c1")) > 0
+    # Too late to matter: dropped and counted. Late but within retention: applied, counted.
+    r = writer.apply([("c1", ev(0, "ancient")), ("c1", ev(600 * 431 - 120, "late"))])
+    assert (r.added, r.dropped, r.late) == (1, 1, 2)
+    assert not client.hexists(ids_key("c1"), "ancient")
+    assert client.hexists(ids_key("c1"), "late")
+    # Keys of a card share one hash tag (one Redis Cluster slot).
+    assert events_key("c1").startswith("{card:c1}") and ids_key("c1").startswith("{card:c1}")
