@@ -350,3 +350,43 @@ def test_generated_stubs_are_current() -> None:
     from service.edge.proto.__main__ import main
 
     assert main(["--check"]) == 0
+
+
+def test_chart_exposes_the_grpc_port_only_when_set() -> None:
+    """``scoring.service.grpcPort``: a container port, FRAUD_GRPC_PORT, a Service port
+    and the network policy's ingress port; none of them by default. Every object stays
+    valid Kubernetes (strict)."""
+    import kubernetes_validate
+
+    from tests.test_helm import KUBE_VERSION, RELEASE, component, find, one, pod_spec, render
+
+    def parts(docs: list[dict[str, Any]]) -> tuple[set[str], dict[str, str], set[str], set[Any]]:
+        (c,) = pod_spec(component(docs, "scoring"))["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        scoring_services = [
+            s for s in find(docs, "Service") if s["metadata"]["name"] == f"{RELEASE}-fraud-scoring"
+        ]
+        (service,) = scoring_services
+        policy = one(docs, "NetworkPolicy", f"{RELEASE}-fraud-scoring-scoring")
+        ingress = {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
+        return (
+            {p["name"] for p in c["ports"]},
+            env,
+            {p["name"] for p in service["spec"]["ports"]},
+            ingress,
+        )
+
+    off = render({"networkPolicy": {"enabled": True}})
+    ports, env, service_ports, ingress = parts(off)
+    assert "grpc" not in ports and "FRAUD_GRPC_PORT" not in env
+    assert service_ports == {"http"} and ingress == {"http"}
+
+    on = render({"networkPolicy": {"enabled": True}, "scoring": {"service": {"grpcPort": 8081}}})
+    ports, env, service_ports, ingress = parts(on)
+    assert "grpc" in ports and env["FRAUD_GRPC_PORT"] == "8081"
+    assert service_ports == {"http", "grpc"} and ingress == {"http", "grpc"}
+    (c,) = pod_spec(component(on, "scoring"))["containers"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == 8081
+    for doc in on:
+        if doc["kind"] not in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)

@@ -4,6 +4,7 @@ client (tritonclient) reaches the model. Real HTTP against ``fraud-scoring serve
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, get_args
 
@@ -184,3 +185,136 @@ def test_oip_errors_use_the_protocol_shape(server: Server) -> None:
         for r in cases:
             assert set(r.json()) == {"error"} and r.json()["error"], r.text
         assert c.get("/v2/health/live").json() == {"live": True}
+
+
+def test_oip_binary_tensors(server: Server, world: World) -> None:
+    """tritonclient's default, the binary tensor extension, both ways and mixed with
+    JSON: the same scores as ONNX Runtime; versioned readiness."""
+    path = resolve(world.model_repo, "fraud")
+    meta = load_metadata(path)
+    n = len(meta.features)
+    x = np.random.default_rng(8).uniform(0, 50, size=(4, n)).astype(np.float32)
+    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    want = session.run([meta.output_name], {meta.input_name: x})[0][:, 1]
+    client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
+    try:
+        for binary_in, binary_out in [(True, True), (True, False), (False, True)]:
+            inp = triton.InferInput(meta.input_name, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary_in)
+            out = triton.InferRequestedOutput(meta.output_name, binary_data=binary_out)
+            result = client.infer("fraud", [inp], outputs=[out], request_id="b-1")
+            got = result.as_numpy(meta.output_name)
+            assert got is not None and got.dtype == np.float32, (binary_in, binary_out)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+            assert result.get_response()["id"] == "b-1"
+            tensor = result.get_response()["outputs"][0]
+            assert ("binary_data_size" in tensor.get("parameters", {})) is binary_out
+        # No outputs named: tritonclient asks for all of them in binary (binary_data_output).
+        inp = triton.InferInput(meta.input_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        plain = client.infer("fraud", [inp], model_version=meta.version)
+        np.testing.assert_allclose(plain.as_numpy(meta.output_name), want, rtol=1e-6)
+        nan = x.copy()
+        nan[2, 1] = np.nan
+        inp.set_data_from_numpy(nan)
+        element = rf"element {2 * n + 1} \(row 2, column 1: '{meta.feature_names[1]}'\) is NaN"
+        with pytest.raises(InferenceServerException, match=element):
+            client.infer("fraud", [inp])
+
+        assert client.is_model_ready("fraud", meta.version)
+        assert not client.is_model_ready("fraud", "999")
+    finally:
+        client.close()
+
+    with server.client() as c:
+        r = c.get(f"/v2/models/fraud/versions/{meta.version}/ready")
+        assert r.status_code == 200 and r.json() == {"name": "fraud", "ready": True}
+        r = c.get("/v2/models/fraud/versions/999/ready")
+        assert r.status_code == 404 and set(r.json()) == {"error"} and "999" in r.json()["error"]
+        head = {
+            "inputs": [
+                {
+                    "name": meta.input_name,
+                    "shape": [1, n],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 4 * n},
+                }
+            ]
+        }
+        text = json.dumps(head).encode()
+        row = x[:1].astype("<f4").tobytes()
+        cases = [
+            # The length header past the body.
+            ({"Inference-Header-Content-Length": "99999"}, text + row, "Inference-Header"),
+            # Fewer bytes than binary_data_size.
+            (
+                {"Inference-Header-Content-Length": str(len(text))},
+                text + row[:-4],
+                "binary_data_size",
+            ),
+            # Binary data, but the header not sent: the body is not JSON.
+            ({}, text + row, "body|JSON|json"),
+            # The header sent, the input without binary_data_size.
+            (
+                {"Inference-Header-Content-Length": str(len(_no_size(head)))},
+                _no_size(head) + row,
+                "no parameters.binary_data_size",
+            ),
+        ]
+        for headers, body, message in cases:
+            r = c.post("/v2/models/fraud/infer", content=body, headers=headers)
+            assert r.status_code == 400, (headers, r.text)
+            assert set(r.json()) == {"error"} and re.search(message, r.json()["error"]), r.text
+
+
+def _no_size(head: dict[str, Any]) -> bytes:
+    inputs = [{k: v for k, v in i.items() if k != "parameters"} for i in head["inputs"]]
+    return json.dumps({**head, "inputs": inputs}).encode()
+
+
+def test_oip_refuses_elements_that_are_not_finite_numbers(server: Server, world: World) -> None:
+    """null, NaN, infinities, numbers beyond FP32, strings and booleans: 400 naming the
+    element (index, row, column, feature), never scored."""
+    meta = load_metadata(resolve(world.model_repo, "fraud"))
+    n = len(meta.features)
+    values = ["1.0"] * (2 * n)
+    where = rf"element {n + 3} \(row 1, column 3: '{meta.feature_names[3]}'\)"
+    cases = {
+        "null": "is null",
+        "NaN": "is NaN",
+        "Infinity": "is infinite",
+        "-Infinity": "is infinite",
+        "1e39": "is infinite",  # beyond FP32's range
+        '"1.5"': "is '1.5', a str",
+        "true": "is True, a bool",
+    }
+    with server.client() as c:
+        for token, message in cases.items():
+            data = values.copy()
+            data[n + 3] = token
+            tensor = {"name": meta.input_name, "shape": [2, n], "datatype": "FP32", "data": "@"}
+            body = json.dumps({"inputs": [tensor]}).replace('"@"', f"[{', '.join(data)}]")
+            r = c.post("/v2/models/fraud/infer", content=body.encode())
+            assert r.status_code == 400, (token, r.text)
+            assert re.search(where, r.json()["error"]) and message in r.json()["error"], r.text
+        nested = {"name": meta.input_name, "shape": [2, n], "datatype": "FP32"}
+        ragged = [[1.0] * n, [1.0] * (n - 1)]
+        r = c.post("/v2/models/fraud/infer", json={"inputs": [{**nested, "data": ragged}]})
+        assert r.status_code == 400 and "not a regular array" in r.json()["error"], r.text
+        good = [[1.0] * n, [2.0] * n]
+        r = c.post("/v2/models/fraud/infer", json={"inputs": [{**nested, "data": good}]})
+        assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [2], r.text
+
+
+def test_oip_unknown_routes_and_methods_answer_the_protocol_shape(server: Server) -> None:
+    with server.client() as c:
+        cases = [
+            (c.get("/v2/nope"), 404),
+            (c.get("/v2/models/fraud/versions/1/nope"), 404),
+            (c.delete("/v2/models/fraud"), 405),
+            (c.get("/v2/models/fraud/infer"), 405),
+            (c.post("/v2/models/fraud/ready"), 405),
+        ]
+        for r, status in cases:
+            assert r.status_code == status, r.request.url
+            assert set(r.json()) == {"error"} and r.json()["error"], r.text

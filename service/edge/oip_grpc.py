@@ -50,7 +50,7 @@ from service.edge.oip_model import (
     check_outputs,
     deadline,
     from_bytes,
-    from_values,
+    from_floats,
     predict,
     served,
 )
@@ -209,7 +209,7 @@ class InferenceService:
                 f"inputs.0.contents.{others[0]}: an FP32 input's data is fp32_contents "
                 "(or raw_input_contents)"
             )
-        return from_values(model, tensor.name, contents.fp32_contents, shape)
+        return from_floats(model, tensor.name, contents.fp32_contents, shape)
 
 
 _HOW = "'authorization: Bearer <key>' metadata"

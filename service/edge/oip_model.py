@@ -13,6 +13,7 @@ named by its element index, row, column and feature, never scored.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -85,31 +86,47 @@ def check_outputs(model: LoadedModel, names: Iterable[str]) -> None:
             raise BadRequest(f"output {name!r} unknown; the model's is {want!r}")
 
 
-def from_values(model: LoadedModel, name: str, values: Any, shape: tuple[int, int]) -> np.ndarray:
-    """JSON (or protobuf repeated) tensor data, flat or nested row-major, as float32
-    ``shape``; every element must be a number (not a bool, string or ``null``) and
-    finite."""
+def from_values(
+    model: LoadedModel, name: str, values: list[Any], shape: tuple[int, int]
+) -> np.ndarray:
+    """JSON tensor data, flat or nested row-major, as float32 ``shape``; every element
+    must be a number (not a bool, a string or ``null``) and finite."""
     try:
         arr = np.asarray(values)
     except ValueError:  # ragged nesting
         raise BadRequest(
             f"input {name!r}: data is not a regular array of shape {list(shape)}"
         ) from None
-    if arr.size != shape[0] * shape[1]:
-        raise BadRequest(
-            f"input {name!r}: {arr.size} elements; shape {list(shape)} needs {shape[0] * shape[1]}"
-        )
-    if arr.dtype.kind not in "iuf":
-        flat = arr.reshape(-1)
-        for i, v in enumerate(flat.tolist()):
+    _check_size(name, arr.size, shape)
+    # numpy makes one type of them all (a bool turns 1.0, a number next to a string a
+    # string): look at the elements as sent, ~50 us for 128 rows.
+    flat = itertools.chain.from_iterable(values) if isinstance(values[0], list) else values
+    if not set(map(type, flat)) <= {float, int}:
+        for i, v in enumerate(np.asarray(values, dtype=object).reshape(-1).tolist()):
             if v is None or isinstance(v, bool) or not isinstance(v, int | float):
                 raise BadRequest(f"input {name!r}: {_element(model, i, shape)} is {_shown(v)}")
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             x = arr.astype(np.float32).reshape(shape)
-    except (OverflowError, ValueError, TypeError) as exc:
+    except (OverflowError, ValueError, TypeError) as exc:  # e.g. an int beyond int64
         raise BadRequest(f"input {name!r}: data is not FP32: {exc}") from None
     return check_finite(model, name, x)
+
+
+def from_floats(
+    model: LoadedModel, name: str, values: Sequence[float], shape: tuple[int, int]
+) -> np.ndarray:
+    """Protobuf ``fp32_contents`` (floats already) as float32 ``shape``, finite."""
+    arr = np.asarray(values, dtype=np.float32)
+    _check_size(name, arr.size, shape)
+    return check_finite(model, name, arr.reshape(shape))
+
+
+def _check_size(name: str, size: int, shape: tuple[int, int]) -> None:
+    if size != shape[0] * shape[1]:
+        raise BadRequest(
+            f"input {name!r}: {size} elements; shape {list(shape)} needs {shape[0] * shape[1]}"
+        )
 
 
 def from_bytes(model: LoadedModel, name: str, raw: bytes, shape: tuple[int, int]) -> np.ndarray:
