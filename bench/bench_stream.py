@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--baseline-events", type=int, default=10_000)
     ap.add_argument("--rate", type=float, default=2000.0, help="events/s for the lag run")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of the lag run")
+    ap.add_argument(
+        "--hot-share", type=float, default=0.3, help="share of the hot-key run's events on one key"
+    )
     args = ap.parse_args()
 
     feed = live_events(
@@ -169,8 +172,16 @@ def main() -> None:
         )
     )
     payloads = [json.dumps(e).encode() for e in feed][: args.events]
+    # The same events with a share moved onto one card at one merchant (a hot key: a
+    # card-testing burst, a busy merchant).
+    rng = np.random.default_rng(5)
+    hot_events = [dict(e) for e in feed[: args.events]]
+    for i in np.flatnonzero(rng.random(len(hot_events)) < args.hot_share):
+        hot_events[i].update(card_id="c-hot", merchant_id="m-hot")
+    hot_payloads = [json.dumps(e).encode() for e in hot_events]
     with embedded_redis() as url:
         fast = throughput(url, payloads, SessionWriter)
+        hot = throughput(url, hot_payloads, SessionWriter)
         slow = throughput(url, payloads[: args.baseline_events], UnpipelinedWriter)
         lag = lag_at_rate(url, args.rate, args.seconds, sleeping=False)
         lag_base = lag_at_rate(url, args.rate, args.seconds, sleeping=True)
@@ -183,6 +194,13 @@ def main() -> None:
         ("events_per_cpu_s", "events per updater CPU-second"),
     ):
         print(f"{label:34}{fast[key]:>16,.0f}{slow[key]:>18,.0f}")
+    print(f"\nwith a hot key ({args.hot_share:.0%} of the events on one card and merchant)")
+    print(f"{'':34}{'no hot key':>16}{'hot key':>18}")
+    for key, label in (
+        ("events_per_s", "events/s (wall)"),
+        ("events_per_cpu_s", "events per updater CPU-second"),
+    ):
+        print(f"{label:34}{fast[key]:>16,.0f}{hot[key]:>18,.0f}")
     print(f"\nevent-to-servable lag at {args.rate:,.0f} events/s for {args.seconds:.0f}s")
     print(f"{'':34}{'blocking read':>16}{'100 ms trigger':>18}")
     for key, label in (
@@ -195,7 +213,13 @@ def main() -> None:
         print(f"{label:34}{lag[key]:>16{fmt}}{lag_base[key]:>18{fmt}}")
     print(
         json.dumps(
-            {"throughput": fast, "throughput_baseline": slow, "lag": lag, "lag_baseline": lag_base}
+            {
+                "throughput": fast,
+                "throughput_hot_key": hot,
+                "throughput_baseline": slow,
+                "lag": lag,
+                "lag_baseline": lag_base,
+            }
         )
     )
 

@@ -304,6 +304,20 @@ class Declarations:
     def names(self) -> list[str]:
         return [*self.aggregate_names(), *(d.name for d in self.derived)]
 
+    def needed(self, names: set[str]) -> set[str]:
+        """``names`` and every feature their derived ones read, transitively."""
+        exprs = {d.name: d.expr for d in self.derived}
+        out, todo = set(), list(names)
+        while todo:
+            n = todo.pop()
+            if n in out:
+                continue
+            out.add(n)
+            if n in exprs:
+                tree = ast.parse(exprs[n], mode="eval")
+                todo += [x.id for x in ast.walk(tree) if isinstance(x, ast.Name)]
+        return out
+
     def defaults(self) -> dict[str, float]:
         return {
             f.name: f.window.us / US if f.agg == "seconds_since_last" else 0.0

@@ -411,3 +411,16 @@ def test_a_backfill_after_live_traffic_counts_the_whole_history_once(
     trained = training_columns(decl, q, hist)
     ref = reference(yaml.safe_load(DECL), q, hist, "event_timestamp")
     _assert_equal(q, served, trained, ref)
+
+
+def test_a_model_reads_only_the_states_its_features_need() -> None:
+    """The scorer reads (and requires backfilled) only the states a serving model's
+    features come from, derived ones followed to what they read: a declaration added
+    for a later model does not stop today's from serving."""
+    decl = D.parse(yaml.safe_load(DECL), "test")
+    need = decl.needed({"amount_to_m_mean_1d"})
+    assert {"amount_to_m_mean_1d", "m_mean_1d", "amount"} <= need
+    assert [s.feature_names()[0] for s in decl.specs if need & set(s.feature_names())] == [
+        "m_count_1m"
+    ]
+    assert decl.needed({"cm_count_10m"}) == {"cm_count_10m"}

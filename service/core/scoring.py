@@ -382,12 +382,9 @@ class Scorer:
             names = set(champion.meta.feature_names)
             if challenger is not None:
                 names.update(challenger.meta.feature_names)
-            needed = set(decl.aggregate_names()) & names
-            # A derived feature reads others: keep every state when any derived is used.
-            if any(d.name in names for d in decl.derived):
-                specs = decl.specs
-            else:
-                specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
+            # A derived feature reads others: the states those come from too.
+            needed = decl.needed(names)
+            specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
             self._declared_for = (champion, challenger, dataclasses.replace(decl, specs=specs))
             if self.health is not None:  # their markers are checked with the views'
                 self.health.states = [
