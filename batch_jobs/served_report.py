@@ -84,6 +84,7 @@ def served_report(
         row["frauds_flagged"] = int((y_all[m] & (decision[m] != "approve")).sum())
         per_day.append(row)
     versions = table.column("model_version").to_numpy(zero_copy_only=False).astype(str)
+    rules_only = versions == "rules-only"  # degraded: no model, no score
     return {
         "model": model_name,
         "from": first.isoformat(),
@@ -98,11 +99,12 @@ def served_report(
             "none": int(sum(v is None for v in known)),
         },
         "decisions_per_day": per_day,
+        "rules_only_decisions": int(rules_only.sum()),
         "versions": {
             v: _version_report(
                 table.filter(pa.array(versions == v)), y_all[versions == v], model_repo, model_name
             )
-            for v in sorted(set(versions), key=lambda s: (len(s), s))
+            for v in sorted(set(versions[~rules_only]), key=lambda s: (len(s), s))
         },
     }
 

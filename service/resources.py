@@ -176,8 +176,9 @@ class Sinks:
 
 
 def _is_new(r: ScoreResult) -> bool:
-    """A new decision (not a retry's kept answer, not a refusal)."""
-    return r.logged
+    """A new model decision (not a retry's kept answer, not a refusal, not rules-only:
+    the drift monitor watches model inputs)."""
+    return r.logged and r.degraded is None
 
 
 def _log_takes(r: ScoreResult) -> bool:

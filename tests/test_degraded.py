@@ -13,6 +13,7 @@ test's own real Redis-protocol server (never the shared world's, which stays int
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -106,6 +107,17 @@ def test_flushed_store_is_declared_and_the_policy_applies(
                 assert 'fraud_degraded_decisions_total{cause="no_batch_features"} 2.0' in (
                     c.get("/metrics").text
                 )
+                # Every answered decision is logged, the rules-only ones too.
+                log = redis.Redis.from_url(own_redis)
+
+                def rules_logged() -> list[dict]:
+                    entries = [json.loads(f[b"d"]) for _, f in log.xrange("decisions")]
+                    return [e for e in entries if e["model_version"] == "rules-only"]
+
+                wait_until(lambda: len(rules_logged()) == 2, what="rules-only decisions logged")
+                first = rules_logged()[0]
+                assert first["score"] is None and first["degraded"] == "no_batch_features"
+                assert first["decision"] == "review" and "card_txn_count_10m" in first["features"]
 
             mark_materialized(own_redis, PROJECT)  # the batch job runs again
             mark_declared(own_redis)  # and backfills the declared states

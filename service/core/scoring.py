@@ -505,7 +505,8 @@ class Scorer:
         t0: float,
     ) -> list[ScoreResult]:
         """Degraded decisions: rules on the request and, when read (``cols``), the
-        card's velocity counts. Not sent to the decision log (it records model inputs)."""
+        card's velocity counts. Handed to ``on_scored`` like every decision, with the
+        rules' inputs as the vector (the decision log records them; drift skips them)."""
         out = []
         for i, t in enumerate(txns):
             sess = (
@@ -532,6 +533,15 @@ class Scorer:
                 "decision": 0.0,
                 "batch_size": float(len(txns)),
             }
+        if self.on_scored is not None:
+            names = [n for n in RULE_FEATURES if cols is not None and n in cols]
+            x = np.asarray(
+                [[float(cols[n][i]) for n in names] for i in range(len(txns))]  # type: ignore[index]
+                if names
+                else np.zeros((len(txns), 0)),
+                dtype=np.float64,
+            ).reshape(len(txns), len(names))
+            self.on_scored(txns, x, names, out)
         return out
 
     async def score_requests(self, items: Sequence[ScoreRequest]) -> list[ScoreResult]:

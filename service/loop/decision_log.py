@@ -30,7 +30,9 @@ model), ``missing``, ``stale``, ``score``, ``model_version``, ``decision``, ``re
 (codes), ``timing_ms``, ``challenger_version`` and ``challenger_score`` (null when no
 challenger ran), ``routed_to`` (``champion`` | ``challenger``: which model decided, the
 one ``model_version`` and ``score`` are of, and whose vector ``features`` is),
-``champion_version`` and ``champion_score``.
+``champion_version`` and ``champion_score``, ``degraded`` (null, or why rules decided:
+such an entry has ``score`` null, ``model_version`` "rules-only" and the rules' inputs as
+``features``).
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def encode(p: _Pending) -> LogRecord:
         "decision": r.decision,
         "reasons": [x.code for x in r.reasons],
         "timing_ms": r.timing_ms,
+        "degraded": r.degraded,
         "challenger_version": r.challenger_version,
         "challenger_score": r.challenger_score,
         "routed_to": r.routed_to,
