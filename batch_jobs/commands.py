@@ -285,14 +285,16 @@ def run_train(args: argparse.Namespace, settings: Settings) -> None:
     cfg = load_train_config(args.config, overrides)
     check_raw(settings.data_dir / "raw")
     with contextlib.ExitStack() as stack:
-        pit_join = None
+        pit_join = declared_columns = None
         if (args.engine or settings.batch_engine) == "spark":
+            from batch_jobs.declared_spark import spark_training_columns
             from batch_jobs.spark_engine import point_in_time_join_spark, spark_run
 
             spark = stack.enter_context(spark_run(settings.spark_master))
             pit_join = functools.partial(
                 point_in_time_join_spark, spark, settings.data_dir / "features"
             )
+            declared_columns = functools.partial(spark_training_columns, spark)
         url = stack.enter_context(redis_url(settings.redis_url))
         meta = train(
             settings.data_dir,
@@ -301,6 +303,7 @@ def run_train(args: argparse.Namespace, settings: Settings) -> None:
             cfg,
             settings.feature_store_yaml,
             pit_join=pit_join,
+            declared_columns=declared_columns,
         )
     print(
         f"model {meta.name} version {meta.version}: "

@@ -59,6 +59,7 @@ from batch_jobs.evaluate import (
 from batch_jobs.labels import known_frauds
 from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
+from fraud_scoring import declared as D
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.drift import REFERENCE_FILE, build_reference
@@ -246,8 +247,16 @@ def load_transactions(
     return txns
 
 
+# How the declared aggregations are computed for training: (declarations, rows, history)
+# -> columns (declared_sql.training_columns; declared_spark.spark_training_columns bound
+# to a session computes the same).
+DeclaredColumns = Callable[[D.Declarations, pd.DataFrame, pd.DataFrame], dict[str, np.ndarray]]
+
+
 def feature_columns(
-    joined: pd.DataFrame, history: pd.DataFrame | None = None
+    joined: pd.DataFrame,
+    history: pd.DataFrame | None = None,
+    declared: DeclaredColumns | None = None,
 ) -> dict[str, np.ndarray]:
     """Every feature column for a joined frame, assembled by the function the scoring
     service uses (:func:`fraud_scoring.features.build_features`); this only adapts the
@@ -270,7 +279,7 @@ def feature_columns(
     src = (
         history if history is not None else joined.rename(columns={"event_timestamp": "event_time"})
     )
-    aggs = declared_sql.training_columns(F.declarations(), joined, src)
+    aggs = (declared or declared_sql.training_columns)(F.declarations(), joined, src)
     return F.build_features(batch, request, aggs)
 
 
@@ -305,12 +314,15 @@ def train(
     cfg: TrainConfig,
     feature_store_yaml: Path | None = None,
     pit_join: Callable[[pd.DataFrame], pd.DataFrame] | None = None,
+    declared_columns: DeclaredColumns | None = None,
 ) -> ModelMetadata:
     """Train, calibrate, evaluate and publish a model version; returns its metadata.
 
     ``pit_join`` replaces Feast's point-in-time join of the batch features (e.g.
     ``spark_engine.point_in_time_join_spark`` bound to a session and the features
     folder); it must keep ``training_set.point_in_time_join``'s contract.
+    ``declared_columns`` replaces the DuckDB compilation of the declared aggregations
+    (e.g. ``declared_spark.spark_training_columns`` bound to a session).
 
     Raises PublishRefused (nothing published) when a slice holds fewer than
     ``cfg.min_positives`` frauds, or, unless ``cfg.force``, when the labels look
@@ -349,7 +361,7 @@ def train(
         joined = _available_join(sample, cfg.batch_available_after_s, store, pit_join)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
-        cols = feature_columns(joined, history)
+        cols = feature_columns(joined, history, declared_columns)
     names = list(cfg.features) if cfg.features else F.default_model_features()
     X = F.assemble(names, cols)
     y = joined["label"].to_numpy()
