@@ -5,7 +5,8 @@ entry* (the decision time, or a label's arrival; the transaction's own event tim
 the row), and writes:
 
 * ``raw/decisions/date=D/part-0.parquet``: that day's decisions, one row per
-  ``transaction_id`` (the first logged one; a retry the log let through is dropped);
+  ``transaction_id`` (the first logged one; a retry the log let through is dropped, also
+  across midnight: an id the day before's partition holds is not written again);
 * the labels sent to ``POST /v1/feedback`` that day, merged into
   ``raw/labels/date=<arrival day>/part-0.parquet`` beside the chargebacks, in their
   columns (``card_id``, ``merchant_id``, ``event_time`` are null: a label carries only
@@ -186,6 +187,12 @@ def compact_day(
     """Write ``day``'s decisions and merge its feedback labels (the payloads the log
     stored that UTC day, in log order) under ``raw``; see the module's docstring."""
     rows, dropped = decision_rows(decisions)
+    before = day.fromordinal(day.toordinal() - 1)
+    if rows and partition_file(raw, "decisions", before).exists():
+        seen = set(read_partition(raw, "decisions", before).column("transaction_id").to_pylist())
+        kept = [r for r in rows if r["transaction_id"] not in seen]
+        dropped += len(rows) - len(kept)
+        rows = kept
     write_partition(raw, "decisions", day, pa.Table.from_pylist(rows, schema=DECISION_SCHEMA))
     labels = feedback_labels(feedback)
     # A label belongs to its arrival day's partition (the log stores it a moment later,
@@ -199,7 +206,8 @@ def compact_day(
 def decisions_with_labels(raw: Path, first: date, last: date, as_of: datetime) -> pa.Table:
     """The decisions made on days ``first``..``last`` with the label known at ``as_of``
     (timezone-aware): ``is_fraud`` and its ``label_time`` from the latest label that had
-    arrived strictly before ``as_of``, both null when none had. Raises DataError when no
+    arrived strictly before ``as_of``, both null when none had. One row per
+    ``transaction_id`` (its first decision), whatever the partitions hold. Raises DataError when no
     decision partition is in the range."""
     days = [d for d in partition_days(raw, "decisions") if first <= d <= last]
     if not days:
@@ -222,6 +230,7 @@ def decisions_with_labels(raw: Path, first: date, last: date, as_of: datetime) -
         )
         SELECT d.*, known.is_fraud, known.label_time
         FROM read_parquet($d, union_by_name = true) d LEFT JOIN known USING (transaction_id)
+        QUALIFY row_number() OVER (PARTITION BY d.transaction_id ORDER BY d.decided_at) = 1
         ORDER BY d.decided_at, d.transaction_id
         """
         params = {"d": dfiles, "as_of": as_of, **({"l": lfiles} if lfiles else {})}

@@ -249,3 +249,48 @@ def test_compaction_is_idempotent_and_labels_join_by_arrival(
     assert labels_as_of(before_any) == dict.fromkeys(ids)
     assert labels_as_of(now) == {ids[0]: True, ids[1]: False, ids[2]: None, ids[3]: None}
     assert labels_as_of(tomorrow + timedelta(hours=2))[ids[2]] is True
+
+
+def test_a_decision_logged_again_after_midnight_is_one_row(tmp_path: Path) -> None:
+    """A retry the log let through on the next UTC day is not a second decision: the
+    day's compaction drops an id the day before already holds, and the labelled view has
+    one row per id (its first decision) whatever the partitions hold."""
+    from datetime import date
+
+    from batch_jobs.decisions import compact_day, decisions_with_labels
+
+    def entry(tid: str, decided: str) -> bytes:
+        return json.dumps(
+            {
+                "transaction_id": tid,
+                "decided_at": decided,
+                "transaction": {"event_time": decided, "card_id": "c1", "amount": 5.0},
+                "features": {"amount": 5.0},
+                "missing": [],
+                "stale": [],
+                "score": 0.1,
+                "model_version": "1",
+                "decision": "approve",
+                "reasons": [],
+                "timing_ms": {"total": 1.0},
+            }
+        ).encode()
+
+    raw = tmp_path / "raw"
+    d1, d2 = date(2026, 3, 1), date(2026, 3, 2)
+    late = entry("t-midnight", "2026-03-01T23:59:59.900000+00:00")
+    again = entry("t-midnight", "2026-03-02T00:00:00.200000+00:00")
+    first = compact_day(raw, d1, [late, entry("t-a", "2026-03-01T10:00:00+00:00")], [])
+    second = compact_day(raw, d2, [again, entry("t-b", "2026-03-02T10:00:00+00:00")], [])
+    assert (first.decisions, second.decisions, second.duplicates) == (2, 1, 1)
+    # Compacted in the other order (the later day first): both partitions hold the id,
+    # and the labelled view still has one row for it, the first decision.
+    other = tmp_path / "other"
+    compact_day(other, d2, [again, entry("t-b", "2026-03-02T10:00:00+00:00")], [])
+    compact_day(other, d1, [late, entry("t-a", "2026-03-01T10:00:00+00:00")], [])
+    for where in (raw, other):
+        view = decisions_with_labels(where, d1, d2, datetime(2026, 4, 1, tzinfo=UTC))
+        ids, at = view.column("transaction_id").to_pylist(), view.column("decided_at").to_pylist()
+        rows = dict(zip(ids, at, strict=True))
+        assert sorted(rows) == ["t-a", "t-b", "t-midnight"] and len(view) == 3
+        assert rows["t-midnight"].date() == d1
