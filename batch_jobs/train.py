@@ -193,9 +193,12 @@ class Split:
         return pd.Timestamp(datetime.combine(d, datetime.min.time(), UTC))
 
 
-def plan_split(days: list[date], cfg: TrainConfig, labels_as_of: datetime) -> Split:
-    """Split the raw days; days whose labels are not in yet (within ``label_delay_days``
-    of ``labels_as_of``) are left out. Raises DataError when too few days remain."""
+def plan_split(
+    days: list[date], cfg: TrainConfig, labels_as_of: datetime, where: Path | None = None
+) -> Split:
+    """Split the raw days (the partitions under ``where``, named in errors); days whose
+    labels are not in yet (within ``label_delay_days`` of ``labels_as_of``) are left
+    out. Raises DataError when too few days remain."""
     labelled_until = (labels_as_of - timedelta(days=cfg.label_delay_days)).date()
     usable = [d for d in days if d < labelled_until]
     need = cfg.warmup_days + 1 + cfg.valid_days + cfg.holdout_days
@@ -204,6 +207,7 @@ def plan_split(days: list[date], cfg: TrainConfig, labels_as_of: datetime) -> Sp
             f"need at least {need} days of raw history before {labelled_until} "
             f"(labels as of {labels_as_of:%Y-%m-%d} minus a {cfg.label_delay_days}-day "
             f"label delay), found {len(usable)}"
+            + (f" under {where} ({len(days)} day partitions in all)" if where else "")
         )
     last = usable[-1]
     if last < days[-1]:
@@ -332,7 +336,7 @@ def train(
     """
     raw = data_dir / "raw"
     labels_as_of = cfg.labels_as_of or datetime.now(UTC)
-    split = plan_split(partition_days(raw, "transactions"), cfg, labels_as_of)
+    split = plan_split(partition_days(raw, "transactions"), cfg, labels_as_of, raw / "transactions")
     # A day before the first training day so that 24-hour session windows are full.
     with _phase("load raw history"):
         history = load_transactions(

@@ -298,3 +298,12 @@ def test_incomplete_holdout_labels_are_refused_unless_forced(world: World, tmp_p
     report = (resolve(repo, "fraud") / REPORT_DIR / "report.md").read_text()
     assert "## Label coverage" in report and "published with --force" in report
     assert "| lightgbm.num_leaves | 15 |" in report
+
+
+def test_too_little_history_names_the_folder_it_looked_in(tmp_path: Path) -> None:
+    from batch_jobs.train import TrainConfig, plan_split
+
+    days = [date(2026, 1, 1) + timedelta(days=i) for i in range(3)]
+    with pytest.raises(DataError) as err:
+        plan_split(days, TrainConfig(), datetime(2026, 6, 1, tzinfo=UTC), tmp_path / "raw")
+    assert f"found 3 under {tmp_path / 'raw'} (3 day partitions in all)" in str(err.value)
