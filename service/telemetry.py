@@ -52,6 +52,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from fraud_scoring.features import BATCH_FEATURES
+
 if TYPE_CHECKING:  # the edge passes its app in; this module imports no web framework
     from fastapi import FastAPI
 
@@ -251,6 +253,11 @@ def setup() -> Instruments:
     )
     for cause in DEGRADED_CAUSES:
         ins.degraded.labels(cause=cause)
+    # Exported at 0 from the start (an alert on rate() sees the first one): every
+    # feature a snapshot can lack.
+    for f in BATCH_FEATURES:
+        for state in ("missing", "stale"):
+            ins.features_unavailable.labels(feature=f.name, state=state)
     return ins
 
 

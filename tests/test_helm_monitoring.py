@@ -438,3 +438,6 @@ def test_counters_the_alerts_count_events_of_start_at_zero(
         service, "fraud_degraded_decisions_total", "cause"
     )
     assert "dead_letter" in zeros(stream, "fraud_stream_events_total", "outcome")
+    assert {"card_txn_count_30d", "merchant_fraud_rate_90d"} <= zeros(
+        service, "fraud_features_unavailable_total", "feature"
+    )
