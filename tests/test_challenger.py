@@ -325,6 +325,7 @@ def test_promotion_and_rollback_through_the_reload_endpoint(srv: Server, rows: l
         assert "challenger refused" in message and "no_such_feature" in message
         for bad, field in (
             ({"canary_percent": 101}, "canary_percent"),
+            ({"canary_percent": False}, "canary_percent"),
             ({"version": "two"}, "version"),
             ({"challenger": "2"}, "challenger"),
         ):

@@ -165,6 +165,7 @@ def test_feedback_validates_and_is_idempotent(logged: Server, log_url: str) -> N
             ({**good, "label": "maybe"}, "label"),
             ({**good, "source": "bank"}, "source"),
             ({**good, "time": "2026-01-20T10:00:00"}, "time"),  # no time zone
+            ({**good, "time": 0}, "time"),  # a number is not a date-time
             ({k: v for k, v in good.items() if k != "transaction_id"}, "transaction_id"),
             ({**good, "extra": 1}, "extra"),
         ]:

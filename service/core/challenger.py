@@ -271,8 +271,9 @@ class LineupChange(BaseModel):
         pattern=r"^[0-9]+$",
         description="the challenger's version; null: no challenger; absent: unchanged",
     )
+    # Strict: a JSON boolean or a string is not a share (lax mode would read false as 0).
     canary_percent: float | None = Field(
-        default=None, ge=0, le=100, description="share of cards the challenger decides"
+        default=None, ge=0, le=100, strict=True, description="share of cards the challenger decides"
     )
 
 

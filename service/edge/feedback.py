@@ -51,7 +51,7 @@ from typing import Literal
 import redis
 from fastapi import APIRouter, Request
 from prometheus_client import Counter
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable
 from fraud_scoring.events import ID_PATTERN
@@ -77,10 +77,18 @@ class FeedbackIn(BaseModel):
     transaction_id: str = Field(min_length=1, max_length=128, pattern=ID_PATTERN)
     label: Literal["fraud", "legitimate"]
     source: Source
+    # A date-time, not a number (lax mode would read a number as epoch seconds: 0 is 1970).
     time: AwareDatetime = Field(
-        description="When the source established the label: at or after the transaction's "
-        "event time, at most 300 s past the server clock."
+        description="When the source established the label (RFC 3339 with an offset): at or "
+        "after the transaction's event time, at most 300 s past the server clock.",
     )
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _no_number(cls, v: object) -> object:
+        if isinstance(v, int | float):  # bool too
+            raise ValueError("must be an RFC 3339 date-time string with an offset")
+        return v
 
 
 class FeedbackOut(BaseModel):
