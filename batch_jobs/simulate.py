@@ -2,16 +2,22 @@
 
 Normal traffic: each card has a home country, a spending scale, favourite merchants and
 a daily rate; times follow a day/night curve in the local time of the transaction's
-country (one fixed UTC offset per country, kept in ``utc_offset_min``). Three fraud
-patterns are injected so that both 30-day aggregates and minute-level velocity carry
-signal:
+country (one fixed UTC offset per country, kept in ``utc_offset_min``). Five fraud
+patterns are injected so that 30-day aggregates, minute-level card velocity and
+merchant-level windows all carry signal:
 
 * **card testing**: a burst of 5-20 tiny ecom amounts within minutes at a fraud-sink
   merchant, then one to three large ones;
 * **account takeover**: a new country and a new device, then several large amounts
   over a few hours;
 * **compromised merchant**: cards seen at a breached merchant during its breach
-  window turn fraudulent days later (large ecom amounts at fraud-sink merchants).
+  window turn fraudulent days later (large ecom amounts at fraud-sink merchants);
+* **distributed card testing**: one ecom merchant receives a single tiny attempt from
+  each of 30-120 different cards within an hour (each card looks quiet; the merchant's
+  10-minute count and distinct cards do not);
+* **compromised terminal**: for 2-4 weeks, a quarter of an ordinary merchant's own
+  transactions are fraudulent, at 1.5-4x its usual ticket (its fraud rate, once the
+  chargebacks arrive, and its short-window mean amount carry it).
 
 Fraud labels (chargebacks) arrive 2-20 days after the transaction and are written by
 arrival day. All randomness comes from one seeded generator: same arguments, same data.
@@ -55,6 +61,14 @@ CURRENCY = {
 # Standard-time offsets (minutes east of UTC) of each country's main time zone.
 UTC_OFFSET_MIN = np.array([-300, 0, 60, 60, -300, -360, -180, 540, 330, 60, 180, 480])
 CHANNELS = np.array(["pos", "ecom", "atm"])
+# The fraud patterns, in the order of their codes (1, 2, ...) in generate().
+PATTERNS = (
+    "card_testing",
+    "account_takeover",
+    "compromised_merchant",
+    "distributed_card_testing",
+    "compromised_terminal",
+)
 MCCS = np.array(["5411", "5812", "5541", "5999", "5732", "4111", "7011", "5311", "6011", "5967"])
 # Hour-of-day weights for normal spending, in local time.
 HOUR_W = np.array(
@@ -270,6 +284,47 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
     n_dev += len(c3)
     parts.append((c3, m3, t3, a3, ctry3, np.ones(len(c3), int), dev3, np.full(len(c3), 3, np.int8)))
 
+    # --- distributed card testing: many cards, one tiny attempt each, one merchant -------
+    n_dct = max(1, int(C * D * 0.00008))
+    d_merch = np.where(
+        rng.random(n_dct) < 0.5,
+        sinks[rng.integers(0, n_sink, size=n_dct)],
+        rng.integers(0, M, size=n_dct),
+    )
+    d_start = t0 + rng.integers(0, D * day_us, size=n_dct)
+    d_k = rng.integers(30, 121, size=n_dct)
+    c4 = rng.integers(0, C, size=int(d_k.sum()))
+    burst = np.repeat(np.arange(n_dct), d_k)
+    t4 = d_start[burst] + rng.integers(0, 3_600_000_000, size=len(c4))
+    a4 = np.round(rng.uniform(0.5, 3.0, size=len(c4)), 2)
+    dev4 = n_dev + burst  # one fraudster device per burst
+    n_dev += n_dct
+    parts.append(
+        (
+            c4,
+            d_merch[burst],
+            t4,
+            a4,
+            home[c4],
+            np.ones(len(c4), int),
+            dev4,
+            np.full(len(c4), 4, np.int8),
+        )
+    )
+
+    # --- compromised terminal: a share of one merchant's own traffic, for weeks ----------
+    n_term = max(1, M // 150)
+    terminals = rng.choice(
+        np.setdiff1d(np.arange(M), np.concatenate([sinks, breached])), size=n_term, replace=False
+    )
+    tm_start = t0 + rng.integers(0, max(1, D // 2), size=n_term) * day_us
+    tm_len = rng.integers(14, 29, size=n_term) * day_us
+    base_pattern = parts[0][7]
+    for tm, ts0, tl in zip(terminals, tm_start, tm_len, strict=True):
+        inside = (merch == tm) & (t >= ts0) & (t < ts0 + tl) & (rng.random(n) < 0.25)
+        base_pattern[inside] = 5
+        amt[inside] = np.round(amt[inside] * rng.uniform(1.5, 4.0, size=int(inside.sum())), 2)
+
     merged: list[np.ndarray] = [np.concatenate([p[i] for p in parts]) for i in range(8)]
     t = merged[2]
     keep = (t >= t0) & (t < t0 + D * day_us)
@@ -296,9 +351,7 @@ def generate(cfg: SimConfig) -> dict[str, np.ndarray]:
         "mcc": MCCS.astype(object)[m_mcc[merch]],
         "device_id": dev_names[device],
         "is_fraud": is_fraud,
-        "fraud_pattern": np.array(
-            ["", "card_testing", "account_takeover", "compromised_merchant"], dtype=object
-        )[pattern],
+        "fraud_pattern": np.array(["", *PATTERNS], dtype=object)[pattern],
         "label_time": label_time.astype(np.int64),
     }
 

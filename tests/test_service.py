@@ -59,7 +59,7 @@ def test_fraud_scores_higher_than_normal_on_held_out_day(server: Server, world: 
     rng = np.random.default_rng(0)
     fraud = [r for r in rows if r["is_fraud"]]
     normal = [rows[i] for i in rng.choice(len(rows), 400, replace=False) if not rows[i]["is_fraud"]]
-    assert {r["fraud_pattern"] for r in fraud} == {
+    assert {r["fraud_pattern"] for r in fraud} >= {
         "card_testing",
         "account_takeover",
         "compromised_merchant",

@@ -20,6 +20,7 @@ from batch_jobs.evaluate import (
     served_metrics,
     served_scores,
 )
+from batch_jobs.simulate import PATTERNS as SIM_PATTERNS
 from batch_jobs.train import (
     TrainConfig,
     label_coverage,
@@ -90,11 +91,12 @@ def test_evaluate_version_writes_the_report_with_the_metadata_numbers(
     for k in ("pr_auc", "roc_auc", "ece", "brier", "review_rate", "flagged_recall"):
         assert on_disk["metrics"][k] == pytest.approx(meta.metrics[f"holdout_{k}"])
         assert data["metrics"][k] == on_disk["metrics"][k]
-    assert set(on_disk["pattern_recall"]) == {
-        "card_testing",
-        "account_takeover",
-        "compromised_merchant",
-    }
+    # Every simulated pattern the holdout holds (the rarer ones may miss a short one).
+    assert (
+        {"card_testing", "account_takeover", "compromised_merchant"}
+        <= set(on_disk["pattern_recall"])
+        <= set(SIM_PATTERNS)
+    )
     # New cards' recall is reported on its own (the model's card_has_snapshot feature).
     segments = on_disk["segment_recall"]
     assert set(segments) == {"new card (no snapshot)", "known card"}
