@@ -35,6 +35,7 @@ time it was seen among the events older than its :data:`NEWEST` newest, for at m
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import itertools
 import json
@@ -231,7 +232,7 @@ class Spec:
     def longest_us(self) -> int:
         return max(w.us for w in self.windows)
 
-    @property
+    @cached_property  # read per event: derived once
     def categorical(self) -> bool:
         """The value is a key column (a merchant, a country): its values are kept, not
         summed."""
@@ -265,7 +266,7 @@ class Spec:
         one is not recorded in this state."""
         if self.categorical and _empty(row.get(self.value_column)):  # type: ignore[arg-type]
             return False
-        return all(row.get(c) in allowed for c, allowed in self.filter.items())
+        return not self.filter or all(row.get(c) in allowed for c, allowed in self.filter.items())
 
     def value(self, row: Mapping[str, Any]) -> float:
         """The number recorded for an event: its value column, or (categorical) the
@@ -333,6 +334,7 @@ def _empty(v: Any) -> bool:
     return v is None or v != v or v == ""
 
 
+@functools.lru_cache(maxsize=1 << 16)  # merchants, countries and cards recur
 def value_code(v: Any) -> float:
     """A categorical value as the number a state records: 48 bits of its BLAKE2b hash
     (exact in a double; two values share a code with probability ~2**-48 per pair)."""
