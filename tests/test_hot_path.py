@@ -17,8 +17,10 @@ from fraud_scoring.session import DAY_US, US, SessionEvent
 from service.core.decision import Reason
 from service.core.scoring import ScoreResult
 from service.edge.schemas import ScoreOut
+from tests.conftest import World, start_server, stop_server
 from tests.conftest_streaming import connect, stream_redis
 from tests.declared_reference import reference
+from tests.test_service import TXN
 
 __all__ = ["stream_redis"]
 
@@ -284,3 +286,39 @@ def test_held_connections_use_the_urls_password_and_database() -> None:
         with redis.Redis.from_url(db3) as r3, redis.Redis.from_url(url) as r0:
             assert r3.get("where") == b"db3"
             assert r0.get("where") is None  # not in database 0
+
+
+def test_a_card_with_10000_events_scores_without_a_refusal(world: World, tmp_path: Path) -> None:
+    """Over real HTTP: a card whose windows hold 10,000 events (a card-testing attack,
+    recorded by the updater's own script) is scored like any other, and so are the
+    transactions that share its micro-batches."""
+    client = connect(world.redis_url)
+    specs = [s for s in F.declarations().specs if s.entity == ("card_id",)]
+    hist = heavy_card(10_000).assign(card_id="c-hot-http")
+    rows = hist.to_dict("records")
+    ts = [int(pd.Timestamp(r["event_time"]).value // 1000) for r in rows]
+    for spec in specs:
+        limits = D.Limits.for_spec(spec, horizon_s=2 * 86400)
+        for lo in range(0, len(rows), 1000):
+            evs = D.events_for(spec, rows[lo : lo + 1000], ts[lo : lo + 1000])
+            pipe = client.pipeline(transaction=False)
+            D.queue_apply(pipe, spec, evs, limits)
+            pipe.execute()
+    at = pd.Timestamp((T + US) * 1000, tz="UTC").isoformat()
+    hot = {**TXN, "card_id": "c-hot-http", "event_time": at}
+    srv = start_server(world, tmp_path)
+    try:
+        with srv.client() as c:
+            for i in range(20):
+                batch = [
+                    {**hot, "transaction_id": f"hot-{i}"},
+                    {**TXN, "transaction_id": f"calm-{i}", "event_time": at},
+                ]
+                r = c.post("/v1/score/batch", json={"transactions": batch})
+                assert r.status_code == 200, r.text
+                assert all(x["score"] is not None for x in r.json()["results"])
+            r = c.post("/v1/score", json={**hot, "transaction_id": "hot-last"})
+            assert r.status_code == 200, r.text
+            assert r.json()["timing"]["feature_read_ms"] < 50
+    finally:
+        stop_server(srv)
