@@ -342,8 +342,8 @@ def test_backdating_each_attempt_does_not_hide_a_burst(
 ) -> None:
     """A card-testing burst whose every attempt is stamped 25 s earlier than the last
     (all inside the event-time bound) counts its earlier attempts exactly as the honest
-    burst 25 s apart does, and is declined from the same attempt: each is read and
-    recorded at its effective time, just after the card's newest recorded event."""
+    burst 25 s apart does, and is declined no later: each is read and recorded at its
+    effective time, just after the card's newest recorded event."""
     url = online_store(4)
     srv = start_server(world, tmp_path, REDIS_URL=url, FRAUD_MAX_EVENT_SKEW_S="600")
     now = datetime.now(UTC).replace(microsecond=0)
@@ -356,9 +356,14 @@ def test_backdating_each_attempt_does_not_hide_a_burst(
             ):
                 runs[name] = []
                 for i in range(13):  # one at a time: each attempt its own micro-batch
+                    # Each burst at its own merchant and device: the model reads their
+                    # short windows too (distinct cards, device velocity), which the other
+                    # burst would fill.
                     body = _attempt(i) | {
                         "transaction_id": f"{name}-{i}",
                         "card_id": f"c-{name}",
+                        "merchant_id": f"m-{name}",
+                        "device_id": f"d-{name}",
                         "amount": 1.5,
                         "event_time": (start + timedelta(seconds=step * i)).isoformat(),
                     }
@@ -374,5 +379,9 @@ def test_backdating_each_attempt_does_not_hide_a_burst(
         assert _velocity(runs["backdated"][i]) == want, (i, runs["backdated"][i])
     decisions = {n: [b["decision"] for b in bodies] for n, bodies in runs.items()}
     first = {n: d.index("decline") if "decline" in d else None for n, d in decisions.items()}
-    assert first["backdated"] == first["honest"], decisions
+    # Declined no later than the honest burst (its attempts sit 1 µs apart at their
+    # effective times, so its 1-minute window and time since the last are, if anything,
+    # more alarming than 25 s apart).
+    assert first["honest"] is not None and first["backdated"] is not None, decisions
+    assert first["backdated"] <= first["honest"], decisions
     assert "fraud_backdated_transactions_total 12.0" in metrics
