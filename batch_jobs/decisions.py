@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -187,7 +187,7 @@ def compact_day(
     """Write ``day``'s decisions and merge its feedback labels (the payloads the log
     stored that UTC day, in log order) under ``raw``; see the module's docstring."""
     rows, dropped = decision_rows(decisions)
-    before = day.fromordinal(day.toordinal() - 1)
+    before = day - timedelta(days=1)
     if rows and partition_file(raw, "decisions", before).exists():
         seen = set(read_partition(raw, "decisions", before).column("transaction_id").to_pylist())
         kept = [r for r in rows if r["transaction_id"] not in seen]

@@ -507,11 +507,14 @@ class Scorer:
         """Degraded decisions: rules on the request and, when read (``cols``), the
         card's velocity counts. Handed to ``on_scored`` like every decision, with the
         rules' inputs as the vector (the decision log records them; drift skips them)."""
+        # The rules' inputs that were read: one matrix, the rules' and the log's.
+        names = [n for n in RULE_FEATURES if cols is not None and n in cols]
+        x = np.zeros((len(txns), len(names)))
+        for j, n in enumerate(names):
+            x[:, j] = cols[n]  # type: ignore[index]  # names is empty without cols
         out = []
         for i, t in enumerate(txns):
-            sess = (
-                {} if cols is None else {n: float(cols[n][i]) for n in RULE_FEATURES if n in cols}
-            )
+            sess = dict(zip(names, x[i].tolist(), strict=True))
             decision, reasons = rules_only(t.amount, sess, self.settings.review_amount_limit)
             out.append(
                 ScoreResult(
@@ -534,13 +537,6 @@ class Scorer:
                 "batch_size": float(len(txns)),
             }
         if self.on_scored is not None:
-            names = [n for n in RULE_FEATURES if cols is not None and n in cols]
-            x = np.asarray(
-                [[float(cols[n][i]) for n in names] for i in range(len(txns))]  # type: ignore[index]
-                if names
-                else np.zeros((len(txns), 0)),
-                dtype=np.float64,
-            ).reshape(len(txns), len(names))
             self.on_scored(txns, x, names, out)
         return out
 
