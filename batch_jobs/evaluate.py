@@ -2,9 +2,10 @@
 
 Everything here starts from the served scores of a holdout (``Holdout``, stored with
 each model version as ``holdout.parquet``): ranking metrics, calibration (expected
-calibration error, Brier score, a reliability table), thresholds chosen in money
-(``choose_thresholds``) and the evaluation report (``report_files``, PNG + JSON +
-Markdown). ``evaluate_version`` re-runs it for any stored version.
+calibration error, Brier score, a reliability table with 95 % intervals), thresholds
+chosen in money (``choose_thresholds``) and the evaluation report (``report_files``,
+PNG + JSON + Markdown; the figures are described in docs/model-quality.md).
+``evaluate_version`` re-runs it for any stored version.
 
 Holdout negatives are down-sampled; every number here weights each row by ``weight``
 (the number of holdout transactions it stands for).
@@ -45,6 +46,10 @@ HOLDOUT_FILE = "holdout.parquet"
 REPORT_DIR = "evaluation"
 # Reliability bins: finer near 0, where almost every transaction's probability lies.
 RELIABILITY_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
+# The two-sided 95 % normal quantile: the reliability diagram's Wilson intervals.
+Z95 = 1.959963984540054
+# A UTC day with rows in fewer of its hours than this is partial (cut short, or a gap).
+FULL_DAY_HOURS = 24
 _META_COLUMNS = ("transaction_id", "event_time", "amount", "fraud_pattern", "label", "weight")
 
 
@@ -121,10 +126,16 @@ def served_scores(
     return np.asarray(out, np.float64)[:, 1]
 
 
+def _bin_index(p: np.ndarray) -> np.ndarray:
+    """The reliability bin of each probability (``RELIABILITY_EDGES``; 1.0 in the last)."""
+    edges = np.asarray(RELIABILITY_EDGES)
+    return np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
+
+
 def reliability(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> list[ReliabilityBin]:
     """Weighted reliability table over ``RELIABILITY_EDGES`` (empty bins left out)."""
     edges = np.asarray(RELIABILITY_EDGES)
-    idx = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
+    idx = _bin_index(p)
     out = []
     for b in range(len(edges) - 1):
         m = idx == b
@@ -139,6 +150,58 @@ def reliability(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> list[Reliability
                     fraud_rate=float((y[m] * w[m]).sum() / rows),
                 )
             )
+    return out
+
+
+def wilson_interval(rate: float, n: float, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval (95 % by default) of a proportion ``rate`` observed on
+    ``n`` rows; ``n`` may be an effective, non-integer count. (0, 1) when ``n`` is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    z2n = z * z / n
+    centre = (rate + z2n / 2) / (1 + z2n)
+    half = z / (1 + z2n) * float(np.sqrt(rate * (1 - rate) / n + z2n / (4 * n)))
+    # It always holds ``rate``; min/max only absorb rounding at the edges.
+    return max(0.0, min(centre - half, rate)), min(1.0, max(centre + half, rate))
+
+
+def effective_rows(y: np.ndarray, w: np.ndarray) -> float:
+    """The number of unweighted rows whose fraud rate would be as uncertain as the
+    weighted rate of ``y`` under weights ``w`` (each row standing for ``w`` sampled
+    transactions): ``r(1 - r) (sum w)^2 / sum w^2 (y - r)^2``, the weighted rate's
+    linearised variance. It is the row count with unit weights; with frauds kept and
+    negatives sampled it follows the fraud count where the rate is small. A bin of one
+    class (no variance to measure) counts ``sum w``: frauds are never sampled."""
+    total = float(w.sum())
+    if total <= 0:
+        return 0.0
+    rate = float((y * w).sum()) / total
+    spread = float((w**2 * (y - rate) ** 2).sum())
+    if not 0 < rate < 1 or spread <= 0:
+        return total
+    return rate * (1 - rate) * total**2 / spread
+
+
+def reliability_table(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> list[dict[str, float]]:
+    """``reliability``'s bins as dicts with, per bin, ``sampled_rows`` (holdout rows
+    before weights), ``frauds`` (weighted), ``effective_rows`` and the 95 % Wilson
+    interval of the fraud rate on them (``fraud_rate_low``, ``fraud_rate_high``)."""
+    idx = _bin_index(p)
+    out = []
+    for b in reliability(y, p, w):
+        m = idx == RELIABILITY_EDGES.index(b.lo)
+        n_eff = effective_rows(y[m], w[m])
+        low, high = wilson_interval(b.fraud_rate, n_eff)
+        out.append(
+            {
+                **b.model_dump(),
+                "sampled_rows": int(m.sum()),
+                "frauds": float((y[m] * w[m]).sum()),
+                "effective_rows": n_eff,
+                "fraud_rate_low": low,
+                "fraud_rate_high": high,
+            }
+        )
     return out
 
 
@@ -290,6 +353,7 @@ def report_data(
                 "recall_declined": float((decision[m] == "decline").mean()) if m.any() else 0.0,
             }
     days = h.event_time.dt.strftime("%Y-%m-%d").to_numpy()
+    hours = hours_with_rows(h.event_time)
     per_day = []
     for day in sorted(set(days)):
         m = days == day
@@ -298,7 +362,11 @@ def report_data(
             row[d] = float(w[m & (decision == d)].sum())
         row["frauds"] = int(y[m].sum())
         row["frauds_flagged"] = int((y[m] & (decision[m] != "approve")).sum())
+        row["frauds_missed"] = row["frauds"] - row["frauds_flagged"]
+        row["hours"] = hours[day]
+        row["partial"] = hours[day] < FULL_DAY_HOURS
         per_day.append(row)
+    metrics = served_metrics(h, p, th, costs)
     return {
         "model": meta.name,
         "version": meta.version,
@@ -306,9 +374,10 @@ def report_data(
         "holdout_window": [t.isoformat() for t in meta.holdout_window],
         "thresholds": th.model_dump(),
         "costs": costs.model_dump(),
-        "metrics": served_metrics(h, p, th, costs),
-        "reliability": [b.model_dump() for b in reliability(y, p, w)],
+        "metrics": metrics,
+        "reliability": reliability_table(y, p, w),
         "pr_curve": {"precision": prec[keep].tolist(), "recall": rec[keep].tolist()},
+        "operating_points": operating_points(th.model_dump(), metrics),
         "score_histogram": score_histogram(y, p, w),
         "pattern_recall": patterns,
         "segment_recall": segments,
@@ -319,6 +388,42 @@ def report_data(
         else None,
         "overridden_gates": meta.overridden_gates,
     }
+
+
+def operating_points(th: dict[str, float], m: dict[str, float]) -> list[dict[str, Any]]:
+    """The precision-recall curve's points at thresholds ``th``, from ``decision_metrics``
+    figures ``m``: ``flagged`` (p >= review: review or decline) and ``declined``, each with
+    its ``threshold``, ``precision``, ``recall`` and ``share`` (of transactions at or above
+    it; at 0 nothing is flagged and the point is not on the curve)."""
+    return [
+        {
+            "name": "flagged",
+            "threshold": th["review"],
+            "precision": m["flagged_precision"],
+            "recall": m["flagged_recall"],
+            "share": m["review_rate"] + m["decline_rate"],
+        },
+        {
+            "name": "declined",
+            "threshold": th["decline"],
+            "precision": m["decline_precision"],
+            "recall": m["decline_recall"],
+            "share": m["decline_rate"],
+        },
+    ]
+
+
+def hours_with_rows(event_time: pd.Series) -> dict[str, int]:
+    """Per UTC day (``YYYY-MM-DD``) of ``event_time``, how many of its 24 hours hold at
+    least one row. A day below ``FULL_DAY_HOURS`` is partial: its data starts late, ends
+    early (a holdout's last day cut short) or has a gap of a whole hour."""
+    frame = pd.DataFrame(
+        {
+            "day": event_time.dt.strftime("%Y-%m-%d").to_numpy(),
+            "hour": event_time.dt.hour.to_numpy(),
+        }
+    )
+    return {str(d): int(n) for d, n in frame.groupby("day")["hour"].nunique().items()}
 
 
 def score_histogram(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, list[float]]:
@@ -368,62 +473,169 @@ def png(fig: Any) -> bytes:
 
 
 def figures(data: dict[str, Any], rows: str = "holdout") -> dict[str, bytes]:
-    """The report's PNG figures from its data (``pr_curve``, ``reliability``,
-    ``metrics.ece``, ``score_histogram`` with ``thresholds``, ``decisions_per_day``; a
-    figure whose key is absent is left out); ``rows`` names the rows in the titles."""
+    """The report's PNG figures (``figure_objects``) as PNG bytes, by file name."""
+    return {name: png(fig) for name, fig in figure_objects(data, rows).items()}
+
+
+def figure_objects(data: dict[str, Any], rows: str = "holdout") -> dict[str, Any]:
+    """The report's matplotlib figures from its data, by file name (docs/model-quality.md
+    describes them): ``pr_curve`` (with ``operating_points``, else derived from
+    ``thresholds`` and ``at_thresholds`` or ``metrics`` when they hold the decision
+    metrics), ``reliability`` (intervals when its bins have them) with ``metrics.ece``,
+    ``score_histogram`` with ``thresholds``, ``decisions_per_day`` (partial days when
+    its rows say so). A figure whose key is absent is left out; ``rows`` names the rows
+    in the titles."""
     plt = pyplot()
-    figs: dict[str, bytes] = {}
-
-    def save(name: str, fig: Any) -> None:
-        figs[name] = png(fig)
-
+    figs: dict[str, Any] = {}
     if "pr_curve" in data:
-        fig, ax = plt.subplots(figsize=(5, 4))
-        ax.plot(data["pr_curve"]["recall"], data["pr_curve"]["precision"])
-        ax.set(xlabel="recall", ylabel="precision", title=f"Precision-recall ({rows}, served)")
-        save("pr_curve.png", fig)
-
+        figs["pr_curve.png"] = _pr_figure(plt, data, rows)
     if "reliability" in data:
-        fig, ax = plt.subplots(figsize=(5, 4))
-        rel = data["reliability"]
-        ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
-        ax.plot([b["mean_probability"] for b in rel], [b["fraud_rate"] for b in rel], "o-")
-        ax.set(
-            xscale="symlog",
-            yscale="symlog",
-            xlabel="mean predicted probability",
-            ylabel="observed fraud rate",
-            title=f"Reliability (ECE {data['metrics']['ece']:.4f})",
-        )
-        ax.set_xscale("symlog", linthresh=1e-3)
-        ax.set_yscale("symlog", linthresh=1e-3)
-        save("reliability.png", fig)
-
+        figs["reliability.png"] = _reliability_figure(plt, data)
     if "score_histogram" in data:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        hist = data["score_histogram"]
-        e = np.asarray(hist["log10_edges"])
-        for key, label in (("legit_share", "legitimate"), ("fraud_share", "fraud")):
-            ax.stairs(hist[key], e, label=label)
-        for name in ("review", "decline"):
-            t = data["thresholds"][name]
-            ax.axvline(np.log10(max(t, 1e-9)), ls=":", c="k")
-            ax.annotate(name, (np.log10(max(t, 1e-9)), 0.9), xycoords=("data", "axes fraction"))
-        ax.set(xlabel="log10(probability)", ylabel="share of class", title="Scores by class")
-        ax.legend()
-        save("score_histogram.png", fig)
-
+        figs["score_histogram.png"] = _score_figure(plt, data)
     if "decisions_per_day" in data:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        per_day = data["decisions_per_day"]
-        x = np.arange(len(per_day))
-        for d, off in (("review", -0.2), ("decline", 0.2)):
-            ax.bar(x + off, [r[d] for r in per_day], width=0.4, label=d)
-        ax.set_xticks(x, [r["day"] for r in per_day], rotation=30)
-        ax.set(ylabel="transactions", title=f"Reviews and declines per day ({rows})")
-        ax.legend()
-        save("decisions_per_day.png", fig)
+        figs["decisions_per_day.png"] = _per_day_figure(plt, data["decisions_per_day"], rows)
     return figs
+
+
+def _operating_points(data: dict[str, Any]) -> list[dict[str, Any]]:
+    if "operating_points" in data:
+        return list(data["operating_points"])
+    m = data.get("at_thresholds") or data.get("metrics") or {}
+    if data.get("thresholds") and "flagged_precision" in m and "review_rate" in m:
+        return operating_points(data["thresholds"], m)
+    return []
+
+
+def _pr_figure(plt: Any, data: dict[str, Any], rows: str) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.plot(data["pr_curve"]["recall"], data["pr_curve"]["precision"], label="served model")
+    for op, (marker, colour) in zip(
+        _operating_points(data), (("o", "tab:orange"), ("s", "tab:red")), strict=False
+    ):
+        what = f"{op['name']}, p >= {op['threshold']:.3g}"
+        if op["share"] <= 0:  # nothing at or above it: no point on the curve
+            ax.plot([], [], ls="none", marker=marker, c=colour, label=f"{what}: nothing")
+            continue
+        ax.plot(
+            op["recall"],
+            op["precision"],
+            ls="none",
+            marker=marker,
+            ms=8,
+            c=colour,
+            label=f"{what}: precision {op['precision']:.1%}, recall {op['recall']:.1%}",
+        )
+    ax.set(
+        xlabel="recall",
+        ylabel="precision",
+        xlim=(0, 1.02),
+        ylim=(0, 1.02),
+        title=f"Precision-recall ({rows}, served)",
+    )
+    ax.legend(loc="lower left", fontsize="small")
+    return fig
+
+
+def _reliability_figure(plt: Any, data: dict[str, Any]) -> Any:
+    rel = data["reliability"]
+    fig, (ax, axn) = plt.subplots(
+        2, 1, figsize=(5.5, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.2]}
+    )
+    ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1, label="perfect calibration")
+    x = [b["mean_probability"] for b in rel]
+    rate = [b["fraud_rate"] for b in rel]
+    if rel and all("fraud_rate_low" in b for b in rel):
+        err = [
+            [max(r - b["fraud_rate_low"], 0) for r, b in zip(rate, rel, strict=True)],
+            [max(b["fraud_rate_high"] - r, 0) for r, b in zip(rate, rel, strict=True)],
+        ]
+        ax.errorbar(x, rate, yerr=err, fmt="o-", capsize=3, label="observed, 95 % interval")
+    else:
+        ax.plot(x, rate, "o-", label="observed")
+    ax.set(
+        ylabel="observed fraud rate",
+        title=f"Reliability (ECE {data['metrics']['ece']:.4f})",
+    )
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.legend(loc="upper left", fontsize="small")
+    axn.bar(
+        [b["lo"] for b in rel],
+        [b["rows"] for b in rel],
+        width=[b["hi"] - b["lo"] for b in rel],
+        align="edge",
+        color="lightgrey",
+        edgecolor="k",
+    )
+    axn.set_xscale("symlog", linthresh=1e-3)
+    axn.set(xlabel="predicted probability (mean per bin)", ylabel="transactions")
+    if rel:
+        axn.set_yscale("log")
+    return fig
+
+
+def _threshold_lines(th: dict[str, float]) -> list[tuple[str, float, str]]:
+    """The score histogram's threshold lines (legend label, threshold, line style); one
+    line when review and decline coincide."""
+    if th["review"] == th["decline"]:
+        return [(f"review = decline: p >= {th['decline']:.3g}", th["decline"], "--")]
+    return [
+        (f"review: p >= {th['review']:.3g}", th["review"], ":"),
+        (f"decline: p >= {th['decline']:.3g}", th["decline"], "--"),
+    ]
+
+
+def _score_figure(plt: Any, data: dict[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    hist = data["score_histogram"]
+    e = np.asarray(hist["log10_edges"])
+    for key, label in (("legit_share", "legitimate"), ("fraud_share", "fraud")):
+        ax.stairs(hist[key], e, label=label)
+    # Labelled in the legend, not beside the lines: close thresholds never overprint.
+    for label, t, ls in _threshold_lines(data["thresholds"]):
+        ax.axvline(np.log10(max(t, 1e-9)), ls=ls, c="k", label=label)
+    ax.set(xlabel="log10(probability)", ylabel="share of class", title="Scores by class")
+    ax.legend(loc="upper left", fontsize="small")
+    return fig
+
+
+def _per_day_figure(plt: Any, per_day: list[dict[str, Any]], rows: str) -> Any:
+    from matplotlib.patches import Patch
+
+    fig, (ax, axf) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    x = np.arange(len(per_day))
+    partial = [bool(r.get("partial")) for r in per_day]
+    bars = []
+    for d, off in (("review", -0.2), ("decline", 0.2)):
+        bars.append(ax.bar(x + off, [r[d] for r in per_day], width=0.4, label=d))
+    caught = [r["frauds_flagged"] for r in per_day]
+    missed = [r["frauds"] - r["frauds_flagged"] for r in per_day]
+    bars.append(axf.bar(x, caught, width=0.6, color="tab:green", label="caught (flagged)"))
+    bars.append(
+        axf.bar(x, missed, width=0.6, bottom=caught, color="tab:red", label="missed (approved)")
+    )
+    for group in bars:
+        for patch, part in zip(group.patches, partial, strict=True):
+            if part:
+                patch.set_hatch("//")
+                patch.set_edgecolor("k")
+    ax.set(ylabel="transactions", title=f"Reviews and declines per day ({rows})")
+    axf.set(ylabel="frauds", title="Fraud caught and missed per day")
+    extra = []
+    if any(partial):
+        extra = [Patch(facecolor="white", edgecolor="k", hatch="//", label="partial day")]
+    ax.legend(handles=[*bars[:2], *extra], fontsize="small")
+    axf.legend(handles=[*bars[2:], *extra], fontsize="small")
+    labels = [_day_label(r, "\n") for r in per_day]
+    axf.set_xticks(x, labels, rotation=30, ha="right")
+    return fig
+
+
+def _day_label(r: dict[str, Any], sep: str = " ") -> str:
+    """A per-day row's day, marked when partial (with its hours holding rows)."""
+    if not r.get("partial"):
+        return str(r["day"])
+    return f"{r['day']}{sep}partial" + (f" ({r['hours']} h)" if "hours" in r else "")
 
 
 def _markdown(d: dict[str, Any]) -> str:
@@ -466,11 +678,11 @@ def _markdown(d: dict[str, Any]) -> str:
         "",
         "## Reliability",
         "",
-        "| probability | transactions | mean probability | fraud rate |",
-        "|---|---|---|---|",
+        "| probability | transactions | mean probability | fraud rate | 95 % interval |",
+        "|---|---|---|---|---|",
         *(
             f"| [{b['lo']:g}, {b['hi']:g}) | {b['rows']:,.0f} | {b['mean_probability']:.4f} "
-            f"| {b['fraud_rate']:.4f} |"
+            f"| {b['fraud_rate']:.4f} | [{b['fraud_rate_low']:.4f}, {b['fraud_rate_high']:.4f}] |"
             for b in d["reliability"]
         ),
         "",
@@ -479,7 +691,8 @@ def _markdown(d: dict[str, Any]) -> str:
         "| day | approve | review | decline | frauds | frauds flagged |",
         "|---|---|---|---|---|---|",
         *(
-            f"| {r['day']} | {r['approve']:,.0f} | {r['review']:,.0f} | {r['decline']:,.0f} "
+            f"| {_day_label(r)} | {r['approve']:,.0f} | {r['review']:,.0f} "
+            f"| {r['decline']:,.0f} "
             f"| {r['frauds']} | {r['frauds_flagged']} |"
             for r in d["decisions_per_day"]
         ),

@@ -1,26 +1,36 @@
 """Model-quality pieces on small synthetic data: thresholds in money, calibration
-metrics, the calibrated ONNX export and the report files (no world needed)."""
+metrics and their intervals, the calibrated ONNX export and the report's data and
+figures (no world needed)."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from itertools import combinations
 
 import lightgbm as lgb
 import numpy as np
 import pandas as pd
 import pytest
+from sklearn.metrics import precision_recall_curve
 
 from batch_jobs.evaluate import (
+    Z95,
     Holdout,
     choose_thresholds,
     decision_metrics,
+    effective_rows,
     expected_calibration_error,
+    figure_objects,
+    figures,
+    hours_with_rows,
     quality,
     reliability,
     report_data,
     report_files,
+    score_histogram,
     served_scores,
+    wilson_interval,
 )
 from batch_jobs.train import fit_platt, lightgbm_margin_onnx, onnx_margins, with_platt
 from fraud_scoring.model_repo import DecisionCosts, FeatureSpec, ModelMetadata, Thresholds
@@ -103,37 +113,51 @@ def test_calibrated_export_keeps_small_probabilities_and_matches_lightgbm() -> N
     assert (p > 0).all() and len(np.unique(p)) > 0.5 * len(np.unique(margin))
 
 
-def test_report_files_hold_the_figures_and_the_same_numbers() -> None:
-    rng = np.random.default_rng(2)
-    n = 2000
+T0 = datetime(2026, 1, 10, tzinfo=UTC)
+
+
+def _holdout(
+    n: int = 2000, seed: int = 2, negative_weight: float = 1.0
+) -> tuple[Holdout, np.ndarray]:
+    """A holdout whose one feature is the score, one row every 2 minutes from T0: two
+    whole days and a third cut short at 18:38 (hours 0-18 hold rows)."""
+    rng = np.random.default_rng(seed)
     y = (rng.random(n) < 0.05).astype(np.int8)
     p = np.clip(rng.beta(1, 40, n) + 0.6 * y * rng.random(n), 0, 1)
-    t0 = datetime(2026, 1, 10, tzinfo=UTC)
     pattern = rng.choice(["card_testing", "account_takeover"], n).astype(object)
     pattern[y == 0] = None
     h = Holdout(
         names=["f"],
         x=p.reshape(-1, 1).astype(np.float32),
         label=y,
-        weight=np.ones(n),
+        weight=np.where(y == 1, 1.0, negative_weight),
         amount=rng.lognormal(4, 1, n),
-        event_time=pd.Series(pd.date_range(t0, periods=n, freq="2min", tz="UTC")),
+        event_time=pd.Series(pd.date_range(T0, periods=n, freq="2min", tz="UTC")),
         fraud_pattern=pattern,
         transaction_id=np.array([f"t{i}" for i in range(n)], object),
     )
-    th = Thresholds(review=0.05, decline=0.5)
-    meta = ModelMetadata(
+    return h, p
+
+
+def _meta(th: Thresholds) -> ModelMetadata:
+    return ModelMetadata(
         name="fraud",
         version="1",
-        created_at=t0,
+        created_at=T0,
         framework="test",
         features=[FeatureSpec(name="f")],
-        training_window=(t0, t0),
-        holdout_window=(t0, t0),
+        training_window=(T0, T0),
+        holdout_window=(T0, T0),
         thresholds=th,
         metrics={},
     )
-    data = report_data(meta, h, p, None)
+
+
+def test_report_files_hold_the_figures_and_the_same_numbers() -> None:
+    h, p = _holdout()
+    y = h.label
+    th = Thresholds(review=0.05, decline=0.5)
+    data = report_data(_meta(th), h, p, None)
     files = report_files(data)
     assert {
         "evaluation.json",
@@ -151,4 +175,151 @@ def test_report_files_hold_the_figures_and_the_same_numbers() -> None:
         m = (y == 1) & (h.fraud_pattern == name)
         assert r["recall_flagged"] == pytest.approx(float((p[m] >= th.review).mean()))
     assert sum(d["frauds"] for d in back["decisions_per_day"]) == int(y.sum())
-    assert "Recall per fraud pattern" in files["report.md"].decode()
+    md = files["report.md"].decode()
+    assert "Recall per fraud pattern" in md
+    assert "| 2026-01-12 partial (19 h) |" in md and "95 % interval" in md
+
+
+def test_operating_points_are_the_thresholds_precision_and_recall_on_the_curve() -> None:
+    h, p = _holdout(negative_weight=3.0)
+    y, w = h.label, h.weight
+    th = Thresholds(review=0.05, decline=0.3)
+    data = report_data(_meta(th), h, p, None)
+    prec, rec, _ = precision_recall_curve(y, p, sample_weight=w)
+    ops = {op["name"]: op for op in data["operating_points"]}
+    assert set(ops) == {"flagged", "declined"}
+    for name, t in (("flagged", th.review), ("declined", th.decline)):
+        m = p >= t
+        op = ops[name]
+        assert op["threshold"] == t
+        assert op["share"] == pytest.approx(w[m].sum() / w.sum()) and op["share"] > 0
+        assert op["precision"] == pytest.approx((y * w)[m].sum() / w[m].sum())
+        assert op["recall"] == pytest.approx((y * w)[m].sum() / (y * w).sum())
+        # The point lies on the (full) precision-recall curve.
+        assert np.any(np.isclose(prec, op["precision"]) & np.isclose(rec, op["recall"]))
+    assert ops["declined"]["recall"] < ops["flagged"]["recall"]
+    # A threshold nothing reaches flags nothing: share 0 (the figure plots no point).
+    none = report_data(_meta(Thresholds(review=1.0, decline=1.0)), h, p, None)
+    assert all(op["share"] == 0 for op in none["operating_points"])
+
+
+def test_wilson_interval() -> None:
+    low, high = wilson_interval(0.5, 10)
+    assert (low, high) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    assert wilson_interval(0.0, 10) == (0.0, pytest.approx(Z95**2 / (10 + Z95**2)))
+    assert wilson_interval(1.0, 10) == (pytest.approx(10 / (10 + Z95**2)), 1.0)
+    assert wilson_interval(0.3, 0) == (0.0, 1.0)
+    narrow = wilson_interval(0.02, 10_000)
+    assert narrow[0] < 0.02 < narrow[1] and narrow[1] - narrow[0] < 0.006
+
+
+def test_weighted_intervals_cover_the_true_rate() -> None:
+    """Frauds kept, negatives sampled 1 in 10 and weighted 10 (the holdout's sampling):
+    the interval on the effective rows covers the population's rate about 95 % of the
+    time, at a small rate (driven by the fraud count) and a large one (by the sample)."""
+    rng = np.random.default_rng(11)
+    assert effective_rows(np.array([0, 1, 0, 0]), np.ones(4)) == pytest.approx(4)
+    for rate, population in ((0.005, 20_000), (0.5, 4000)):
+        hits = 0
+        for _ in range(400):
+            y = (rng.random(population) < rate).astype(np.int8)
+            keep = (y == 1) | (rng.random(population) < 0.1)
+            ys, ws = y[keep], np.where(y[keep] == 1, 1.0, 10.0)
+            observed = float((ys * ws).sum() / ws.sum())
+            low, high = wilson_interval(observed, effective_rows(ys, ws))
+            hits += low <= rate <= high
+        assert 0.91 <= hits / 400 <= 0.99, (rate, hits)
+
+
+def test_reliability_bins_carry_counts_and_intervals() -> None:
+    h, p = _holdout(negative_weight=3.0)
+    y, w = h.label, h.weight
+    data = report_data(_meta(Thresholds(review=0.05, decline=0.5)), h, p, None)
+    rel = data["reliability"]
+    assert sum(b["rows"] for b in rel) == pytest.approx(w.sum())
+    assert sum(b["sampled_rows"] for b in rel) == len(p)
+    assert sum(b["frauds"] for b in rel) == pytest.approx(y.sum())
+    # The table's own numbers are reliability()'s, unchanged.
+    for b, plain in zip(rel, reliability(y, p, w), strict=True):
+        assert {k: b[k] for k in plain.model_dump()} == plain.model_dump()
+        assert b["fraud_rate_low"] <= b["fraud_rate"] <= b["fraud_rate_high"]
+        m = (p >= b["lo"]) & ((p < b["hi"]) | (b["hi"] == 1.0))
+        assert (b["fraud_rate_low"], b["fraud_rate_high"]) == pytest.approx(
+            wilson_interval(b["fraud_rate"], effective_rows(y[m], w[m]))
+        )
+
+
+def test_partial_days() -> None:
+    h, p = _holdout()
+    data = report_data(_meta(Thresholds(review=0.05, decline=0.5)), h, p, None)
+    per_day = data["decisions_per_day"]
+    assert [(r["day"], r["hours"], r["partial"]) for r in per_day] == [
+        ("2026-01-10", 24, False),
+        ("2026-01-11", 24, False),
+        ("2026-01-12", 19, True),  # the last row is at 18:38
+    ]
+    for r in per_day:
+        assert r["frauds_flagged"] + r["frauds_missed"] == r["frauds"]
+    # A day starting late and a day with an hour without rows are partial too.
+    t = pd.date_range(T0, periods=3 * 24 * 6, freq="10min", tz="UTC")
+    t = t[~((t.day == 11) & (t.hour < 5)) & ~((t.day == 12) & (t.hour == 12))]
+    assert hours_with_rows(pd.Series(t)) == {"2026-01-10": 24, "2026-01-11": 19, "2026-01-12": 23}
+
+
+def test_figures_mark_the_thresholds_without_overprinting() -> None:
+    h, p = _holdout()
+    th = Thresholds(review=0.05, decline=0.051)  # close: labels beside the lines collided
+    figs = figure_objects(report_data(_meta(th), h, p, None))
+    fig = figs["score_histogram.png"]
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    texts = [t for t in (*ax.texts, *ax.get_legend().get_texts()) if t.get_text()]
+    labels = [t.get_text() for t in texts]
+    assert any("review" in s and "0.05" in s for s in labels)
+    assert any("decline" in s and "0.051" in s for s in labels)
+    boxes = [t.get_window_extent(fig.canvas.get_renderer()) for t in texts]
+    assert not any(a.overlaps(b) for a, b in combinations(boxes, 2))
+    pr = [t.get_text() for t in figs["pr_curve.png"].axes[0].get_legend().get_texts()]
+    assert sum("precision" in s and "recall" in s for s in pr) == 2
+    per_day = figs["decisions_per_day.png"].axes[1]
+    ticks = [t.get_text() for t in per_day.get_xticklabels()]
+    assert ["partial" in s for s in ticks] == [False, False, True]
+    hatched = [bar.get_hatch() for bar in per_day.patches]
+    assert "//" in hatched and None in hatched
+    rel = figs["reliability.png"]
+    assert len(rel.axes) == 2 and len(rel.axes[1].patches) == len(
+        report_data(_meta(th), h, p, None)["reliability"]
+    )
+
+
+def test_figures_of_data_without_the_new_fields() -> None:
+    """The served report (batch_jobs/served_report.py) draws with the same code from
+    rows without operating points, intervals or day coverage: every figure still comes,
+    the operating points from its decision metrics."""
+    h, p = _holdout()
+    y, w = h.label, h.weight
+    th = Thresholds(review=0.05, decline=0.5)
+    prec, rec, _ = precision_recall_curve(y, p)
+    served = {
+        "metrics": {"ece": expected_calibration_error(reliability(y, p, w))},
+        "reliability": [b.model_dump() for b in reliability(y, p, w)],
+        "score_histogram": score_histogram(y, p, w),
+        "pr_curve": {"precision": prec.tolist(), "recall": rec.tolist()},
+        "thresholds": th.model_dump(),
+        "at_thresholds": decision_metrics(y, p, w, h.amount, th, DecisionCosts()),
+        "decisions_per_day": [
+            {"day": "2026-01-10", "approve": 5, "review": 1, "decline": 2, "frauds": 3}
+            | {"frauds_flagged": 2}
+        ],
+    }
+    figs = figure_objects(served, rows="served")
+    pr = [t.get_text() for t in figs["pr_curve.png"].axes[0].get_legend().get_texts()]
+    assert sum("precision" in s and "recall" in s for s in pr) == 2
+    files = figures(served, rows="served")
+    assert set(files) == {
+        "pr_curve.png",
+        "reliability.png",
+        "score_histogram.png",
+        "decisions_per_day.png",
+    }
+    assert all(blob.startswith(b"\x89PNG") for blob in files.values())
