@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from fraud_scoring.commands import Command, UsageError, add_embedded_redis
 from fraud_scoring.redis_server import require_redis
-from fraud_scoring.settings import Settings
+from fraud_scoring.settings import Settings, get_settings
 from service.edge.auth import KeyEntry, Scope, append_key, keyring_for, new_key
 
 
 def run_serve(args: argparse.Namespace, settings: Settings) -> None:
+    settings = serve_settings(args, settings)
     # Refuse here, before uvicorn starts, so a missing REDIS_URL (or an unusable keys
     # file) is one clear line and exit status 2 rather than a failed startup. The entry
     # point has already turned --embedded-redis into FRAUD_EMBEDDED_REDIS, which the
@@ -22,16 +24,38 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> None:
     keyring_for(settings)
     from service.edge.server import serve  # uvicorn and the app: only for this command
 
-    serve(serve_settings(args, settings))
+    serve(settings)
+
+
+# The serve flags and the settings they override, by environment variable.
+SERVE_FLAGS = {
+    "host": "FRAUD_HOST",
+    "port": "FRAUD_PORT",
+    "workers": "FRAUD_WORKERS",
+    "grpc_port": "FRAUD_GRPC_PORT",
+}
 
 
 def serve_settings(args: argparse.Namespace, settings: Settings) -> Settings:
-    """``settings`` with the ``--host``/``--port``/``--workers`` flags that were given.
+    """``settings`` with the ``--host``/``--port``/``--workers``/``--grpc-port`` flags
+    that were given.
 
-    Only the parent process reads these three (uvicorn binds and forks there), so the
-    copy need not reach the workers through the environment."""
-    flags = {k: getattr(args, k) for k in ("host", "port", "workers")}
-    return settings.model_copy(update={k: v for k, v in flags.items() if v is not None})
+    The flags are exported to the environment (``FRAUD_HOST`` ...) and the settings
+    cache cleared, so every reader sees the same values: uvicorn here, the app factory
+    and its gRPC server (``get_settings()``, in this process with one worker) and
+    uvicorn's worker processes, which read the environment they inherit."""
+    given = {var: getattr(args, flag, None) for flag, var in SERVE_FLAGS.items()}
+    given = {var: v for var, v in given.items() if v is not None}
+    if given:
+        os.environ.update({var: str(v) for var, v in given.items()})
+        get_settings.cache_clear()
+        settings = get_settings()
+    if settings.grpc_port == settings.port:
+        raise UsageError(
+            f"--grpc-port (FRAUD_GRPC_PORT) {settings.grpc_port} is the HTTP port "
+            "(--port, FRAUD_PORT) too: give the gRPC server a port of its own"
+        )
+    return settings
 
 
 def _int_in(low: int, high: int | None) -> Callable[[str], int]:
@@ -58,6 +82,12 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers", type=_int_in(1, None), help="uvicorn worker processes (default FRAUD_WORKERS)"
+    )
+    parser.add_argument(
+        "--grpc-port",
+        type=_int_in(1, 65535),
+        help="also serve the Open Inference Protocol v2 over gRPC on this port, on the "
+        "same host (default FRAUD_GRPC_PORT; unset: no gRPC server)",
     )
 
 

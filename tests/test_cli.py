@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
 
 import service.edge.server
 from cli.main import build_parser, main
+from fraud_scoring.redis_server import free_port
 from fraud_scoring.settings import Settings, get_settings
+from service.edge.proto import grpc_predict_v2_pb2 as pb
+from tests.conftest import wait_until
 
 
 def _cli(args: list[str], tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess[str]:
@@ -79,24 +86,137 @@ def test_every_emit_flag_has_help_text() -> None:
             assert action.help, f"{name} {'/'.join(action.option_strings)} has no help text"
 
 
-def test_serve_flags_override_the_host_and_port_settings(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    for k in list(os.environ):
-        if k.startswith("FRAUD_"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("REDIS_URL", "redis://localhost:6379/0")  # never connected
-    monkeypatch.setenv("FRAUD_HOST", "10.0.0.1")
-    monkeypatch.setenv("FRAUD_PORT", "9000")
-    seen: list[Settings] = []
-    monkeypatch.setattr(service.edge.server, "serve", seen.append)
+@pytest.fixture
+def restored_environ() -> Iterator[None]:
+    """This process's environment as it was, and the settings cache cleared, after the
+    test: ``serve`` exports its flags into the environment of the process it runs in."""
+    saved = dict(os.environ)
     get_settings.cache_clear()
     try:
-        assert main(["serve", "--host", "0.0.0.0", "--port", "8123"]) == 0
-        assert main(["serve", "--workers", "3"]) == 0
+        yield
     finally:
+        for k in [k for k in os.environ if k not in saved and not k.startswith("PYTEST_")]:
+            del os.environ[k]
+        os.environ.update({k: v for k, v in saved.items() if not k.startswith("PYTEST_")})
         get_settings.cache_clear()
-    assert [(s.host, s.port, s.workers) for s in seen] == [
-        ("0.0.0.0", 8123, 1),
-        ("10.0.0.1", 9000, 3),
+
+
+def _only_fraud(**variables: str) -> None:
+    for k in [k for k in os.environ if k.startswith("FRAUD_")]:
+        del os.environ[k]
+    os.environ.update(variables)
+    get_settings.cache_clear()
+
+
+SERVE_VARIABLES = ("FRAUD_HOST", "FRAUD_PORT", "FRAUD_WORKERS", "FRAUD_GRPC_PORT")
+
+
+def test_serve_flags_override_the_host_and_port_settings(
+    monkeypatch: pytest.MonkeyPatch, restored_environ: None
+) -> None:
+    """The flags given win over the settings, and are exported (with the settings cache
+    cleared): the app factory (``get_settings()``) and uvicorn's worker processes (the
+    environment) see what uvicorn binds, the gRPC server included."""
+    base = {"REDIS_URL": "redis://localhost:6379/0", "FRAUD_HOST": "10.0.0.1"}  # never connected
+    seen: list[tuple[Settings, Settings]] = []
+    monkeypatch.setattr(service.edge.server, "serve", lambda s: seen.append((s, get_settings())))
+
+    _only_fraud(**base, FRAUD_PORT="9000")
+    assert main(["serve", "--host", "0.0.0.0", "--port", "8123", "--grpc-port", "8124"]) == 0
+    exported = {k: os.environ.get(k) for k in SERVE_VARIABLES}
+    assert exported == {
+        "FRAUD_HOST": "0.0.0.0",
+        "FRAUD_PORT": "8123",
+        "FRAUD_WORKERS": None,
+        "FRAUD_GRPC_PORT": "8124",
+    }
+
+    _only_fraud(**base, FRAUD_PORT="9000", FRAUD_GRPC_PORT="9001")
+    assert main(["serve", "--workers", "3"]) == 0
+    assert os.environ["FRAUD_WORKERS"] == "3" and os.environ["FRAUD_HOST"] == "10.0.0.1"
+
+    assert [(s.host, s.port, s.workers, s.grpc_port) for s, _ in seen] == [
+        ("0.0.0.0", 8123, 1, 8124),
+        ("10.0.0.1", 9000, 3, 9001),
     ]
+    for served, app in seen:
+        assert app == served  # the app's settings are uvicorn's
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "abc"])
+def test_a_bad_grpc_port_flag_is_named(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--grpc-port", value])
+    assert exc.value.code == 2
+    assert "argument --grpc-port:" in capsys.readouterr().err
+
+
+def test_grpc_port_must_not_be_the_http_port(
+    caplog: pytest.LogCaptureFixture, restored_environ: None
+) -> None:
+    _only_fraud(FRAUD_PORT="8200")
+    assert main(["serve", "--grpc-port", "8200"]) == 2
+    assert "--grpc-port (FRAUD_GRPC_PORT) 8200 is the HTTP port" in caplog.text
+
+
+def _can_bind(host: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_host_and_grpc_port_flags_bind_the_grpc_server(workers: int, tmp_path: Path) -> None:
+    """A real ``serve --host --port --grpc-port``, with FRAUD_HOST saying another address:
+    HTTP and gRPC both listen on the flag's host (127.0.0.2, loopback too on Linux), the
+    gRPC port not on FRAUD_HOST's. One worker: the app is made in the process that read
+    the settings (its cache); two: in worker processes (the environment)."""
+    host = "127.0.0.2"
+    if not _can_bind(host):
+        pytest.skip(f"{host} is not a local address here")
+    port, grpc_port = free_port(), free_port()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FRAUD_", "REDIS_", "PROMETHEUS_MULTIPROC"))
+    }
+    env.update(
+        FRAUD_DATA_DIR=str(tmp_path / "data"),
+        FRAUD_MODEL_REPO=str(tmp_path / "models"),  # no model: live, not ready
+        FRAUD_HOST="127.0.0.1",
+        FRAUD_PORT=str(free_port()),
+    )
+    argv = [sys.executable, "-m", "cli", "serve", "--embedded-redis", "--host", host]
+    argv += ["--port", str(port), "--grpc-port", str(grpc_port), "--workers", str(workers)]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_until(
+                lambda: httpx.get(f"http://{host}:{port}/healthz", timeout=1).status_code == 200,
+                timeout=120,
+                what="/healthz on --host:--port",
+                proc=proc,
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log.read_text()}") from None
+        with grpc.insecure_channel(f"{host}:{grpc_port}") as channel:
+            live = channel.unary_unary(
+                "/inference.GRPCInferenceService/ServerLive",
+                request_serializer=pb.ServerLiveRequest.SerializeToString,
+                response_deserializer=pb.ServerLiveResponse.FromString,
+            )
+            assert live(pb.ServerLiveRequest(), timeout=30, wait_for_ready=True).live is True
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", grpc_port), timeout=5).close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
