@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from batch_jobs.declared_sql import _frames
+from batch_jobs.declared_sql import frames
 from fraud_scoring import declared as D
 
 # Temporary views of one call: the query rows and the history's events.
@@ -64,6 +64,10 @@ def window_sql_spark(spec: D.Spec, w: D.Window, params: dict[str, Any]) -> str:
     (row_id, ts_us, key columns) and ``declared_e`` (one row per transaction_id: ts_us,
     key columns, value); the filter's values go into ``params``."""
     u, n = w.width_us, w.tiles
+    src = "l" if spec.source == "labels" else "t"
+    ev_ts = f"greatest(e.avail_us, e.ev_us + {spec.delay_us}L)"
+    # whole tiles (a delay, labels): the window ends at the tile edge at or before t
+    hi = f"q.ts_us - pmod(q.ts_us, {u}L)" if spec.whole_tiles else "q.ts_us"
     if spec.categorical:  # a value is a category: kept (distinct, changed), not summed
         value, own = f"e.{spec.value_column}", f"q.{spec.value_column}"
         num = "CAST(0.0 AS DOUBLE)"
@@ -72,10 +76,11 @@ def window_sql_spark(spec: D.Spec, w: D.Window, params: dict[str, Any]) -> str:
         num = f"CAST(e.{spec.value_column} AS DOUBLE)" if spec.value_column else "1.0D"
     return f"""
 WITH ev AS (
-  SELECT {_key_sql(spec, "e")} AS k, e.ts_us, {num} AS v, {value} AS cat
-  FROM {_E} e WHERE {_present_sql(spec, "e", value=True)} AND {_filter_sql(spec, "e", params)}
+  SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
+  FROM {_E} e WHERE e.src = '{src}' AND {_present_sql(spec, "e", value=True)}
+                    AND {_filter_sql(spec, "e", params)}
 ), qk AS (
-  SELECT q.row_id, {_key_sql(spec, "q")} AS k, q.ts_us,
+  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi,
          q.ts_us - pmod(q.ts_us, {u}L) - {n * u}L AS lo, q.ts_us - {w.us}L AS last_lo,
          nullif({own}, '') AS own
   FROM {_Q} q WHERE {_present_sql(spec, "q")}
@@ -87,7 +92,7 @@ WITH ev AS (
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
          max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
   FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
-                       AND ev.ts_us < qk.ts_us
+                       AND ev.ts_us < qk.hi
   GROUP BY qk.row_id
 ), latest AS (
   SELECT DISTINCT k, ts_us, cat FROM ev
@@ -124,6 +129,7 @@ def spark_training_columns(
     rows: pd.DataFrame,
     history: pd.DataFrame,
     time_col: str = "event_timestamp",
+    labels: pd.DataFrame | None = None,
 ) -> dict[str, np.ndarray]:
     """Every declared aggregation for ``rows`` (their ``time_col`` is ``t``) over the
     raw ``history`` (transactions with ``event_time``) on ``spark`` (a
@@ -132,13 +138,14 @@ def spark_training_columns(
     out: dict[str, np.ndarray] = {}
     if not decl.specs:
         return out
-    q, e = _frames(rows, history, time_col)
+    q, e = frames(rows, history, time_col, labels)
     t_us = q["ts_us"].to_numpy(np.int64)
-    values = {c: pa.float64() for c in D.VALUE_COLUMNS}
+    values = {c: pa.float64() for c in (*D.VALUE_COLUMNS, *D.LABEL_VALUE_COLUMNS)}
     spark.createDataFrame(
         _arrow(q, {"row_id": pa.int64(), "ts_us": pa.int64()})
     ).createOrReplaceTempView(_Q)
-    spark.createDataFrame(_arrow(e, {**values, "ts_us": pa.int64()})).createOrReplaceTempView(_E)
+    e_types = {**values, "src": pa.string(), "ev_us": pa.int64(), "avail_us": pa.int64()}
+    spark.createDataFrame(_arrow(e, e_types)).createOrReplaceTempView(_E)
     try:
         parts = []
         windows = [(spec, w) for spec in decl.specs for w in spec.windows]

@@ -25,7 +25,7 @@ from redis.cluster import RedisCluster
 
 from fraud_scoring import declared as D
 from fraud_scoring.session import epoch_us
-from fraud_scoring.storage import partition_days, partition_dir
+from fraud_scoring.storage import DataError, partition_days, partition_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,24 @@ def _filter_sql(spec: D.Spec, alias: str) -> str:
     return " AND ".join(parts) or "TRUE"
 
 
+def _source_sql(spec: D.Spec, alias: str) -> tuple[str, str]:
+    """The events of ``spec``'s source and the time each counts from (µs): a
+    transaction its event time plus the delay; a label the later of when the store has
+    it and its transaction's event time plus the delay (``declared.label_events_for``)."""
+    src = "l" if spec.source == "labels" else "t"
+    ts = f"greatest({alias}.avail_us, {alias}.ev_us + {spec.delay_us})"
+    return f"{alias}.src = '{src}'", ts
+
+
 def window_sql(spec: D.Spec, w: D.Window) -> str:
     """One window of one declaration: per row id, count, sum, squares and the newest
     earlier event time. Reads the views ``q`` (row_id, ts_us, key columns) and ``e``
-    (one row per transaction_id: ts_us, key columns, value)."""
+    (:func:`_frames`: one row per transaction and per label, with ``src``, ``ev_us``,
+    ``avail_us``, key columns and values)."""
     u, n = w.width_us, w.tiles
+    where_src, ev_ts = _source_sql(spec, "e")
+    # whole tiles (a delay, labels): the window ends at the tile edge at or before t
+    hi = f"(q.ts_us // {u}) * {u}" if spec.whole_tiles else "q.ts_us"
     if spec.categorical:  # a value is a category: kept (distinct, changed), not summed
         value, own = f"CAST(e.{spec.value_column} AS VARCHAR)", f"q.{spec.value_column}"
         num = "0.0"
@@ -63,10 +76,11 @@ def window_sql(spec: D.Spec, w: D.Window) -> str:
         num = f"CAST(e.{spec.value_column} AS DOUBLE)" if spec.value_column else "1.0"
     return f"""
 WITH ev AS (
-  SELECT {_key_sql(spec, "e")} AS k, e.ts_us, {num} AS v, {value} AS cat
-  FROM e WHERE {_present_sql(spec, "e", value=True)} AND {_filter_sql(spec, "e")}
+  SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
+  FROM e WHERE {where_src} AND {_present_sql(spec, "e", value=True)}
+               AND {_filter_sql(spec, "e")}
 ), qk AS (
-  SELECT q.row_id, {_key_sql(spec, "q")} AS k, q.ts_us,
+  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi,
          (q.ts_us // {u} - {n}) * {u} AS lo, q.ts_us - {w.us} AS last_lo,
          nullif(CAST({own} AS VARCHAR), '') AS own
   FROM q WHERE {_present_sql(spec, "q")}
@@ -78,7 +92,7 @@ WITH ev AS (
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
          max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
   FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
-                       AND ev.ts_us < qk.ts_us
+                       AND ev.ts_us < qk.hi
   GROUP BY qk.row_id
 ), latest AS (  -- the values at each key's latest time before a row (for changed)
   SELECT DISTINCT k, ts_us, cat FROM ev
@@ -92,13 +106,31 @@ GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, agg.own
 """
 
 
-def _frames(rows: pd.DataFrame, history: pd.DataFrame, time_col: str) -> tuple[Any, Any]:
-    cols = list(dict.fromkeys([*D.KEY_COLUMNS, *D.VALUE_COLUMNS]))
+def frames(
+    rows: pd.DataFrame, history: pd.DataFrame, time_col: str, labels: pd.DataFrame | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The query rows ``q`` (row_id, ts_us, key columns) and the events ``e`` every
+    engine reads: one row per transaction of ``history`` (``src`` "t", ``ev_us`` =
+    ``avail_us`` = its event time) and per label of ``labels``
+    (:func:`load_label_events`; ``src`` "l", ``ev_us`` its transaction's event time,
+    ``avail_us`` when the store has it), with key columns, ``amount`` and ``is_fraud``."""
+    cols = [*D.KEY_COLUMNS, *D.VALUE_COLUMNS]
     q = pd.DataFrame({c: rows.get(c) for c in D.KEY_COLUMNS})
     q["row_id"] = np.arange(len(rows))
     q["ts_us"] = epoch_us(rows[[time_col]])
     e_src = history.drop_duplicates("transaction_id")
-    e = pd.DataFrame({c: e_src.get(c) for c in cols}).assign(ts_us=epoch_us(e_src[["event_time"]]))
+    ev_us = epoch_us(e_src[["event_time"]])
+    e = pd.DataFrame({c: e_src.get(c) for c in cols}).assign(
+        is_fraud=np.nan, src="t", ev_us=ev_us, avail_us=ev_us
+    )
+    if labels is not None and len(labels):
+        lab = pd.DataFrame({c: labels.get(c) for c in cols}).assign(
+            is_fraud=labels["is_fraud"].astype(np.float64).to_numpy(),
+            src="l",
+            ev_us=labels["event_us"].to_numpy(np.int64),
+            avail_us=labels["available_us"].to_numpy(np.int64),
+        )
+        e = pd.concat([e, lab], ignore_index=True)
     return q, e
 
 
@@ -108,13 +140,15 @@ def training_columns(
     history: pd.DataFrame,
     time_col: str = "event_timestamp",
     progress: Callable[[str], None] | None = None,
+    labels: pd.DataFrame | None = None,
 ) -> dict[str, np.ndarray]:
     """Every declared aggregation for ``rows`` (their ``time_col`` is ``t``) over the
-    raw ``history`` (transactions with ``event_time``), float64 columns."""
+    raw ``history`` (transactions with ``event_time``) and ``labels``
+    (:func:`load_label_events`; needed by label states), float64 columns."""
     out: dict[str, np.ndarray] = {}
     if not decl.specs:
         return out
-    q, e = _frames(rows, history, time_col)
+    q, e = frames(rows, history, time_col, labels)
     t_us = q["ts_us"].to_numpy(np.int64)
     con = duckdb.connect()
     try:
@@ -153,8 +187,10 @@ def backfill_tiles(
     history: pd.DataFrame,
     horizon_s: float,
     progress: Callable[[str], None] | None = None,
+    labels: pd.DataFrame | None = None,
 ) -> int:
-    """Record every transaction of ``history`` in the declared keys (the updater's own
+    """Record every transaction of ``history`` (and every label of ``labels``, in the
+    label states: :func:`load_label_events`) in the declared keys (the updater's own
     script: idempotent per transaction_id, so running it again, or after the stream
     already recorded some, changes nothing), then set each state's backfilled marker
     (:meth:`fraud_scoring.declared.Spec.backfilled_key`). Returns the events recorded.
@@ -174,24 +210,146 @@ def backfill_tiles(
     for script in D.SCRIPTS:  # on a cluster: on every primary
         client.script_load(script)
     cluster = isinstance(client, RedisCluster)
+    label_rows = _label_rows(labels)
     for spec in decl.specs:
         live = D.Limits.for_spec(spec, horizon_s)
         accept = D.Limits(live.horizon_us + int(span_s * D.US), live.ttl_ms, backfill=True)
-        by_key = D.events_for(spec, rows, ts)
+        by_key = (
+            D.label_events_for(spec, label_rows)
+            if spec.source == "labels"
+            else D.events_for(spec, rows, ts)
+        )
         for n, key in enumerate(by_key):
-            events = by_key[key]
+            events = sorted(by_key[key], key=lambda e: e.ts_us)
             pipe = client.pipeline(transaction=False)
             for chunk in _chunks(events, 500):
                 D.queue_apply(pipe, spec, {key: chunk}, accept, per_key=cluster)
             newest = max(e.ts_us for e in events)
-            pipe.zremrangebyscore(
-                spec.prefix(key) + ":ids", "-inf", f"({newest - int(horizon_s * D.US)}"
-            )
+            pipe.zremrangebyscore(spec.prefix(key) + ":ids", "-inf", f"({newest - live.horizon_us}")
             written += _send(pipe)
             if progress and n % 1000 == 999:
                 progress(f"{spec.id}: {n + 1:,} of {len(by_key):,} keys")
         client.set(spec.backfilled_key(), datetime.now(UTC).isoformat())
     return written
+
+
+def _label_rows(labels: pd.DataFrame | None) -> list[dict[str, Any]]:
+    if labels is None or not len(labels):
+        return []
+    return labels.to_dict("records")  # type: ignore[return-value]
+
+
+def record_labels(client: Any, decl: D.Declarations, labels: pd.DataFrame, horizon_s: float) -> int:
+    """Record newly arrived ``labels`` (:func:`load_label_events`) in the label states,
+    as the daily batch does for each day's labels: idempotent per transaction_id, so a
+    rerun (or a label a backfill already recorded) changes nothing. Returns the labels
+    recorded."""
+    rows = _label_rows(labels)
+    specs = [s for s in decl.specs if s.source == "labels"]
+    if not rows or not specs:
+        return 0
+    cluster = isinstance(client, RedisCluster)
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    pipe = client.pipeline(transaction=False)
+    for spec in specs:
+        by_key = {
+            k: sorted(v, key=lambda e: e.ts_us) for k, v in D.label_events_for(spec, rows).items()
+        }
+        if by_key:
+            D.queue_apply(pipe, spec, by_key, D.Limits.for_spec(spec, horizon_s), per_key=cluster)
+    return _send(pipe)
+
+
+def _label_join(
+    con: Any, lab_from: str, txn_from: str, params: dict[str, Any], after_s: float
+) -> pd.DataFrame:
+    """Each labelled transaction's first label (arrived before ``$before``) with its
+    transaction's columns, from the relations ``lab_from`` and ``txn_from``."""
+    probe = f"SELECT * FROM {txn_from} LIMIT 0"
+    used = {k: v for k, v in params.items() if "$" + k in probe}
+    have = set(con.sql(probe, params=used).columns)
+    picked = [f"any_value(t.{c}) AS {c}" if c in have else f"NULL AS {c}" for c in D.KEY_COLUMNS]
+    got = con.execute(
+        f"""
+        WITH l AS (
+          SELECT transaction_id, min(label_time) AS label_time, bool_or(is_fraud) AS is_fraud
+          FROM {lab_from} WHERE label_time < $before GROUP BY transaction_id
+        ), t AS (
+          SELECT * FROM {txn_from} WHERE transaction_id IN (SELECT transaction_id FROM l)
+        )
+        SELECT l.transaction_id, epoch_us(any_value(t.event_time)) AS event_us,
+               epoch_us(any_value(l.label_time)) AS label_us, any_value(l.is_fraud) AS is_fraud,
+               {", ".join(picked)}, any_value(t.amount) AS amount
+        FROM l JOIN t USING (transaction_id) GROUP BY l.transaction_id
+        ORDER BY label_us, l.transaction_id
+        """,
+        params,
+    ).df()
+    got["available_us"] = [D.label_available_us(int(x), after_s) for x in got["label_us"]]
+    return got
+
+
+def label_events(
+    labels: pd.DataFrame,
+    history: pd.DataFrame,
+    after_s: float,
+    arrived_before: datetime | None = None,
+) -> pd.DataFrame:
+    """:func:`load_label_events` over frames: ``labels`` (transaction_id, label_time,
+    is_fraud) joined to the transactions of ``history``."""
+    con = duckdb.connect()
+    try:
+        con.execute("SET TimeZone='UTC'")
+        con.register("lab_frame", labels[["transaction_id", "label_time", "is_fraud"]])
+        con.register("txn_frame", history)
+        before = arrived_before or datetime.max.replace(tzinfo=UTC)
+        return _label_join(con, "lab_frame", "txn_frame", {"before": before}, after_s)
+    finally:
+        con.close()
+
+
+def load_label_events(
+    raw: Path,
+    after_s: float,
+    first: date | None = None,
+    last: date | None = None,
+    arrived_before: datetime | None = None,
+) -> pd.DataFrame:
+    """The labels that arrived on ``first..last`` (their partition days; default all)
+    and before ``arrived_before``, one per transaction (its first), each with its
+    transaction's columns (key columns, ``amount``), ``event_us``, ``label_us`` and
+    ``available_us``: when the online store has it, the daily batch after its arrival
+    day (``declared.label_available_us`` with ``after_s``). Labels whose transaction is
+    not in the raw history are left out."""
+    days = [
+        d
+        for d in partition_days(raw, "labels")
+        if (first is None or d >= first) and (last is None or d <= last)
+    ]
+    tx_days = partition_days(raw, "transactions")
+    if not days or not tx_days:
+        cols = ["transaction_id", "event_us", "label_us", "is_fraud", *D.KEY_COLUMNS, "amount"]
+        return pd.DataFrame(columns=[*cols, "available_us"])
+    params = {
+        "lab": [str(partition_dir(raw, "labels", d) / "part-0.parquet") for d in days],
+        "txn": [str(partition_dir(raw, "transactions", d) / "part-0.parquet") for d in tx_days],
+        "before": arrived_before or datetime.max.replace(tzinfo=UTC),
+    }
+    con = duckdb.connect()
+    try:
+        con.execute("SET TimeZone='UTC'")
+        return _label_join(
+            con,
+            "read_parquet($lab, union_by_name => true)",
+            "read_parquet($txn, union_by_name => true)",
+            params,
+            after_s,
+        )
+    except duckdb.Error as exc:
+        raise DataError(f"reading labels under {raw / 'labels'}: {exc}") from exc
+    finally:
+        con.close()
 
 
 def _chunks(events: list[D.Event], size: int) -> Iterator[list[D.Event]]:

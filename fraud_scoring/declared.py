@@ -71,6 +71,16 @@ UNITS = {"s": US, "m": 60 * US, "h": 3600 * US, "d": 86_400 * US}
 # The transaction columns a declaration may read (entity, filter, value).
 KEY_COLUMNS = ("card_id", "merchant_id", "device_id", "country", "channel", "mcc")
 VALUE_COLUMNS = ("amount",)
+# What a declaration counts: the transactions, or the labels (chargebacks, analysts'
+# marks) by when the online store has them; a label carries its transaction's columns.
+Source = Literal["transactions", "labels"]
+LABEL_VALUE_COLUMNS = ("is_fraud",)
+# A state whose events are not recorded as they happen (a delay, or labels, which the
+# daily batch records) reads whole tiles, so only these aggregations.
+WHOLE_TILE_AGGS = {"count", "sum", "mean", "std"}
+# A label counts from the day after its arrival (plus FRAUD_BATCH_AVAILABLE_AFTER_S): a
+# label state keeps tiles this far ahead of the present beyond its delay.
+LABEL_ROOM_US = 2 * 86_400 * US
 Agg = Literal["count", "sum", "mean", "std", "seconds_since_last", "distinct_count", "changed"]
 NEEDS_VALUE = {"sum", "mean", "std"}
 # Aggregations of a categorical value (a key column): a state keeps the values it saw.
@@ -114,8 +124,12 @@ class _Strict(BaseModel):
 class AggregationDecl(_Strict):
     """One entity's windowed aggregations (see docs/features.md)."""
 
+    source: Source = Field(default="transactions", description="what the events are")
     entity: tuple[str, ...] = Field(description="transaction columns that form the key")
     value: str | None = Field(default=None, description="the column sum/mean/std read")
+    delay: str | None = Field(
+        default=None, description="an event counts this long after its event time (1m-180d)"
+    )
     filter: dict[str, tuple[str, ...]] = Field(
         default_factory=dict, description="column -> allowed values; events outside skip"
     )
@@ -156,9 +170,16 @@ class AggregationDecl(_Strict):
     @field_validator("value")
     @classmethod
     def _known_value(cls, v: str | None) -> str | None:
-        if v is not None and v not in (*VALUE_COLUMNS, *KEY_COLUMNS):
-            known = ", ".join((*VALUE_COLUMNS, *KEY_COLUMNS))
-            raise ValueError(f"unknown column {v!r}; one of {known}")
+        known = (*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS, *KEY_COLUMNS)
+        if v is not None and v not in known:
+            raise ValueError(f"unknown column {v!r}; one of {', '.join(known)}")
+        return v
+
+    @field_validator("delay")
+    @classmethod
+    def _delay(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_window(v)
         return v
 
     @field_validator("windows")
@@ -216,15 +237,30 @@ class Spec:
     windows: tuple[Window, ...]
     features: tuple[Declared, ...]
     description: str = ""
+    source: str = "transactions"
+    delay_us: int = 0
+
+    @property
+    def whole_tiles(self) -> bool:
+        """Events are not recorded as they happen (a delay puts them ahead of the
+        present; labels are recorded by the daily batch): a window reads whole tiles,
+        its end snapped down to the tile edge at or before ``t`` too."""
+        return self.delay_us > 0 or self.source == "labels"
+
+    @property
+    def ahead_us(self) -> int:
+        """How far ahead of the present this state's event times may lie."""
+        return self.delay_us + (LABEL_ROOM_US if self.source == "labels" else 0)
 
     @cached_property  # read on every queued call: derived once
     def widths(self) -> dict[int, int]:
         """Tile width → ring size (slots): the most tiles a window of that width reads,
-        plus room for events stamped up to :data:`FUTURE_ROOM_US` ahead of the key's
-        present (a slot is only stored once an event lands in it)."""
+        plus room for events stamped up to :data:`FUTURE_ROOM_US` (and the state's
+        :attr:`ahead_us`) ahead of the key's present (a slot is only stored once an event
+        lands in it)."""
         out: dict[int, int] = {}
         for w in self.windows:
-            room = -(-FUTURE_ROOM_US // w.width_us)
+            room = -(-(FUTURE_ROOM_US + self.ahead_us) // w.width_us)
             out[w.width_us] = max(out.get(w.width_us, 0), w.tiles + 2 + room)
         return out
 
@@ -346,10 +382,14 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
     """Group declarations by (entity, value, filter) into the states they share."""
     groups: dict[str, list[AggregationDecl]] = {}
     for d in decls:
-        canon = json.dumps(
-            {"e": d.entity, "v": d.value, "f": {k: sorted(v) for k, v in d.filter.items()}},
-            sort_keys=True,
-        )
+        shape: dict[str, Any] = {
+            "e": d.entity,
+            "v": d.value,
+            "f": {k: sorted(v) for k, v in d.filter.items()},
+        }
+        if d.source != "transactions" or d.delay:  # the ids of older states do not change
+            shape |= {"s": d.source, "d": parse_window(d.delay) if d.delay else 0}
+        canon = json.dumps(shape, sort_keys=True)
         groups.setdefault(canon, []).append(d)
     specs = []
     for canon0, ds in groups.items():
@@ -380,6 +420,8 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
                 tuple(Window(_label(us), us, tile_width(us)) for us in sorted(windows)),
                 tuple(feats),
                 "; ".join(d.description for d in ds if d.description),
+                first.source,
+                parse_window(first.delay) if first.delay else 0,
             )
         )
     return tuple(specs)
@@ -402,10 +444,22 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
         loc = ".".join(str(p) for p in first["loc"])
         raise DeclarationError(f"{source}: {loc}: {first['msg']}") from None
     for i, d in enumerate(doc.aggregations):
-        if NEEDS_VALUE & set(d.features) and d.value not in VALUE_COLUMNS:
+        numbers = (*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS) if d.source == "labels" else VALUE_COLUMNS
+        if d.value in LABEL_VALUE_COLUMNS and d.source != "labels":
+            raise DeclarationError(
+                f"{source}: aggregations.{i}.value: {d.value!r} is a label's column "
+                "(declare source: labels)"
+            )
+        if NEEDS_VALUE & set(d.features) and d.value not in numbers:
             raise DeclarationError(
                 f"{source}: aggregations.{i}.value: sum/mean/std need a number column "
-                f"({', '.join(VALUE_COLUMNS)})"
+                f"({', '.join(numbers)})"
+            )
+        whole = d.delay is not None or d.source == "labels"
+        if whole and set(d.features) - WHOLE_TILE_AGGS:
+            raise DeclarationError(
+                f"{source}: aggregations.{i}.features: with a delay or source labels only "
+                f"{', '.join(sorted(WHOLE_TILE_AGGS))} (whole tiles)"
             )
         if NEEDS_CATEGORY & set(d.features) and d.value not in KEY_COLUMNS:
             raise DeclarationError(
@@ -749,7 +803,9 @@ class Limits:
 
     @classmethod
     def for_spec(cls, spec: Spec, horizon_s: float) -> Limits:
-        return cls(int(horizon_s * US), (spec.longest_us // US + int(horizon_s) + 3600) * 1000)
+        # A label state's events arrive out of time order by up to its ahead_us.
+        back = int(horizon_s * US) + (spec.ahead_us if spec.source == "labels" else 0)
+        return cls(back, ((spec.longest_us + spec.ahead_us + back) // US + 3600) * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -764,12 +820,41 @@ class Event:
 def events_for(
     spec: Spec, rows: Sequence[Mapping[str, Any]], ts_us: Sequence[int]
 ) -> dict[str, list[Event]]:
-    """The events ``rows`` add to ``spec``'s keys (rows outside its filter, or without a
-    key, add none), by key value."""
+    """The events transactions ``rows`` at ``ts_us`` add to ``spec``'s keys (rows
+    outside its filter, or without a key, add none; a label state takes none: see
+    :func:`label_events_for`), by key value, each at ``ts`` plus the state's delay."""
     out: dict[str, list[Event]] = {}
+    if spec.source != "transactions":
+        return out
     for row, ts in zip(rows, ts_us, strict=True):
         key = spec.key_value(row)
         if key is not None and spec.passes(row):
+            out.setdefault(key, []).append(
+                Event(str(row["transaction_id"]), ts + spec.delay_us, spec.value(row))
+            )
+    return out
+
+
+def label_available_us(label_us: int, after_s: float) -> int:
+    """When the online store has a label that arrived at ``label_us``: the daily batch
+    records a day's labels after that day (UTC), ``after_s`` past midnight
+    (``FRAUD_BATCH_AVAILABLE_AFTER_S``)."""
+    day = 86_400 * US
+    return (label_us // day + 1) * day + int(after_s * US)
+
+
+def label_events_for(spec: Spec, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Event]]:
+    """The events labels ``rows`` add to a label state's keys, by key value. A row is a
+    label with its transaction's columns, ``event_us`` (the transaction's event time) and
+    ``available_us`` (:func:`label_available_us`); it counts from the later of
+    ``available_us`` and ``event_us`` plus the delay."""
+    out: dict[str, list[Event]] = {}
+    if spec.source != "labels":
+        return out
+    for row in rows:
+        key = spec.key_value(row)
+        if key is not None and spec.passes(row):
+            ts = max(int(row["available_us"]), int(row["event_us"]) + spec.delay_us)
             out.setdefault(key, []).append(Event(str(row["transaction_id"]), ts, spec.value(row)))
     return out
 
@@ -859,7 +944,8 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
         ring = rings[w.width_us]
         last = (t // w.width_us).astype(np.float64)[:, None]
         idx = ring[:, :, 0]
-        inside = (idx >= last - w.tiles) & (idx <= last)
+        # whole tiles: the tile holding t is not read
+        inside = (idx >= last - w.tiles) & ((idx < last) if spec.whole_tiles else (idx <= last))
         sums.append((ring[:, :, 1:] * inside[:, :, None]).sum(axis=1))
     out = []
     at = len(spec.widths)
@@ -888,7 +974,8 @@ def online_row(
     ``changed``; None: it has none). Returns the
     features and whether they are exact (False only when :data:`NEWEST` or more stored
     events lie at or after ``t_us``: a replay far behind the key's present)."""
-    ahead = state.ahead if state else []
+    # Whole tiles end before the tile holding t: what lies ahead is never read.
+    ahead = state.ahead if state and not spec.whole_tiles else []
     # Fewer than NEWEST kept events at or after t: every event after t is kept.
     exact = len(ahead) < NEWEST
     mates = [(e.ts_us, e.value) for e in batch_mates if e.ts_us < t_us]
@@ -905,7 +992,7 @@ def online_row(
                 c, s, q = c - 1, s - v, q - v * v
         lo = here - w.tiles
         for ts, v in mates:
-            if ts // w.width_us >= lo:
+            if ts // w.width_us >= lo and not (spec.whole_tiles and ts // w.width_us >= here):
                 c, s, q = c + 1, s + v, q + v * v
         if not exact:  # a replay: some later events were counted; never below nothing
             c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)

@@ -33,21 +33,43 @@ def _us(col: pd.Series) -> np.ndarray:
 
 
 def reference(
-    declarations: dict[str, Any], rows: pd.DataFrame, history: pd.DataFrame, time_col: str
+    declarations: dict[str, Any],
+    rows: pd.DataFrame,
+    history: pd.DataFrame,
+    time_col: str,
+    labels: pd.DataFrame | None = None,
+    label_after_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """Every declared feature of ``rows`` (a YAML document ``declarations``, as loaded)."""
+    """Every declared feature of ``rows`` (a YAML document ``declarations``, as loaded);
+    ``labels`` are the raw labels (transaction_id, label_time, is_fraud), which reach
+    the store ``label_after_s`` after the UTC midnight that follows their arrival."""
     hist = history.drop_duplicates("transaction_id").copy()
     hist["_us"] = _us(hist["event_time"])
     t_all = _us(rows[time_col])
     out: dict[str, list[float]] = {}
     for decl in declarations.get("aggregations", []):
         entity = [decl["entity"]] if isinstance(decl["entity"], str) else decl["entity"]
-        ev = hist
+        delay = _window_s(decl["delay"]) * US if decl.get("delay") else 0
+        whole = bool(delay) or decl.get("source") == "labels"
+        if decl.get("source") == "labels":  # each transaction's first label
+            lab = labels.copy() if labels is not None else pd.DataFrame()
+            if len(lab):
+                lab["_lus"] = _us(lab["label_time"])
+                lab = lab.sort_values("_lus").drop_duplicates("transaction_id")
+                lab = lab.merge(hist, on="transaction_id", suffixes=("", "_txn"))
+            if len(lab):
+                day = 86_400 * US
+                avail = (lab["_lus"] // day + 1) * day + int(label_after_s * US)
+                lab["_us"] = np.maximum(avail, lab["_us"] + delay)
+                lab["is_fraud"] = lab["is_fraud"].astype(float)
+            ev = lab if len(lab) else hist.iloc[:0].assign(is_fraud=0.0)
+        else:
+            ev = hist.assign(_us=hist["_us"] + delay)
         for col, allowed in decl.get("filter", {}).items():
             allowed = [allowed] if isinstance(allowed, str) else allowed
             ev = ev[ev[col].isin(allowed)]
         value = decl.get("value")
-        categorical = value is not None and value != "amount"
+        categorical = value is not None and value not in ("amount", "is_fraud")
         for c in [*entity, value] if categorical else entity:
             ev = ev[ev[c].notna() & (ev[c].astype(str) != "")]
         groups = (
@@ -67,8 +89,11 @@ def reference(
                         g = ev.iloc[:0]
                     else:
                         g = groups.get(key, ev.iloc[:0])
-                    before = g[g["_us"] < t]
-                    inwin = before[before["_us"] // u >= t // u - w_s * US // u]
+                    if whole:  # the window ends at the tile edge at or before t
+                        before = g[g["_us"] // u < t // u] if len(g) else g
+                    else:
+                        before = g[g["_us"] < t] if len(g) else g
+                    inwin = before[before["_us"] // u >= t // u - w_s * US // u] if len(g) else g
                     x = [float(v) for v in inwin[value]] if value and not categorical else []
                     if agg == "count":
                         v = float(len(inwin))

@@ -17,7 +17,7 @@ import redis
 import yaml
 from redis.cluster import RedisCluster
 
-from batch_jobs.declared_sql import backfill_tiles, training_columns
+from batch_jobs.declared_sql import backfill_tiles, label_events, record_labels, training_columns
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
 from fraud_scoring.redis_clients import sync_client
@@ -47,12 +47,31 @@ aggregations:
     value: device_id
     windows: [10m, 1h]
     features: {distinct_count: m_devices}
+  - source: labels
+    entity: merchant_id
+    value: is_fraud
+    delay: 2d
+    windows: [1d, 7d]
+    features: {count: m_labels, sum: m_frauds}
+  - source: labels
+    entity: card_id
+    value: amount
+    windows: [7d]
+    features: {sum: c_labelled_amount}
+  - entity: merchant_id
+    delay: 2d
+    windows: [1d, 7d]
+    features: {count: m_count_2d_ago}
 derived:
   - name: amount_to_m_mean_1d
     expr: where(m_mean_1d > 0, amount / m_mean_1d, 1.0)
   - name: m_burst
     expr: clip(m_count_1m - 2 * m_count_10m / 10, -5, 5)
+  - name: m_fraud_rate_7d
+    expr: m_frauds_7d / m_count_2d_ago_7d
 """
+# Labels reach the store this long after the midnight that follows their arrival.
+LABEL_AFTER_S = 5400.0
 T0 = pd.Timestamp("2026-03-02T00:00:00Z")
 
 
@@ -90,6 +109,23 @@ def history(seed: int = 3) -> pd.DataFrame:
     ).sort_values("event_time", ignore_index=True)
 
 
+def labels(hist: pd.DataFrame, seed: int = 8) -> pd.DataFrame:
+    """Raw labels of ~8 % of ``hist``: arriving 6 hours to 5 days after the transaction
+    (some after the 2-day delay), mostly fraud; a few transactions labelled twice."""
+    rng = np.random.default_rng(seed)
+    picked = hist.sample(frac=0.08, random_state=seed)
+    lab = pd.DataFrame(
+        {
+            "transaction_id": picked["transaction_id"].to_numpy(),
+            "label_time": picked["event_time"]
+            + pd.to_timedelta(rng.uniform(0.25, 5, len(picked)), unit="D"),
+            "is_fraud": rng.random(len(picked)) < 0.9,
+        }
+    )
+    again = lab.head(20).assign(label_time=lambda d: d["label_time"] + pd.Timedelta(days=1))
+    return pd.concat([lab, again], ignore_index=True)
+
+
 def test_the_language_names_the_field_it_refuses() -> None:
     cases = {
         "aggregations: [{entity: shoe, windows: [1h], features: {count: x}}]": (
@@ -118,6 +154,18 @@ def test_the_language_names_the_field_it_refuses() -> None:
             "aggregations.0.value",
             "unknown column 'colour'",
         ),
+        "aggregations: [{entity: card_id, value: is_fraud, windows: [1h], features: {sum: x}}]": (
+            "aggregations.0.value",
+            "declare source: labels",
+        ),
+        "aggregations: [{source: labels, entity: card_id, windows: [1h], "
+        "features: {seconds_since_last: x}}]": ("aggregations.0.features", "whole tiles"),
+        "aggregations: [{source: chargebacks, entity: card_id, windows: [1h], "
+        "features: {count: x}}]": ("aggregations.0.source", ""),
+        "aggregations: [{entity: card_id, delay: soon, windows: [1h], features: {count: x}}]": (
+            "aggregations.0.delay",
+            "expected a number and a unit",
+        ),
         "derived: [{name: r, expr: 'amount / nope'}]": ("derived.0.expr", "unknown name 'nope'"),
         "derived: [{name: r, expr: '__import__(1)'}]": ("derived.0.expr", "only these functions"),
         "aggregations: [{entity: card_id, windows: [1h], features: {count: card_txn_count}}]": (
@@ -132,13 +180,24 @@ def test_the_language_names_the_field_it_refuses() -> None:
 
 
 def _live(
-    client: Any, decl: D.Declarations, hist: pd.DataFrame, queries: set[str], seed: int
+    client: Any,
+    decl: D.Declarations,
+    hist: pd.DataFrame,
+    queries: set[str],
+    seed: int,
+    label_events: pd.DataFrame | None = None,
 ) -> dict[str, dict[str, float]]:
     """Events as a live system sees them: each arrives 0-5 s after its event time, 5 %
     twice; a query transaction arrives 5 s after its event time and is read as of that
     time before its own event is recorded (the scorer's order), in micro-batches of the
     events that arrive together (a burst sees itself inside one). Returns the served
-    features by transaction id."""
+    features by transaction id. ``label_events`` are recorded in the label states as
+    the daily batch does: once the clock passes their ``available_us``."""
+    pending = (
+        label_events.sort_values("available_us").to_dict("records")
+        if label_events is not None
+        else []
+    )
     rng = np.random.default_rng(seed)
     rows = hist.to_dict("records")
     ts = [int(pd.Timestamp(r["event_time"]).value // 1000) for r in rows]
@@ -150,6 +209,11 @@ def _live(
     served: dict[str, dict[str, float]] = {}
     for start in range(0, len(order), 16):  # a micro-batch: read, then record
         batch = order[start : start + 16]
+        clock = max(ts[i] for i in batch)
+        due = [r for r in pending if r["available_us"] <= clock]
+        if due:
+            record_labels(client, decl, pd.DataFrame(due), horizon_s=10 * 86400)
+            pending = pending[len(due) :]
         asked = [i for i in batch if rows[i]["transaction_id"] in queries]
         pipe = client.pipeline(transaction=False)
         reads = []
@@ -334,15 +398,18 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
         .rename(columns={"event_time": "event_timestamp"})
         .reset_index(drop=True)
     )
-    by_id = _live(client, decl, hist, set(q["transaction_id"]), seed=1)
+    lab = labels(hist)
+    events = label_events(lab, hist, LABEL_AFTER_S)
+    by_id = _live(client, decl, hist, set(q["transaction_id"]), seed=1, label_events=events)
     served = {n: [by_id[t][n] for t in q["transaction_id"]] for n in decl.aggregate_names()}
-    trained = training_columns(decl, q, hist)
-    ref = reference(raw, q, hist, "event_timestamp")
+    trained = training_columns(decl, q, hist, labels=events)
+    ref = reference(raw, q, hist, "event_timestamp", lab, LABEL_AFTER_S)
     assert set(served) == set(trained) == set(ref) == set(decl.aggregate_names())
     _assert_equal(q, served, trained, ref)
     # The check means something: the hot key's windows hold thousands of events.
     if source == "test":
         assert max(trained["m_count_1h"]) > 2500 and max(trained["cm_count_30d"]) > 10
+        assert max(trained["m_frauds_7d"]) > 10 and max(trained["m_count_2d_ago_1d"]) > 10
 
     # Derived features: the shared evaluator = the reference's on every row.
     from fraud_scoring.declared import derived_columns
@@ -363,7 +430,9 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
     # Backfill records the same state: the whole history again changes nothing.
     keys = sorted(client.keys("{agg:*"))
     before = {k: client.dump(k) for k in keys if not k.endswith(b":ids")}
-    assert backfill_tiles(client, decl, hist, horizon_s=10 * 86400) == 0
+    # (the labels the live run recorded: those the store had by its last event)
+    seen = events[events["available_us"] <= int(hist["event_time"].max().value // 1000)]
+    assert backfill_tiles(client, decl, hist, horizon_s=10 * 86400, labels=seen) == 0
     assert {k: client.dump(k) for k in keys if not k.endswith(b":ids")} == before
 
 

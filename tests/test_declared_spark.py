@@ -2,7 +2,7 @@
 DuckDB compilation (``batch_jobs/declared_sql.py``), feature for feature and row for
 row: for the declarations the project ships and for the test declarations of
 ``tests/test_declared.py`` (a hot key, ties, a filter, a two-column entity, categorical
-values). Sums, means and deviations agree to 1e-9 relative (the engines add in another
+values, label states and a delay). Sums, means and deviations agree to 1e-9 relative (the engines add in another
 order); counts, distinct counts, flags and seconds exactly. Spark needs Java 17+ and
 ``pip install '.[spark]'``: without them these tests are skipped."""
 
@@ -17,10 +17,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from batch_jobs.declared_sql import training_columns
+from batch_jobs.declared_sql import label_events, training_columns
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
-from tests.test_declared import DECL, T0, history
+from tests.test_declared import DECL, LABEL_AFTER_S, T0, history, labels
 
 if shutil.which("java") is None:
     pytest.skip(
@@ -84,8 +84,9 @@ def test_spark_equals_duckdb_for_every_declared_aggregation(spark: Any, source: 
     decl = _decl(source)
     hist = history()
     q = _queries(hist)
-    duck = training_columns(decl, q, hist)
-    ours = spark_training_columns(spark, decl, q, hist)
+    events = label_events(labels(hist), hist, LABEL_AFTER_S)
+    duck = training_columns(decl, q, hist, labels=events)
+    ours = spark_training_columns(spark, decl, q, hist, labels=events)
     assert set(ours) == set(duck) == set(decl.aggregate_names())
     agg_of = {f.name: f.agg for s in decl.specs for f in s.features}
     bad = {}
