@@ -2,9 +2,10 @@
 DuckDB compilation (``batch_jobs/declared_sql.py``), feature for feature and row for
 row: for the declarations the project ships and for the test declarations of
 ``tests/test_declared.py`` (a hot key, ties, a filter, a two-column entity, categorical
-values, label states and a delay). Sums, means and deviations agree to 1e-9 relative (the engines add in another
-order); counts, distinct counts, flags and seconds exactly. Spark needs Java 17+ and
-``pip install '.[spark]'``: without them these tests are skipped."""
+values, label states and a delay). Sums, means and deviations agree to 1e-9 relative
+(the engines add in another order); counts, distinct counts, flags and seconds exactly.
+Spark needs Java 17+ and ``pip install '.[spark]'``: without them these tests are
+skipped."""
 
 from __future__ import annotations
 
