@@ -110,11 +110,17 @@ def mark_materialized(redis_url: str, project: str) -> None:
         client.close()
 
 
-def backfill_declared(raw: Path, last: date, redis_url: str, allowed_lateness_s: float) -> int:
+def backfill_declared(
+    raw: Path,
+    last: date,
+    redis_url: str,
+    allowed_lateness_s: float,
+    label_available_after_s: float = 0.0,
+) -> int:
     """Record the raw history up to ``last`` into every declared state whose backfilled
     marker is missing (a new state, or the store was emptied), with a progress line per
-    state; states already backfilled are left to the updater. Returns the events
-    recorded."""
+    state; states already backfilled are left to the updater (and, label states, to
+    :func:`record_day_labels`). Returns the events recorded."""
     decl = declarations()
     client = sync_client(redis_url)
     try:
@@ -125,6 +131,11 @@ def backfill_declared(raw: Path, last: date, redis_url: str, allowed_lateness_s:
         history = declared_sql.load_history(raw, first, last)
         if history.empty:
             return 0
+        labels = (
+            declared_sql.load_label_events(raw, label_available_after_s, last=last)
+            if any(s.source == "labels" for s in states)
+            else None
+        )
         only = dataclasses.replace(decl, specs=tuple(states))
         n = declared_sql.backfill_tiles(
             client,
@@ -132,6 +143,7 @@ def backfill_declared(raw: Path, last: date, redis_url: str, allowed_lateness_s:
             history,
             allowed_lateness_s + D.HORIZON_S,
             progress=lambda m: log.info("declared backfill: %s", m),
+            labels=labels,
         )
         log.info(
             "declared backfill: %d events from %s..%s into %s",
@@ -145,6 +157,31 @@ def backfill_declared(raw: Path, last: date, redis_url: str, allowed_lateness_s:
         client.close()
 
 
+def record_day_labels(
+    raw: Path,
+    days: list[date],
+    redis_url: str,
+    allowed_lateness_s: float,
+    label_available_after_s: float = 0.0,
+) -> int:
+    """Record the labels that arrived on ``days`` in the declared label states (each
+    counts from the midnight after its arrival day plus ``label_available_after_s``, or
+    later: the batch must run before then). Idempotent; returns the labels recorded."""
+    decl = declarations()
+    if not any(s.source == "labels" for s in decl.specs):
+        return 0
+    labels = declared_sql.load_label_events(
+        raw, label_available_after_s, first=min(days), last=max(days)
+    )
+    client = sync_client(redis_url)
+    try:
+        n = declared_sql.record_labels(client, decl, labels, allowed_lateness_s + D.HORIZON_S)
+    finally:
+        client.close()
+    log.info("declared labels: %d of %d labels recorded", n, len(labels))
+    return n
+
+
 def run_batch(
     data_dir: Path,
     days: list[date],
@@ -154,11 +191,14 @@ def run_batch(
     compute: DayCompute = compute_day,
     materializer: Materializer = "direct",
     allowed_lateness_s: float = 300.0,
+    label_available_after_s: float = 0.0,
 ) -> BatchReport:
     """Compute (with ``compute``: DuckDB unless told), write and (optionally)
     materialize the snapshots of ``days``; both materializers leave the same Redis
     state (tests/test_materialize.py). Materializing also backfills the declared states
-    the store does not hold yet (:func:`backfill_declared`)."""
+    the store does not hold yet (:func:`backfill_declared`) and records the labels that
+    arrived on ``days`` (:func:`record_day_labels`; ``label_available_after_s`` is
+    ``FRAUD_BATCH_AVAILABLE_AFTER_S``)."""
     raw, feats = data_dir / "raw", data_dir / "features"
     t0 = time.perf_counter()
     rows = 0
@@ -186,7 +226,8 @@ def run_batch(
     else:  # one read of the stored times serves both rules
         materialize_days(store, redis_url, feats, days, start, end, recomputed)
     mark_materialized(redis_url, store.project)
-    backfill_declared(raw, max(days), redis_url, allowed_lateness_s)
+    backfill_declared(raw, max(days), redis_url, allowed_lateness_s, label_available_after_s)
+    record_day_labels(raw, days, redis_url, allowed_lateness_s, label_available_after_s)
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(

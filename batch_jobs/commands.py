@@ -117,6 +117,7 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
             compute=compute,
             materializer=settings.materializer,
             allowed_lateness_s=settings.allowed_lateness_s,
+            label_available_after_s=settings.batch_available_after_s,
         )
     print(
         f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "
@@ -466,7 +467,7 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
     print(the_plan.text(decl))
     if args.action == "plan":
         return
-    from batch_jobs.declared_sql import backfill_tiles
+    from batch_jobs.declared_sql import backfill_tiles, load_label_events
     from batch_jobs.train import load_transactions
     from fraud_scoring.redis_clients import sync_client
     from fraud_scoring.storage import partition_days
@@ -480,6 +481,11 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
             raise UsageError(f"no raw transactions under {raw / 'transactions'}")
         first = max(days[0], days[-1] - feature_plan.history_days(states))
         history = load_transactions(raw, first, days[-1])
+        labels = (
+            load_label_events(raw, settings.batch_available_after_s)
+            if any(s.source == "labels" for s in states)
+            else None
+        )
         only = dataclasses.replace(decl, specs=tuple(states))  # the new states only
         with redis_url(settings.redis_url) as url:
             client = sync_client(url)
@@ -489,6 +495,7 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
                 history,
                 settings.allowed_lateness_s + F.declared.HORIZON_S,
                 progress=lambda m: print(f"  {m}", flush=True),
+                labels=labels,
             )
         print(
             f"backfill: {n:,} events recorded into {len(states)} state(s) from {first}..{days[-1]}"

@@ -111,6 +111,7 @@ def record_applied(data_dir: Path, decl: D.Declarations, states: list[D.Spec]) -
 
 
 def history_days(states: list[D.Spec]) -> timedelta:
-    """How much raw history a backfill of ``states`` needs: the longest window, a day more."""
-    longest = max((s.longest_us for s in states), default=0)
+    """How much raw history a backfill of ``states`` needs: the longest window behind its
+    delay, a day more."""
+    longest = max((s.longest_us + s.delay_us for s in states), default=0)
     return timedelta(microseconds=longest) + timedelta(days=1)

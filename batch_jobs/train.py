@@ -56,10 +56,10 @@ from batch_jobs.evaluate import (
     served_metrics,
     served_scores,
 )
+from batch_jobs.feature_plan import history_days
 from batch_jobs.labels import known_frauds
 from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
-from fraud_scoring import declared as D
 from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.drift import REFERENCE_FILE, build_reference
@@ -254,13 +254,16 @@ def load_transactions(
 # How the declared aggregations are computed for training: (declarations, rows, history)
 # -> columns (declared_sql.training_columns; declared_spark.spark_training_columns bound
 # to a session computes the same).
-DeclaredColumns = Callable[[D.Declarations, pd.DataFrame, pd.DataFrame], dict[str, np.ndarray]]
+# Called with the keyword ``labels`` too (declared_sql.load_label_events; None without
+# label states).
+DeclaredColumns = Callable[..., dict[str, np.ndarray]]
 
 
 def feature_columns(
     joined: pd.DataFrame,
     history: pd.DataFrame | None = None,
     declared: DeclaredColumns | None = None,
+    labels: pd.DataFrame | None = None,
 ) -> dict[str, np.ndarray]:
     """Every feature column for a joined frame, assembled by the function the scoring
     service uses (:func:`fraud_scoring.features.build_features`); this only adapts the
@@ -270,6 +273,7 @@ def feature_columns(
     row's own event time by their DuckDB compilation (``batch_jobs/declared_sql.py``),
     counting events from ``history``: pass the full raw history (negatives in ``joined``
     are sampled, so ``joined`` alone would undercount). Default: ``joined`` itself.
+    ``labels`` (``declared_sql.load_label_events``) feed the label states.
     """
     batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
     request = F.RequestColumns(
@@ -283,7 +287,7 @@ def feature_columns(
     src = (
         history if history is not None else joined.rename(columns={"event_timestamp": "event_time"})
     )
-    aggs = (declared or declared_sql.training_columns)(F.declarations(), joined, src)
+    aggs = (declared or declared_sql.training_columns)(F.declarations(), joined, src, labels=labels)
     return F.build_features(batch, request, aggs)
 
 
@@ -337,10 +341,19 @@ def train(
     raw = data_dir / "raw"
     labels_as_of = cfg.labels_as_of or datetime.now(UTC)
     split = plan_split(partition_days(raw, "transactions"), cfg, labels_as_of, raw / "transactions")
-    # A day before the first training day so that 24-hour session windows are full.
+    # As much history before the first training day as the declared windows (behind
+    # their delays) read, as the online backfill records: every window is full.
+    decl = F.declarations()
     with _phase("load raw history"):
         history = load_transactions(
-            raw, split.first - timedelta(days=1), split.holdout_last, labels_as_of
+            raw, split.first - history_days(list(decl.specs)), split.holdout_last, labels_as_of
+        )
+        labels = (
+            declared_sql.load_label_events(
+                raw, cfg.batch_available_after_s, arrived_before=labels_as_of
+            )
+            if any(s.source == "labels" for s in decl.specs)
+            else None
         )
     txns = history[history["event_time"] >= split.at(split.first)].reset_index(drop=True)
     t = txns["event_time"]
@@ -365,7 +378,7 @@ def train(
         joined = _available_join(sample, cfg.batch_available_after_s, store, pit_join)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
     with _phase("request, session and spanning features"):
-        cols = feature_columns(joined, history, declared_columns)
+        cols = feature_columns(joined, history, declared_columns, labels)
     names = list(cfg.features) if cfg.features else F.default_model_features()
     X = F.assemble(names, cols)
     y = joined["label"].to_numpy()

@@ -68,6 +68,7 @@ def run_demo(
             url,
             settings.feature_store_yaml,
             allowed_lateness_s=settings.allowed_lateness_s,
+            label_available_after_s=settings.batch_available_after_s,
         )
         run_batch(settings.data_dir, [last], url, settings.feature_store_yaml, materialize=False)
         print(

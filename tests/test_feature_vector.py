@@ -169,9 +169,11 @@ def test_live_order_vector_equals_the_training_row(
     """Events arrive as they would live (0-3 s after their event time, 5 % twice) through
     the real updater (in process, on the stream); 1,000 held-out transactions are scored
     by the real scorer as they arrive (each read, assembled and recorded in one round
-    trip, micro-batches of the attempts that arrive together): every model feature,
-    declared ones included, equals the training row, and the generic check names the
-    feature, the row and the values."""
+    trip, micro-batches of the attempts that arrive together), the labels recorded in the
+    label states as the daily batch does (once the clock passes when the store has
+    them): every model feature, declared ones included, equals the training row, and the
+    generic check names the feature, the row and the values."""
+    from batch_jobs.declared_sql import load_label_events, record_labels
     from streaming.metrics import UpdaterMetrics
     from streaming.sources import RedisStreamSource
     from streaming.state import SessionWriter
@@ -193,6 +195,9 @@ def test_live_order_vector_equals_the_training_row(
     order = sorted([(a, i) for i, a in enumerate(arrival)] + [(arrival[i] + 60, i) for i in again])
     events = [raw_row_to_event(r) for r in rows.to_dict("records")]
     ids = rows["transaction_id"].tolist()
+    labels = load_label_events(raw, 0.0)
+    due_labels = labels.sort_values("available_us").to_dict("records")
+    decl = F.declarations()
 
     lateness = 2 * 86400.0
     settings = Settings(record_scored=True, allowed_lateness_s=lateness)
@@ -203,6 +208,7 @@ def test_live_order_vector_equals_the_training_row(
     served: dict[str, dict[str, float]] = {}
 
     async def run() -> None:
+        nonlocal due_labels
         aclient = async_client(url)
         store = open_store(world.data_dir, world.redis_url)
         with ThreadPoolExecutor(1) as pool:
@@ -226,6 +232,11 @@ def test_live_order_vector_equals_the_training_row(
                     batch.append(j)
                     served_ix.add(j)
                     k += 1
+                now_us = int(a * 1e6)
+                due = [r for r in due_labels if r["available_us"] <= now_us]
+                if due:  # the daily batch has recorded these labels by now
+                    record_labels(client, decl, pd.DataFrame(due), lateness + 3600)
+                    due_labels = due_labels[len(due) :]
                 if pending:  # everything that arrived before: through the updater
                     xadd_all(client, STREAM, encode([events[j] for j in pending]))
                     read = 0
@@ -245,7 +256,7 @@ def test_live_order_vector_equals_the_training_row(
     store = open_store(world.data_dir, world.redis_url)
     sample = held.rename(columns={"event_time": "event_timestamp"}).reset_index(drop=True)
     joined = point_in_time_join(store, sample)
-    offline = feature_columns(joined, history)
+    offline = feature_columns(joined, history, labels=labels)
     qids = joined["transaction_id"].tolist()
     online = {n: [served[t][n] for t in qids] for n in F.default_model_features()}
     mismatches = _compare(F.default_model_features(), qids, online, offline)
@@ -253,6 +264,7 @@ def test_live_order_vector_equals_the_training_row(
     # It compares something: busy merchants, declared windows with history.
     assert (offline["merchant_txn_count_1h"] > 0).sum() > 100
     assert (offline["device_txn_count_1d"] > 0).sum() > 10
+    assert (offline["merchant_fraud_count_lag7d_30d"] > 0).sum() > 10
 
 
 async def _served(
