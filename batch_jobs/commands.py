@@ -130,6 +130,15 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
     ):
         for day in days:
             _compact(day, settings)
+        if settings.redis_url and not args.no_materialize:
+            # The feedback labels compaction just added to the days' raw labels.
+            batch.record_day_labels(
+                settings.data_dir / "raw",
+                days,
+                settings.redis_url,
+                settings.allowed_lateness_s,
+                settings.batch_available_after_s,
+            )
 
 
 def _log_reader(settings: Settings) -> tuple[Callable[[str, date], Iterator[bytes]], str]:
