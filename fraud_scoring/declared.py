@@ -674,6 +674,7 @@ for g = 1, #KEYS / 2 do
   -- f: the oldest event recorded live; b: the newest recorded by a backfill
   local first = held[nw + 2] and tonumber(held[nw + 2])
   local back = held[nw + 3] and tonumber(held[nw + 3])
+  local back0 = back  -- as before this call: events of one time all count (labels share one)
   local newest = nil
   if #recent > 0 then newest = struct.unpack('<d', recent, #recent - 15) end
   local out, tiles, added = {}, {}, false
@@ -681,7 +682,7 @@ for g = 1, #KEYS / 2 do
   local nev = tonumber(ARGV[pos])
   for e = 1, nev do
     local id, ts, v = ARGV[pos + 3*e - 2], tonumber(ARGV[pos + 3*e - 1]), ARGV[pos + 3*e]
-    if backfill and ((back and ts <= back) or (first and ts >= first)) then
+    if backfill and ((back0 and ts <= back0) or (first and ts >= first)) then
       out[e] = 0  -- recorded by an earlier backfill, or live (the stream has it)
     elseif redis.call('ZSCORE', kid, id) then
       out[e] = 0

@@ -493,3 +493,35 @@ def test_a_model_reads_only_the_states_its_features_need() -> None:
         "m_count_1m"
     ]
     assert decl.needed({"cm_count_10m"}) == {"cm_count_10m"}
+
+
+def test_a_backfill_counts_every_event_of_one_time(store: Callable[[], Any]) -> None:
+    """Events of one key at the same time in one backfill call all count (labels made
+    available at one midnight share their time; so do transactions stamped to the
+    second): each is recorded, once."""
+    client = store()
+    decl = D.parse(
+        yaml.safe_load(
+            "aggregations: [{entity: merchant_id, windows: [1h], features: {count: n}}]"
+        ),
+        "test",
+    )
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    at = T0 - pd.Timedelta(minutes=10)
+    hist = pd.DataFrame(
+        {
+            "transaction_id": [f"s{i}" for i in range(7)],
+            "merchant_id": "m-same",
+            "amount": 1.0,
+            "event_time": [at] * 5 + [at + pd.Timedelta(seconds=1)] * 2,
+        }
+    )
+    assert backfill_tiles(client, decl, hist, D.HORIZON_S) == 7
+    assert backfill_tiles(client, decl, hist, D.HORIZON_S) == 0
+    (spec,) = decl.specs
+    t = int(T0.value // 1000)
+    pipe = client.pipeline(transaction=False)
+    D.queue_read(pipe, spec, "m-same", t)
+    (state,) = D.parse_reads(spec, pipe.execute(), [t])
+    assert D.online_row(spec, state, t)[0]["n_1h"] == 7

@@ -397,3 +397,40 @@ def test_backdating_each_attempt_does_not_hide_a_burst(
     assert first["honest"] is not None and first["backdated"] is not None, decisions
     assert first["backdated"] <= first["honest"], decisions
     assert "fraud_backdated_transactions_total 12.0" in metrics
+
+
+def test_the_daily_batch_leaves_the_label_states_training_computes(world: World) -> None:
+    """The world's batch (features up to the day before the held-out one) backfilled the
+    label and delayed states and recorded each day's labels: read from its store as of
+    held-out transactions, they equal what training computes from the raw labels."""
+    from batch_jobs.declared_sql import load_label_events, training_columns
+    from fraud_scoring import declared as D
+
+    decl = F.declarations()
+    specs = [s for s in decl.specs if s.whole_tiles]
+    assert any(s.source == "labels" for s in specs)
+    raw = world.data_dir / "raw"
+    history = load_transactions(raw, world.start, world.last_day)
+    held = history[history["event_time"].dt.date == world.last_day].sample(400, random_state=3)
+    q = held.rename(columns={"event_time": "event_timestamp"}).reset_index(drop=True)
+    only = D.Declarations(tuple(specs), (), decl.source)
+    trained = training_columns(only, q, history, labels=load_label_events(raw, 0.0))
+    client = connect(world.redis_url)
+    rows = q.to_dict("records")
+    t_us = [int(x) for x in epoch_us(q[["event_timestamp"]])]
+    for spec in specs:
+        keys = [spec.key_value(r) for r in rows]
+        pipe = client.pipeline(transaction=False)
+        for key, t in zip(keys, t_us, strict=True):
+            if key is not None:
+                D.queue_read(pipe, spec, key, t)
+        states = iter(
+            D.parse_reads(spec, pipe.execute(), [t for k, t in zip(keys, t_us, strict=True) if k])
+        )
+        for i, (key, t) in enumerate(zip(keys, t_us, strict=True)):
+            got, exact = D.online_row(spec, next(states) if key else None, t)
+            assert exact
+            for name, v in got.items():
+                assert v == pytest.approx(trained[name][i], rel=1e-9, abs=1e-6), (name, rows[i])
+    assert (trained["merchant_fraud_count_lag7d_30d"] > 0).sum() > 20
+    assert (trained["card_fraud_count_30d"] > 0).sum() >= 0  # a card's own labels: rare
