@@ -4,7 +4,8 @@
 # 20 s of tests); other arguments go to pytest.
 # Everything the tests need (a Redis-protocol server, a Kafka-protocol broker, Helm's
 # Go SDK) comes from PyPI wheels and is started by the tests themselves; promtool (the
-# alert rules' unit tests) from Debian's prometheus package (scripts/install-promtool.sh).
+# alert rules' unit tests) from Debian's prometheus package (scripts/install-promtool.sh),
+# chromium (the browser tests) from Debian's chromium package, as root (scripts/install-chromium.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -13,6 +14,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[dev]"
 # Without it the rule tests skip locally and fail under CI=true.
 ./scripts/install-promtool.sh || echo "promtool not installed: the alert rule tests skip" >&2
+./scripts/install-chromium.sh || echo "chromium not installed: the browser tests skip" >&2
 echo "== ruff"
 # One command per line: under `set -e` a failure inside an `a && b` list does not stop
 # the script, so a lint error would pass unnoticed.

@@ -256,3 +256,17 @@ def rejections(metrics: str, reason: str) -> float:
         for line in metrics.splitlines()
         if line.startswith("fraud_rejections_total{") and f'reason="{reason}"' in line
     )
+
+
+def chromium() -> str:
+    """Debian's chromium for the browser tests (scripts/install-chromium.sh): skipped
+    when missing, but failed under ``CI=true``, where the test script installs it."""
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        reason = "no chromium on PATH (apt-get install chromium)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path

@@ -3,23 +3,16 @@ assets come from the installed package, so the operations appear without interne
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import Server
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+from tests.conftest import Server, chromium
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
 def test_swagger_ui_renders_the_operations(server: Server, tmp_path: Path) -> None:
-    assert CHROMIUM is not None
     shot = tmp_path / "docs.png"
     common = [
-        CHROMIUM,
+        chromium(),
         "--headless",
         "--no-sandbox",  # CI runs as root
         "--disable-gpu",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -22,11 +21,10 @@ import redis
 from fraud_scoring.redis_server import embedded_redis
 from service.core import idempotency
 from service.edge.auth import KeyEntry, Scope, append_key, new_key
-from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.conftest import Server, World, chromium, start_server, stop_server, wait_until
 from tests.test_protocols import check_against_openapi
 from tests.test_service import held_out_day
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 LIMIT = 1000.0  # FRAUD_REVIEW_AMOUNT_LIMIT: amounts above it are (at least) 'review'
 
 
@@ -370,9 +368,10 @@ def test_label_bodies_must_be_utf8_json(reviewing: Reviewing) -> None:
             check_against_openapi(spec, "POST", path, a)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
 def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world: World) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    browser_path = chromium()
+    from playwright import sync_api
+
     r = reviewing
     txns = card_txns(world, "rv-page", [LIMIT + 250, 35.0, LIMIT + 4000])
     txns[2]["transaction_id"] = "rv-page/../t2"  # the page keeps any id whole
@@ -381,7 +380,7 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
     wait_until(lambda: target in queued_ids(r), what="the item queued")
 
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 760})
             asked: list[str] = []
