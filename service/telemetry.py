@@ -16,17 +16,29 @@ path makes no spans at all. On, the project (not FastAPI's version) owns the tel
 
 * OpenTelemetry's FastAPI instrumentation wraps the app (:func:`instrument_app`): one
   server span per request (``http.request.method``, ``http.route``,
-  ``http.response.status_code``) continuing the caller's W3C ``traceparent``, and the
-  standard ``http.server.*`` metrics in ``/metrics`` (single-worker only: the
-  multiprocess collector reads prometheus_client's files, not OpenTelemetry's meters);
-  FastAPI's own instrumentation (0.16x) stands aside when it sees this middleware;
-* redis-py calls are spans (the batch's pipelined feature read, the session writes);
+  ``http.response.status_code``) continuing the caller's W3C ``traceparent``, and no
+  span per ASGI ``receive``/``send`` message (``exclude_spans``: they were more than
+  half of all spans); FastAPI's own instrumentation (0.16x) stands aside when it sees
+  this middleware;
+* redis-py calls are spans (the batch's pipelined feature read, the session writes)
+  with the current database conventions: ``db.system.name``, ``db.query.text``,
+  ``db.namespace``, ``server.address``, ``server.port`` (:func:`_opt_in_stable_semconv`);
 * the resource carries ``service.name`` (``OTEL_SERVICE_NAME``, default
   ``fraud-scoring``) and ``service.version`` (the installed package's version).
 
+HTTP server metrics do not depend on tracing: :class:`HttpMetrics`, the app's outermost
+layer, records ``http_server_request_duration_seconds`` (OpenTelemetry's
+``http.server.request.duration`` as its Prometheus exporter names it: labels
+``http_request_method``, ``http_route``, ``http_response_status_code``) with
+prometheus_client, tracing on or off and summed over the workers like the rest.
+
 ``/metrics`` carries this project's families, the process/platform/GC ones and the HTTP
-ones; the ``feast_*`` families Feast registers on import (the service never records
-them) are left out.
+one; the ``feast_*`` families Feast registers on import (the service never records
+them) are left out. This module's labelled counters are exported at 0 from the start for
+every label value they can take (a series born at its first count looks flat to
+``rate()``): ``service.resources`` zeroes the rejection reasons, the lifespan
+(:meth:`Instruments.zero_decisions`) the serving version's decisions, :func:`setup` the
+rest.
 """
 
 from __future__ import annotations
@@ -34,20 +46,21 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import prometheus_client
 from opentelemetry import trace
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.semconv.attributes.db_attributes import DB_NAMESPACE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -62,6 +75,8 @@ log = logging.getLogger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# HTTP requests also wait for slow bodies (FRAUD_BODY_TIMEOUT_S) and drains.
+HTTP_BUCKETS = (*SECONDS_BUCKETS, 5.0, 10.0)
 
 
 # Kept observations are added in bulk once a histogram holds this many.
@@ -155,14 +170,22 @@ class Instruments:
     batch_features_present: Gauge
     degraded: Counter
     features_unavailable: Counter
+    http_duration: Histogram
 
     def bound(self, model_version: str) -> Bound:
         """The instruments labelled with ``model_version`` (cached per version)."""
         return _bind(self, model_version)
 
+    def zero_decisions(self, model_version: str) -> None:
+        """Export ``fraud_decisions_total`` at 0 for every decision of ``model_version``
+        (the service calls it for the serving version at start; a version first counted
+        later gets its other decisions at 0 then)."""
+        _zero_decisions(self, model_version)
+
     def count_decisions(self, counts: dict[tuple[str, str], int]) -> None:
         """Add ``{(decision, model_version): n}`` to ``fraud_decisions_total``."""
         for (decision, version), n in counts.items():
+            _zero_decisions(self, version)
             self.decisions.labels(decision=decision, model_version=version).inc(n)
 
     def count_unavailable(self, missing: Iterable[str], stale: Iterable[str]) -> None:
@@ -181,6 +204,17 @@ def _bind(ins: Instruments, model_version: str) -> Bound:
         ins.batch_size.labels(model_version=model_version),
         Kept(ins.request_duration.labels(model_version=model_version)),
     )
+
+
+# fraud_decisions_total's decisions: service.core.decision.DECISIONS, which this module
+# (below the core) cannot import; tests/test_tracing.py checks that they agree.
+DECISIONS = ("approve", "review", "decline")
+
+
+@lru_cache(maxsize=16)  # once per version (labels() on an existing child is harmless)
+def _zero_decisions(ins: Instruments, model_version: str) -> None:
+    for decision in DECISIONS:
+        ins.decisions.labels(decision=decision, model_version=model_version)
 
 
 # fraud_degraded_decisions_total's causes (service.core.scoring's rules-only modes), each
@@ -249,6 +283,14 @@ def setup() -> Instruments:
             "fraud_features_unavailable",
             "Decisions made without a feature's value, by feature and state (missing|stale)",
             ("feature", "state"),
+        ),
+        # OpenTelemetry's http.server.request.duration under the name and labels its
+        # Prometheus exporter gives it, recorded by HttpMetrics with tracing on or off.
+        http_duration=Histogram(
+            "http_server_request_duration_seconds",
+            "Duration of HTTP server requests",
+            ("http_request_method", "http_route", "http_response_status_code"),
+            buckets=HTTP_BUCKETS,
         ),
     )
     for cause in DEGRADED_CAUSES:
@@ -336,9 +378,7 @@ def _setup_traces() -> None:
     exporter = _exporter()
     if exporter is None:  # the API's no-op tracer; nothing instrumented
         return
-    # The stable HTTP names (http.request.method, http.response.status_code, and the
-    # http.server.request.duration metric), not the instrumentations' old default.
-    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+    _opt_in_stable_semconv()
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     resource = Resource.create(
@@ -350,27 +390,128 @@ def _setup_traces() -> None:
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    RedisInstrumentor().instrument(tracer_provider=provider)
+    RedisInstrumentor().instrument(
+        tracer_provider=provider, request_hook=_redis_namespace, response_hook=_redis_namespace
+    )
     _provider = provider
+
+
+SEMCONV_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
+
+
+def _opt_in_stable_semconv() -> None:
+    """Ask the instrumentations for the current semantic conventions, HTTP and database,
+    through their own switch (``OTEL_SEMCONV_STABILITY_OPT_IN``), not their old default:
+    server spans with ``http.request.method``/``http.response.status_code``, Redis spans
+    with ``db.system.name``/``db.query.text`` (``database``) and
+    ``server.address``/``server.port``/``network.transport`` (redis reads those under
+    ``http``) instead of ``db.system``/``db.statement``/``net.peer.*``. A mode the
+    environment already names for a signal (``http/dup``, ``database/dup``: old and new
+    names both) stays. The instrumentations read the variable once per process, at
+    their first instrumentation: this runs before any."""
+    chosen = [m.strip() for m in os.environ.get(SEMCONV_OPT_IN, "").split(",") if m.strip()]
+    for signal in ("http", "database"):
+        if signal not in chosen and f"{signal}/dup" not in chosen:
+            chosen.append(signal)
+    os.environ[SEMCONV_OPT_IN] = ",".join(chosen)
+
+
+def _redis_namespace(span: trace.Span, instance: Any, *_: Any) -> None:
+    """``db.namespace`` on a Redis span: the connection's database index, as the current
+    conventions put it. opentelemetry-instrumentation-redis (0.66b2) only sets the old
+    ``db.redis.database_index``, and only under the old names; everything else comes from
+    the library's switch. The request hook (commands; also when the command fails) and
+    the response hook (pipelines, which get no request hook) both call it. A Redis
+    Cluster client has no pool's ``db`` (always 0): nothing is set."""
+    if not span.is_recording():
+        return
+    kwargs = getattr(getattr(instance, "connection_pool", None), "connection_kwargs", None)
+    if kwargs is not None:
+        span.set_attribute(DB_NAMESPACE, str(kwargs.get("db") or 0))
 
 
 def instrument_app(app: FastAPI) -> None:
     """With tracing on (``OTEL_TRACES_EXPORTER``), wrap ``app`` in OpenTelemetry's
-    FastAPI instrumentation (server spans, ``traceparent``, ``http.server.*`` metrics);
-    with tracing off, leave it untouched. Sets the tracer up if :func:`setup` has not."""
+    FastAPI instrumentation: a server span per request continuing the ``traceparent``,
+    no span per ASGI ``receive``/``send`` message, and no metrics (:class:`HttpMetrics`
+    records the HTTP ones, tracing on or off: two exporters of one family would clash).
+    With tracing off, leave it untouched. Sets the tracer up if :func:`setup` has not."""
     setup()
     if _provider is None:
         return
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
     FastAPIInstrumentor.instrument_app(
-        app, tracer_provider=_provider, meter_provider=_meter_provider(_provider.resource)
+        app,
+        tracer_provider=_provider,
+        meter_provider=NoOpMeterProvider(),
+        exclude_spans=["receive", "send"],
     )
 
 
-@cache  # the reader registers itself with prometheus_client: once per process
-def _meter_provider(resource: Resource) -> MeterProvider:
-    return MeterProvider(resource=resource, metric_readers=[PrometheusMetricReader()])
+# ASGI's types, as Starlette spells them (this module imports no web framework).
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Methods recorded as themselves; any other is "_OTHER" (the conventions' bound on the
+# label's values).
+HTTP_METHODS = frozenset(
+    ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+)
+
+
+class HttpMetrics:
+    """Pure ASGI, the app's outermost layer: each HTTP request's duration, from its
+    arrival at the app to its last message or its exception, in
+    ``http_server_request_duration_seconds{http_request_method, http_route,
+    http_response_status_code}``, tracing on or off. ``route_of(scope)``, asked after the
+    request, is its route template (None: no route matched; the label is then empty).
+    The status is the one sent, 500 when the app raised before answering (uvicorn then
+    answers 500). The observations are kept for a bulk add per label set (:class:`Kept`):
+    a list append per request, plus a wrapped ``send``."""
+
+    def __init__(self, app: ASGIApp, route_of: Callable[[Scope], str | None]) -> None:
+        self.app = app
+        self.route_of = route_of
+        self.histogram = setup().http_duration
+        self.children: dict[tuple[str, str, int], Kept] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self._observe(scope, status, time.perf_counter() - start)
+
+    def _observe(self, scope: Scope, status: int, seconds: float) -> None:
+        method = scope["method"]
+        key = (
+            method if method in HTTP_METHODS else "_OTHER",
+            self.route_of(scope) or "",
+            status,
+        )
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = Kept(
+                self.histogram.labels(
+                    http_request_method=key[0], http_route=key[1], http_response_status_code=status
+                )
+            )
+        child.observe(seconds)
 
 
 def tracer() -> trace.Tracer:

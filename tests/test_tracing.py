@@ -1,19 +1,28 @@
 """Traces as a collector sees them: the real server exports OTLP/HTTP to a receiver in
-this process, with a caller's W3C ``traceparent`` on the request."""
+this process, with a caller's W3C ``traceparent`` on the request; and the telemetry that
+does not depend on tracing (HTTP server metrics, counters exported at 0 from the start).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from tests.conftest import World, start_server, stop_server, wait_until
+from fraud_scoring.features import BATCH_FEATURES
+from service import telemetry
+from service.core.decision import DECISIONS
+from service.errors import RejectReason
+from tests.conftest import Server, World, start_server, stop_server, wait_until
 from tests.test_service import TXN
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -97,7 +106,6 @@ def test_trace_continues_the_callers_and_nests_the_stages(
                 headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
             )
             assert r.status_code == 200, r.text
-            metrics = c.get("/metrics").text
 
         wanted = {"feature_read", "inference", "decision", "validation", "score"}
 
@@ -110,6 +118,17 @@ def test_trace_continues_the_callers_and_nests_the_stages(
             return by_name if server and wanted <= by_name.keys() else None
 
         spans = wait_until(whole_trace, timeout=20, what="the whole exported trace")
+        # No span per ASGI message ("POST /v1/score http send" and the like): the
+        # request's trace is the server span and the project's own.
+        with receiver.lock:
+            ours = [s for s in receiver.spans if s["trace_id"] == CALLER_TRACE]
+        asgi_events = [
+            s["name"]
+            for s in ours
+            if "asgi.event.type" in s["attributes"] or s["name"].endswith((" send", " receive"))
+        ]
+        assert asgi_events == []
+        assert len(ours) == len(spans)  # one span per name
         # The server span continues the caller's trace, with the HTTP attributes.
         (server,) = [s for s in spans.values() if s["parent"] == CALLER_SPAN]
         assert server["name"] == "POST /v1/score"
@@ -133,10 +152,159 @@ def test_trace_continues_the_callers_and_nests_the_stages(
                 got = [s for s in receiver.spans if "redis" in s["scope"]]
             return got or None
 
-        assert wait_until(redis_spans, timeout=20, what="a Redis span")
-        # The instrumentation's standard HTTP server metrics, ours, never Feast's.
-        assert "http_server_request_duration_seconds_bucket" in metrics
+        # With the current database conventions, not the old names.
+        for span in wait_until(redis_spans, timeout=20, what="a Redis span"):
+            attrs = span["attributes"]
+            assert attrs["db.system.name"] == "redis", span
+            assert attrs["db.query.text"], span  # the command, its arguments as "?"
+            assert attrs["db.namespace"] == "0", span
+            assert attrs["server.address"] and attrs["server.port"] > 0, span
+            old = {"db.system", "db.statement", "db.redis.database_index"}
+            old |= {"net.peer.name", "net.peer.port", "net.transport"}
+            assert old.isdisjoint(attrs), span
+        # The HTTP server metric (once: the instrumentation records none of its own),
+        # ours, never Feast's.
+        metrics = _scrape_when(srv, {"http_server_request_duration_seconds_count": SCORED})
+        assert metrics.count("# TYPE http_server_request_duration_seconds histogram") == 1
         assert "fraud_request_duration_seconds" in metrics
         assert "feast_" not in metrics
     finally:
         stop_server(srv)
+
+
+SCORED = {
+    "http_request_method": "POST",
+    "http_route": "/v1/score",
+    "http_response_status_code": "200",
+}
+
+
+def _sample(text: str, name: str, labels: dict[str, str]) -> float | None:
+    """The value of the one sample of ``name`` whose labels include ``labels``."""
+    found = []
+    for line in text.splitlines():
+        m = re.fullmatch(r"(\w+)\{(.*)\} (\S+)", line)
+        if m and m[1] == name:
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
+            if labels.items() <= have.items():
+                found.append(float(m[3]))
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def _scrape_when(srv: Server, wanted: dict[str, dict[str, str]]) -> str:
+    """``/metrics`` once each ``{name: labels}`` sample is 1: a request's duration is
+    recorded when the app returns, which can be just after its client has the answer."""
+
+    def scrape() -> str:
+        with srv.client() as c:
+            text = c.get("/metrics").text
+        http = [line for line in text.splitlines() if line.startswith("http_server_request_d")]
+        http = [line for line in http if "_count" in line]  # what failed shows these
+        for name, labels in wanted.items():
+            assert _sample(text, name, labels) == 1, (name, labels, http)
+        return text
+
+    text: str = wait_until(scrape, timeout=10, what="the request's metrics")
+    return text
+
+
+def test_http_metrics_and_zeroed_counters_without_tracing(world: World, tmp_path: Path) -> None:
+    """Tracing off: the counters are at 0 before anything happened, and /metrics carries
+    the HTTP server metric (it came from the tracing instrumentation only)."""
+    srv = start_server(world, tmp_path, OTEL_TRACES_EXPORTER="none")
+    try:
+        with srv.client() as c:
+            before = c.get("/metrics").text
+            # Every known label value of every labelled counter, at 0.
+            version = {"model_version": "1"}
+            for decision in DECISIONS:
+                labels = {"decision": decision, **version}
+                assert _sample(before, "fraud_decisions_total", labels) == 0, decision
+            for reason in RejectReason:
+                if reason is not RejectReason.NOT_READY:  # never counted
+                    labels = {"reason": reason.value, **version}
+                    assert _sample(before, "fraud_rejections_total", labels) == 0, reason
+            for cause in telemetry.DEGRADED_CAUSES:
+                labels = {"cause": cause}
+                assert _sample(before, "fraud_degraded_decisions_total", labels) == 0, cause
+            for feature in BATCH_FEATURES:
+                for state in ("missing", "stale"):
+                    labels = {"feature": feature.name, "state": state}
+                    assert _sample(before, "fraud_features_unavailable_total", labels) == 0
+            assert _sample(before, "http_server_request_duration_seconds_count", SCORED) is None
+
+            r = c.post("/v1/score", json={**TXN, "transaction_id": "untraced"})
+            assert r.status_code == 200, r.text
+            unknown_model = c.get("/v2/models/none-such")
+            assert c.get("/no-such-page").status_code == 404
+            assert c.get("/readyz").status_code == 200
+        duration = "http_server_request_duration_seconds_count"
+        after = _scrape_when(srv, {duration: SCORED})
+        decided = {"decision": r.json()["decision"], "model_version": "1"}
+        assert _sample(after, "fraud_decisions_total", decided) == 1
+        ready = {"http_request_method": "GET", "http_route": "/readyz"}
+        ready_ok = _sample(after, duration, {**ready, "http_response_status_code": "200"})
+        assert ready_ok is not None and ready_ok >= 1  # the start's wait asked it too
+        # A 404 has no route (the label is empty, not the path: no unbounded values).
+        unmatched = {"http_route": "", "http_response_status_code": "404"}
+        assert _sample(after, duration, unmatched) == 1
+        assert "/no-such-page" not in after
+        # A route with a parameter is labelled with its template, not the path.
+        model = {"http_request_method": "GET", "http_route": "/v2/models/{name}"}
+        status = str(unknown_model.status_code)
+        assert _sample(after, duration, {**model, "http_response_status_code": status}) == 1
+        assert "none-such" not in after
+        assert "# TYPE http_server_request_duration_seconds histogram" in after
+    finally:
+        stop_server(srv)
+
+
+def test_decisions_named_as_the_core_names_them() -> None:
+    assert telemetry.DECISIONS == DECISIONS
+
+
+def test_http_metrics_layer_counts_failures_and_bounds_methods() -> None:
+    """The layer itself: an app that raises before answering is a 500 (what uvicorn
+    answers), an unknown method is _OTHER, a non-HTTP scope passes untouched."""
+    calls: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        calls.append(scope["type"])
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/boom":
+            raise RuntimeError("boom")
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    layer = telemetry.HttpMetrics(app, route_of=lambda scope: "/layer-test" + scope["path"])
+
+    async def send(message: Any) -> None:
+        pass
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    async def run() -> None:
+        await layer({"type": "http", "method": "BREW", "path": "/ok"}, receive, send)
+        with pytest.raises(RuntimeError):
+            await layer({"type": "http", "method": "GET", "path": "/boom"}, receive, send)
+        await layer({"type": "lifespan"}, receive, send)
+
+    asyncio.run(run())
+    assert calls == ["http", "http", "lifespan"]
+    telemetry.flush_kept()
+
+    def count(method: str, route: str, status: str) -> float | None:
+        return prometheus_client.REGISTRY.get_sample_value(
+            "http_server_request_duration_seconds_count",
+            {
+                "http_request_method": method,
+                "http_route": route,
+                "http_response_status_code": status,
+            },
+        )
+
+    assert count("_OTHER", "/layer-test/ok", "204") == 1
+    assert count("GET", "/layer-test/boom", "500") == 1

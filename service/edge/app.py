@@ -7,7 +7,8 @@
 * ``service.edge.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
   ``service.edge.oip_grpc`` the same over gRPC (``FRAUD_GRPC_PORT``);
 * ``service.edge.schemas``: the response bodies; ``service.core.model``: the model and its watcher;
-* ``service.telemetry``: metrics, and traces when ``OTEL_TRACES_EXPORTER`` is set.
+* ``service.telemetry``: metrics (HTTP ones included, in front of everything), and
+  traces when ``OTEL_TRACES_EXPORTER`` is set.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 
 from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
@@ -28,7 +29,7 @@ from service.edge import auth, oip, oip_grpc, review
 from service.edge.admission import AdmissionLimit
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
-from service.edge.routes import DirectDispatch, router
+from service.edge.routes import DirectDispatch, DirectRoute, router
 from service.resources import STATE_KEY, open_resources
 
 
@@ -52,6 +53,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # collector's reach so full collections stay short on the request path.
             gc.collect()
             gc.freeze()
+            # fraud_decisions_total at 0 for the serving version from the start.
+            if res.models.current is not None:
+                res.instruments.zero_decisions(res.models.current.version)
             yield {STATE_KEY: res, auth.STATE_KEY: keyring}
 
     # /docs and /redoc serve Swagger UI's and ReDoc's assets from the installed
@@ -83,15 +87,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The scoring routes straight from admission, past Starlette's routing layers.
         inner=lambda rest: DirectDispatch(app, rest),
     )
-    # Server spans and HTTP metrics from OpenTelemetry's instrumentation, only when
-    # tracing is on (OTEL_TRACES_EXPORTER). Its layers wrap Starlette's error layer, so
-    # admission is then a middleware inside them, as any other.
+    # Server spans from OpenTelemetry's instrumentation, only when tracing is on
+    # (OTEL_TRACES_EXPORTER). Its layers wrap Starlette's error layer, so admission is
+    # then a middleware inside them, as any other.
     telemetry.instrument_app(app)
     if telemetry.tracing():
         app.add_middleware(admission)
     else:
         _outermost(app, admission)
+    # The HTTP server metrics, tracing on or off, in front of all the rest (admission's
+    # refusals included).
+    _outermost(app, functools.partial(telemetry.HttpMetrics, route_of=_route_of))
     return app
+
+
+# The scoring routes DirectDispatch answers before any router (no path parameters).
+_DIRECT_PATHS = frozenset(r.path for r in router.routes if isinstance(r, DirectRoute))
+
+
+def _route_of(scope: Scope) -> str | None:
+    """A request's ``http.route``: the template of the route Starlette's router matched
+    (it leaves the route in the scope), or the path of a scoring route that
+    ``DirectDispatch`` (or admission, refusing it) answered before any router. None when
+    no route matched (a 404)."""
+    route = scope.get("route")
+    if route is not None:
+        path: str | None = getattr(route, "path", None)
+        return path
+    return scope["path"] if scope["path"] in _DIRECT_PATHS else None
 
 
 def _outermost(app: FastAPI, layer: Callable[[ASGIApp], ASGIApp]) -> None:
@@ -100,7 +123,8 @@ def _outermost(app: FastAPI, layer: Callable[[ASGIApp], ASGIApp]) -> None:
     with admission there, a scoring request runs admission → ``DirectDispatch`` →
     endpoint and nothing else (each layer is a coroutine call per request and the error
     layer a wrapped ``send`` per message). An exception nothing handles then reaches
-    uvicorn, which answers the same plain 500 the error layer would (and logs it)."""
+    uvicorn, which answers the same plain 500 the error layer would (and logs it). The
+    HTTP metrics' layer goes in front of it the same way (:func:`create_app`)."""
     standard = app.build_middleware_stack
 
     def build() -> ASGIApp:
