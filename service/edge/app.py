@@ -17,9 +17,13 @@ import contextlib
 import functools
 import gc
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI
+import fastapi_offline
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html
+from fastapi.responses import HTMLResponse, Response
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Scope
 
@@ -60,9 +64,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # /docs and /redoc serve Swagger UI's and ReDoc's assets from the installed
     # fastapi-offline package, not a CDN: they render on a cluster without internet.
+    # /redoc is the app's own (_offline_redoc); Swagger UI's online validator is off.
     app = FastAPIOffline(
         title="fraud-scoring",
         version="0.1.0",
+        redoc_url=None,
+        swagger_ui_parameters={"validatorUrl": None},
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
         # FastAPI's own OpenTelemetry layer off: service.telemetry owns traces and
@@ -70,6 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # request, ~5 % of the event loop under load, even when nothing is configured.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    _offline_redoc(app)
     app.include_router(router)
     app.include_router(oip.router)
     # Labels steer training and the review queue: their own `label` scope (admin implies
@@ -115,6 +123,46 @@ def _route_of(scope: Scope) -> str | None:
         path: str | None = getattr(route, "path", None)
         return path
     return scope["path"] if scope["path"] in _DIRECT_PATHS else None
+
+
+# ReDoc's bundle draws Redocly's logo from its CDN in the sidebar (no option turns it
+# off): /redoc loads the bundle with that address emptied (the image then removes
+# itself; tests/test_openapi.py checks no other host is left in it), and the page's
+# Content-Security-Policy refuses other hosts' images, fonts and fetches.
+_REDOC_JS = Path(fastapi_offline.__file__).parent / "static" / "redoc.standalone.js"
+_REDOC_LOGO = b'"https://cdn.redoc.ly/redoc/logo-mini.svg"'
+REDOC_JS_PATH = "/redoc/redoc.standalone.js"
+REDOC_CSP = "img-src 'self' data:; font-src 'self' data:; connect-src 'self'"
+
+
+@functools.cache
+def _redoc_bundle() -> bytes:
+    return _REDOC_JS.read_bytes().replace(_REDOC_LOGO, b'""')
+
+
+def _offline_redoc(app: FastAPI) -> None:
+    """``GET /redoc`` and its script, with nothing from another host (above)."""
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path") or ""
+        page = get_redoc_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}{REDOC_JS_PATH}",
+            redoc_favicon_url=f"{root}/static-offline-docs/favicon.png",
+            with_google_fonts=False,
+        )
+        page.headers["Content-Security-Policy"] = REDOC_CSP
+        return page
+
+    @app.get(REDOC_JS_PATH, include_in_schema=False)
+    async def redoc_js() -> Response:
+        return Response(
+            _redoc_bundle(),
+            media_type="text/javascript",
+            headers={"Cache-Control": "public, max-age=3600"},
+        )
 
 
 def _outermost(app: FastAPI, layer: Callable[[ASGIApp], ASGIApp]) -> None:

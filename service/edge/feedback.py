@@ -58,6 +58,7 @@ from fraud_scoring.events import ID_PATTERN
 from service.core import idempotency
 from service.edge import auth
 from service.edge.routes import json_model
+from service.edge.schemas import wire_ids
 from service.errors import Invalid, Rejected, RejectReason, error_responses
 from service.resources import Resources, resources
 
@@ -123,7 +124,7 @@ def _labels() -> Counter:
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": FeedbackIn.model_json_schema()}},
+            "content": {"application/json": {"schema": wire_ids(FeedbackIn.model_json_schema())}},
         }
     },
 )

@@ -125,18 +125,76 @@ class OipErrorOut(BaseModel):
     error: str
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": OipErrorOut, "description": d}
-    for s, d in {
-        400: "The request or its tensor is not acceptable.",
+class NotReadyOut(OipErrorOut):
+    ready: bool = Field(default=False, description="present when the model is not loaded")
+
+
+def _errors(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` in the protocol's shape, each status with its description."""
+    return {s: {"model": OipErrorOut, "description": d} for s, d in described.items()}
+
+
+# Every route may answer 503 while the process stops (a request on an open connection
+# after SIGTERM); the routes with a path parameter get FastAPI's 422 unless they list one.
+_DRAINING = "The process is stopping (`draining`): send the request to another instance."
+_KEYED = _errors(
+    {
         401: "No API key, or an unknown one (auth on only).",
         403: "The key lacks the 'score' scope (auth on only).",
         404: "No such model or version is served.",
-    }.items()
+        422: "Not answered: the path's parameters are plain strings (listed, in this "
+        "shape, because a route with parameters always lists a 422).",
+    }
+)
+_META_ERRORS = _KEYED | _errors({503: "No model loaded yet (`no_model`), or " + _DRAINING})
+_SERVE_ERRORS = _KEYED | _errors(
+    {
+        400: "The request, its tensor or X-Request-Timeout-Ms is not acceptable.",
+        408: "The body did not arrive within FRAUD_BODY_TIMEOUT_S.",
+        413: "The body is over FRAUD_MAX_BODY_BYTES.",
+        503: "No model, overloaded or past the deadline (Retry-After), or " + _DRAINING,
+    }
+)
+_OPEN_ERRORS = _errors({503: _DRAINING})
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its ``$defs`` written in place: a schema embedded in
+    the OpenAPI document would resolve ``#/$defs/...`` against the document's root."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    inlined: dict[str, Any] = walk(schema)
+    return inlined
+
+
+# The JSON request (the binary extension's body starts with it: see ``infer``).
+_INFER_IN = {
+    "requestBody": {
+        "required": True,
+        "description": "One FP32 input of shape [n, n_features] (GET /v2/models/{name} lists "
+        "the features). With Inference-Header-Content-Length, this JSON is the body's first "
+        "bytes and the input's raw FP32 data follows.",
+        "content": {"application/json": {"schema": _inlined(InferIn.model_json_schema())}},
+    }
 }
-_SERVE_ERRORS = {
-    **_ERRORS,
-    503: {"model": OipErrorOut, "description": "No model, overloaded or past the deadline."},
+# A binary output (the binary tensor extension) comes back as application/octet-stream.
+_INFER_OK: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+            }
+        },
+        "description": "JSON, or with a binary output the JSON header "
+        "(Inference-Header-Content-Length bytes) followed by the scores as raw FP32.",
+    }
 }
 
 
@@ -149,13 +207,19 @@ def _model(request: Request, name: str, version: str | None) -> tuple[Resources,
     return res, served(res, name, version)
 
 
-@router.get("/health/live")
+@router.get("/health/live", responses=_OPEN_ERRORS)
 async def live() -> dict[str, bool]:
     """Always 200 while the process answers."""
     return {"live": True}
 
 
-@router.get("/health/ready", responses={400: {"model": OipErrorOut}})
+@router.get(
+    "/health/ready",
+    responses={
+        400: {"model": NotReadyOut, "description": "No model loaded yet (not ready)."},
+        **_OPEN_ERRORS,
+    },
+)
 async def ready(request: Request) -> JSONResponse:
     """200 when a model serves (the raw model needs no feature store), else 400 as the
     protocol asks (a 4xx means "not ready")."""
@@ -165,7 +229,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": True})
 
 
-@router.get("")
+@router.get("", responses=_OPEN_ERRORS)
 async def server_metadata(request: Request) -> dict[str, Any]:
     """The server's name, version and protocol extensions (none)."""
     return {"name": "fraud-scoring", "version": request.app.version, "extensions": []}
@@ -185,14 +249,14 @@ def _metadata(request: Request, name: str, version: str | None) -> JSONResponse:
     return JSONResponse(body.model_dump())
 
 
-@router.get("/models/{name}", response_model=ModelMetaOut, responses=_SERVE_ERRORS)
+@router.get("/models/{name}", response_model=ModelMetaOut, responses=_META_ERRORS)
 async def model_metadata(request: Request, name: str) -> JSONResponse:
     """The model's input (FP32 ``[-1, n_features]``) and output (FP32 ``[-1]``)."""
     return _metadata(request, name, None)
 
 
 @router.get(
-    "/models/{name}/versions/{version}", response_model=ModelMetaOut, responses=_SERVE_ERRORS
+    "/models/{name}/versions/{version}", response_model=ModelMetaOut, responses=_META_ERRORS
 )
 async def model_version_metadata(request: Request, name: str, version: str) -> JSONResponse:
     """As ``/v2/models/{name}``, 404 unless ``version`` is the serving one."""
@@ -204,11 +268,11 @@ class ModelReadyOut(BaseModel):
     ready: bool
 
 
-class NotReadyOut(OipErrorOut):
-    ready: bool = Field(default=False, description="present when the model is not loaded")
-
-
-_READY_ERRORS = {**_ERRORS, 400: {"model": NotReadyOut, "description": "No model loaded yet."}}
+_READY_ERRORS = {
+    **_KEYED,
+    400: {"model": NotReadyOut, "description": "No model loaded yet (not ready)."},
+    **_OPEN_ERRORS,
+}
 
 
 def _ready(request: Request, name: str, version: str | None) -> JSONResponse:
@@ -237,7 +301,12 @@ async def model_version_ready(request: Request, name: str, version: str) -> JSON
     return _ready(request, name, version)
 
 
-@router.post("/models/{name}/infer", response_model=InferOut, responses=_SERVE_ERRORS)
+@router.post(
+    "/models/{name}/infer",
+    response_model=InferOut,
+    responses=_INFER_OK | _SERVE_ERRORS,
+    openapi_extra=_INFER_IN,
+)
 async def infer(request: Request, name: str) -> Response:
     """Fraud probabilities for an FP32 ``[n, n_features]`` tensor. The binary tensor
     extension is supported: with ``Inference-Header-Content-Length`` the body is that
@@ -251,7 +320,10 @@ async def infer(request: Request, name: str) -> Response:
 
 
 @router.post(
-    "/models/{name}/versions/{version}/infer", response_model=InferOut, responses=_SERVE_ERRORS
+    "/models/{name}/versions/{version}/infer",
+    response_model=InferOut,
+    responses=_INFER_OK | _SERVE_ERRORS,
+    openapi_extra=_INFER_IN,
 )
 async def infer_version(request: Request, name: str, version: str) -> Response:
     """As ``/v2/models/{name}/infer``, 404 unless ``version`` is the serving one."""

@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 import prometheus_client
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -39,9 +39,18 @@ from service.core.challenger import LineupChange
 from service.core.scoring import ScoreRequest, ScoreResult
 from service.edge.admission import PARSED_BODY, RECEIVED_NS
 from service.edge.auth import Scope, check_scope, require_scope
-from service.edge.schemas import TXN_EXAMPLE, BatchOut, ScoreOut
+from service.edge.schemas import (
+    TXN_EXAMPLE,
+    BatchOut,
+    HealthzOut,
+    ReadyzOut,
+    ReadyzProblemsOut,
+    ScoreOut,
+    transaction_schema,
+)
 from service.errors import (
     ErrorCode,
+    ErrorOut,
     Invalid,
     ModelRejected,
     NotReady,
@@ -64,8 +73,11 @@ _RECORD_DOC: dict[str, Any] = {
     "required": False,
     "description": "'false': replay mode: score without joining the card's session state "
     "and without the event-time bound (what-if, replay and backfill calls); needs the "
-    "'admin' scope when auth is on. Default 'true' (unless FRAUD_RECORD_SCORED=false).",
+    "'admin' scope when auth is on. Default 'true' (unless FRAUD_RECORD_SCORED=false). "
+    "The example request is a replay: its event_time is long past, which a live call "
+    "refuses (422), and trying it changes no card's state.",
     "schema": {"type": "string", "enum": ["true", "false"]},
+    "example": "false",
 }
 _TIMEOUT_DOC: dict[str, Any] = {
     "name": TIMEOUT_HEADER,
@@ -75,6 +87,13 @@ _TIMEOUT_DOC: dict[str, Any] = {
     "FRAUD_REQUEST_TIMEOUT_MS. Past it the answer is 503.",
     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_MS},
 }
+# Any route may answer this while the process stops: a request that arrives on an open
+# connection after SIGTERM (service/edge/connection.py).
+_DRAINING = (
+    "The process is stopping (`draining`, `Retry-After: 0`, `Connection: close`): send "
+    "the request to another instance."
+)
+_TXN_SCHEMA = transaction_schema()
 
 
 _TRANSACTIONS = TypeAdapter(list[Transaction])
@@ -242,7 +261,7 @@ def _direct_post(path: str, **kwargs: Any) -> Callable[[_Endpoint], _Endpoint]:
             "required": True,
             "content": {
                 "application/json": {
-                    "schema": Transaction.model_json_schema(),
+                    "schema": _TXN_SCHEMA,
                     "example": TXN_EXAMPLE,
                 }
             },
@@ -287,7 +306,7 @@ async def score(request: Request) -> Response:
                             "transactions": {
                                 "type": "array",
                                 "minItems": 1,
-                                "items": Transaction.model_json_schema(),
+                                "items": _TXN_SCHEMA,
                             }
                         },
                     },
@@ -442,11 +461,19 @@ class ReloadOut(BaseModel):
     "/v1/models/reload",
     response_model=ReloadOut,
     dependencies=[Depends(require_scope(Scope.ADMIN))],
-    responses=error_responses(401, 403, 409, 415, 422),
+    responses=error_responses(401, 403, 409, 415, 422)
+    | {503: {"model": ErrorOut, "description": _DRAINING}},
     openapi_extra={
+        # Documented as required: the call needs the JSON Content-Type even with no body
+        # (415 otherwise), and a request without a body has none. `{}` (or an empty body
+        # with that Content-Type) reloads the configured version.
         "requestBody": {
-            "required": False,
-            "content": {"application/json": {"schema": LineupChange.model_json_schema()}},
+            "required": True,
+            "description": "What to change; `{}` (or no body, with `Content-Type: "
+            "application/json`) reloads the configured version.",
+            "content": {
+                "application/json": {"schema": LineupChange.model_json_schema(), "example": {}}
+            },
         }
     },
 )
@@ -461,7 +488,7 @@ async def reload_model(request: Request) -> JSONResponse:
     res = resources(request)
     old = res.models.current.version if res.models.current else None
     change = LineupChange()
-    if raw.strip():
+    if raw:  # a body that is there is JSON: whitespace alone is not
         change = await json_model(request, LineupChange)
     assert res.challenger is not None  # open_resources always makes one
     try:
@@ -471,12 +498,28 @@ async def reload_model(request: Request) -> JSONResponse:
     return JSONResponse({"previous_version": old, **dataclasses.asdict(new)})
 
 
-@router.get("/healthz")
+@router.get(
+    "/healthz",
+    response_model=HealthzOut,
+    responses={503: {"model": ErrorOut, "description": _DRAINING}},
+)
 async def healthz() -> dict[str, str]:
     return {"status": "alive"}
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    response_model=ReadyzOut,
+    responses={
+        503: {
+            # The probe's own body; a request after SIGTERM gets the draining problem list.
+            "model": ReadyzProblemsOut | ErrorOut,
+            "description": "Not ready (`Retry-After: 5`): one entry per part that is not, "
+            "saying why; not counted in fraud_rejections_total. Or the process is stopping "
+            "(`draining`, the problem list).",
+        }
+    },
+)
 async def readyz(request: Request) -> JSONResponse:
     """200 with the serving model, or 503 naming each part that is not ready and why
     (``model``: e.g. "not loaded: <why it cannot load>"; ``redis``: unreachable or the
@@ -527,7 +570,15 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get(
     "/metrics",
     dependencies=[Depends(require_scope(Scope.METRICS))],
-    responses=error_responses(401, 403),
+    response_class=PlainTextResponse,
+    responses={
+        200: {
+            "description": "Prometheus' text exposition format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        },
+        **error_responses(401, 403),
+        503: {"model": ErrorOut, "description": _DRAINING},
+    },
 )
 async def metrics() -> Response:
     return Response(telemetry.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)

@@ -1,6 +1,8 @@
-"""The API's bodies: the batch endpoint's request and every scoring response.
+"""The API's bodies: the batch endpoint's request, every scoring response, the probes'
+answers, and the request schema and examples the OpenAPI document shows.
 
-A single transaction's request body is :class:`fraud_scoring.events.Transaction`.
+A single transaction's request body is :class:`fraud_scoring.events.Transaction`; its
+documented schema is :func:`transaction_schema`.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fraud_scoring.events import Transaction
+from fraud_scoring.events import ID_MAX_LEN, Transaction, country_codes, currency_codes
 from service.core.scoring import ScoreResult
 
 # service.core.decision.DECISIONS as a type (a test keeps the two equal).
 Decision = Literal["approve", "review", "decline"]
 
+# The documented request. Its event_time is long past, so a live service (event times
+# within FRAUD_MAX_EVENT_SKEW_S of its clock) answers it 200 only in replay mode: the
+# routes document `X-Fraud-Record: false` as the header's example, and the examples are
+# sent to a live service in tests/test_openapi.py.
 TXN_EXAMPLE: dict[str, Any] = {
     "transaction_id": "t-000123",
     "card_id": "c-42",
@@ -50,6 +56,108 @@ SCORE_EXAMPLE: dict[str, Any] = {
         "batch_size": 8,
     },
 }
+
+
+# The epoch numbers event_time takes (pydantic: 0001-01-01 to the end of 9999, in ms).
+EPOCH_MS_MIN, EPOCH_MS_END = -62_135_596_800_000, 253_402_300_800_000
+# The bodies' strings lose surrounding whitespace before they are checked (pydantic's
+# str_strip_whitespace strips Unicode's White_Space: _STRIPPED), so what an id must be,
+# 1 to ID_MAX_LEN characters and no control character (fraud_scoring.events), holds for
+# what is left: the documented pattern says so, its length bound included (a maxLength
+# would count the whitespace too). tests/test_openapi.py holds it to the validator.
+_STRIPPED = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_EDGE = r"[^\x00-\x1f\x7f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+ID_WIRE_PATTERN = (
+    rf"^[{_STRIPPED}]*{_EDGE}(?:[^\x00-\x1f\x7f]{{0,{ID_MAX_LEN - 2}}}{_EDGE})?[{_STRIPPED}]*$"
+)
+ID_FIELDS = ("transaction_id", "card_id", "merchant_id", "device_id")
+
+
+def wire_ids(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a model's JSON schema) with :data:`ID_WIRE_PATTERN` for its ids, in
+    place of their pattern and length bounds."""
+    for name in ID_FIELDS:
+        prop = schema["properties"].get(name)
+        for branch in prop.get("anyOf", [prop]) if prop is not None else []:
+            if "pattern" in branch:
+                branch.pop("minLength", None)
+                branch.pop("maxLength", None)
+                branch["pattern"] = ID_WIRE_PATTERN
+    return schema
+
+
+def transaction_schema() -> dict[str, Any]:
+    """:class:`Transaction`'s JSON schema as the API documents it: ``currency`` and
+    ``country`` list the codes their validators accept (``currency_codes()`` and
+    ``country_codes()``, the same lists), and ``event_time`` is also epoch seconds or
+    milliseconds, as the model reads it. Ids: :func:`wire_ids`."""
+    schema = wire_ids(Transaction.model_json_schema())
+    schema["description"] += " Strings lose surrounding whitespace before they are checked."
+    props = schema["properties"]
+    props["currency"] |= {
+        "enum": sorted(currency_codes()),
+        "description": "an ISO 4217 alpha-3 code (pycountry's list)",
+    }
+    props["country"] |= {
+        "enum": sorted(country_codes()),
+        "description": "an ISO 3166-1 alpha-2 code (pycountry's list)",
+    }
+    props["event_time"] = {
+        "title": props["event_time"].get("title", "Event Time"),
+        "description": "RFC 3339 with a UTC offset (the offset gives the local hour), or "
+        "epoch seconds or milliseconds (UTC). Live scoring refuses (422) a time more than "
+        "FRAUD_MAX_EVENT_SKEW_S (600 s) from the server clock; replay mode "
+        "(X-Fraud-Record: false) has no bound.",
+        "anyOf": [
+            {"type": "string", "format": "date-time"},
+            # Seconds, or milliseconds beyond ±2e10: years 1 to 9999.
+            {"type": "number", "minimum": EPOCH_MS_MIN, "exclusiveMaximum": EPOCH_MS_END},
+        ],
+    }
+    return schema
+
+
+class HealthzOut(BaseModel):
+    """``GET /healthz``: the process answers."""
+
+    status: Literal["alive"]
+
+
+class ReadyzOut(BaseModel):
+    """``GET /readyz``, 200. The optional entries are absent (not null) when they have
+    nothing to say."""
+
+    status: Literal["ready"]
+    model_version: str
+    providers: list[str] = Field(description="ONNX Runtime's execution providers, in order")
+    decision_log: str | None = Field(
+        default=None, description="the decision log's problem; scoring goes on"
+    )
+    challenger: str | None = Field(
+        default=None, description="the challenger's problem; the serving model decides alone"
+    )
+    degraded: dict[str, str] | None = Field(
+        default=None,
+        description="FRAUD_DEGRADED_POLICY=rules: the store's problems (keys as in the 503), "
+        "deciding by rules only while they last",
+    )
+
+
+class ReadyzProblemsOut(BaseModel):
+    """``GET /readyz``, 503 (with ``Retry-After``): one entry per part that is not ready,
+    saying why. The probe's own body, not the problem list: a probe, not a refusal."""
+
+    status: Literal["not ready"]
+    model: str | None = Field(default=None, description='e.g. "not loaded: <why>"')
+    redis: str | None = Field(
+        default=None, description="feature store unreachable, or the circuit breaker open"
+    )
+    batch_features: str | None = Field(
+        default=None, description="the store holds no batch features for these views"
+    )
+    declared_features: str | None = Field(
+        default=None, description="declared states the models read, not backfilled"
+    )
 
 
 class ReasonOut(BaseModel):
