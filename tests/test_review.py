@@ -325,6 +325,24 @@ def test_label_times_outside_event_time_and_now_are_422(reviewing: Reviewing, wo
     assert len(labels(r, tid)) == 1 and tid not in queued_ids(r)
 
 
+def test_a_label_at_a_future_event_time_the_service_scored_is_accepted() -> None:
+    """The service scores an event_time up to FRAUD_MAX_EVENT_SKEW_S (600 s) ahead and the
+    review page labels an item at its event time, beyond now + LABEL_SKEW_S: accepted;
+    a second later is not."""
+    from service.edge.feedback import LABEL_SKEW_S, FeedbackIn, check_time
+    from service.errors import Invalid
+
+    now = datetime.now(UTC)
+    event = now + timedelta(seconds=LABEL_SKEW_S + 150)
+
+    def body(at: datetime) -> FeedbackIn:
+        return FeedbackIn(transaction_id="t-ahead", label="fraud", source="analyst", time=at)
+
+    check_time(body(event), event.timestamp(), now.timestamp())
+    with pytest.raises(Invalid, match="after the server clock"):
+        check_time(body(event + timedelta(seconds=1)), event.timestamp(), now.timestamp())
+
+
 def test_ids_with_slashes_and_dots_are_listed_opened_and_marked(
     reviewing: Reviewing, world: World
 ) -> None:

@@ -30,7 +30,9 @@ kept with the key id. The review page's marks come through :func:`store_label`.
 
 **Label time.** ``time`` must lie in [the transaction's event time, now +
 :data:`LABEL_SKEW_S`] (unmatched: not more than :data:`UNMATCHED_MAX_AGE_S` ago), else
-422 naming ``time``.
+422 naming ``time``; the event time itself is always accepted (the service scores event
+times up to ``FRAUD_MAX_EVENT_SKEW_S`` ahead, and the review page labels such an item at
+its event time).
 
 The body must be JSON (``Content-Type: application/json``, else 415; bytes that are not
 UTF-8 JSON: the one 422 ``invalid_json``), so a cross-site form cannot post a label.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 from datetime import UTC, datetime
 from typing import Literal
@@ -163,11 +166,11 @@ async def scored_event_time(res: Resources, transaction_id: str) -> float | None
 
 
 def check_time(body: FeedbackIn, event_ts: float | None, now: float) -> None:
-    """``body.time`` in [the event time, now + LABEL_SKEW_S] (unmatched: within
-    UNMATCHED_MAX_AGE_S of now), else the one 422 naming ``time``."""
+    """``body.time`` in [the event time, max(now + LABEL_SKEW_S, the event time)]
+    (unmatched: within UNMATCHED_MAX_AGE_S of now), else the one 422 naming ``time``."""
     t = body.time.timestamp()
     why = None
-    if t > now + LABEL_SKEW_S:
+    if t > max(now + LABEL_SKEW_S, event_ts if event_ts is not None else -math.inf):
         why = f"is after the server clock (more than {LABEL_SKEW_S:g} s ahead)"
     elif event_ts is not None and t < event_ts:
         at = datetime.fromtimestamp(event_ts, UTC).isoformat()
