@@ -2,10 +2,11 @@
 
 Everything here starts from the served scores of a holdout (``Holdout``, stored with
 each model version as ``holdout.parquet``): ranking metrics, calibration (expected
-calibration error, Brier score, a reliability table with 95 % intervals), thresholds
-chosen in money (``choose_thresholds``) and the evaluation report (``report_files``,
-PNG + JSON + Markdown; the figures are described in docs/model-quality.md).
-``evaluate_version`` re-runs it for any stored version.
+calibration error, Brier score, a reliability table with 95 % intervals, the
+observed/predicted ratio per probability band), thresholds chosen in money
+(``choose_thresholds``, on an earlier slice than the one they are measured on) and the
+evaluation report (``report_files``, PNG + JSON + Markdown; the figures are described
+in docs/model-quality.md). ``evaluate_version`` re-runs it for any stored version.
 
 Holdout negatives are down-sampled; every number here weights each row by ``weight``
 (the number of holdout transactions it stands for).
@@ -14,12 +15,13 @@ Holdout negatives are down-sampled; every number here weights each row by ``weig
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,12 @@ HOLDOUT_FILE = "holdout.parquet"
 REPORT_DIR = "evaluation"
 # Reliability bins: finer near 0, where almost every transaction's probability lies.
 RELIABILITY_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
+# Calibration bands, where review and decline decisions are made: [0.001, 0.003) ...
+# [0.1, 1]. A band is judged once it holds BAND_MIN_FRAUDS frauds: its observed fraud
+# rate over its mean probability should lie within BAND_RATIO.
+BAND_EDGES = (0.001, 0.003, 0.01, 0.03, 0.1, 1.0)
+BAND_MIN_FRAUDS = 30
+BAND_RATIO = (0.7, 1.4)
 # The two-sided 95 % normal quantile: the reliability diagram's Wilson intervals.
 Z95 = 1.959963984540054
 # A UTC day with rows in fewer of its hours than this is partial (cut short, or a gap).
@@ -200,6 +208,44 @@ def reliability_table(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> list[dict[
                 "effective_rows": n_eff,
                 "fraud_rate_low": low,
                 "fraud_rate_high": high,
+            }
+        )
+    return out
+
+
+def calibration_bands(y: np.ndarray, p: np.ndarray, w: np.ndarray) -> list[dict[str, Any]]:
+    """Observed against predicted per band of ``BAND_EDGES`` (the last includes 1.0;
+    probabilities below the first edge are in no band): ``rows`` (weighted),
+    ``sampled_rows``, ``frauds``, ``mean_probability``, ``fraud_rate``, ``ratio`` (fraud
+    rate / mean probability) with its 95 % interval (``ratio_low``, ``ratio_high``: the
+    Wilson interval of the rate on the band's effective rows over the mean probability),
+    ``judged`` (at least ``BAND_MIN_FRAUDS`` frauds) and ``within`` (the ratio inside
+    ``BAND_RATIO``; None when not judged). Every band is listed; an empty one has 0 rows
+    and None ratios."""
+    out = []
+    for lo, hi in itertools.pairwise(BAND_EDGES):
+        m = (p >= lo) & ((p < hi) | (hi >= 1.0))
+        rows, frauds = float(w[m].sum()), float((y[m] * w[m]).sum())
+        mean_p = float((p[m] * w[m]).sum() / rows) if rows > 0 else 0.0
+        rate = frauds / rows if rows > 0 else 0.0
+        low, high = wilson_interval(rate, effective_rows(y[m], w[m]))
+        ratio = rate / mean_p if mean_p > 0 else None
+        judged = frauds >= BAND_MIN_FRAUDS and ratio is not None
+        within = None if ratio is None or not judged else BAND_RATIO[0] <= ratio <= BAND_RATIO[1]
+        out.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "rows": rows,
+                "sampled_rows": int(m.sum()),
+                "frauds": frauds,
+                "mean_probability": mean_p,
+                "fraud_rate": rate,
+                "ratio": ratio,
+                "ratio_low": low / mean_p if mean_p > 0 else None,
+                "ratio_high": high / mean_p if mean_p > 0 else None,
+                "judged": judged,
+                "within": within,
             }
         )
     return out
@@ -376,6 +422,11 @@ def report_data(
         "costs": costs.model_dump(),
         "metrics": metrics,
         "reliability": reliability_table(y, p, w),
+        "calibration_bands": calibration_bands(y, p, w),
+        "calibration": meta.calibration["default"].model_dump(mode="json")
+        if "default" in meta.calibration
+        else None,
+        "threshold_choice": threshold_choice(meta, h, p, metrics),
         "pr_curve": {"precision": prec[keep].tolist(), "recall": rec[keep].tolist()},
         "operating_points": operating_points(th.model_dump(), metrics),
         "score_histogram": score_histogram(y, p, w),
@@ -387,6 +438,47 @@ def report_data(
         if meta.label_coverage
         else None,
         "overridden_gates": meta.overridden_gates,
+    }
+
+
+_DECISION_KEYS = (
+    "flagged_precision",
+    "flagged_recall",
+    "decline_precision",
+    "decline_recall",
+    "review_rate",
+    "decline_rate",
+    "cost_per_txn",
+    "cost_per_txn_approve_all",
+)
+
+
+def threshold_choice(
+    meta: ModelMetadata, h: Holdout, p: np.ndarray, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """Where the thresholds were chosen and what they do there and after.
+
+    ``in_sample``: their figures on ``chosen_slice``, the slice they were chosen on
+    (``chosen_on``: the validation days; the metadata's ``validation_*``, as labelled
+    at training); ``out_of_sample``: on this holdout, which the choice never saw
+    (``metrics``'s decision figures); ``hindsight``: the thresholds this holdout would
+    itself choose and their figures on it (in-sample, for reference). A version without
+    ``thresholds_chosen_on`` chose its thresholds on the holdout: its holdout figures
+    are in-sample and there is no ``out_of_sample``."""
+    costs = meta.costs or DecisionCosts()
+    best = choose_thresholds(h.label, p, h.weight, h.amount, costs)
+    on_holdout = {k: metrics[k] for k in _DECISION_KEYS}
+    chosen = meta.thresholds_chosen_on
+    before = {k: meta.metrics.get(f"validation_{k}") for k in _DECISION_KEYS}
+    return {
+        "chosen_slice": "validation" if chosen else "holdout",
+        "chosen_on": [t.isoformat() for t in chosen] if chosen else None,
+        "in_sample": (before if None not in before.values() else None) if chosen else on_holdout,
+        "out_of_sample": on_holdout if chosen else None,
+        "hindsight": {
+            "thresholds": best.model_dump(),
+            **decision_metrics(h.label, p, h.weight, h.amount, best, costs),
+        },
     }
 
 
@@ -654,19 +746,7 @@ def _markdown(d: dict[str, Any]) -> str:
         f"| expected calibration error | {m['ece']:.4f} |",
         f"| Brier score | {m['brier']:.5f} |",
         "",
-        f"Thresholds (probability): review >= {th['review']:.4g}, decline >= "
-        f"{th['decline']:.4g}; chosen for the least cost with fraud loss "
-        f"{c['fraud_loss_share']:g} x amount, review {c['review_cost']:g}, false decline "
-        f"{c['false_decline_cost']:g} + {c['false_decline_amount_share']:g} x amount, "
-        f"review rate at most {c['max_review_rate']:.1%}.",
-        "",
-        f"- flagged (review or decline): precision {m['flagged_precision']:.1%}, "
-        f"recall {m['flagged_recall']:.1%}",
-        f"- declined: precision {m['decline_precision']:.1%}, recall {m['decline_recall']:.1%}",
-        f"- review rate {m['review_rate']:.2%}, decline rate {m['decline_rate']:.2%}",
-        f"- cost per transaction {m['cost_per_txn']:.3f} (approve all: "
-        f"{m['cost_per_txn_approve_all']:.3f})",
-        "",
+        *_thresholds_md(d["threshold_choice"], th, c),
         "## Recall per fraud pattern and for new cards",
         "",
         "| pattern | frauds | flagged | declined |",
@@ -676,6 +756,7 @@ def _markdown(d: dict[str, Any]) -> str:
             for k, v in (d["pattern_recall"] | d.get("segment_recall", {})).items()
         ),
         "",
+        *_calibration_md(d["calibration"], d["calibration_bands"]),
         "## Reliability",
         "",
         "| probability | transactions | mean probability | fraud rate | 95 % interval |",
@@ -704,6 +785,128 @@ def _markdown(d: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _decision_rows(cols: list[dict[str, Any]]) -> list[str]:
+    """Table rows of ``decision_metrics`` figures, one column per dict."""
+
+    def row(what: str, cell: Any) -> str:
+        return f"| {what} | " + " | ".join(cell(x) for x in cols) + " |"
+
+    return [
+        row(
+            "flagged (review or decline): precision / recall",
+            lambda x: f"{x['flagged_precision']:.1%} / {x['flagged_recall']:.1%}",
+        ),
+        row(
+            "declined: precision / recall",
+            lambda x: f"{x['decline_precision']:.1%} / {x['decline_recall']:.1%}",
+        ),
+        row(
+            "review rate / decline rate",
+            lambda x: f"{x['review_rate']:.2%} / {x['decline_rate']:.2%}",
+        ),
+        row(
+            "cost per transaction (approve all)",
+            lambda x: f"{x['cost_per_txn']:.3f} ({x['cost_per_txn_approve_all']:.3f})",
+        ),
+    ]
+
+
+def _thresholds_md(choice: dict[str, Any], th: dict[str, float], c: dict[str, float]) -> list[str]:
+    costs = (
+        f"the least cost with fraud loss {c['fraud_loss_share']:g} x amount, review "
+        f"{c['review_cost']:g}, false decline {c['false_decline_cost']:g} + "
+        f"{c['false_decline_amount_share']:g} x amount, review rate at most "
+        f"{c['max_review_rate']:.1%}"
+    )
+    head = f"Thresholds (probability): review >= {th['review']:.4g}, decline >= {th['decline']:.4g}"
+    best = choice["hindsight"]
+    hind = (
+        f"review >= {best['thresholds']['review']:.4g}, decline >= "
+        f"{best['thresholds']['decline']:.4g}"
+    )
+    if choice["chosen_on"] is None:
+        return [
+            f"{head}; chosen on this holdout for {costs}: every figure below is "
+            "in-sample (this version predates out-of-sample thresholds).",
+            "",
+            "| at the thresholds | holdout (chosen here: in-sample) |",
+            "|---|---|",
+            *_decision_rows([choice["in_sample"]]),
+            "",
+        ]
+    start = choice["chosen_on"][0][:10]
+    last = datetime.fromisoformat(choice["chosen_on"][1]) - timedelta(days=1)  # end excluded
+    end = f"{last:%Y-%m-%d}"
+    cols = [choice["out_of_sample"], best]
+    names = [
+        "**holdout, never seen by the choice (out-of-sample)**",
+        f"holdout's own best in hindsight ({hind}; in-sample)",
+    ]
+    if choice["in_sample"] is not None:
+        cols.insert(0, choice["in_sample"])
+        names.insert(0, f"validation {start} .. {end} (chosen here: in-sample)")
+    return [
+        f"{head}; chosen on the validation slice {start} .. {end} (before the holdout) "
+        f"for {costs}. What they do where they were chosen, on the holdout they never "
+        "saw (what serving can expect), and what the holdout's own least-cost "
+        "thresholds would have done on it:",
+        "",
+        "| at the thresholds | " + " | ".join(names) + " |",
+        "|---" * (len(cols) + 1) + "|",
+        *_decision_rows(cols),
+        "",
+    ]
+
+
+def _calibration_md(cal: dict[str, Any] | None, bands: list[dict[str, Any]]) -> list[str]:
+    out = ["## Calibration bands", ""]
+    if cal is not None:
+        how = (
+            f"a logit linear between {len(cal['knots'])} knots, at the margins where "
+            f"Platt's a = {cal['a']:.4g}, b = {cal['b']:.4g} gives "
+            + ", ".join(f"{1 / (1 + np.exp(-(cal['a'] * k + cal['b']))):.3g}" for k in cal["knots"])
+            if cal.get("knots")
+            else f"a = {cal['a']:.4g}, b = {cal['b']:.4g}"
+        )
+        out += [
+            f"Calibration: {cal['method']} ({how}) on {cal['rows']:,.0f} transactions "
+            f"with {cal['positives']} frauds"
+            + (f", {cal['source']}" if cal.get("source") else "")
+            + (f". {cal['reason']}" if cal.get("reason") else "")
+            + ".",
+            "",
+        ]
+    lo, hi = BAND_RATIO
+
+    def verdict(b: dict[str, Any]) -> str:
+        if not b["judged"]:
+            return f"not judged (fewer than {BAND_MIN_FRAUDS} frauds)"
+        return "within" if b["within"] else "**outside**"
+
+    def ratio(b: dict[str, Any]) -> str:
+        if b["ratio"] is None:
+            return "-"
+        return f"{b['ratio']:.2f} [{b['ratio_low']:.2f}, {b['ratio_high']:.2f}]"
+
+    return [
+        *out,
+        f"Observed fraud rate over mean probability on the holdout, per band, with a 95 % "
+        f"interval; a band holding at least {BAND_MIN_FRAUDS} frauds should lie within "
+        f"[{lo:g}, {hi:g}].",
+        "",
+        "| probability | transactions | frauds | mean probability | fraud rate "
+        "| observed / predicted [95 %] | verdict |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| [{b['lo']:g}, {b['hi']:g}{']' if b['hi'] >= 1 else ')'} | {b['rows']:,.0f} "
+            f"| {b['frauds']:.0f} | {b['mean_probability']:.4f} | {b['fraud_rate']:.4f} "
+            f"| {ratio(b)} | {verdict(b)} |"
+            for b in bands
+        ),
+        "",
+    ]
 
 
 def _label_coverage_md(cov: dict[str, Any] | None, overridden: list[str]) -> list[str]:

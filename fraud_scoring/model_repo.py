@@ -61,16 +61,30 @@ class DecisionCosts(BaseModel):
 
 
 class Calibration(BaseModel):
-    """How a variant's raw output became a probability; the step is inside its ONNX
-    graph (``p = sigmoid(a * margin + b)``), so the service needs no post-step."""
+    """How a variant's raw output (``margin``) became a probability; the step is inside
+    its ONNX graph, so the service needs no post-step.
+
+    ``platt``: ``p = sigmoid(a * margin + b)``. ``piecewise``: ``p = sigmoid(z)`` with
+    ``z`` piecewise linear in the margin through (``knots``, ``knot_logits``), slopes
+    ``slope_below`` and ``slope_above`` beyond the end knots (``a`` when None); ``a``
+    and ``b`` are then the pool's Platt fit, which placed the knots."""
 
     method: str = "platt"
     a: float
     b: float
-    # The validation slice it was fitted on: after training, before the holdout.
+    # The days of the rows it was fitted on (before the holdout).
     fitted_on: tuple[datetime, datetime]
     rows: float  # weighted rows (sampled negatives count for the ones they stand for)
     positives: int
+    # Fields below were added with pooled calibration; older metadata loads without them.
+    knots: list[float] = Field(default_factory=list)
+    knot_logits: list[float] = Field(default_factory=list)
+    slope_below: float | None = None
+    slope_above: float | None = None
+    # What the pool held (the validation slice and cross-fitted training blocks), and
+    # why this method was used (a fallback names what was short).
+    source: str = ""
+    reason: str = ""
 
 
 class ReliabilityBin(BaseModel):
@@ -151,6 +165,12 @@ class ModelMetadata(BaseModel):
     # Every value of the run's ``TrainConfig`` (batch_jobs/train.py), LightGBM's included.
     training_config: dict[str, Any] = Field(default_factory=dict)
     label_coverage: LabelCoverage | None = None
+    # Added with out-of-sample thresholds; older metadata loads without it. The slice
+    # the thresholds were chosen on, before the holdout: their figures there are the
+    # metrics' ``validation_*`` (in-sample), on the holdout ``holdout_*``
+    # (out-of-sample). None: an older version, whose thresholds were chosen on the
+    # holdout itself.
+    thresholds_chosen_on: tuple[datetime, datetime] | None = None
 
     def thresholds_for(self, variant: str) -> Thresholds:
         return self.variant_thresholds.get(variant, self.thresholds)

@@ -1,12 +1,12 @@
 """Model-quality pieces on small synthetic data: thresholds in money, calibration
-metrics and their intervals, the calibrated ONNX export and the report's data and
-figures (no world needed)."""
+metrics, bands and their intervals, the calibrated ONNX export (Platt and piecewise)
+and the report's data and figures (no world needed)."""
 
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
-from itertools import combinations
+from datetime import UTC, date, datetime, timedelta
+from itertools import combinations, pairwise
 
 import lightgbm as lgb
 import numpy as np
@@ -15,8 +15,12 @@ import pytest
 from sklearn.metrics import precision_recall_curve
 
 from batch_jobs.evaluate import (
+    BAND_EDGES,
+    BAND_MIN_FRAUDS,
+    BAND_RATIO,
     Z95,
     Holdout,
+    calibration_bands,
     choose_thresholds,
     decision_metrics,
     effective_rows,
@@ -32,8 +36,25 @@ from batch_jobs.evaluate import (
     served_scores,
     wilson_interval,
 )
-from batch_jobs.train import fit_platt, lightgbm_margin_onnx, onnx_margins, with_platt
-from fraud_scoring.model_repo import DecisionCosts, FeatureSpec, ModelMetadata, Thresholds
+from batch_jobs.train import (
+    CalibrationPool,
+    TrainConfig,
+    calibrated_logit,
+    fit_calibration,
+    fit_piecewise,
+    fit_platt,
+    lightgbm_margin_onnx,
+    onnx_margins,
+    with_calibration,
+    with_platt,
+)
+from fraud_scoring.model_repo import (
+    Calibration,
+    DecisionCosts,
+    FeatureSpec,
+    ModelMetadata,
+    Thresholds,
+)
 
 
 def _brute_force(
@@ -323,3 +344,158 @@ def test_figures_of_data_without_the_new_fields() -> None:
         "decisions_per_day.png",
     }
     assert all(blob.startswith(b"\x89PNG") for blob in files.values())
+
+
+def test_calibration_bands_compare_observed_with_predicted() -> None:
+    """Per band of BAND_EDGES: weighted counts, the observed/predicted ratio with its
+    interval, and a verdict once a band holds BAND_MIN_FRAUDS frauds."""
+    rng = np.random.default_rng(4)
+    p = np.exp(rng.uniform(np.log(1e-4), 0, 400_000))
+    y = (rng.random(len(p)) < p).astype(np.int8)  # calibrated by construction
+    w = np.ones(len(p))
+    bands = calibration_bands(y, p, w)
+    assert [(b["lo"], b["hi"]) for b in bands] == list(pairwise(BAND_EDGES))
+    inside = p >= BAND_EDGES[0]  # below the first edge: in no band
+    assert sum(b["rows"] for b in bands) == pytest.approx(inside.sum())
+    assert sum(b["frauds"] for b in bands) == pytest.approx(y[inside].sum())
+    for b in bands:
+        assert b["judged"] and b["frauds"] >= BAND_MIN_FRAUDS
+        assert b["ratio"] == pytest.approx(b["fraud_rate"] / b["mean_probability"])
+        assert b["ratio_low"] <= 1 <= b["ratio_high"] and b["within"]
+    # Twice the probability: every judged band at about 0.5, outside BAND_RATIO.
+    over = calibration_bands(y, np.clip(2 * p, 0, 1), w)
+    assert all(b["ratio"] < BAND_RATIO[0] and b["within"] is False for b in over[:-1])
+    # Negatives sampled 1 in 10 and weighted back: about the same ratios and counts.
+    keep = (y == 1) | (rng.random(len(p)) < 0.1)
+    sampled = calibration_bands(y[keep], p[keep], np.where(y[keep] == 1, 1.0, 10.0))
+    for full, s in zip(bands, sampled, strict=True):
+        assert s["ratio"] == pytest.approx(full["ratio"], rel=0.2)
+        assert s["rows"] == pytest.approx(full["rows"], rel=0.1) and s["frauds"] == full["frauds"]
+    # A band with too few frauds is not judged; an empty one has no ratio; 1.0 is in the
+    # last band.
+    few = calibration_bands(np.array([1, 0, 0]), np.array([0.002, 0.05, 1.0]), np.ones(3))
+    assert few[0]["judged"] is False and few[0]["within"] is None
+    assert few[2]["rows"] == 0 and few[2]["ratio"] is None
+    assert few[-1]["rows"] == 1 and few[-1]["mean_probability"] == 1.0
+
+
+def test_piecewise_calibration_fits_what_one_slope_cannot() -> None:
+    """Frauds follow a flatter line below 0.1 than above it (the quiet patterns): Platt's
+    one slope misses the middle bands, the piecewise logit holds them; its ONNX graph
+    computes calibrated_logit, keeps the ranking and small probabilities."""
+    rng = np.random.default_rng(8)
+    margin = rng.normal(-9, 3, 300_000)
+    true_logit = np.where(margin < -3, -3 + 0.4 * (margin + 3), -3 + 1.5 * (margin + 3))
+    y = (rng.random(len(margin)) < 1 / (1 + np.exp(-true_logit))).astype(np.int8)
+    w = np.ones(len(y))
+    a, b = fit_platt(margin, y, w)
+    pw = fit_piecewise(margin, y, w, a, b)
+    now = datetime.now(UTC)
+    cal = Calibration(
+        method="piecewise",
+        a=a,
+        b=b,
+        fitted_on=(now, now),
+        rows=len(y),
+        positives=int(y.sum()),
+        knots=pw.knots,
+        knot_logits=pw.logits,
+        slope_below=pw.below,
+        slope_above=pw.above,
+    )
+    platt = calibration_bands(y, 1 / (1 + np.exp(-(a * margin + b))), w)
+    piecewise = calibration_bands(y, 1 / (1 + np.exp(-calibrated_logit(cal, margin))), w)
+    assert not all(bb["within"] for bb in platt if bb["judged"])
+    assert all(bb["within"] for bb in piecewise if bb["judged"])
+    assert sum(bb["judged"] for bb in piecewise) == len(BAND_EDGES) - 1
+
+    # The exported graph: a LightGBM margin graph with this calibration appended.
+    x = rng.normal(size=(4000, 3)).astype(np.float32)
+    yy = (x[:, 0] * 3 + rng.normal(size=len(x)) > 5).astype(int)
+    graph = lightgbm_margin_onnx(lgb.LGBMClassifier(n_estimators=50, verbose=-1).fit(x, yy), 3)
+    m = onnx_margins(graph, x)
+    a, b = fit_platt(m, yy, np.ones(len(yy)))
+    pw = fit_piecewise(m, yy, np.ones(len(yy)), a, b)
+    cal = cal.model_copy(
+        update={
+            "a": a,
+            "b": b,
+            "knots": pw.knots,
+            "knot_logits": pw.logits,
+            "slope_below": pw.below,
+            "slope_above": pw.above,
+        }
+    )
+    served = served_scores(with_calibration(graph, cal), x)
+    np.testing.assert_allclose(
+        served, 1 / (1 + np.exp(-calibrated_logit(cal, m))), rtol=1e-4, atol=1e-7
+    )
+    order = np.argsort(m, kind="stable")
+    assert (np.diff(served[order]) >= -1e-7).all()  # monotone in the margin
+    assert (served > 0).all()
+
+
+def _pool(frauds: int, seed: int = 1) -> CalibrationPool:
+    rng = np.random.default_rng(seed)
+    margin = rng.normal(-6, 3, 20_000)
+    y = np.zeros(len(margin), np.int8)
+    y[np.argsort(-margin + rng.normal(0, 2, len(margin)))[:frauds]] = 1
+    return CalibrationPool(
+        margin=margin,
+        label=y,
+        weight=np.ones(len(y)),
+        first=date(2026, 1, 3),
+        end=date(2026, 1, 10),
+        source="test pool",
+    )
+
+
+def test_calibration_falls_back_to_platt_with_a_reason() -> None:
+    cfg = TrainConfig(min_piecewise_positives=100)
+    cal = fit_calibration(_pool(300), cfg)
+    assert cal.method == "piecewise" and len(cal.knots) == 4 and cal.positives == 300
+    assert "300 frauds (at least 100)" in cal.reason and cal.source == "test pool"
+    assert cal.fitted_on == (datetime(2026, 1, 3, tzinfo=UTC), datetime(2026, 1, 10, tzinfo=UTC))
+    few = fit_calibration(_pool(40), cfg)
+    assert few.method == "platt" and few.knots == []
+    assert "40 frauds, fewer than the 100" in few.reason
+    forced = fit_calibration(_pool(300), TrainConfig(calibration_method="platt"))
+    assert forced.method == "platt" and "configured" in forced.reason
+
+
+def test_the_report_shows_thresholds_in_and_out_of_sample() -> None:
+    """Thresholds chosen on the validation slice: the report holds their figures there
+    (in-sample, from the metadata), on the holdout (out-of-sample, computed) and the
+    holdout's own best in hindsight."""
+    h, p = _holdout(negative_weight=2.0)
+    th = Thresholds(review=0.04, decline=0.4)
+    costs = DecisionCosts()
+    before = decision_metrics(h.label[::-1], p, h.weight, h.amount, th, costs)  # any figures
+    meta = _meta(th).model_copy(
+        update={
+            "costs": costs,
+            "thresholds_chosen_on": (T0 - timedelta(days=2), T0),
+            "metrics": {f"validation_{k}": v for k, v in before.items()},
+        }
+    )
+    data = report_data(meta, h, p, None)
+    choice = data["threshold_choice"]
+    assert choice["chosen_slice"] == "validation"
+    assert choice["in_sample"] == before
+    after = decision_metrics(h.label, p, h.weight, h.amount, th, costs)
+    assert choice["out_of_sample"] == pytest.approx(after)
+    best = choose_thresholds(h.label, p, h.weight, h.amount, costs)
+    assert choice["hindsight"]["thresholds"] == best.model_dump()
+    assert choice["hindsight"]["cost_per_txn"] <= after["cost_per_txn"] + 1e-12
+    md = report_files(data)["report.md"].decode()
+    assert "validation 2026-01-08 .. 2026-01-09 (chosen here: in-sample)" in md
+    assert "holdout, never seen by the choice (out-of-sample)" in md
+    assert "in hindsight" in md and "## Calibration bands" in md
+    # A version from before: thresholds chosen on the holdout, all in-sample.
+    old = report_data(_meta(th), h, p, None)["threshold_choice"]
+    assert old["chosen_slice"] == "holdout" and old["out_of_sample"] is None
+    assert old["in_sample"] == pytest.approx(after)
+    assert (
+        "in-sample (this version predates"
+        in report_files(report_data(_meta(th), h, p, None))["report.md"].decode()
+    )
