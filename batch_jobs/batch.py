@@ -131,11 +131,7 @@ def backfill_declared(
         history = declared_sql.load_history(raw, first, last)
         if history.empty:
             return 0
-        labels = (
-            declared_sql.load_label_events(raw, label_available_after_s, last=last)
-            if any(s.source == "labels" for s in states)
-            else None
-        )
+        labels = declared_sql.labels_for(states, raw, label_available_after_s, last=last)
         only = dataclasses.replace(decl, specs=tuple(states))
         n = declared_sql.backfill_tiles(
             client,
@@ -168,11 +164,11 @@ def record_day_labels(
     counts from the midnight after its arrival day plus ``label_available_after_s``, or
     later: the batch must run before then). Idempotent; returns the labels recorded."""
     decl = declarations()
-    if not any(s.source == "labels" for s in decl.specs):
-        return 0
-    labels = declared_sql.load_label_events(
-        raw, label_available_after_s, first=min(days), last=max(days)
+    labels = declared_sql.labels_for(
+        decl.specs, raw, label_available_after_s, first=min(days), last=max(days)
     )
+    if labels is None:
+        return 0
     client = sync_client(redis_url)
     try:
         n = declared_sql.record_labels(client, decl, labels, allowed_lateness_s + D.HORIZON_S)

@@ -476,7 +476,7 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
     print(the_plan.text(decl))
     if args.action == "plan":
         return
-    from batch_jobs.declared_sql import backfill_tiles, load_label_events
+    from batch_jobs.declared_sql import backfill_tiles, labels_for
     from batch_jobs.train import load_transactions
     from fraud_scoring.redis_clients import sync_client
     from fraud_scoring.storage import partition_days
@@ -490,11 +490,7 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
             raise UsageError(f"no raw transactions under {raw / 'transactions'}")
         first = max(days[0], days[-1] - feature_plan.history_days(states))
         history = load_transactions(raw, first, days[-1])
-        labels = (
-            load_label_events(raw, settings.batch_available_after_s)
-            if any(s.source == "labels" for s in states)
-            else None
-        )
+        labels = labels_for(states, raw, settings.batch_available_after_s)
         only = dataclasses.replace(decl, specs=tuple(states))  # the new states only
         with redis_url(settings.redis_url) as url:
             client = sync_client(url)

@@ -309,6 +309,16 @@ def label_events(
         con.close()
 
 
+def labels_for(
+    specs: Sequence[D.Spec], raw: Path, after_s: float, **which: Any
+) -> pd.DataFrame | None:
+    """:func:`load_label_events` (``which``: its ``first``/``last``/``arrived_before``)
+    when any of ``specs`` counts labels, else None, reading nothing."""
+    if not any(s.source == "labels" for s in specs):
+        return None
+    return load_label_events(raw, after_s, **which)
+
+
 def load_label_events(
     raw: Path,
     after_s: float,

@@ -394,12 +394,8 @@ def training_set(
         history = load_transactions(
             raw, split.first - history_days(list(decl.specs)), split.holdout_last, labels_as_of
         )
-        labels = (
-            declared_sql.load_label_events(
-                raw, cfg.batch_available_after_s, arrived_before=labels_as_of
-            )
-            if any(s.source == "labels" for s in decl.specs)
-            else None
+        labels = declared_sql.labels_for(
+            decl.specs, raw, cfg.batch_available_after_s, arrived_before=labels_as_of
         )
     txns = history[history["event_time"] >= split.at(split.first)].reset_index(drop=True)
     t = txns["event_time"]
