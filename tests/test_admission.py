@@ -54,6 +54,57 @@ def test_an_idle_keys_heavy_call_leaves_the_others_their_reserve() -> None:
     assert shares.refusal("light", 2, now=0.1) is None
 
 
+def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
+    """With the capacity full, a call is answered 503 at once: its body (here never sent,
+    as from a slow sender) is not waited for, and the call in process is untouched."""
+    import asyncio
+
+    from service.edge.admission import AdmissionLimit
+
+    async def run() -> tuple[list[dict], int]:
+        holding, finish = asyncio.Event(), asyncio.Event()
+
+        async def app(scope: dict, receive: object, send: object) -> None:
+            holding.set()
+            await finish.wait()
+
+        limit = AdmissionLimit(
+            app, capacity=2, max_body_bytes=1000, body_timeout_s=30, max_batch_request=2
+        )
+        body_reads = 0
+
+        async def sent_body() -> dict:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def never_sent() -> dict:
+            nonlocal body_reads
+            body_reads += 1
+            await asyncio.Event().wait()  # the body never arrives
+            return {}
+
+        def scope() -> dict:
+            return {"type": "http", "path": "/v1/score", "headers": [], "state": {}}
+
+        async def drop(message: dict) -> None:
+            pass
+
+        first = asyncio.create_task(limit(scope(), sent_body, drop))
+        await holding.wait()
+        answers: list[dict] = []
+
+        async def keep(message: dict) -> None:
+            answers.append(message)
+
+        await asyncio.wait_for(limit(scope(), never_sent, keep), timeout=5)
+        finish.set()
+        await first
+        return answers, body_reads
+
+    answers, body_reads = asyncio.run(run())
+    assert answers[0]["status"] == 503 and body_reads == 0
+    assert b"inflight" in answers[1]["body"]
+
+
 def test_a_batch_call_may_not_be_heavier_than_the_capacity() -> None:
     from fraud_scoring.settings import Settings
 

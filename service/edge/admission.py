@@ -188,6 +188,15 @@ class AdmissionLimit:
             await self.app(scope, receive, send)
             return
         scope[RECEIVED_NS] = time.time_ns()
+        who = client_of(scope)
+        client, now = (who.key_id, time.monotonic()) if who is not None else ("", 0.0)
+        # A call that would be refused at its least weight is refused before its body is
+        # read: the refusal costs no body, and a slow sender is not waited for.
+        if who is not None and (
+            refused := self.shares.refusal(client, CALL_WEIGHT, now, who.share)
+        ):
+            await self._refuse(scope, receive, send, refused)
+            return
         try:
             body = await self._read(scope, receive)
         except (TooLarge, BodyTimeout) as exc:
@@ -196,25 +205,27 @@ class AdmissionLimit:
             await errors_http.answer(scope, exc)(scope, receive, send)
             return
         replayed = _Replayed(body, receive).receive
-        who = client_of(scope)
         if who is None:  # no valid key: answered 401 before any work
             await self.app(scope, replayed, send)
             return
-        client, now = who.key_id, time.monotonic()
         weight = CALL_WEIGHT
-        refused = self.shares.refusal(client, weight, now, who.share)
-        if refused is None and path == BATCH_PATH:
+        if path == BATCH_PATH:
             weight = max(CALL_WEIGHT, self._weigh(scope, body))
-            if weight > CALL_WEIGHT:
-                refused = self.shares.refusal(client, weight, now, who.share)
+        # Again after the read (other calls may have taken capacity meanwhile), at the
+        # call's weight; no await between this check and taking the capacity.
+        refused = self.shares.refusal(client, weight, time.monotonic(), who.share)
         if refused is not None:
-            await errors_http.answer(scope, refused)(scope, receive, send)
+            await self._refuse(scope, receive, send, refused)
             return
         self.shares.take(client, weight)
         try:
             await self.app(scope, replayed, send)
         finally:
             self.shares.release(client, weight)
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, refused: Rejected) -> None:
+        await errors_http.answer(scope, refused)(scope, receive, send)
 
     def _weigh(self, scope: Scope, body: bytes) -> int:
         """The batch endpoint's number of transactions (one JSON parse, kept in the scope
