@@ -59,12 +59,14 @@ def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
     as from a slow sender) is not waited for, and the call in process is untouched."""
     import asyncio
 
+    from starlette.types import Message, Receive, Scope, Send
+
     from service.edge.admission import AdmissionLimit
 
-    async def run() -> tuple[list[dict], int]:
+    async def run() -> tuple[list[Message], int]:
         holding, finish = asyncio.Event(), asyncio.Event()
 
-        async def app(scope: dict, receive: object, send: object) -> None:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
             holding.set()
             await finish.wait()
 
@@ -73,26 +75,26 @@ def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
         )
         body_reads = 0
 
-        async def sent_body() -> dict:
+        async def sent_body() -> Message:
             return {"type": "http.request", "body": b"{}", "more_body": False}
 
-        async def never_sent() -> dict:
+        async def never_sent() -> Message:
             nonlocal body_reads
             body_reads += 1
             await asyncio.Event().wait()  # the body never arrives
             return {}
 
-        def scope() -> dict:
+        def scope() -> Scope:
             return {"type": "http", "path": "/v1/score", "headers": [], "state": {}}
 
-        async def drop(message: dict) -> None:
+        async def drop(message: Message) -> None:
             pass
 
         first = asyncio.create_task(limit(scope(), sent_body, drop))
         await holding.wait()
-        answers: list[dict] = []
+        answers: list[Message] = []
 
-        async def keep(message: dict) -> None:
+        async def keep(message: Message) -> None:
             answers.append(message)
 
         await asyncio.wait_for(limit(scope(), never_sent, keep), timeout=5)
