@@ -173,11 +173,14 @@ class AdmissionLimit:
         body_timeout_s: float,
         max_batch_request: int,
         inner: Callable[[ASGIApp], ASGIApp] | None = None,
+        shares: WorkShares | None = None,
     ) -> None:
         # ``inner``: what admitted calls go to, made from the next layer (the app's
         # direct dispatch of the scoring routes, ``service.edge.routes.DirectDispatch``).
         self.app = inner(app) if inner is not None else app
-        self.shares = WorkShares(capacity)
+        # ``shares``: the process's admission state when another transport draws on it
+        # too (the OIP gRPC server, ``service.edge.oip_grpc``); else one of its own.
+        self.shares = shares if shares is not None else WorkShares(capacity)
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.max_batch_request = max_batch_request
 
