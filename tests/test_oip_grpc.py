@@ -5,6 +5,7 @@ refusals (as status codes), the same counting in ``fraud_rejections_total``."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,25 @@ import tritonclient.http as thttp
 from google.protobuf.message import Message
 from tritonclient.utils import InferenceServerException
 
+from batch_jobs.batch import mark_materialized
 from fraud_scoring.model_repo import ModelMetadata, load_metadata, resolve
-from fraud_scoring.redis_server import free_port
+from fraud_scoring.redis_server import embedded_redis, free_port
 from service.edge.auth import KeyEntry, Scope, append_key, new_key
 from service.edge.proto import grpc_predict_v2_pb2 as pb
-from tests.conftest import Server, World, rejections, start_server, stop_server
+from tests.conftest import (
+    Server,
+    World,
+    mark_declared,
+    paused,
+    rejections,
+    start_server,
+    stop_server,
+    wait_until,
+)
+from tests.test_service import TXN
 
 SERVICE = "/inference.GRPCInferenceService/"
+PROJECT = "fraud_scoring"  # feature_repo/feature_store.yaml
 
 
 @dataclass
@@ -343,6 +356,61 @@ def test_without_a_model_ready_is_false_and_inference_unavailable(
     finally:
         client.close()
         stop_server(srv)
+
+
+def test_grpc_and_rest_calls_draw_on_one_admission_capacity(
+    world: World, tmp_path: Path, meta: ModelMetadata
+) -> None:
+    """One admission state for both transports: with room for one call
+    (``FRAUD_MAX_INFLIGHT=2``, a call's least weight), a REST scoring call held in
+    process (its feature read waits on a hung Redis) makes a gRPC inference be refused
+    ``UNAVAILABLE`` (reason ``inflight``, counted); once the REST call is answered, the
+    gRPC call is admitted again."""
+    port = free_port()
+    with embedded_redis() as url:
+        mark_materialized(url, PROJECT)
+        mark_declared(url)
+        srv = start_server(
+            world,
+            tmp_path,
+            REDIS_URL=url,
+            FRAUD_GRPC_PORT=str(port),
+            FRAUD_MAX_INFLIGHT="2",
+            FRAUD_REDIS_TIMEOUT_S="5",
+            FRAUD_REQUEST_TIMEOUT_MS="8000",
+        )
+        client = tgrpc.InferenceServerClient(url=f"127.0.0.1:{port}")
+        x = _rows(meta, 1)
+
+        def refused_inflight() -> bool:
+            try:
+                client.infer("fraud", [_infer_input(meta, x)])
+            except InferenceServerException as exc:
+                assert exc.status() == "StatusCode.UNAVAILABLE", exc
+                assert "transactions in process" in str(exc.message()), exc
+                return True
+            return False
+
+        try:
+            with srv.client() as c:
+                assert client.infer("fraud", [_infer_input(meta, x)]).as_numpy(meta.output_name)
+                before = rejections(c.get("/metrics").text, "inflight")
+                answers: list[int] = []
+                with paused(url):
+                    rest = threading.Thread(
+                        target=lambda: answers.append(c.post("/v1/score", json=TXN).status_code)
+                    )
+                    rest.start()
+                    wait_until(refused_inflight, timeout=4, what="gRPC refused: REST in process")
+                rest.join()
+                assert len(answers) == 1  # answered (a 503 when the read timed out)
+                assert rejections(c.get("/metrics").text, "inflight") >= before + 1
+                # The REST call answered, its capacity given back: gRPC is admitted.
+                got = client.infer("fraud", [_infer_input(meta, x)]).as_numpy(meta.output_name)
+                assert got is not None and got.shape == (1,)
+        finally:
+            client.close()
+            stop_server(srv)
 
 
 def test_generated_stubs_are_current() -> None:

@@ -1,7 +1,8 @@
 """The scoring API, composed: resources made in the lifespan, admission, routes, errors.
 
 * ``service.resources``: everything the service holds, created and closed in one place;
-* ``service.edge.admission``: admission by work (transactions) and per key, before any work;
+* ``service.edge.admission``: admission by work (transactions) and per key, before any work
+  (one state for REST and gRPC calls);
 * ``service.edge.auth``: API keys and scopes (``FRAUD_AUTH``), checked before a body is read;
 * ``service.edge.routes``: the endpoints and the error answers (one for every 503);
 * ``service.edge.oip``: the Open Inference Protocol v2 (``/v2``) on the raw model;
@@ -30,7 +31,7 @@ from starlette.types import ASGIApp, Scope
 from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
 from service.edge import auth, oip, oip_grpc, review
-from service.edge.admission import AdmissionLimit
+from service.edge.admission import AdmissionLimit, WorkShares
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
 from service.edge.routes import DirectDispatch, DirectRoute, router
@@ -43,6 +44,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ``embedded_redis`` is set, and with ``auth`` 'required' it refuses a keys file it
     cannot read (KeysFileError)."""
     settings = settings or get_settings()
+    # One admission state for both transports: REST's admission layer and the gRPC
+    # server's calls are bounded together (one per process: both run on its event loop).
+    shares = WorkShares(settings.admission_capacity)
 
     @contextlib.asynccontextmanager
     async def lifespan(started: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -51,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with (
             open_resources(settings) as res,
             # The OIP gRPC server (FRAUD_GRPC_PORT; none unless set), stopped first.
-            oip_grpc.serving(settings, res, keyring, started.version),
+            oip_grpc.serving(settings, res, keyring, started.version, shares),
         ):
             # Start-up objects (Feast, pandas, the model) never die: move them out of the
             # collector's reach so full collections stay short on the request path.
@@ -92,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         max_batch_request=settings.batch_request_limit,
+        shares=shares,
         # The scoring routes straight from admission, past Starlette's routing layers.
         inner=lambda rest: DirectDispatch(app, rest),
     )

@@ -6,8 +6,9 @@ It runs in the service's own process and event loop (``grpc.aio``), started by t
 lifespan when ``FRAUD_GRPC_PORT`` is set (:func:`serving`) and stopped before the
 resources close, in-flight calls given ``drain_seconds``. A call is the REST call's
 twin: the ``score`` scope (``authorization: Bearer <key>`` or ``x-api-key`` metadata,
-when auth is on) → admission (the in-flight bound, ``FRAUD_MAX_INFLIGHT``, its own
-count for gRPC calls, each weighing as a REST inference call) → the same decode and
+when auth is on) → admission (the in-flight bound, ``FRAUD_MAX_INFLIGHT``, and the per-key
+shares: the process's one :class:`~service.edge.admission.WorkShares`, which REST's
+admission layer draws on too, each call weighing as a REST inference call) → the same decode and
 checks (``service.edge.oip_model``: the model's input, FP32 ``[n, n_features]``, at most
 the batch limit of rows, every element finite) → the model on the scoring thread pool
 under the call's deadline: ``x-request-timeout-ms`` metadata as on REST, else
@@ -99,10 +100,14 @@ class InferenceService:
     """The six calls, each an ``async`` handler of (request, context)."""
 
     def __init__(
-        self, res: Resources, keyring: auth.KeyRing | None, version: str, capacity: int
+        self,
+        res: Resources,
+        keyring: auth.KeyRing | None,
+        version: str,
+        shares: WorkShares,
     ) -> None:
-        self.res, self.keyring, self.version = res, keyring, version
-        self.shares = WorkShares(capacity)
+        # ``shares``: the admission state REST's calls draw on too (one bound for both).
+        self.res, self.keyring, self.version, self.shares = res, keyring, version, shares
 
     # --- the protocol --------------------------------------------------------------
     async def server_live(self, _: pb.ServerLiveRequest, __: Any) -> pb.ServerLiveResponse:
@@ -277,12 +282,17 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: Settings, res: Resources, keyring: auth.KeyRing | None, version: str
+    settings: Settings,
+    res: Resources,
+    keyring: auth.KeyRing | None,
+    version: str,
+    shares: WorkShares,
 ) -> AsyncIterator[aio.Server | None]:
     """The gRPC server on ``settings.host:settings.grpc_port`` while the context runs
-    (None, and nothing started, when ``grpc_port`` is unset); stopped on exit, giving
-    in-flight calls ``drain_seconds``. Raises RuntimeError when the port cannot be
-    bound."""
+    (None, and nothing started, when ``grpc_port`` is unset), admitting its calls
+    against ``shares`` (REST's admission state, so both transports are bounded
+    together); stopped on exit, giving in-flight calls ``drain_seconds``. Raises
+    RuntimeError when the port cannot be bound."""
     if settings.grpc_port is None:
         yield None
         return
@@ -292,7 +302,7 @@ async def serving(
             ("grpc.so_reuseport", 1),  # uvicorn's workers each serve the one port
         ]
     )
-    service = InferenceService(res, keyring, version, settings.admission_capacity)
+    service = InferenceService(res, keyring, version, shares)
     server.add_generic_rpc_handlers((generic_handler(service),))
     address = f"{settings.host}:{settings.grpc_port}"
     try:
