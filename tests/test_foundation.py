@@ -19,7 +19,7 @@ from batch_jobs.batch import run_batch
 from batch_jobs.daily_features import compute_day, expected_columns, snapshot_time
 from batch_jobs.simulate import SimConfig, generate, simulate
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import VIEWS, default_model_features
+from fraud_scoring.features import VIEWS, default_model_features, view_features
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.storage import DataError, partition_dir
 from tests.conftest import World
@@ -373,3 +373,48 @@ def test_training_joins_the_snapshot_serving_has_at_the_transactions_time(
     assert list(out["event_timestamp"]) == list(entity["event_timestamp"])
     now = _available_join(entity, 0, store, None).set_index("transaction_id")
     assert now.loc["early", "card_txn_count_30d"] == card["card_txn_count_30d"]
+
+
+def test_training_join_gives_each_row_sharing_an_entity_and_time_its_snapshot(
+    world: World,
+) -> None:
+    """Two transactions of one card at one instant, and two of one merchant (other cards)
+    at another: each row gets the snapshot serving reads at that time (the newest one
+    online), none comes back null (Feast's join kept one row per entity and time)."""
+    from batch_jobs.training_set import point_in_time_join
+
+    day = world.last_day - timedelta(days=1)  # the newest snapshot online
+    snap = pd.Timestamp(snapshot_time(day))
+    feats = world.data_dir / "features"
+    cards = pq.read_table(partition_dir(feats, "card_30d", day)).to_pandas()["card_id"]
+    merchants = pq.read_table(partition_dir(feats, "merchant_90d", day)).to_pandas()
+    card, other, third = cards.iloc[0], cards.iloc[1], cards.iloc[2]
+    merchant, m2 = merchants["merchant_id"].iloc[0], merchants["merchant_id"].iloc[1]
+    t1, t2 = snap + pd.Timedelta(hours=1), snap + pd.Timedelta(hours=2)
+    entity = pd.DataFrame(
+        {
+            "transaction_id": ["card-a", "card-b", "merchant-a", "merchant-b", "alone"],
+            "card_id": [card, card, other, third, card],
+            "merchant_id": [m2, merchant, merchant, merchant, m2],
+            "event_timestamp": [t1, t1, t2, t2, t2],
+        }
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    out = point_in_time_join(store, entity)
+    assert list(out["transaction_id"]) == list(entity["transaction_id"])  # sample's order
+    names = [f"{v.name}:{f.name}" for v in VIEWS for f in view_features(v)]
+    online = store.get_online_features(
+        features=names,
+        entity_rows=[
+            {"card_id": c, "merchant_id": m}
+            for c, m in zip(entity["card_id"], entity["merchant_id"], strict=True)
+        ],
+    ).to_df()
+    for name in (n.split(":")[1] for n in names):
+        assert out[name].notna().all(), name
+        if online[name].dtype == object:
+            assert list(out[name]) == list(online[name]), name
+        else:
+            np.testing.assert_allclose(
+                out[name].to_numpy(float), online[name].to_numpy(float), rtol=1e-6, err_msg=name
+            )
