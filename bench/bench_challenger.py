@@ -48,9 +48,14 @@ async def run(world: BenchWorld, seconds: float, concurrency: int) -> None:
     logged: list[ScoreResult] = []
 
     def on_scored(
-        txns: Sequence[Transaction], x: np.ndarray, names: Sequence[str], out: Sequence[ScoreResult]
+        txns: Sequence[Transaction],
+        x: np.ndarray,
+        names: Sequence[str],
+        results: Sequence[ScoreResult],
+        shadow: bool = False,
     ) -> None:
-        logged.extend(out)  # what DecisionLog.submit is handed (it only buffers)
+        if not shadow:  # what DecisionLog.submit is handed (it only buffers)
+            logged.extend(results)
 
     items = [ScoreRequest(Transaction.model_validate(r), False) for r in world.held_out(4000)]
     print(f"model v{model.version}, {concurrency} concurrent callers, {seconds:.0f} s each")
@@ -74,6 +79,7 @@ async def run(world: BenchWorld, seconds: float, concurrency: int) -> None:
             s,
             pool,
             on_scored=on_scored,
+            on_shadow=logged.extend,  # what DecisionLog.shadow_scored is handed
             challenger=challenger,
         )
         b: Batcher[ScoreRequest, ScoreResult] = Batcher(

@@ -118,13 +118,15 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         event_log = _open_event_log(stack, url, settings)
         challenger = await _open_challenger(stack, settings)
         drift = _open_drift(stack, models, settings)
+        sinks = Sinks(drift, event_log.decisions)
         scorer = Scorer(
             scoring_client,
             OnlineFeatureReader(store.project, store.config.entity_key_serialization_version),
             models,
             settings,
             pool,
-            on_scored=Sinks(drift, event_log.decisions).on_scored,
+            on_scored=sinks.on_scored,
+            on_shadow=sinks.on_shadow,
             health=health,
             challenger=challenger,
         )
@@ -149,16 +151,13 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
 
 
 class Sinks:
-    """Where a scored micro-batch goes after the answer (the scorer's ``on_scored``): the
-    drift monitor takes new decisions, the decision log (when on) takes what
-    :func:`_log_takes`. Each only counts or keeps aside: no I/O here."""
+    """Where a scored micro-batch goes after the answer (the scorer's ``on_scored`` and
+    ``on_shadow``): the drift monitor takes new decisions, the decision log (when on)
+    takes what :func:`_log_takes`, and a shadow run's scores. Each only counts or keeps
+    aside: no I/O here."""
 
     def __init__(self, drift: DriftMonitor, decision_log: DecisionLog | None) -> None:
-        self._sinks: list[tuple[Callable[..., None], Callable[[ScoreResult], bool]]] = [
-            (drift.observe, _is_new)
-        ]
-        if decision_log is not None:
-            self._sinks.append((decision_log.submit, _log_takes))
+        self.drift, self.decision_log = drift, decision_log
 
     def on_scored(
         self,
@@ -166,13 +165,32 @@ class Sinks:
         x: np.ndarray,
         names: Sequence[str],
         results: Sequence[ScoreResult],
+        shadow: bool = False,
     ) -> None:
-        for sink, takes in self._sinks:
-            keep = [i for i, r in enumerate(results) if takes(r)]
-            if len(keep) == len(results):
-                sink(txns, x, names, results)
-            elif keep:  # retries and refusals are no new decisions
-                sink([txns[i] for i in keep], x[keep], names, [results[i] for i in keep])
+        _take(self.drift.observe, _is_new, txns, x, names, results)
+        if self.decision_log is not None:
+            log = functools.partial(self.decision_log.submit, shadow=shadow)
+            _take(log, _log_takes, txns, x, names, results)
+
+    def on_shadow(self, results: Sequence[ScoreResult]) -> None:
+        if self.decision_log is not None:
+            self.decision_log.shadow_scored(results)
+
+
+def _take(
+    sink: Callable[..., None],
+    takes: Callable[[ScoreResult], bool],
+    txns: Sequence[Transaction],
+    x: np.ndarray,
+    names: Sequence[str],
+    results: Sequence[ScoreResult],
+) -> None:
+    """Hand ``sink`` the rows it ``takes`` (retries and refusals are no new decisions)."""
+    keep = [i for i, r in enumerate(results) if takes(r)]
+    if len(keep) == len(results):
+        sink(txns, x, names, results)
+    elif keep:
+        sink([txns[i] for i in keep], x[keep], names, [results[i] for i in keep])
 
 
 def _is_new(r: ScoreResult) -> bool:

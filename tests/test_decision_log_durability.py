@@ -170,3 +170,75 @@ def test_spool_reads_up_to_a_torn_tail_and_replays_only_what_no_live_process_hol
     assert other.orphans() == [left]  # not the live one's segment
     other.release(left)
     assert not left.exists() and held.exists()
+
+
+def test_a_shadowed_decision_is_spooled_before_its_answer_and_shipped_with_its_score(
+    tmp_path: Path, log_url: str
+) -> None:
+    """A challenger's shadow run scores a micro-batch after its answers: the decisions are
+    in the spool when answered (a SIGKILL during the shadow run loses only the shadow
+    score: the next process ships them), and without a crash the log gets each decision
+    once, with its shadow score."""
+    import asyncio
+    import dataclasses
+
+    import numpy as np
+
+    from fraud_scoring.event_log import RedisStreamProducer
+    from fraud_scoring.events import Transaction
+    from service.core.scoring import ScoreResult
+    from service.loop.decision_log import DecisionLog
+    from service.loop.spool import Spool, read_segment
+
+    def batch(prefix: str) -> tuple[list[Transaction], list[ScoreResult]]:
+        ids = [f"{prefix}-{i}" for i in range(3)]
+        txns = [Transaction.model_validate({**TXN, "transaction_id": t}) for t in ids]
+        results = [ScoreResult(t, "approve", 0.01, [], "1", [], []) for t in ids]
+        return txns, results
+
+    def producer() -> RedisStreamProducer:
+        return RedisStreamProducer(log_url, "decisions", retention_s=0, timeout_s=2)
+
+    async def crashed() -> None:
+        spool = Spool(tmp_path / "a", fsync_s=0)
+        dlog = DecisionLog(producer(), buffer_size=100, spool=spool)
+        txns, results = batch("killed")
+        dlog.submit(txns, np.zeros((3, 2)), ["a", "b"], results, shadow=True)
+        dlog.answered(results, [True] * 3)
+        assert spool.current is not None
+        assert [r.key for r in read_segment(spool.current)] == [r.transaction_id for r in results]
+        spool.close()  # the process dies here, its shadow run unfinished
+
+    async def restarted() -> None:
+        dlog = DecisionLog(producer(), buffer_size=100, spool=Spool(tmp_path / "a", fsync_s=0))
+        dlog.start()
+        await asyncio.to_thread(
+            wait_until, lambda: len(logged(log_url)) >= 3, what="the spooled decisions"
+        )
+        await dlog.stop(5)
+
+    async def finished() -> None:
+        dlog = DecisionLog(producer(), buffer_size=100, spool=Spool(tmp_path / "b", fsync_s=0))
+        dlog.start()
+        txns, results = batch("shadowed")
+        dlog.submit(txns, np.zeros((3, 2)), ["a", "b"], results, shadow=True)
+        dlog.answered(results, [True] * 3)
+        await asyncio.sleep(0.1)
+        assert not any(e["transaction_id"].startswith("shadowed") for e in entries(log_url))
+        scored = [
+            dataclasses.replace(r, challenger_version="2", challenger_score=0.5) for r in results
+        ]
+        dlog.shadow_scored(scored)
+        await dlog.stop(5)
+
+    asyncio.run(crashed())
+    asyncio.run(restarted())
+    asyncio.run(finished())
+    by_id = {e["transaction_id"]: e for e in entries(log_url)}
+    assert max(logged(log_url).values()) == 1
+    assert {t: by_id[t]["challenger_score"] for t in by_id if t.startswith("killed")} == {
+        f"killed-{i}": None for i in range(3)
+    }
+    assert {t: by_id[t]["challenger_score"] for t in by_id if t.startswith("shadowed")} == {
+        f"shadowed-{i}": 0.5 for i in range(3)
+    }

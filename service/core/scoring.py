@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -271,10 +271,25 @@ def policy_for(model: LoadedModel, settings: Settings, *, overrides: bool = True
     )
 
 
-# Told of every scored micro-batch: the transactions, the model's input (one row each),
-# the feature names in the model's order, the results. Must not block (the decision log
-# only buffers).
-OnScored = Callable[[Sequence[Transaction], np.ndarray, Sequence[str], Sequence[ScoreResult]], None]
+class OnScored(Protocol):
+    """Told of every scored micro-batch: the transactions, the model's input (one row
+    each), the feature names in the model's order, the results; ``shadow``: a challenger's
+    shadow run scores them after the answers (its results then go to an
+    :data:`OnShadow`). Must not block (the decision log only buffers)."""
+
+    def __call__(
+        self,
+        txns: Sequence[Transaction],
+        x: np.ndarray,
+        names: Sequence[str],
+        results: Sequence[ScoreResult],
+        shadow: bool = False,
+    ) -> None: ...
+
+
+# Told of a shadow run's results (each with its challenger score, or null when the run was
+# dropped) for a micro-batch ``OnScored`` had with ``shadow``. Must not block.
+OnShadow = Callable[[Sequence[ScoreResult]], None]
 
 
 class Scorer:
@@ -288,11 +303,13 @@ class Scorer:
         on_scored: OnScored | None = None,
         health: StoreHealth | None = None,
         challenger: Challenger | None = None,
+        on_shadow: OnShadow | None = None,
     ) -> None:
         self.redis = redis
         self.challenger = challenger
         self.health = health
         self.on_scored = on_scored
+        self.on_shadow = on_shadow
         self.reader = reader
         self.models = models
         self.settings = settings
@@ -766,15 +783,17 @@ class Scorer:
         route: _Route,
         out: list[ScoreResult],
     ) -> None:
-        """Hand the batch to the sinks (drift, decision log): at once, or after the
-        challenger's shadow run when it has not run yet (shadow scores go only to the
-        decision log: without one, no shadow run)."""
+        """Hand the batch to the sinks (drift, decision log) at once; when the
+        challenger has not run yet, its shadow run follows the answers and its scores go
+        to ``on_shadow`` (only the decision log takes them: without one, no shadow run).
+        The decisions are in the log's spool before the answers either way."""
         if self.on_scored is None:
             return
         ch, ch_x = route.challenger, route.matrix
-        shadow = self.settings.decision_log != "off"
+        shadow = self.settings.decision_log != "off" and self.on_shadow is not None
         if ch is not None and ch_x is None and self.challenger is not None and shadow:
-            self.challenger.later(self._shadow(ch, model, x, cols, txns, out))
+            self._log(txns, x, model, None, None, out, shadow=True)
+            self.challenger.later(self._shadow(ch, model, x, cols, out))
         else:
             self._log(txns, x, model, ch_x, ch, out)
 
@@ -795,20 +814,22 @@ class Scorer:
         model: LoadedModel,
         x: np.ndarray,
         cols: dict[str, np.ndarray],
-        txns: Sequence[Transaction],
         out: list[ScoreResult],
     ) -> None:
-        """After the answers: the challenger's scores on the batch, then the log (copies of
-        the results: the answers already went out with the originals)."""
-        assert self.challenger is not None
-        ch_x = self._challenger_matrix(ch, model, x, cols)
-        scores = await self.challenger.run(ch, ch_x)
-        if scores is not None:
-            out = [
-                dataclasses.replace(r, challenger_version=ch.version, challenger_score=float(s))
-                for r, s in zip(out, scores, strict=True)
-            ]
-        self._log(txns, x, model, ch_x, ch, out)
+        """After the answers: the challenger's scores on the batch, to ``on_shadow``
+        (copies of the results: the answers already went out with the originals; the
+        results as they are when the run is dropped)."""
+        assert self.challenger is not None and self.on_shadow is not None
+        scores = None
+        try:
+            scores = await self.challenger.run(ch, self._challenger_matrix(ch, model, x, cols))
+        finally:  # also when cancelled at shutdown: the log ships the decisions as they are
+            if scores is not None:
+                out = [
+                    dataclasses.replace(r, challenger_version=ch.version, challenger_score=float(s))
+                    for r, s in zip(out, scores, strict=True)
+                ]
+            self.on_shadow(out)
 
     def _log(
         self,
@@ -818,13 +839,14 @@ class Scorer:
         ch_x: np.ndarray | None,
         ch: LoadedModel | None,
         out: Sequence[ScoreResult],
+        shadow: bool = False,
     ) -> None:
         """Hand the batch to ``on_scored``, each row with the vector of the model that
         decided it (the champion's rows and the canary's rows as two calls)."""
         assert self.on_scored is not None
         routed = [i for i, r in enumerate(out) if r.routed_to == "challenger"]
         if not routed or ch is None or ch_x is None:
-            self.on_scored(txns, x, model.meta.feature_names, out)
+            self.on_scored(txns, x, model.meta.feature_names, out, shadow)
             return
         kept = [i for i, r in enumerate(out) if r.routed_to != "challenger"]
         for rows, m, names in (

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -116,6 +117,7 @@ class _Pending:
     names: Sequence[str]
     result: ScoreResult
     decided_at_us: int
+    shadow: bool = False  # a challenger's shadow score is still to come (shadow_scored)
 
 
 def encode(p: _Pending) -> LogRecord:
@@ -200,8 +202,9 @@ class DecisionLog:
         self._tasks: list[asyncio.Task[None]] = []
         # The running micro-batch's decisions, between submit() and answered().
         self._staged: dict[str, _Pending] = {}
-        # Answered before submit() (a challenger's shadow run logs after the answers).
-        self._early: set[str] = set()
+        # Spooled decisions whose challenger shadow score is still to come: buffered with
+        # it by shadow_scored() (or without it at stop); each counts in its segment.
+        self._awaiting: dict[str, tuple[_Pending, Path | None]] = {}
         # Decided, but the caller was gone: logged if a retry is answered with it.
         self._unanswered: dict[str, _Pending] = {}
         # Spool segments and how many of their decisions the buffer still holds.
@@ -217,20 +220,29 @@ class DecisionLog:
         x: np.ndarray,
         names: Sequence[str],
         results: Sequence[ScoreResult],
+        shadow: bool = False,
     ) -> None:
         """Keep one scored micro-batch (``x``: the model's input, one row per txn) until
-        :meth:`answered` says which of it was answered."""
+        :meth:`answered` says which of it was answered. ``shadow``: a challenger's shadow
+        run scores it after the answers; the decisions are spooled when answered, like any
+        (a crash then loses only the shadow score), and shipped with the score once
+        :meth:`shadow_scored` brings it."""
         now_us = time.time_ns() // 1000
-        late = []
         for i, r in enumerate(results):
-            p = _Pending(txns[i], x[i], names, r, now_us)
-            if r.transaction_id in self._early:
-                self._early.discard(r.transaction_id)
-                late.append(p)
-            else:
-                self._staged[r.transaction_id] = p
-        if late:
-            self._commit(late)
+            self._staged[r.transaction_id] = _Pending(txns[i], x[i], names, r, now_us, shadow)
+
+    def shadow_scored(self, results: Sequence[ScoreResult]) -> None:
+        """The shadow run's results for decisions :meth:`submit` had with ``shadow``
+        (each with its challenger score, or null when the run was dropped): those that
+        were answered go to the buffer, in place of the copy the spool holds."""
+        for r in results:
+            held = self._awaiting.pop(r.transaction_id, None)
+            if held is not None:
+                p, segment = held
+                p = dataclasses.replace(p, result=r, shadow=False)
+                self.pending.append(_Entry(r, encode(p), segment))
+        self.ins.buffered.set(len(self.pending))
+        self._wake.set()
 
     def answered(self, results: Sequence[ScoreResult], delivered: Sequence[bool]) -> None:
         """The micro-batch's results, and which of them go to a waiting caller (the rest
@@ -247,11 +259,9 @@ class DecisionLog:
             elif r.logged:
                 if p is not None:
                     out.append(p)
-                elif r.degraded is None:  # the vector comes after the answer (shadow)
-                    self._early.add(r.transaction_id)
             elif r.repeat and (q := self._unanswered.pop(r.transaction_id, None) or p):
                 out.append(q)  # the first attempt's decision, else the one answered now
-        self._staged.clear()  # submitted for no one (a shadow run whose caller left)
+        self._staged.clear()  # submitted for no one
         if out:
             self._commit(out)
 
@@ -277,10 +287,15 @@ class DecisionLog:
                 self._backlog.append(segment)
         else:
             room = max(self.buffer_size - len(self.pending), 0)
-            for e in entries[:room]:
-                self.pending.append(_Entry(e.result, e.record, segment))
+            kept = 0
+            for p, e in zip(decisions[:room], entries[:room], strict=True):
+                if p.shadow:  # buffered when its shadow score comes
+                    self._awaiting[p.result.transaction_id] = (p, segment)
+                else:
+                    self.pending.append(_Entry(e.result, e.record, segment))
+                kept += 1
             if segment is not None:
-                self._unshipped[segment] = self._unshipped.get(segment, 0) + min(room, n)
+                self._unshipped[segment] = self._unshipped.get(segment, 0) + kept
             if n > room:
                 self.ins.dropped.inc(n - room)
         self.ins.buffered.set(len(self.pending))
@@ -312,6 +327,10 @@ class DecisionLog:
         spool), then stop. What the spool does not hold is counted as dropped."""
         if not self._tasks:
             return
+        # Shadow runs that never finished (the challenger stops first): as spooled.
+        for p, segment in self._awaiting.values():
+            self.pending.append(_Entry(p.result, encode(p), segment))
+        self._awaiting.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._drained(), timeout=drain_s)
         for task in self._tasks:
