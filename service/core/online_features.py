@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from feast.infra.online_stores.helpers import _mmh3
 from feast.protos.feast.types.Value_pb2 import Value
 
 from fraud_scoring.events import Transaction
-from fraud_scoring.feast_store import online_key, stored_time
+from fraud_scoring.feast_store import online_field, online_key, stored_time
 from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
 from fraud_scoring.redis_clients import is_cluster_pipeline
 
@@ -92,7 +91,7 @@ class OnlineFeatureReader:
         self.project = project
         self.eksv = entity_key_serialization_version
         self._fields = {
-            v.name: [_mmh3(f"{v.name}:{f.name}") for f in view_features(v)]
+            v.name: [online_field(v.name, f.name) for f in view_features(v)]
             + [f"_ts:{v.name}".encode()]
             for v in VIEWS
         }
