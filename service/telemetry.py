@@ -26,6 +26,12 @@ path makes no spans at all. On, the project (not FastAPI's version) owns the tel
 * the resource carries ``service.name`` (``OTEL_SERVICE_NAME``, default
   ``fraud-scoring``) and ``service.version`` (the installed package's version).
 
+gRPC calls (the OIP gRPC server) get the same two (:class:`RpcCalls`): a server span per
+call with tracing on, continuing the ``traceparent`` from the call's metadata
+(``rpc.system.name``, ``rpc.method``, ``rpc.response.status_code``), and
+``rpc_server_call_duration_seconds{rpc_method, rpc_response_status_code}``
+(OpenTelemetry's ``rpc.server.call.duration``) tracing on or off.
+
 HTTP server metrics do not depend on tracing: :class:`HttpMetrics`, the app's outermost
 layer, records ``http_server_request_duration_seconds`` (OpenTelemetry's
 ``http.server.request.duration`` as its Prometheus exporter names it: labels
@@ -44,10 +50,11 @@ rest.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
@@ -55,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import prometheus_client
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -171,6 +178,7 @@ class Instruments:
     degraded: Counter
     features_unavailable: Counter
     http_duration: Histogram
+    rpc_duration: Histogram
 
     def bound(self, model_version: str) -> Bound:
         """The instruments labelled with ``model_version`` (cached per version)."""
@@ -290,6 +298,14 @@ def setup() -> Instruments:
             "http_server_request_duration_seconds",
             "Duration of HTTP server requests",
             ("http_request_method", "http_route", "http_response_status_code"),
+            buckets=HTTP_BUCKETS,
+        ),
+        # OpenTelemetry's rpc.server.call.duration under its Prometheus name, recorded
+        # by RpcCalls for the OIP gRPC server's calls, tracing on or off.
+        rpc_duration=Histogram(
+            "rpc_server_call_duration_seconds",
+            "Duration of RPC server calls",
+            ("rpc_method", "rpc_response_status_code"),
             buckets=HTTP_BUCKETS,
         ),
     )
@@ -516,3 +532,71 @@ class HttpMetrics:
 
 def tracer() -> trace.Tracer:
     return trace.get_tracer("fraud_scoring.service")
+
+
+# gRPC status codes a server span marks as errors (OpenTelemetry's gRPC conventions: the
+# server's failures; the others are the caller's).
+RPC_SERVER_ERRORS = frozenset(
+    ("UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS")
+)
+
+
+@dataclass
+class RpcOutcome:
+    """How a call ended, set by the server's handler: the gRPC status code's name."""
+
+    code: str = "OK"
+
+
+class RpcCalls:
+    """RPC server calls' telemetry, tracing on or off: each call's duration in
+    ``rpc_server_call_duration_seconds{rpc_method, rpc_response_status_code}`` and, with
+    tracing on, a server span named after the method that continues the caller's W3C
+    ``traceparent`` from the call's metadata (the current RPC conventions:
+    ``rpc.system.name``, ``rpc.method``, ``rpc.response.status_code``; an error status
+    for :data:`RPC_SERVER_ERRORS`). ``system``: ``rpc.system.name`` (``grpc``)."""
+
+    def __init__(self, system: str = "grpc") -> None:
+        self.system = system
+        self.histogram = setup().rpc_duration
+        self.children: dict[tuple[str, str], Kept] = {}
+
+    @contextlib.contextmanager
+    def call(self, method: str, metadata: Mapping[str, str]) -> Iterator[RpcOutcome]:
+        """The block is the call of ``method`` (``package.Service/Method``) whose
+        metadata (names lower-case) is ``metadata``; the block sets the yielded outcome's
+        ``code`` when the call does not end OK."""
+        outcome = RpcOutcome()
+        start = time.perf_counter()
+        span_of: contextlib.AbstractContextManager[trace.Span | None] = contextlib.nullcontext()
+        if _provider is not None:
+            span_of = tracer().start_as_current_span(
+                method,
+                context=propagate.extract(metadata),
+                kind=trace.SpanKind.SERVER,
+                attributes={"rpc.system.name": self.system, "rpc.method": method},
+                # The outcome is the status code, not the exception that carries it.
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+        try:
+            with span_of as span:
+                try:
+                    yield outcome
+                finally:
+                    if span is not None:
+                        span.set_attribute("rpc.response.status_code", outcome.code)
+                        if outcome.code in RPC_SERVER_ERRORS:
+                            span.set_attribute("error.type", outcome.code)
+                            span.set_status(trace.StatusCode.ERROR)
+        finally:
+            self._observe(method, outcome.code, time.perf_counter() - start)
+
+    def _observe(self, method: str, code: str, seconds: float) -> None:
+        key = (method, code)
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = Kept(
+                self.histogram.labels(rpc_method=method, rpc_response_status_code=code)
+            )
+        child.observe(seconds)

@@ -254,6 +254,41 @@ def test_refusals_are_status_codes_naming_the_field(
         client.close()
 
 
+def test_each_call_is_timed_by_method_and_status(
+    grpc_server: GrpcServer, meta: ModelMetadata
+) -> None:
+    """``rpc_server_call_duration_seconds{rpc_method, rpc_response_status_code}``: one
+    observation per call, under the full method name and the status code's name."""
+    from tests.test_tracing import _sample
+
+    infer = {"rpc_method": "inference.GRPCInferenceService/ModelInfer"}
+    ok, bad = (
+        {**infer, "rpc_response_status_code": "OK"},
+        {
+            **infer,
+            "rpc_response_status_code": "INVALID_ARGUMENT",
+        },
+    )
+    name = "rpc_server_call_duration_seconds_count"
+    before = grpc_server.metrics()
+    client, headers = grpc_server.client(), grpc_server.auth()
+    try:
+        x = _rows(meta, 2)
+        for _ in range(3):
+            client.infer("fraud", [_infer_input(meta, x)], headers=headers)
+        with pytest.raises(InferenceServerException):
+            client.infer("fraud", [_infer_input(meta, x[:, :1])], headers=headers)
+        assert client.is_server_live()
+    finally:
+        client.close()
+    after = grpc_server.metrics()
+    assert (_sample(after, name, ok) or 0) == (_sample(before, name, ok) or 0) + 3
+    assert (_sample(after, name, bad) or 0) == (_sample(before, name, bad) or 0) + 1
+    live = {"rpc_method": "inference.GRPCInferenceService/ServerLive"}
+    assert (_sample(after, name, {**live, "rpc_response_status_code": "OK"}) or 0) >= 1
+    assert "# TYPE rpc_server_call_duration_seconds histogram" in after
+
+
 def _call(channel: grpc.Channel, method: str, response: Any, request: Message, **kw: Any) -> Any:
     """``method`` called plainly, with this repo's own messages."""
     stub = channel.unary_unary(

@@ -172,6 +172,58 @@ def test_trace_continues_the_callers_and_nests_the_stages(
         stop_server(srv)
 
 
+def test_grpc_call_is_a_server_span_continuing_the_callers(
+    world: World, tmp_path: Path, receiver: Receiver
+) -> None:
+    """An OIP gRPC call with ``traceparent`` metadata is a server span in the caller's
+    trace, with the current RPC attributes; a refused call's span carries its code."""
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+    from tritonclient.utils import InferenceServerException
+
+    from fraud_scoring.model_repo import load_metadata, resolve
+    from fraud_scoring.redis_server import free_port
+
+    port = free_port()
+    srv = start_server(
+        world,
+        tmp_path,
+        FRAUD_GRPC_PORT=str(port),
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_port}",
+        OTEL_BSP_SCHEDULE_DELAY="50",
+    )
+    meta = load_metadata(resolve(world.model_repo, "fraud"))
+    client = tgrpc.InferenceServerClient(url=f"127.0.0.1:{port}")
+    traced = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+    try:
+        x = np.zeros((2, len(meta.features)), dtype=np.float32)
+        inp = tgrpc.InferInput(meta.input_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        client.infer("fraud", [inp], headers=traced)
+        with pytest.raises(InferenceServerException):
+            client.infer("other", [inp], headers=traced)
+
+        def server_spans() -> list[dict[str, Any]] | None:
+            with receiver.lock:
+                ours = [s for s in receiver.spans if s["trace_id"] == CALLER_TRACE]
+            return ours if len(ours) >= 2 else None
+
+        spans = wait_until(server_spans, timeout=20, what="the gRPC calls' spans")
+        assert len(spans) == 2, spans
+        by_code = {s["attributes"]["rpc.response.status_code"]: s for s in spans}
+        assert by_code.keys() == {"OK", "NOT_FOUND"}
+        for span in spans:
+            assert span["name"] == "inference.GRPCInferenceService/ModelInfer"
+            assert span["parent"] == CALLER_SPAN
+            assert span["attributes"]["rpc.system.name"] == "grpc"
+            assert span["attributes"]["rpc.method"] == span["name"]
+            assert "error.type" not in span["attributes"]  # the caller's fault
+    finally:
+        client.close()
+        stop_server(srv)
+
+
 SCORED = {
     "http_request_method": "POST",
     "http_route": "/v1/score",

@@ -22,13 +22,16 @@ the REST message (naming the field or element at fault): 400 → ``INVALID_ARGUM
 401 → ``UNAUTHENTICATED``, 403 → ``PERMISSION_DENIED``, 404 → ``NOT_FOUND``, 503 →
 ``UNAVAILABLE`` (``DEADLINE_EXCEEDED`` when the call's deadline passed), with
 ``retry-after`` (seconds) and ``fraud-reason`` trailing metadata; a 503 is counted in
-``fraud_rejections_total`` under its reason, as on REST. ``ModelReady`` answers
+``fraud_rejections_total`` under its reason, as on REST. Every call is timed in
+``rpc_server_call_duration_seconds`` and, with tracing on, is a server span continuing
+the caller's ``traceparent`` metadata (``service.telemetry.RpcCalls``). ``ModelReady`` answers
 ``ready: false`` (status OK) while no model is loaded; ``ServerLive``, ``ServerReady``
 and ``ServerMetadata`` are open, like their REST twins.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -40,6 +43,7 @@ from google.protobuf.message import Message
 from grpc import aio
 
 from fraud_scoring.settings import Settings
+from service import telemetry
 from service.core.model import LoadedModel
 from service.edge import auth
 from service.edge.admission import CALL_WEIGHT, WorkShares
@@ -227,24 +231,39 @@ def _metadata(context: aio.ServicerContext) -> dict[str, str]:
 
 def _handler(
     res: Resources,
+    calls: telemetry.RpcCalls,
+    name: str,
     method: Callable[[Req, aio.ServicerContext], Awaitable[Resp]],
     request_type: type[Req],
     response_type: type[Resp],
 ) -> grpc.RpcMethodHandler:
-    """``method`` as a unary call whose refusals are answered as status codes (and
-    counted, as on REST)."""
+    """``method`` (the call ``name``) as a unary call whose refusals are answered as
+    status codes (and counted, as on REST), timed and traced (:class:`telemetry.RpcCalls`)."""
+    full_name = f"{SERVICE}/{name}"
 
     async def call(request: Req, context: aio.ServicerContext) -> Resp:
-        try:
-            return await method(request, context)
-        except ApiError as exc:
-            trailing: list[tuple[str, str]] = []
-            if isinstance(exc, Rejected):
-                if exc.counted:
-                    res.count_rejection(exc.reason)
-                trailing = [("retry-after", str(exc.retry_after_s)), ("fraud-reason", exc.reason)]
-            await context.abort(status_of(exc), exc.message, tuple(trailing))
-            raise  # abort raises; unreachable
+        with calls.call(full_name, _metadata(context)) as outcome:
+            try:
+                return await method(request, context)
+            except ApiError as exc:
+                code = status_of(exc)
+                outcome.code = code.name
+                trailing: list[tuple[str, str]] = []
+                if isinstance(exc, Rejected):
+                    if exc.counted:
+                        res.count_rejection(exc.reason)
+                    trailing = [
+                        ("retry-after", str(exc.retry_after_s)),
+                        ("fraud-reason", exc.reason),
+                    ]
+                await context.abort(code, exc.message, tuple(trailing))
+                raise  # abort raises; unreachable
+            except asyncio.CancelledError:  # the client went away or its deadline passed
+                outcome.code = grpc.StatusCode.CANCELLED.name
+                raise
+            except Exception:  # grpc answers UNKNOWN (and logs it)
+                outcome.code = grpc.StatusCode.UNKNOWN.name
+                raise
 
     return grpc.unary_unary_rpc_method_handler(
         call,
@@ -254,29 +273,28 @@ def _handler(
 
 
 def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
-    res = service.res
+    res, calls = service.res, telemetry.RpcCalls("grpc")
+    methods: list[tuple[str, Callable[..., Awaitable[Any]], type[Message], type[Message]]] = [
+        ("ServerLive", service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+        ("ServerReady", service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
+        ("ModelReady", service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+        (
+            "ServerMetadata",
+            service.server_metadata,
+            pb.ServerMetadataRequest,
+            pb.ServerMetadataResponse,
+        ),
+        (
+            "ModelMetadata",
+            service.model_metadata,
+            pb.ModelMetadataRequest,
+            pb.ModelMetadataResponse,
+        ),
+        ("ModelInfer", service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
+    ]
     return grpc.method_handlers_generic_handler(
         SERVICE,
-        {
-            "ServerLive": _handler(
-                res, service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse
-            ),
-            "ServerReady": _handler(
-                res, service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
-            ),
-            "ModelReady": _handler(
-                res, service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse
-            ),
-            "ServerMetadata": _handler(
-                res, service.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
-            ),
-            "ModelMetadata": _handler(
-                res, service.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
-            ),
-            "ModelInfer": _handler(
-                res, service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse
-            ),
-        },
+        {name: _handler(res, calls, name, m, q, a) for name, m, q, a in methods},
     )
 
 
