@@ -322,3 +322,38 @@ def test_a_card_with_10000_events_scores_without_a_refusal(world: World, tmp_pat
             assert r.json()["timing"]["feature_read_ms"] < 50
     finally:
         stop_server(srv)
+
+
+def test_the_stack_puts_metrics_then_admission_in_front_of_starlettes_layers() -> None:
+    """``service.edge.app._outermost`` wraps Starlette's ``build_middleware_stack``: with
+    tracing off a scoring request meets the HTTP metrics' layer, then admission, then
+    ``DirectDispatch``, before any of Starlette's layers. Fails when a Starlette release
+    changes how the stack is built (pyproject.toml pins its minor version)."""
+    from starlette.middleware.errors import ServerErrorMiddleware
+
+    from service.edge.admission import AdmissionLimit
+    from service.edge.app import create_app
+    from service.edge.routes import DirectDispatch
+    from service.telemetry import HttpMetrics
+
+    stack = create_app().build_middleware_stack()
+    assert isinstance(stack, HttpMetrics)
+    assert isinstance(stack.app, AdmissionLimit)
+    assert isinstance(stack.app.app, DirectDispatch)
+    assert isinstance(stack.app.app.rest, ServerErrorMiddleware)
+
+
+def test_hiredis_packing_sends_the_bytes_redis_py_would() -> None:
+    """``packed_by_hiredis`` swaps redis-py's command packer for its hiredis serializer
+    (a redis-py internal: pyproject.toml pins its minor version); the bytes must be what
+    redis-py's own packer sends."""
+    import redis.asyncio as aioredis
+
+    from fraud_scoring.redis_clients import packed_by_hiredis
+
+    plain = aioredis.Redis().connection_pool
+    packed = packed_by_hiredis(aioredis.Redis().connection_pool)
+    args = ("EVALSHA", "ab" * 20, 2, "k:1", b"\x00\xff", 1.5, -7, "é")
+    assert b"".join(packed.make_connection().pack_command(*args)) == b"".join(
+        plain.make_connection().pack_command(*args)
+    )
