@@ -1,28 +1,34 @@
 """The input contract (``fraud_scoring/contract.py``, ``docs/data-contract.md``) and
 ``fraud-scoring ingest``: every break is refused at the door naming the column, with
-nothing written, and another company's export goes ingest -> batch -> train end to end."""
+nothing written, and another company's export goes ingest -> batch -> train -> evaluate
+-> serve end to end."""
 
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import redis
 from pydantic import ValidationError
 
+from batch_jobs.labels import known_frauds
 from cli.main import main
 from fraud_scoring import contract as C
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.settings import get_settings
 from fraud_scoring.storage import partition_days, partition_file, write_partition
+from service.edge.server import spawn
 
 BERLIN = ZoneInfo("Europe/Berlin")
 START = date(2025, 3, 24)  # a DST change (Mar 30) inside the export
@@ -293,14 +299,23 @@ def test_ingest_reads_aware_times_with_their_own_offset(cli_env: Path, tmp_path:
     assert t.column("currency").to_pylist() == ["XXX", "XXX"]  # the declared default
 
 
-def test_ingest_then_batch_then_train_on_another_companys_export(
+def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     cli_env: Path,
     tmp_path: Path,
     redis_server: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("REDIS_URL", redis_server)
+    """The export, through the CLI as a user runs it: ingest, batch (the last day held
+    out of the online store, as if scored live the day after the nightly run), train,
+    evaluate, then the real service scores the export's held-out day over HTTP (a known
+    customer's first transaction with every batch feature read from the store), and the
+    served report reads the decisions it logged with the export's labels."""
+    # A database of its own: the export's ids ("5", "DE", "ecom") must not meet the
+    # world's state in the shared server.
+    redis_url = redis_server.rsplit("/", 1)[0] + "/11"
+    redis.Redis.from_url(redis_url).flushdb()
+    monkeypatch.setenv("REDIS_URL", redis_url)
     get_settings.cache_clear()
     good = other_company_export(tmp_path / "in")
     mapping = str(tmp_path / "in" / "mapping.yaml")
@@ -341,11 +356,89 @@ def test_ingest_then_batch_then_train_on_another_companys_export(
     assert all(a - b == timedelta(days=7) for a, b in zip(lt, et, strict=True))
 
     last = days[-1]
-    assert main(["batch", "--from", str(days[0]), "--to", str(last)]) == 0
+    assert main(["batch", "--from", str(days[0]), "--to", str(last - timedelta(days=1))]) == 0
+    assert main(["batch", "--date", str(last), "--no-materialize"]) == 0
     assert main(["train", "--holdout-days", "3"]) == 0, capsys.readouterr()
-    meta = load_metadata(resolve(cli_env.parent / "models", "fraud"))
+    version = resolve(cli_env.parent / "models", "fraud")
+    meta = load_metadata(version)
     assert meta.metrics["holdout_frauds"] >= 10
     assert meta.metrics["holdout_roc_auc"] > 0.8
+
+    # evaluate: the report again from the stored holdout, labels refreshed from the export.
+    report = version / "evaluation" / "report.md"
+    report.unlink()
+    capsys.readouterr()
+    assert main(["evaluate", "--refresh-labels"]) == 0
+    assert str(report) in capsys.readouterr().out
+    text = report.read_text()
+    assert "labels as of" in text.lower(), text[:500]
+    assert {p.name for p in report.parent.glob("*.png")} >= {"pr_curve.png", "reliability.png"}
+
+    # serve: the held-out day's transactions, as the API's requests (the mapped fields),
+    # in event-time order as they would arrive live.
+    seen = pq.read_table(partition_file(raw, "transactions", last - timedelta(days=1)))
+    cards = set(seen.column("card_id").to_pylist())
+    terminals = set(seen.column("merchant_id").to_pylist())
+    day_rows = sorted(
+        pq.read_table(partition_file(raw, "transactions", last)).to_pylist(),
+        key=lambda r: (r["event_time"], r["transaction_id"]),
+    )
+    bodies = [raw_row_to_event(r) for r in day_rows]
+    first = next(
+        i for i, r in enumerate(day_rows) if r["card_id"] in cards and r["merchant_id"] in terminals
+    )
+    body = bodies[first]
+    assert body["card_id"].isdigit() and body["country"] == "DE" and body["currency"] == "XXX"
+    frauds = known_frauds(raw, datetime.now(UTC))
+    log = tmp_path / "serve.log"
+    decided_from = datetime.now(UTC).date()
+    srv = spawn(
+        {
+            "FRAUD_MAX_EVENT_SKEW_S": "0",  # the export lies in the past
+            "FRAUD_REQUEST_TIMEOUT_MS": "30000",  # a day in batches on a shared CI core
+            "FRAUD_DECISION_SPOOL_DIR": str(tmp_path / "spool"),
+        },
+        output=log.open("wb"),
+    )
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            r = http.post("/v1/score", json=body)
+            assert r.status_code == 200, (r.text, log.read_text()[-3000:])
+            rest = bodies[:first] + bodies[first + 1 :]
+            answers = [r.json()]
+            for k in range(0, len(rest), 100):
+                batch = http.post("/v1/score/batch", json={"transactions": rest[k : k + 100]})
+                assert batch.status_code == 200, batch.text
+                answers += batch.json()["results"]
+    finally:
+        srv.stop(timeout_s=15)
+    out = answers[0]
+    assert out["decision"] in ("approve", "review", "decline")
+    assert out["model_version"] == meta.version and out["score"] is not None
+    # Every batch feature of a known customer and terminal came from the store: none
+    # defaulted as missing or stale.
+    assert out["features"] == {"missing": [], "stale": []}, out
+    assert len(answers) == len(bodies) and not any(a["degraded"] for a in answers)
+    fraud_scores = [a["score"] for a in answers if a["transaction_id"] in frauds]
+    legit_scores = [a["score"] for a in answers if a["transaction_id"] not in frauds]
+    assert fraud_scores and np.median(fraud_scores) > np.quantile(legit_scores, 0.99)
+
+    # The served report on the decisions the service logged (days by decision time).
+    decided = [
+        decided_from + timedelta(days=k)
+        for k in range((datetime.now(UTC).date() - decided_from).days + 1)
+    ]
+    for d in decided:
+        assert main(["decisions", "compact", "--date", str(d)]) == 0
+    folder = tmp_path / "served"
+    args = ["--from", str(decided[0]), "--to", str(decided[-1]), "--out", str(folder)]
+    assert main(["evaluate", "--served", *args]) == 0
+    served = json.loads((folder / "served.json").read_text())
+    assert served["rows"] == len(bodies)
+    assert served["labels"]["fraud"] == len(fraud_scores)
+    version_report = served["versions"][meta.version]
+    assert version_report["rows"] == len(bodies)
+    assert version_report["as_decided"]["flagged_recall"] > 0.5, version_report["as_decided"]
 
 
 def test_the_documented_example_ingests(cli_env: Path) -> None:
