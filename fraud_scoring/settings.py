@@ -136,6 +136,16 @@ class Settings(BaseSettings):
         "unset (default): no gRPC server. The chart uses 8081 (KServe's gRPC port; "
         "Triton's is 8001).",
     )
+    grpc_tls_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate chain the gRPC server presents (with "
+        "FRAUD_GRPC_TLS_KEY; both or neither): set, the gRPC port speaks TLS only; "
+        "unset (default), plaintext (TLS at the ingress or mesh). Read at start.",
+    )
+    grpc_tls_key: Path | None = Field(
+        default=None,
+        description="PEM private key of FRAUD_GRPC_TLS_CERT (both or neither).",
+    )
     redis_timeout_s: float = Field(
         default=1.0,
         gt=0,
@@ -490,6 +500,20 @@ class Settings(BaseSettings):
     def _keys_when_required(self) -> Settings:
         if self.auth == "required" and self.api_keys_file is None:
             raise ValueError("FRAUD_AUTH=required needs FRAUD_API_KEYS_FILE (the keys file)")
+        return self
+
+    @model_validator(mode="after")
+    def _grpc_tls_pair(self) -> Settings:
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            given, missing = (
+                ("FRAUD_GRPC_TLS_CERT", "FRAUD_GRPC_TLS_KEY")
+                if self.grpc_tls_key is None
+                else ("FRAUD_GRPC_TLS_KEY", "FRAUD_GRPC_TLS_CERT")
+            )
+            raise ValueError(
+                f"{given} is set but {missing} is not: gRPC TLS needs both (the "
+                "certificate chain and its private key) or neither"
+            )
         return self
 
     @property

@@ -5,6 +5,7 @@ refusals (as status codes), the same counting in ``fraud_rejections_total``."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -448,6 +449,77 @@ def test_grpc_and_rest_calls_draw_on_one_admission_capacity(
             stop_server(srv)
 
 
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for localhost/127.0.0.1 and its key, made with openssl here."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    san = "subjectAltName=DNS:localhost,IP:127.0.0.1"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-nodes", "-days", "1", "-subj", "/CN=localhost"),
+            *("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-addext", san),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_tls_when_a_certificate_and_key_are_set(
+    world: World, tmp_path: Path, meta: ModelMetadata
+) -> None:
+    """FRAUD_GRPC_TLS_CERT/_KEY: the port speaks TLS only; tritonclient with ``ssl=True``
+    and the certificate as its root scores, a plaintext client gets UNAVAILABLE."""
+    cert, key = _self_signed(tmp_path)
+    port = free_port()
+    srv = start_server(
+        world,
+        tmp_path,
+        FRAUD_GRPC_PORT=str(port),
+        FRAUD_GRPC_TLS_CERT=str(cert),
+        FRAUD_GRPC_TLS_KEY=str(key),
+    )
+    secure = tgrpc.InferenceServerClient(
+        url=f"localhost:{port}", ssl=True, root_certificates=str(cert)
+    )
+    plain = tgrpc.InferenceServerClient(url=f"localhost:{port}")
+    try:
+        assert secure.is_server_ready()
+        x = _rows(meta, 3)
+        got = secure.infer("fraud", [_infer_input(meta, x)]).as_numpy(meta.output_name)
+        np.testing.assert_allclose(got, _onnx(world, meta, x), rtol=1e-6)
+        with pytest.raises(InferenceServerException) as exc:
+            plain.is_server_live(client_timeout=5)
+        assert _status(exc) in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        assert "(TLS)" in srv.log.read_text()
+    finally:
+        secure.close()
+        plain.close()
+        stop_server(srv)
+
+
+def test_tls_settings_name_the_variable_at_fault(tmp_path: Path) -> None:
+    """Both or neither; a file that cannot be read or holds no PEM is named by its
+    variable, before anything listens."""
+    from pydantic import ValidationError
+
+    from fraud_scoring.settings import Settings
+    from service.edge.oip_grpc import tls_credentials
+
+    cert, key = _self_signed(tmp_path)
+    with pytest.raises(ValidationError, match="FRAUD_GRPC_TLS_CERT is set but FRAUD_GRPC_TLS_KEY"):
+        Settings(grpc_tls_cert=cert)
+    with pytest.raises(ValidationError, match="FRAUD_GRPC_TLS_KEY is set but FRAUD_GRPC_TLS_CERT"):
+        Settings(grpc_tls_key=key)
+    assert tls_credentials(Settings()) is None
+    assert tls_credentials(Settings(grpc_tls_cert=cert, grpc_tls_key=key)) is not None
+    missing = tmp_path / "nope.pem"
+    with pytest.raises(RuntimeError, match=r"cannot read FRAUD_GRPC_TLS_KEY '.*nope.pem'"):
+        tls_credentials(Settings(grpc_tls_cert=cert, grpc_tls_key=missing))
+    with pytest.raises(RuntimeError, match=r"FRAUD_GRPC_TLS_CERT '.*key.pem' holds no PEM cert"):
+        tls_credentials(Settings(grpc_tls_cert=key, grpc_tls_key=key))
+
+
 def test_generated_stubs_are_current() -> None:
     """grpc_predict_v2_pb2.py(i) are what the .proto and the generator make."""
     from service.edge.proto.__main__ import main
@@ -491,5 +563,21 @@ def test_chart_exposes_the_grpc_port_only_when_set() -> None:
     (c,) = pod_spec(component(on, "scoring"))["containers"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == 8081
     for doc in on:
+        if doc["kind"] not in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    assert "FRAUD_GRPC_TLS_CERT" not in env
+
+    # scoring.service.grpcTlsSecret: the Secret's tls.crt/tls.key mounted, and named.
+    tls = {"service": {"grpcPort": 8081, "grpcTlsSecret": "scoring-grpc-tls"}}
+    docs = render({"scoring": tls})
+    pod = pod_spec(component(docs, "scoring"))
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "grpc-tls"]
+    assert env["FRAUD_GRPC_TLS_CERT"] == f"{mount['mountPath']}/tls.crt"
+    assert env["FRAUD_GRPC_TLS_KEY"] == f"{mount['mountPath']}/tls.key"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "grpc-tls"]
+    assert volume["secret"]["secretName"] == "scoring-grpc-tls"
+    for doc in docs:
         if doc["kind"] not in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)

@@ -27,6 +27,9 @@ the REST message (naming the field or element at fault): 400 → ``INVALID_ARGUM
 the caller's ``traceparent`` metadata (``service.telemetry.RpcCalls``). ``ModelReady`` answers
 ``ready: false`` (status OK) while no model is loaded; ``ServerLive``, ``ServerReady``
 and ``ServerMetadata`` are open, like their REST twins.
+
+The port is plaintext unless ``FRAUD_GRPC_TLS_CERT`` and ``FRAUD_GRPC_TLS_KEY`` name a
+PEM certificate chain and its key: then it speaks TLS only (no client certificates).
 """
 
 from __future__ import annotations
@@ -298,6 +301,30 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
     )
 
 
+def tls_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """The server's TLS credentials from ``FRAUD_GRPC_TLS_CERT``/``FRAUD_GRPC_TLS_KEY``
+    (PEM; the settings hold both or neither), None for plaintext. Raises RuntimeError
+    naming the variable whose file cannot be read or is not PEM."""
+    if settings.grpc_tls_cert is None or settings.grpc_tls_key is None:
+        return None
+    pem: dict[str, bytes] = {}
+    for variable, path, marker in (
+        ("FRAUD_GRPC_TLS_CERT", settings.grpc_tls_cert, b"-----BEGIN CERTIFICATE-----"),
+        ("FRAUD_GRPC_TLS_KEY", settings.grpc_tls_key, b"PRIVATE KEY-----"),
+    ):
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise RuntimeError(
+                f"gRPC server: cannot read {variable} {str(path)!r}: {exc.strerror}"
+            ) from None
+        if marker not in data:
+            what = "certificate" if variable.endswith("CERT") else "private key"
+            raise RuntimeError(f"gRPC server: {variable} {str(path)!r} holds no PEM {what}")
+        pem[variable] = data
+    return grpc.ssl_server_credentials([(pem["FRAUD_GRPC_TLS_KEY"], pem["FRAUD_GRPC_TLS_CERT"])])
+
+
 @contextlib.asynccontextmanager
 async def serving(
     settings: Settings,
@@ -307,7 +334,8 @@ async def serving(
     shares: WorkShares,
 ) -> AsyncIterator[aio.Server | None]:
     """The gRPC server on ``settings.host:settings.grpc_port`` while the context runs
-    (None, and nothing started, when ``grpc_port`` is unset), admitting its calls
+    (None, and nothing started, when ``grpc_port`` is unset), TLS only when
+    ``FRAUD_GRPC_TLS_CERT``/``_KEY`` are set (:func:`tls_credentials`), admitting its calls
     against ``shares`` (REST's admission state, so both transports are bounded
     together); stopped on exit, giving in-flight calls ``drain_seconds``. Raises
     RuntimeError when the port cannot be bound."""
@@ -323,8 +351,12 @@ async def serving(
     service = InferenceService(res, keyring, version, shares)
     server.add_generic_rpc_handlers((generic_handler(service),))
     address = f"{settings.host}:{settings.grpc_port}"
+    credentials = tls_credentials(settings)
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise RuntimeError(
             f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT): {exc}"
@@ -332,7 +364,11 @@ async def serving(
     if not bound:
         raise RuntimeError(f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT)")
     await server.start()
-    log.info("Open Inference Protocol gRPC server listening on %s", address)
+    log.info(
+        "Open Inference Protocol gRPC server listening on %s (%s)",
+        address,
+        "plaintext" if credentials is None else "TLS",
+    )
     try:
         yield server
     finally:
