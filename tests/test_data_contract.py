@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import httpx
@@ -21,6 +22,7 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from batch_jobs.evaluate import HOLDOUT_FILE, Holdout
 from batch_jobs.labels import known_frauds
 from cli.main import main
 from fraud_scoring import contract as C
@@ -309,8 +311,9 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     """The export, through the CLI as a user runs it: ingest, batch (the last day held
     out of the online store, as if scored live the day after the nightly run), train,
     evaluate, then the real service scores the export's held-out day over HTTP (a known
-    customer's first transaction with every batch feature read from the store), and the
-    served report reads the decisions it logged with the export's labels."""
+    customer's first transaction with every batch feature read from the store), the
+    served report reads the decisions it logged with the export's labels, and every
+    logged vector equals the training row of its transaction."""
     # A database of its own: the export's ids ("5", "DE", "ecom") must not meet the
     # world's state in the shared server.
     redis_url = redis_server.rsplit("/", 1)[0] + "/11"
@@ -402,17 +405,23 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     )
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as http:
+
+            def score(txns: list[dict[str, object]]) -> list[dict[str, Any]]:
+                got = []
+                for k in range(0, len(txns), 100):
+                    r = http.post("/v1/score/batch", json={"transactions": txns[k : k + 100]})
+                    assert r.status_code == 200, (r.text, log.read_text()[-3000:])
+                    got += r.json()["results"]
+                return got
+
+            # In event-time order, as live: each sees the day's earlier transactions.
+            answers = score(bodies[:first])
             r = http.post("/v1/score", json=body)
             assert r.status_code == 200, (r.text, log.read_text()[-3000:])
-            rest = bodies[:first] + bodies[first + 1 :]
-            answers = [r.json()]
-            for k in range(0, len(rest), 100):
-                batch = http.post("/v1/score/batch", json={"transactions": rest[k : k + 100]})
-                assert batch.status_code == 200, batch.text
-                answers += batch.json()["results"]
+            out = r.json()
+            answers += [out, *score(bodies[first + 1 :])]
     finally:
         srv.stop(timeout_s=15)
-    out = answers[0]
     assert out["decision"] in ("approve", "review", "decline")
     assert out["model_version"] == meta.version and out["score"] is not None
     # Every batch feature of a known customer and terminal came from the store: none
@@ -439,6 +448,24 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     version_report = served["versions"][meta.version]
     assert version_report["rows"] == len(bodies)
     assert version_report["as_decided"]["flagged_recall"] > 0.5, version_report["as_decided"]
+
+    # Online = offline on this data: the vector each logged decision was scored on is
+    # the training row of the same transaction (the held-out day is in the holdout).
+    holdout = Holdout.read(version / HOLDOUT_FILE)
+    row_of = {t: i for i, t in enumerate(holdout.transaction_id)}
+    logged = pa.concat_tables(
+        pq.read_table(partition_file(raw, "decisions", d)) for d in decided
+    ).to_pylist()
+    assert {d["transaction_id"] for d in logged} <= set(row_of)
+    served_x = np.array(
+        [[dict(d["features"])[n] for n in holdout.names] for d in logged], np.float64
+    )
+    trained_x = holdout.x[[row_of[d["transaction_id"]] for d in logged]].astype(np.float64)
+    bad = ~np.isclose(served_x, trained_x, rtol=1e-5, atol=1e-6)
+    assert not bad.any(), {
+        holdout.names[j]: (logged[i]["transaction_id"], served_x[i, j], trained_x[i, j])
+        for i, j in zip(*np.nonzero(bad), strict=True)
+    }
 
 
 def test_the_documented_example_ingests(cli_env: Path) -> None:
