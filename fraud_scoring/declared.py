@@ -818,22 +818,168 @@ class Event:
     value: float
 
 
+class BatchColumns:
+    """A batch of transactions (``rows`` at ``ts_us``) as the states record them: each
+    state's keys, filter and values computed column-wise, once per batch, and shared by
+    every state that reads the same ones (the default declarations have ~10 states over
+    4 entities). Semantics are :meth:`Spec.key_value`, :meth:`Spec.passes` and
+    :meth:`Spec.value`, row by row."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], ts_us: Sequence[int]) -> None:
+        if len(rows) != len(ts_us):
+            raise ValueError(f"{len(rows)} rows but {len(ts_us)} times")
+        self.rows, self.ts_us = rows, ts_us
+        self._cols: dict[str, list[Any]] = {}
+        self._keys: dict[tuple[str, ...], list[str | None]] = {}
+        self._masks: dict[Any, list[bool] | None] = {}
+        self._groups: dict[Any, dict[str, list[int]]] = {}
+        self._values: dict[str | None, list[float]] = {}
+        self._args: dict[tuple[int, str | None], list[tuple[str, int, str]]] = {}
+        self._args_one: dict[tuple[int, str | None], list[tuple[int, str, int, str]]] = {}
+
+    @cached_property
+    def ids(self) -> list[str]:
+        return [str(r["transaction_id"]) for r in self.rows]
+
+    def column(self, c: str) -> list[Any]:
+        col = self._cols.get(c)
+        if col is None:
+            col = self._cols[c] = [r.get(c) for r in self.rows]
+        return col
+
+    def keys(self, entity: tuple[str, ...]) -> list[str | None]:
+        """Each row's key value (None: a key column is empty)."""
+        out = self._keys.get(entity)
+        if out is not None:
+            return out
+        parts = [
+            [None if v is None or v != v or v == "" else str(v) for v in self.column(c)]
+            for c in entity
+        ]
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            joined = zip(*parts, strict=True)
+            out = [None if None in p else "\x1f".join(p) for p in joined]  # type: ignore[arg-type]
+        self._keys[entity] = out
+        return out
+
+    @staticmethod
+    def _filter_sig(spec: Spec) -> tuple[Any, ...]:
+        cat = spec.value_column if spec.categorical else None
+        return (cat, tuple(sorted(spec.filter.items())))
+
+    def mask(self, spec: Spec) -> list[bool] | None:
+        """Which rows pass ``spec``'s filter and (a categorical value) have a value;
+        None: all of them."""
+        sig = self._filter_sig(spec)
+        if sig in self._masks:
+            return self._masks[sig]
+        cat, _ = sig
+        ok = [True] * len(self.rows)
+        if cat is not None:
+            ok = [not (v is None or v != v or v == "") for v in self.column(cat)]
+        for c, allowed in spec.filter.items():
+            ok = [a and v in allowed for a, v in zip(ok, self.column(c), strict=True)]
+        out = None if all(ok) else ok
+        self._masks[sig] = out
+        return out
+
+    def groups(self, spec: Spec) -> dict[str, list[int]]:
+        """The rows ``spec`` records, by key value (keys in order of first appearance,
+        rows in batch order)."""
+        mask = self.mask(spec)
+        sig = (spec.entity, None if mask is None else self._filter_sig(spec))
+        out = self._groups.get(sig)
+        if out is not None:
+            return out
+        out = {}
+        keys = self.keys(spec.entity)
+        if mask is not None:
+            keys = [k if m else None for k, m in zip(keys, mask, strict=True)]
+        for i, k in enumerate(keys):
+            if k is not None:
+                g = out.get(k)
+                if g is None:
+                    out[k] = [i]
+                else:
+                    g.append(i)
+        self._groups[sig] = out
+        return out
+
+    def values(self, spec: Spec) -> list[float]:
+        """Each row's :meth:`Spec.value` (0.0 for a row without a categorical value,
+        which no state records)."""
+        vc = spec.value_column
+        out = self._values.get(vc)
+        if out is not None:
+            return out
+        if vc is None:
+            out = [1.0] * len(self.rows)
+        elif spec.categorical:
+            out = [0.0 if _empty(v) else value_code(v) for v in self.column(vc)]
+        else:
+            out = [self._number(vc, i, v) for i, v in enumerate(self.column(vc))]
+        self._values[vc] = out
+        return out
+
+    def _number(self, column: str, i: int, v: Any) -> float:
+        if v is None:
+            raise ValueError(f"{column}: missing in transaction {self.ids[i]!r}")
+        return float(v)
+
+    def args(self, spec: Spec) -> list[tuple[str, int, str]]:
+        """Each row's (transaction_id, ts, value) as :data:`APPLY_LUA` takes them: ts
+        plus the state's delay, the value as the shortest text that reads back as the
+        same double (``repr``)."""
+        sig = (spec.delay_us, spec.value_column)
+        out = self._args.get(sig)
+        if out is not None:
+            return out
+        vc = spec.value_column
+        if vc is None:
+            texts = ["1.0"] * len(self.rows)
+        elif spec.categorical:  # a few distinct values per batch: their texts cached
+            texts = ["" if _empty(v) else _code_text(v) for v in self.column(vc)]
+        else:
+            texts = [repr(v) for v in self.values(spec)]
+        d = spec.delay_us
+        ts = self.ts_us if d == 0 else [t + d for t in self.ts_us]
+        out = self._args[sig] = list(zip(self.ids, ts, texts, strict=True))
+        return out
+
+    def args_one(self, spec: Spec) -> list[tuple[int, str, int, str]]:
+        """:meth:`args` with an event count of 1 ahead (a key with one event)."""
+        sig = (spec.delay_us, spec.value_column)
+        out = self._args_one.get(sig)
+        if out is None:
+            out = self._args_one[sig] = [(1, *a) for a in self.args(spec)]
+        return out
+
+    def events(self, spec: Spec, key: str) -> list[Event]:
+        """The events ``spec`` records at ``key``, in batch order."""
+        values = self.values(spec)
+        return [
+            Event(self.ids[i], self.ts_us[i] + spec.delay_us, values[i])
+            for i in self.groups(spec).get(key, ())
+        ]
+
+
+@functools.lru_cache(maxsize=1 << 16)  # merchants, countries and cards recur
+def _code_text(v: Any) -> str:
+    return repr(value_code(v))
+
+
 def events_for(
     spec: Spec, rows: Sequence[Mapping[str, Any]], ts_us: Sequence[int]
 ) -> dict[str, list[Event]]:
     """The events transactions ``rows`` at ``ts_us`` add to ``spec``'s keys (rows
     outside its filter, or without a key, add none; a label state takes none: see
     :func:`label_events_for`), by key value, each at ``ts`` plus the state's delay."""
-    out: dict[str, list[Event]] = {}
     if spec.source != "transactions":
-        return out
-    for row, ts in zip(rows, ts_us, strict=True):
-        key = spec.key_value(row)
-        if key is not None and spec.passes(row):
-            out.setdefault(key, []).append(
-                Event(str(row["transaction_id"]), ts + spec.delay_us, spec.value(row))
-            )
-    return out
+        return {}
+    cols = BatchColumns(rows, ts_us)
+    return {key: cols.events(spec, key) for key in cols.groups(spec)}
 
 
 def label_available_us(label_us: int, after_s: float) -> int:
@@ -860,6 +1006,22 @@ def label_events_for(spec: Spec, rows: Sequence[Mapping[str, Any]]) -> dict[str,
     return out
 
 
+def _apply_head(spec: Spec, limits: Limits) -> list[Any]:
+    """The ARGV of an :data:`APPLY_LUA` call before its keys' events."""
+    head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
+    dcap = DISTINCT_CAP if spec.keeps_values else 0
+    head += [dcap, spec.distinct_back_us(limits.horizon_us), len(spec.widths)]
+    for u, slots in spec.widths.items():
+        head += (u, slots)
+    return head
+
+
+def _queue_call(pipe: Any, spec: Spec, keys: Sequence[str], args: list[Any]) -> None:
+    """One APPLY call for ``keys`` (``args``: its whole ARGV)."""
+    names = [n for k in keys for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
+    pipe.execute_command("EVALSHA", APPLY_SHA, len(names), *names, *args)
+
+
 def queue_apply(
     pipe: Any,
     spec: Spec,
@@ -872,23 +1034,46 @@ def queue_apply(
     ``per_key`` (a Redis Cluster, where one call's keys must share a slot) one per key.
     Returns the keys in reply order (each call's reply: a list per key, of per event
     results)."""
-    head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
-    dcap = DISTINCT_CAP if spec.keeps_values else 0
-    head += [dcap, spec.distinct_back_us(limits.horizon_us), len(spec.widths)]
-    for u, slots in spec.widths.items():
-        head += (u, slots)
-    groups = [[k] for k in by_key] if per_key else [list(by_key)] if by_key else []
-    for keys in groups:
-        names: list[str] = []
+
+    head = _apply_head(spec, limits)
+    for keys in [[k] for k in by_key] if per_key else [list(by_key)] if by_key else []:
         args = list(head)
         for key in keys:
-            p = spec.prefix(key)
-            names += (p + ":t", p + ":ids")
             args.append(len(by_key[key]))
             for e in by_key[key]:
                 args += (e.transaction_id, e.ts_us, repr(float(e.value)))
-        pipe.execute_command("EVALSHA", APPLY_SHA, len(names), *names, *args)
-    return [k for keys in groups for k in keys]
+        _queue_call(pipe, spec, keys, args)
+    return list(by_key)
+
+
+def queue_record(
+    pipe: Any, spec: Spec, cols: BatchColumns, limits: Limits, *, per_key: bool = False
+) -> list[str]:
+    """:func:`queue_apply` of :func:`events_for` (the same calls), from a batch's
+    columns: no per-event objects, and the keys, filters and values shared with the
+    batch's other states. Returns the keys in reply order."""
+    if spec.source != "transactions":
+        return []
+    groups = cols.groups(spec)
+    if not groups:
+        return []
+    rows = cols.args(spec)
+    head = _apply_head(spec, limits)
+    flat = itertools.chain.from_iterable
+    # Per key: its event count, then its events' (id, ts, value); most keys of a batch
+    # hold one event (a tuple ready-made), a hot key many.
+    one = cols.args_one(spec)
+    per = [
+        one[idx[0]] if len(idx) == 1 else (len(idx), *flat(map(rows.__getitem__, idx)))
+        for idx in groups.values()
+    ]
+    keys = list(groups)
+    if per_key:
+        for key, part in zip(keys, per, strict=True):
+            _queue_call(pipe, spec, [key], [*head, *part])
+    else:
+        _queue_call(pipe, spec, keys, [*head, *flat(per)])
+    return keys
 
 
 def queue_read(pipe: Any, spec: Spec, key: str, t_us: int) -> None:
@@ -1061,8 +1246,9 @@ class BatchPlan:
     key), and the events it records, by declaration and key."""
 
     reads: list[tuple[Spec, int, str | None]]
-    # Per APPLY call: the spec, its keys in reply order and their events.
-    writes: list[tuple[Spec, list[str], dict[str, list[Event]]]]
+    # Per APPLY call: the spec, its keys in reply order and the batch's columns (the
+    # recorded rows'; their events: BatchColumns.events).
+    writes: list[tuple[Spec, list[str], BatchColumns]]
 
 
 def queue_batch(
@@ -1091,16 +1277,18 @@ def queue_batch(
     if writes_after is not None:
         writes_after()
     kept = [i for i, r in enumerate(record) if r]
+    if len(kept) < len(rows):
+        cols = BatchColumns([rows[i] for i in kept], [ts_us[i] for i in kept])
+    else:
+        cols = BatchColumns(rows, ts_us)
     for spec in decl.specs:
-        limits = Limits.for_spec(spec, horizon_s)
-        evs = events_for(spec, [rows[i] for i in kept], [ts_us[i] for i in kept])
-        if not evs:
+        keys = queue_record(pipe, spec, cols, Limits.for_spec(spec, horizon_s), per_key=per_key)
+        if not keys:
             continue
-        keys = queue_apply(pipe, spec, evs, limits, per_key=per_key)
         if per_key:
-            plan.writes += [(spec, [k], evs) for k in keys]
+            plan.writes += [(spec, [k], cols) for k in keys]
         else:
-            plan.writes.append((spec, keys, evs))
+            plan.writes.append((spec, keys, cols))
     return plan
 
 
@@ -1116,12 +1304,12 @@ def parse_batch(
     Attempts of one key in the same micro-batch see each other in event-time order.
     Returns the columns and how many reads were inexact."""
     fresh: dict[tuple[str, str], list[Event]] = {}
-    for (spec, keys, evs), reply in zip(plan.writes, writes, strict=True):
+    for (spec, keys, batch), reply in zip(plan.writes, writes, strict=True):
         if isinstance(reply, Exception):
             continue
         for key, per_event in zip(keys, reply, strict=True):
             fresh[(spec.id, key)] = [
-                e for e, a in zip(evs[key], per_event, strict=True) if int(a) == 1
+                e for e, a in zip(batch.events(spec, key), per_event, strict=True) if int(a) == 1
             ]
     cols: dict[str, list[float]] = {}
     inexact = 0

@@ -1,10 +1,13 @@
 """The write side of session state: apply validated transactions to Redis.
 
-One Lua script per card and batch (:data:`fraud_scoring.session.APPLY_LUA`, which the
-scoring service also runs for each transaction it scores) makes each card's update
-atomic, so a crash leaves a card either fully updated for the batch or untouched, and
-replaying the batch after a restart changes nothing (idempotent on ``transaction_id``,
-see the ``:ids`` hash in ``fraud_scoring.session``).
+One pipelined round trip per batch: one Lua script call for the cards' histories
+(:data:`fraud_scoring.session.APPLY_MANY_LUA`, which the scoring service also runs for
+the transactions it scores; on a Redis Cluster one
+:data:`~fraud_scoring.session.APPLY_LUA` call per card), then the declared states
+(:func:`fraud_scoring.declared.queue_batch`). Each card's update is atomic, so a crash
+leaves a card either fully updated for the batch or untouched, and replaying the batch
+after a restart changes nothing (idempotent on ``transaction_id``, see the ``:ids``
+hash in ``fraud_scoring.session``).
 
 **Late events.** Every event applies at its own event time. An event whose time is more
 than ``allowed_lateness`` behind the newest event already stored for its card is
@@ -35,9 +38,10 @@ from fraud_scoring.session import (
     SessionLimits,
     events_key,
     ids_key,
-    queue_apply,
+    queue_apply_many,
     to_session_event,
 )
+from fraud_scoring.session import SCRIPTS as SESSION_SCRIPTS
 
 __all__ = [
     "ApplyResult",
@@ -100,6 +104,7 @@ class SessionWriter:
         self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self.script = client.register_script(APPLY_LUA)  # for apply_unpipelined
         self.horizon_s = allowed_lateness_s + D.HORIZON_S
+        self._cluster = isinstance(client, RedisCluster)  # one call per slot
 
     def _args(self, events: Sequence[SessionEvent]) -> list[str | int]:
         return self.limits.args(events)
@@ -123,12 +128,11 @@ class SessionWriter:
         if not by_card:
             return ApplyResult()
         ts = [e.ts_us for _, e in events]
-        replies, waits = self._send(by_card, rows or [], ts)
+        replies, n, waits = self._send(by_card, rows or [], ts)
         if any(isinstance(r, NoScriptError) for r in replies):
-            for script in (APPLY_LUA, *D.SCRIPTS):  # on a cluster: on every primary
+            for script in (*SESSION_SCRIPTS, *D.SCRIPTS):  # on a cluster: on every primary
                 self.client.script_load(script)
-            replies, waits = self._send(by_card, rows or [], ts)
-        n = len(by_card)
+            replies, n, waits = self._send(by_card, rows or [], ts)
         for r in replies:
             if isinstance(r, Exception):
                 raise r
@@ -138,8 +142,9 @@ class SessionWriter:
                     f"{confirmed} of {self.wait_replicas} replicas confirmed the batch "
                     f"within {self.wait_timeout_ms} ms"
                 )
+        per_card = replies[:n] if self._cluster else replies[0]
         total = ApplyResult()
-        for added, dup, late, dropped in replies[:n]:
+        for added, dup, late, dropped in per_card:
             total += ApplyResult(int(added), int(dup), int(late), int(dropped))
         return total
 
@@ -148,11 +153,13 @@ class SessionWriter:
         by_card: dict[str, list[SessionEvent]],
         rows: Sequence[Mapping[str, Any]],
         ts_us: Sequence[int],
-    ) -> tuple[list[Any], int]:
-        """One pipeline: a script call per card, one per declared key, then a WAIT per
-        written node. Returns the replies and how many are the WAITs' (the last)."""
+    ) -> tuple[list[Any], int, int]:
+        """One pipeline: the cards' script call (on a cluster one per card), one per
+        declared state (on a cluster one per key), then a WAIT per written node. Returns
+        the replies, how many are the cards' (the first) and how many the WAITs' (the
+        last)."""
         pipe = self.client.pipeline(transaction=False)
-        queue_apply(pipe, by_card, self.limits)
+        n_cards = queue_apply_many(pipe, by_card, self.limits, per_card=self._cluster)
         if rows:
             D.queue_batch(
                 pipe,
@@ -161,13 +168,13 @@ class SessionWriter:
                 ts_us,
                 [True] * len(rows),
                 self.horizon_s,
-                per_key=isinstance(self.client, RedisCluster),
+                per_key=self._cluster,
                 read=False,
             )
         n_before_wait = len(pipe)
         if self.wait_replicas:
             wait = ("WAIT", self.wait_replicas, self.wait_timeout_ms)
-            if isinstance(self.client, RedisCluster):
+            if self._cluster:
                 nodes = {}
                 for card in by_card:
                     node = self.client.get_node_from_key(events_key(card))
@@ -178,7 +185,7 @@ class SessionWriter:
                 pipe.execute_command(*wait)
         waits = len(pipe) - n_before_wait
         replies: list[Any] = pipe.execute(raise_on_error=False)
-        return replies, waits
+        return replies, n_cards, waits
 
     def apply_unpipelined(self, events: Sequence[CardEvent]) -> ApplyResult:
         """Baseline for the benchmark: one script call (one round trip) per event."""

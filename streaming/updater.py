@@ -72,7 +72,33 @@ def decode(msg: Message, latest_us: int | None = None) -> tuple[CardEvent, dict[
     newest time forward and trim away every genuine event, so it is refused instead.
     """
     try:
-        raw = json.loads(msg.raw)
+        # Parsed and validated in one pass (pydantic's JSON parser, ~2.5x faster than
+        # json.loads then validating the dict). It accepts what the two steps accept,
+        # with the same values; whatever it refuses goes through the two steps below,
+        # which decide and name the reason (a byte-order mark, which only they accept,
+        # included).
+        txn: Transaction | None = Transaction.model_validate_json(msg.raw)
+    except Exception:  # the two steps below decide, and say why
+        txn = None
+    try:
+        if txn is None:
+            slow = _validate_slowly(msg.raw)
+            if isinstance(slow, str):
+                return slow
+            txn = slow
+        card, event = card_event(txn)
+    except Exception as exc:  # anything else about one event must not stop the updater
+        return f"invalid event: {type(exc).__name__}: {exc}"
+    if latest_us is not None and event.ts_us > latest_us:
+        return f"event_time: {event.ts_us / 1e6:.0f} s is too far in the future"
+    return (card, event), transaction_row(txn)
+
+
+def _validate_slowly(raw_bytes: bytes | str) -> Transaction | str:
+    """JSON, then :meth:`Transaction.model_validate_event`: the transaction, or the reason
+    it is malformed."""
+    try:
+        raw = json.loads(raw_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return f"invalid JSON: {exc}"
     except RecursionError:
@@ -80,17 +106,11 @@ def decode(msg: Message, latest_us: int | None = None) -> tuple[CardEvent, dict[
     if not isinstance(raw, dict):
         return f"event must be a JSON object, got {type(raw).__name__}"
     try:
-        txn = Transaction.model_validate_event(raw)
-        card, event = card_event(txn)
+        return Transaction.model_validate_event(raw)
     except ValidationError as exc:
         return "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg']}" for e in exc.errors()
         )
-    except Exception as exc:  # anything else about one event must not stop the updater
-        return f"invalid event: {type(exc).__name__}: {exc}"
-    if latest_us is not None and event.ts_us > latest_us:
-        return f"event_time: {event.ts_us / 1e6:.0f} s is too far in the future"
-    return (card, event), transaction_row(txn)
 
 
 @dataclass
