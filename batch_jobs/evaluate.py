@@ -316,9 +316,22 @@ def choose_thresholds(
     )
     total = np.where(ok, total, np.inf)
     i, j = np.unravel_index(int(np.argmin(total)), total.shape)
-    decline = float(s[k[i] - 1]) if k[i] > 0 else 1.0
-    review = float(s[k[j] - 1]) if k[j] > k[i] else decline
+    decline = _cut(s, k[i]) if k[i] > 0 else 1.0
+    review = _cut(s, k[j]) if k[j] > k[i] else decline
     return Thresholds(review=min(review, decline), decline=decline)
+
+
+def _cut(s: np.ndarray, k: int) -> float:
+    """The threshold that takes the top ``k`` of the descending scores ``s``: halfway, in
+    log-odds, between the last taken and the first left (the same rows in sample, and not
+    glued to one slice's score: a threshold equal to a saturated 1.0 would let a later
+    0.99998 through); the last taken score when nothing is left."""
+    if k >= len(s):
+        return float(s[k - 1])
+    lo, hi = np.clip(np.array([s[k], s[k - 1]], dtype=np.float64), 1e-9, 1 - 1e-9)
+    mid = (np.log(lo / (1 - lo)) + np.log(hi / (1 - hi))) / 2
+    t = float(1 / (1 + np.exp(-mid)))
+    return t if s[k] < t <= s[k - 1] else float(s[k - 1])  # neighbours too close to split
 
 
 def decision_metrics(

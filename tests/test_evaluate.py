@@ -103,6 +103,17 @@ def test_costs_move_the_thresholds_the_way_money_says() -> None:
     assert (none.review, none.decline) == (1.0, 1.0)
 
 
+def test_a_threshold_lies_between_the_scores_it_separates() -> None:
+    """Saturated validation scores (exactly 1.0) do not make the threshold 1.0: it lies
+    halfway in log-odds to the next score, so a later 0.99998 is still declined."""
+    y = np.r_[1, 1, np.zeros(18, int)]
+    p = np.r_[1.0, 1.0, 0.3, np.full(17, 0.01)]
+    w, amount = np.ones(20), np.full(20, 500.0)
+    th = choose_thresholds(y, p, w, amount, DecisionCosts(max_review_rate=0.0))
+    assert 0.3 < th.decline < 0.99998
+    assert th.decline == pytest.approx(1 / (1 + np.exp(-(np.log(0.3 / 0.7) + 20.723) / 2)), 1e-3)
+
+
 def test_calibration_metrics() -> None:
     rng = np.random.default_rng(1)
     p = rng.beta(0.5, 20, 200_000)
