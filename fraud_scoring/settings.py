@@ -19,13 +19,16 @@ from fraud_scoring.redis_clients import CLUSTER_PARAM, check_cluster_url, is_clu
 from fraud_scoring.redis_server import redact_url
 
 
-class Settings(BaseSettings):
+class _Group(BaseSettings):
     # hide_input_in_errors: a validation error must not echo REDIS_URL (its password).
     model_config = SettingsConfigDict(
         env_prefix="FRAUD_", extra="ignore", hide_input_in_errors=True
     )
 
-    # --- storage -------------------------------------------------------------------
+
+class StoreSettings(_Group):
+    """Where data lives: the online store (Redis), the files, Feast's config."""
+
     redis_url: str | None = Field(
         default=None,
         validation_alias=AliasChoices("REDIS_URL", "FRAUD_REDIS_URL"),
@@ -65,12 +68,114 @@ class Settings(BaseSettings):
         description="Root of raw history (data/raw), offline feature tables "
         "(data/features) and the Feast registry (data/registry.db).",
     )
+    feature_store_yaml: Path | None = Field(
+        default=None,
+        description="Path of feature_store.yaml; default: the one shipped in feature_repo/.",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://")):
+            raise ValueError(
+                f"REDIS_URL must start with redis:// or rediss://, got {redact_url(v)!r}"
+            )
+        return v or None
+
+    @model_validator(mode="after")
+    def _password_file_into_url(self) -> StoreSettings:
+        """Carry ``redis_password_file``'s password in REDIS_URL."""
+        if self.redis_password_file is None:
+            return self
+        if self.redis_url is None:
+            raise ValueError("FRAUD_REDIS_PASSWORD_FILE needs REDIS_URL (the server's address)")
+        try:
+            password = self.redis_password_file.read_text().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"FRAUD_REDIS_PASSWORD_FILE: cannot read: {exc}") from None
+        if not password:
+            raise ValueError(f"FRAUD_REDIS_PASSWORD_FILE: {self.redis_password_file} is empty")
+        u = urlsplit(self.redis_url)
+        if u.password is not None:
+            raise ValueError(
+                "REDIS_URL already carries a password; with FRAUD_REDIS_PASSWORD_FILE give "
+                f"it without one, got {redact_url(self.redis_url)!r}"
+            )
+        user, _, host = u.netloc.rpartition("@")
+        netloc = f"{user}:{quote(password, safe='')}@{host}"
+        self.redis_url = u._replace(netloc=netloc).geturl()
+        return self
+
+    @model_validator(mode="after")
+    def _ca_file_into_url(self) -> StoreSettings:
+        """Carry ``redis_ca_file`` in REDIS_URL, the one thing every Redis client reads."""
+        if self.redis_ca_file is None or self.redis_url is None:
+            return self
+        url = self.redis_url
+        if not url.startswith("rediss://"):
+            raise ValueError(
+                f"FRAUD_REDIS_CA_FILE needs a rediss:// (TLS) REDIS_URL, got {redact_url(url)!r}"
+            )
+        if not self.redis_ca_file.is_file():
+            raise ValueError(f"FRAUD_REDIS_CA_FILE: no such file: {self.redis_ca_file}")
+        ca = str(self.redis_ca_file)
+        given = dict(parse_qsl(urlsplit(url).query)).get("ssl_ca_certs")
+        if given is not None and given != ca:
+            raise ValueError(
+                f"FRAUD_REDIS_CA_FILE ({ca}) disagrees with REDIS_URL's ssl_ca_certs ({given})"
+            )
+        if given is None:
+            sep = "&" if urlsplit(url).query else "?"
+            self.redis_url = f"{url}{sep}ssl_ca_certs={quote(ca, safe='/')}"
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_into_url(self) -> StoreSettings:
+        """Carry ``redis_cluster`` in REDIS_URL (``cluster=true``), as the CA file."""
+        if self.redis_url is None:
+            if self.redis_cluster:
+                raise ValueError("FRAUD_REDIS_CLUSTER needs REDIS_URL (a node of the cluster)")
+            return self
+        url = self.redis_url
+        given = dict(parse_qsl(urlsplit(url).query)).get(CLUSTER_PARAM)
+        if self.redis_cluster and given is not None and not is_cluster(url):
+            raise ValueError("FRAUD_REDIS_CLUSTER=true disagrees with REDIS_URL's cluster=false")
+        if self.redis_cluster and given is None:
+            sep = "&" if urlsplit(url).query else "?"
+            url = self.redis_url = f"{url}{sep}{CLUSTER_PARAM}=true"
+        if is_cluster(url):
+            check_cluster_url(url)
+        return self
+
+
+class ModelSettings(_Group):
+    """Which model is served and how it runs (ONNX Runtime), and the challenger beside it."""
+
     model_repo: Path = Field(
         default=Path("models"), description="Versioned model repository: <repo>/<name>/<version>/"
     )
     model_name: str = Field(default="fraud", description="Model name inside the repository.")
     model_version: str = Field(
         default="latest", description="'latest' (highest integer version) or a pinned version."
+    )
+    model_poll_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Look for a first model, and with version 'latest' for newer ones, this "
+        "often; new versions are swapped in atomically.",
+    )
+    execution_provider: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto", description="'auto' (CUDA when available, else CPU), 'cuda' or 'cpu'."
+    )
+    model_instances: int = Field(default=1, ge=1, description="ONNX Runtime sessions.")
+    intra_op_threads: int = Field(default=1, ge=1, description="Threads per session.")
+    inline_inference_max_batch: int = Field(
+        default=16,
+        ge=0,
+        description="A CPU micro-batch of at most this many rows runs the model on the event "
+        "loop: there it takes ~10-60 us, less than handing it to the ONNX thread (~50 us "
+        "of CPU, bench in bench/README.md). Larger batches, and any on CUDA, go to the "
+        "thread; 0: always the thread.",
     )
     # The challenger (docs/decision-loop.md, part 5).
     challenger_version: str | None = Field(
@@ -94,12 +199,38 @@ class Settings(BaseSettings):
         description="Longest a micro-batch waits for the challenger: past it a canary "
         "card is decided by the serving model and the shadow score is logged as null.",
     )
-    feature_store_yaml: Path | None = Field(
-        default=None,
-        description="Path of feature_store.yaml; default: the one shipped in feature_repo/.",
+
+
+class TimeSettings(_Group):
+    """When events and snapshots count: shared by the service, the updater and the jobs."""
+
+    batch_available_after_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=86_400,
+        description="How long after a day's end (midnight UTC) its batch snapshot reaches "
+        "the online store: the nightly batch's schedule plus its run time (the chart: "
+        "its CronJob at 01:30, plus 30 min). train joins each transaction to the snapshot "
+        "serving has at its time. 0: at once (the batch ran before serving: demo, tests).",
+    )
+    allowed_lateness_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="An event older than the card's newest by more than this (and past "
+        "the 24 h windows) is dropped and counted as late.",
+    )
+    max_future_skew_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="An event stamped further than this into the future (by this host's "
+        "clock) is dead-lettered by the updater, and scored but not recorded by the "
+        "service: applied, it would trim its card's real history away.",
     )
 
-    # --- batch jobs ------------------------------------------------------------------
+
+class JobSettings(_Group):
+    """The batch jobs (service-free): engine and materializer."""
+
     batch_engine: Literal["duckdb", "spark"] = Field(
         default="duckdb",
         description="Engine of the daily features and training's point-in-time join: "
@@ -118,7 +249,11 @@ class Settings(BaseSettings):
         "FeatureStore.materialize (Feast's own path, a few thousand rows/s).",
     )
 
-    # --- scoring service -----------------------------------------------------------
+
+class EdgeSettings(_Group):
+    """The network edge (HTTP and gRPC): listening, connections, bodies, admission, API
+    keys, deadlines."""
+
     host: str = Field(
         default="127.0.0.1",
         description="Address the scoring API listens on; 0.0.0.0 to accept other hosts "
@@ -146,20 +281,131 @@ class Settings(BaseSettings):
         default=None,
         description="PEM private key of FRAUD_GRPC_TLS_CERT (both or neither).",
     )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        description="Open connections plus running requests per worker (uvicorn's "
+        "limit_concurrency); past it new requests get 503 from uvicorn itself.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request line and headers must arrive whole within this many seconds "
+        "of the connection opening (or of a request's first byte on a kept-alive "
+        "connection), else 408 and the connection is closed; uvicorn itself has no header "
+        "read timeout (service/edge/connection.py).",
+    )
+    max_body_bytes: int = Field(
+        default=1_048_576,
+        ge=1024,
+        description="Largest scoring request body in bytes (a full 256-transaction batch "
+        "is ~80 KB); larger ones are answered 413 before they are read.",
+    )
+    body_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A scoring request's body must arrive whole within this many seconds "
+        "or the request is answered 408 and its connection closed; until its body is in, "
+        "a request holds no in-flight slot.",
+    )
+    max_inflight: int = Field(
+        default=0,
+        ge=0,
+        description="Admission capacity in transactions (a batch-endpoint call weighs its "
+        "transaction count, and any call at least 2: its own HTTP work costs about a "
+        "transaction's model work): work admitted at once, parsed, queued or "
+        "running. Beyond it, or beyond a key's fair share of it, a call is answered 503 at "
+        "once, before its items are validated. 0 (default): two full micro-batches per "
+        "model instance (2 x max_batch_size x model_instances, 128), so the model always "
+        "has the next batch waiting and nothing queues for longer than two batches take.",
+    )
+    max_batch_request: int = Field(
+        default=0,
+        ge=0,
+        description="Most transactions one POST /v1/score/batch (or one OIP infer call) may "
+        "carry; more is answered 413. 0 (default): the admission capacity. It may not be "
+        "above the capacity: a call heavier than all the capacity could only run alone, "
+        "refusing every other key while it runs.",
+    )
+    request_timeout_ms: float = Field(
+        default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."
+    )
+    max_event_skew_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Live scoring refuses (422) an event_time further than this from the "
+        "server clock, before or after: a caller cannot step outside the velocity windows "
+        "by choosing its own clock. Replays of old transactions use replay mode "
+        "(X-Fraud-Record: false, admin scope), which lifts the bound; 0: no bound.",
+    )
+    auth: Literal["required", "off"] = Field(
+        default="off",
+        description="'required': every scoring, reload and metrics call needs an API key "
+        "with the right scope (keys in api_keys_file; see docs/api.md, Security). 'off' (the "
+        "local default, tests and demo): anyone who reaches the port may call anything. "
+        "The Helm chart sets 'required'.",
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="The API keys file (JSON lines of {id, sha256, scopes}), needed when "
+        "auth is 'required'; re-read when it changes, so keys rotate without a restart. "
+        "`fraud-scoring keys create` adds keys to it.",
+    )
+    drain_seconds: float = Field(
+        default=10.0, ge=0, description="Graceful shutdown: time to finish in-flight requests."
+    )
+
+    @model_validator(mode="after")
+    def _keys_when_required(self) -> EdgeSettings:
+        if self.auth == "required" and self.api_keys_file is None:
+            raise ValueError("FRAUD_AUTH=required needs FRAUD_API_KEYS_FILE (the keys file)")
+        return self
+
+    @model_validator(mode="after")
+    def _grpc_tls_pair(self) -> EdgeSettings:
+        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
+            given, missing = (
+                ("FRAUD_GRPC_TLS_CERT", "FRAUD_GRPC_TLS_KEY")
+                if self.grpc_tls_key is None
+                else ("FRAUD_GRPC_TLS_KEY", "FRAUD_GRPC_TLS_CERT")
+            )
+            raise ValueError(
+                f"{given} is set but {missing} is not: gRPC TLS needs both (the "
+                "certificate chain and its private key) or neither"
+            )
+        return self
+
+
+class BatchingSettings(_Group):
+    """The micro-batcher at the model boundary."""
+
+    batching: bool = Field(
+        default=True,
+        description="Dynamic batching at the model boundary; false: one feature read and "
+        "one ONNX call per request (the naive path, kept as the benchmark baseline).",
+    )
+    max_batch_size: int = Field(default=64, ge=1, description="Largest batch sent to the model.")
+    max_queue_delay_ms: float = Field(
+        default=2.0, ge=0, description="Longest a request waits for a batch to fill."
+    )
+    preferred_batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Batch sizes worth waiting for (JSON list); empty: flush when full or "
+        "when max_queue_delay_ms passes.",
+    )
+    max_queue_size: int = Field(
+        default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
+    )
+
+
+class ScoringSettings(_Group):
+    """One micro-batch's decision: the store read and its breaker, the policy, recording."""
+
     redis_timeout_s: float = Field(
         default=1.0,
         gt=0,
         description="Socket timeout of the service's Redis reads; a batch whose read "
         "fails or takes longer is answered 503 (never scored on made-up features).",
-    )
-    degraded_policy: Literal["refuse", "rules"] = Field(
-        default="refuse",
-        description="When the online store holds no batch features for a view (the "
-        "batch job's marker is missing, e.g. Redis restarted without persistence) or is "
-        "unreachable (or its circuit breaker is open): 'refuse' answers 503 and /readyz "
-        "is 503; 'rules' decides on the request and session features with rules only "
-        "(no model score), marks the answer degraded: true, counts it in "
-        "fraud_degraded_decisions_total, and /readyz stays 200 with a degraded detail.",
     )
     breaker_failures: int = Field(
         default=3,
@@ -181,13 +427,14 @@ class Settings(BaseSettings):
         description="How often a background task checks the batch job's per-view "
         "markers (not per request).",
     )
-    max_batch_request: int = Field(
-        default=0,
-        ge=0,
-        description="Most transactions one POST /v1/score/batch (or one OIP infer call) may "
-        "carry; more is answered 413. 0 (default): the admission capacity. It may not be "
-        "above the capacity: a call heavier than all the capacity could only run alone, "
-        "refusing every other key while it runs.",
+    degraded_policy: Literal["refuse", "rules"] = Field(
+        default="refuse",
+        description="When the online store holds no batch features for a view (the "
+        "batch job's marker is missing, e.g. Redis restarted without persistence) or is "
+        "unreachable (or its circuit breaker is open): 'refuse' answers 503 and /readyz "
+        "is 503; 'rules' decides on the request and session features with rules only "
+        "(no model score), marks the answer degraded: true, counts it in "
+        "fraud_degraded_decisions_total, and /readyz stays 200 with a degraded detail.",
     )
     review_threshold: float | None = Field(
         default=None, ge=0, le=1, description="Override the model's review threshold."
@@ -213,145 +460,29 @@ class Settings(BaseSettings):
         "answer and changes nothing, other content under the id is refused 409 id_reused. "
         "0: off.",
     )
-    auth: Literal["required", "off"] = Field(
-        default="off",
-        description="'required': every scoring, reload and metrics call needs an API key "
-        "with the right scope (keys in api_keys_file; see docs/api.md, Security). 'off' (the "
-        "local default, tests and demo): anyone who reaches the port may call anything. "
-        "The Helm chart sets 'required'.",
-    )
-    api_keys_file: Path | None = Field(
-        default=None,
-        description="The API keys file (JSON lines of {id, sha256, scopes}), needed when "
-        "auth is 'required'; re-read when it changes, so keys rotate without a restart. "
-        "`fraud-scoring keys create` adds keys to it.",
-    )
-    max_event_skew_s: float = Field(
-        default=600.0,
-        ge=0,
-        description="Live scoring refuses (422) an event_time further than this from the "
-        "server clock, before or after: a caller cannot step outside the velocity windows "
-        "by choosing its own clock. Replays of old transactions use replay mode "
-        "(X-Fraud-Record: false, admin scope), which lifts the bound; 0: no bound.",
-    )
-    drain_seconds: float = Field(
-        default=10.0, ge=0, description="Graceful shutdown: time to finish in-flight requests."
-    )
 
-    # --- dynamic batching at the model boundary ----------------------------------
-    batching: bool = Field(
-        default=True,
-        description="Dynamic batching at the model boundary; false: one feature read and "
-        "one ONNX call per request (the naive path, kept as the benchmark baseline).",
-    )
-    model_poll_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="Look for a first model, and with version 'latest' for newer ones, this "
-        "often; new versions are swapped in atomically.",
-    )
-    max_batch_size: int = Field(default=64, ge=1, description="Largest batch sent to the model.")
-    max_queue_delay_ms: float = Field(
-        default=2.0, ge=0, description="Longest a request waits for a batch to fill."
-    )
-    preferred_batch_sizes: list[int] = Field(
-        default_factory=list,
-        description="Batch sizes worth waiting for (JSON list); empty: flush when full or "
-        "when max_queue_delay_ms passes.",
-    )
-    max_queue_size: int = Field(
-        default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
-    )
-    max_inflight: int = Field(
-        default=0,
-        ge=0,
-        description="Admission capacity in transactions (a batch-endpoint call weighs its "
-        "transaction count, and any call at least 2: its own HTTP work costs about a "
-        "transaction's model work): work admitted at once, parsed, queued or "
-        "running. Beyond it, or beyond a key's fair share of it, a call is answered 503 at "
-        "once, before its items are validated. 0 (default): two full micro-batches per "
-        "model instance (2 x max_batch_size x model_instances, 128), so the model always "
-        "has the next batch waiting and nothing queues for longer than two batches take.",
-    )
-    max_body_bytes: int = Field(
-        default=1_048_576,
-        ge=1024,
-        description="Largest scoring request body in bytes (a full 256-transaction batch "
-        "is ~80 KB); larger ones are answered 413 before they are read.",
-    )
-    body_timeout_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="A scoring request's body must arrive whole within this many seconds "
-        "or the request is answered 408 and its connection closed; until its body is in, "
-        "a request holds no in-flight slot.",
-    )
-    header_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="A request line and headers must arrive whole within this many seconds "
-        "of the connection opening (or of a request's first byte on a kept-alive "
-        "connection), else 408 and the connection is closed; uvicorn itself has no header "
-        "read timeout (service/edge/connection.py).",
-    )
-    max_connections: int = Field(
-        default=1000,
-        ge=1,
-        description="Open connections plus running requests per worker (uvicorn's "
-        "limit_concurrency); past it new requests get 503 from uvicorn itself.",
-    )
-    model_instances: int = Field(default=1, ge=1, description="ONNX Runtime sessions.")
-    inline_inference_max_batch: int = Field(
-        default=16,
-        ge=0,
-        description="A CPU micro-batch of at most this many rows runs the model on the event "
-        "loop: there it takes ~10-60 us, less than handing it to the ONNX thread (~50 us "
-        "of CPU, bench in bench/README.md). Larger batches, and any on CUDA, go to the "
-        "thread; 0: always the thread.",
-    )
-    intra_op_threads: int = Field(default=1, ge=1, description="Threads per session.")
-    request_timeout_ms: float = Field(
-        default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."
-    )
-    execution_provider: Literal["auto", "cuda", "cpu"] = Field(
-        default="auto", description="'auto' (CUDA when available, else CPU), 'cuda' or 'cpu'."
-    )
 
-    # --- streaming updater -----------------------------------------------------------
+class EventLogSettings(_Group):
+    """The transaction event log (Redis Streams or Kafka): the updater reads it, ``emit``
+    writes it; Kafka's address is the decision log's too."""
+
     stream_source: Literal["redis", "kafka"] = Field(
         default="redis", description="Event log: 'redis' (Redis Streams) or 'kafka'."
     )
     stream_name: str = Field(default="transactions", description="Redis stream / Kafka topic.")
-    consumer_group: str = Field(
-        default="session-updater",
-        description="Consumer group of the updaters (Redis Streams group / Kafka group.id); "
-        "updaters sharing it split the events, each event is applied by one of them.",
-    )
     kafka_bootstrap: str = Field(
         default="127.0.0.1:9092",
         description="Kafka bootstrap servers, host:port[,host:port...] (source 'kafka').",
     )
-    batch_available_after_s: float = Field(
-        default=0.0,
-        ge=0,
-        le=86_400,
-        description="How long after a day's end (midnight UTC) its batch snapshot reaches "
-        "the online store: the nightly batch's schedule plus its run time (the chart: "
-        "its CronJob at 01:30, plus 30 min). train joins each transaction to the snapshot "
-        "serving has at its time. 0: at once (the batch ran before serving: demo, tests).",
-    )
-    allowed_lateness_s: float = Field(
-        default=300.0,
-        ge=0,
-        description="An event older than the card's newest by more than this (and past "
-        "the 24 h windows) is dropped and counted as late.",
-    )
-    max_future_skew_s: float = Field(
-        default=300.0,
-        ge=0,
-        description="An event stamped further than this into the future (by this host's "
-        "clock) is dead-lettered by the updater, and scored but not recorded by the "
-        "service: applied, it would trim its card's real history away.",
+
+
+class UpdaterSettings(_Group):
+    """The streaming updater."""
+
+    consumer_group: str = Field(
+        default="session-updater",
+        description="Consumer group of the updaters (Redis Streams group / Kafka group.id); "
+        "updaters sharing it split the events, each event is applied by one of them.",
     )
     stream_batch_size: int = Field(
         default=1000, ge=1, description="Most events the updater applies in one round trip."
@@ -400,7 +531,18 @@ class Settings(BaseSettings):
         default=9108, ge=0, le=65535, description="Updater's Prometheus /metrics port (0: off)."
     )
 
-    # --- decision log and feedback (docs/decision-loop.md) ------------------------------
+    @field_validator("kafka_dead_letter_replication")
+    @classmethod
+    def _replication(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be at least 1, or -1 for the broker's default")
+        return v
+
+
+class DecisionLogSettings(_Group):
+    """The decision log and feedback (docs/decision-loop.md), and the drift gauges on
+    served traffic."""
+
     decision_log: Literal["redis", "kafka", "off"] = Field(
         default="redis",
         description="Where every decision (and every label sent to POST /v1/feedback) is "
@@ -446,8 +588,6 @@ class Settings(BaseSettings):
         "markers) this long; the daily compaction of yesterday must run within it (3 days: "
         "two days of slack for a failed run). 0: forever.",
     )
-
-    # --- drift on served traffic (docs/decision-loop.md, part 4) ------------------------
     drift_window: int = Field(
         default=10_000,
         ge=0,
@@ -456,65 +596,20 @@ class Settings(BaseSettings):
         "gauges (the fraud_score histogram stays).",
     )
 
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://")):
-            raise ValueError(
-                f"REDIS_URL must start with redis:// or rediss://, got {redact_url(v)!r}"
-            )
-        return v or None
 
-    @field_validator("kafka_dead_letter_replication")
-    @classmethod
-    def _replication(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("must be at least 1, or -1 for the broker's default")
-        return v
-
-    @model_validator(mode="after")
-    def _password_file_into_url(self) -> Settings:
-        """Carry ``redis_password_file``'s password in REDIS_URL."""
-        if self.redis_password_file is None:
-            return self
-        if self.redis_url is None:
-            raise ValueError("FRAUD_REDIS_PASSWORD_FILE needs REDIS_URL (the server's address)")
-        try:
-            password = self.redis_password_file.read_text().rstrip("\r\n")
-        except OSError as exc:
-            raise ValueError(f"FRAUD_REDIS_PASSWORD_FILE: cannot read: {exc}") from None
-        if not password:
-            raise ValueError(f"FRAUD_REDIS_PASSWORD_FILE: {self.redis_password_file} is empty")
-        u = urlsplit(self.redis_url)
-        if u.password is not None:
-            raise ValueError(
-                "REDIS_URL already carries a password; with FRAUD_REDIS_PASSWORD_FILE give "
-                f"it without one, got {redact_url(self.redis_url)!r}"
-            )
-        user, _, host = u.netloc.rpartition("@")
-        netloc = f"{user}:{quote(password, safe='')}@{host}"
-        self.redis_url = u._replace(netloc=netloc).geturl()
-        return self
-
-    @model_validator(mode="after")
-    def _keys_when_required(self) -> Settings:
-        if self.auth == "required" and self.api_keys_file is None:
-            raise ValueError("FRAUD_AUTH=required needs FRAUD_API_KEYS_FILE (the keys file)")
-        return self
-
-    @model_validator(mode="after")
-    def _grpc_tls_pair(self) -> Settings:
-        if (self.grpc_tls_cert is None) != (self.grpc_tls_key is None):
-            given, missing = (
-                ("FRAUD_GRPC_TLS_CERT", "FRAUD_GRPC_TLS_KEY")
-                if self.grpc_tls_key is None
-                else ("FRAUD_GRPC_TLS_KEY", "FRAUD_GRPC_TLS_CERT")
-            )
-            raise ValueError(
-                f"{given} is set but {missing} is not: gRPC TLS needs both (the "
-                "certificate chain and its private key) or neither"
-            )
-        return self
+class Settings(
+    StoreSettings,
+    ModelSettings,
+    TimeSettings,
+    JobSettings,
+    EdgeSettings,
+    BatchingSettings,
+    ScoringSettings,
+    EventLogSettings,
+    UpdaterSettings,
+    DecisionLogSettings,
+):
+    """Every group: what the command line reads once and hands to the part it runs."""
 
     @property
     def admission_capacity(self) -> int:
@@ -535,47 +630,6 @@ class Settings(BaseSettings):
                 f"capacity ({self.admission_capacity}, FRAUD_MAX_INFLIGHT or two micro-batches "
                 "per model instance): lower it, or raise FRAUD_MAX_INFLIGHT"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _ca_file_into_url(self) -> Settings:
-        """Carry ``redis_ca_file`` in REDIS_URL, the one thing every Redis client reads."""
-        if self.redis_ca_file is None or self.redis_url is None:
-            return self
-        url = self.redis_url
-        if not url.startswith("rediss://"):
-            raise ValueError(
-                f"FRAUD_REDIS_CA_FILE needs a rediss:// (TLS) REDIS_URL, got {redact_url(url)!r}"
-            )
-        if not self.redis_ca_file.is_file():
-            raise ValueError(f"FRAUD_REDIS_CA_FILE: no such file: {self.redis_ca_file}")
-        ca = str(self.redis_ca_file)
-        given = dict(parse_qsl(urlsplit(url).query)).get("ssl_ca_certs")
-        if given is not None and given != ca:
-            raise ValueError(
-                f"FRAUD_REDIS_CA_FILE ({ca}) disagrees with REDIS_URL's ssl_ca_certs ({given})"
-            )
-        if given is None:
-            sep = "&" if urlsplit(url).query else "?"
-            self.redis_url = f"{url}{sep}ssl_ca_certs={quote(ca, safe='/')}"
-        return self
-
-    @model_validator(mode="after")
-    def _cluster_into_url(self) -> Settings:
-        """Carry ``redis_cluster`` in REDIS_URL (``cluster=true``), as the CA file."""
-        if self.redis_url is None:
-            if self.redis_cluster:
-                raise ValueError("FRAUD_REDIS_CLUSTER needs REDIS_URL (a node of the cluster)")
-            return self
-        url = self.redis_url
-        given = dict(parse_qsl(urlsplit(url).query)).get(CLUSTER_PARAM)
-        if self.redis_cluster and given is not None and not is_cluster(url):
-            raise ValueError("FRAUD_REDIS_CLUSTER=true disagrees with REDIS_URL's cluster=false")
-        if self.redis_cluster and given is None:
-            sep = "&" if urlsplit(url).query else "?"
-            url = self.redis_url = f"{url}{sep}{CLUSTER_PARAM}=true"
-        if is_cluster(url):
-            check_cluster_url(url)
         return self
 
 
