@@ -3,30 +3,38 @@
 Two figures, each beside a baseline:
 
 1. **Throughput**: events/s that one updater process applies from a pre-filled stream
-   (poll -> validate -> apply -> ack), with the batched, pipelined apply (one round
-   trip per batch) against the same loop applying one event per round trip. Also the
-   updater's CPU seconds, since the target is "on one core" (Redis runs in its own
-   process).
+   (poll -> validate -> apply -> ack: the cards' histories and every declared state of
+   ``feature_repo/features.yaml``), with the batched, pipelined apply (one round trip
+   per batch) against the same loop applying one event per round trip (histories only).
+   Also the updater's CPU seconds, since the target is "per updater CPU-second" (Redis
+   runs in its own process; its CPU seconds are shown too), and the same with a hot key
+   (``--hot-share`` of the events on one card and one merchant). With ``--baseline REF``
+   the throughput runs of this checkout and of git revision ``REF`` (a temporary
+   worktree, the same bench file and flags) alternate, twice each, in one run.
 2. **Event-to-servable lag** at a fixed rate: ``fraud-scoring emit`` (a separate process)
    appends events at ``--rate`` events/s while the updater runs; lag is the time from
    the stream entry's id (the server's append time, millisecond resolution, so up to
    1 ms too high) to the moment the batch's effect is in Redis. Baseline: the same
    loop on a fixed 100 ms trigger (micro-batches) instead of a blocking read.
 
-Usage: ``python bench/bench_stream.py [--events 60000] [--rate 2000] [--seconds 10]``
+Usage: ``python bench/bench_stream.py [--events 60000] [--rate 2000] [--seconds 10]
+[--baseline REF] [--throughput-only]``
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,9 +96,11 @@ def throughput(url: str, payloads: Sequence[bytes], writer_cls: type[SessionWrit
         UpdaterMetrics.create(),
         batch_size=1000,
     )
+    redis_cpu = _redis_cpu_s(client)
     wall, cpu = time.perf_counter(), time.process_time()
     updater.run(max_messages=len(payloads))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    redis_cpu = _redis_cpu_s(client) - redis_cpu
     n = updater.totals.messages
     return {
         "events": n,
@@ -98,7 +108,13 @@ def throughput(url: str, payloads: Sequence[bytes], writer_cls: type[SessionWrit
         "cpu_s": cpu,
         "events_per_s": n / wall,
         "events_per_cpu_s": n / cpu,
+        "redis_cpu_us_per_event": redis_cpu / n * 1e6,
     }
+
+
+def _redis_cpu_s(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def lag_at_rate(url: str, rate: float, seconds: float, sleeping: bool) -> dict:
@@ -164,7 +180,16 @@ def main() -> None:
     ap.add_argument(
         "--hot-share", type=float, default=0.3, help="share of the hot-key run's events on one key"
     )
+    ap.add_argument(
+        "--baseline", metavar="REF", help="also run the throughput of git revision REF, alternated"
+    )
+    ap.add_argument(
+        "--throughput-only", action="store_true", help="only the batched throughput runs, as JSON"
+    )
     args = ap.parse_args()
+    if args.baseline:
+        compare(args)
+        return
 
     feed = live_events(
         SimConfig(
@@ -179,9 +204,17 @@ def main() -> None:
     for i in np.flatnonzero(rng.random(len(hot_events)) < args.hot_share):
         hot_events[i].update(card_id="c-hot", merchant_id="m-hot")
     hot_payloads = [json.dumps(e).encode() for e in hot_events]
+    del feed, hot_events
+    # The bench's own data (the events, twice) is not the updater's heap: frozen, the
+    # collector does not scan it again and again on the updater's CPU account.
+    gc.collect()
+    gc.freeze()
     with embedded_redis() as url:
         fast = throughput(url, payloads, SessionWriter)
         hot = throughput(url, hot_payloads, SessionWriter)
+        if args.throughput_only:
+            print(json.dumps({"throughput": fast, "throughput_hot_key": hot}))
+            return
         slow = throughput(url, payloads[: args.baseline_events], UnpipelinedWriter)
         lag = lag_at_rate(url, args.rate, args.seconds, sleeping=False)
         lag_base = lag_at_rate(url, args.rate, args.seconds, sleeping=True)
@@ -199,6 +232,7 @@ def main() -> None:
     for key, label in (
         ("events_per_s", "events/s (wall)"),
         ("events_per_cpu_s", "events per updater CPU-second"),
+        ("redis_cpu_us_per_event", "Redis CPU µs per event"),
     ):
         print(f"{label:34}{fast[key]:>16,.0f}{hot[key]:>18,.0f}")
     print(f"\nevent-to-servable lag at {args.rate:,.0f} events/s for {args.seconds:.0f}s")
@@ -222,6 +256,61 @@ def main() -> None:
             }
         )
     )
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Throughput of this checkout and of ``args.baseline``, alternated twice: this bench
+    file run in a subprocess per side, the baseline's code first on its path."""
+    here = Path(__file__).resolve().parent.parent
+    flags = ["--events", str(args.events), "--hot-share", str(args.hot_share)]
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(
+            ["git", "-C", str(here), "worktree", "add", "--detach", str(tree), args.baseline],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            runs: dict[str, list[dict]] = {"this checkout": [], args.baseline: []}
+            for _ in range(2):
+                for label, root in (("this checkout", here), (args.baseline, tree)):
+                    out = subprocess.run(
+                        [
+                            sys.executable,
+                            str(Path(__file__).resolve()),
+                            *flags,
+                            "--throughput-only",
+                        ],
+                        cwd=root,
+                        env={**os.environ, "PYTHONPATH": str(root)},
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
+                    runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        finally:
+            subprocess.run(
+                ["git", "-C", str(here), "worktree", "remove", "--force", str(tree)], check=True
+            )
+    print(f"\nthroughput, one updater process ({os.cpu_count()} CPUs), two runs each, alternated")
+    print(f"{'':34}{'this checkout':>22}{args.baseline[:20]:>22}")
+    for run, title in (("throughput", "no hot key"), ("throughput_hot_key", "hot key")):
+        print(
+            f"{title} ({args.hot_share:.0%} of the events on one card and merchant)"
+            if run == "throughput_hot_key"
+            else title
+        )
+        for key, label in (
+            ("events_per_s", "events/s (wall)"),
+            ("events_per_cpu_s", "events per updater CPU-second"),
+            ("redis_cpu_us_per_event", "Redis CPU µs per event"),
+        ):
+            cells = []
+            for side in runs.values():
+                v = sorted(r[run][key] for r in side)
+                cells.append(f"{v[0]:,.0f} – {v[-1]:,.0f}")
+            print(f"  {label:32}{cells[0]:>22}{cells[1]:>22}")
+    print(json.dumps(runs))
 
 
 if __name__ == "__main__":

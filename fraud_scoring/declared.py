@@ -4,7 +4,8 @@ A declaration names an entity (one or more transaction columns), an optional fil
 value column, windows and the aggregations wanted; each (aggregation, window) becomes a
 feature ``<prefix>_<window>``. This module is the language (parsed and checked:
 :func:`load`), the tile math every engine shares (:func:`tile_of`, :func:`finish`), the
-Redis layout (record an event: the script :data:`APPLY_LUA`; read a key's windows:
+Redis layout (record events: the script :data:`APPLY_LUA`, or :data:`APPLY_STATES_LUA`
+for a whole batch in every state at once, :func:`queue_states`; read a key's windows:
 :func:`queue_read` and :func:`parse_reads`), and the derived-feature evaluator
 (:func:`evaluate`).
 The batch side compiles the same declarations to DuckDB (``batch_jobs/declared_sql.py``).
@@ -40,6 +41,7 @@ import hashlib
 import itertools
 import json
 import math
+import operator
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -655,20 +657,28 @@ LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 # holds already) or -1 (older than the key's newest by more than the horizon: dropped,
 # as nothing live reads that far back). A key's events in one call are summed per tile
 # first, and its hash read and written once.
-APPLY_LUA = """
-local horizon, keep, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local backfill, dcap, dback = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
-local nw = tonumber(ARGV[7])
-local widths, fields = {}, {}
-for w = 1, nw do
-  widths[w] = {ARGV[6 + 2*w], tonumber(ARGV[6 + 2*w]), tonumber(ARGV[7 + 2*w])}
-  fields[w] = ARGV[6 + 2*w]
+_RECORD_FN = (
+    """
+-- A state's settings from ARGV[pos]: horizon_us, newest, ttl_ms, backfill (1/0), dcap,
+-- dback_us, nwidths, (u, slots)*. Returns them (record's c) and the position after.
+local function config(pos)
+  local nw = tonumber(ARGV[pos + 6])
+  local widths, fields = {}, {}
+  for w = 1, nw do
+    local u = ARGV[pos + 5 + 2*w]
+    widths[w] = {u, tonumber(u), tonumber(ARGV[pos + 6 + 2*w])}
+    fields[w] = u
+  end
+  fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
+  return {tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2]),
+    ARGV[pos + 3] == '1', tonumber(ARGV[pos + 4]), tonumber(ARGV[pos + 5]), nw, widths,
+    fields}, pos + 7 + 2 * nw
 end
-fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
-local pos = 8 + 2 * nw
-local result = {}
-for g = 1, #KEYS / 2 do
-  local kt, kid = KEYS[2*g - 1], KEYS[2*g]
+"""
+    + """
+-- Record one key's events: ``nev`` of them, ``ev(e)`` -> id, ts (µs), value (numbers).
+local function record(kt, kid, c, nev, ev)
+  local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields = unpack(c)
   local held = redis.call('HMGET', kt, unpack(fields))
   local recent = held[nw + 1] or ''
   -- f: the oldest event recorded live; b: the newest recorded by a backfill
@@ -679,9 +689,8 @@ for g = 1, #KEYS / 2 do
   if #recent > 0 then newest = struct.unpack('<d', recent, #recent - 15) end
   local out, tiles, added = {}, {}, false
   for w = 1, nw do tiles[w] = {} end
-  local nev = tonumber(ARGV[pos])
   for e = 1, nev do
-    local id, ts, v = ARGV[pos + 3*e - 2], tonumber(ARGV[pos + 3*e - 1]), ARGV[pos + 3*e]
+    local id, ts, x = ev(e)
     if backfill and ((back0 and ts <= back0) or (first and ts >= first)) then
       out[e] = 0  -- recorded by an earlier backfill, or live (the stream has it)
     elseif redis.call('ZSCORE', kid, id) then
@@ -690,7 +699,6 @@ for g = 1, #KEYS / 2 do
       out[e] = -1
     else
       redis.call('ZADD', kid, ts, id)
-      local x = tonumber(v)
       for w = 1, nw do
         local u = widths[w][2]
         local idx = (ts - math.fmod(ts, u)) / u
@@ -711,7 +719,6 @@ for g = 1, #KEYS / 2 do
       added = true
     end
   end
-  pos = pos + 1 + 3 * nev
   if added then
     local set = {}
     for w = 1, nw do
@@ -783,12 +790,77 @@ for g = 1, #KEYS / 2 do
     redis.call('PEXPIRE', kt, ttl)
     redis.call('PEXPIRE', kid, ttl)
   end
-  result[g] = out
+  return out
+end
+"""
+)
+APPLY_LUA = (
+    _RECORD_FN
+    + """
+local c, pos = config(1)
+local result = {}
+for g = 1, #KEYS / 2 do
+  local nev, at = tonumber(ARGV[pos]), pos
+  result[g] = record(KEYS[2*g - 1], KEYS[2*g], c, nev, function(e)
+    return ARGV[at + 3*e - 2], tonumber(ARGV[at + 3*e - 1]), tonumber(ARGV[at + 3*e])
+  end)
+  pos = pos + 1 + 3 * nev
 end
 return result
 """
+)
+# KEYS: t, ids of each key of each state, in order. ARGV (lists as one text, each item
+# followed by its separator): [1] n (rows), [2] the rows' transaction ids (each + "\x1f"),
+# [3] their times in µs (each + ","), [4] ncols, then per value column the rows' values
+# (each + ",", empty where a row has none), then nstates and per state: its settings
+# (APPLY_LUA's, up to the keys), delay_us, its value column (1..ncols; 0: each event
+# counts 1.0), then its keys' rows (1-based; per key "i,j,...;", in key order). Each
+# key's events are recorded exactly as APPLY_LUA records them (id, ts + delay, value).
+# Returns per state a string, one character per event of its keys in order: "1"
+# (added), "0" (duplicate, or held by a backfill already) or "-" (dropped).
+APPLY_STATES_LUA = (
+    _RECORD_FN
+    + """
+local n = tonumber(ARGV[1])
+local ids, times = {}, {}
+for x in string.gmatch(ARGV[2], '([^\\031]*)\\031') do ids[#ids + 1] = x end
+for x in string.gmatch(ARGV[3], '([^,]*),') do times[#times + 1] = tonumber(x) end
+assert(#ids == n and #times == n, 'ids and times must hold n rows')
+local ncol = tonumber(ARGV[4])
+local cols = {}
+for k = 1, ncol do
+  local col = {}
+  for x in string.gmatch(ARGV[4 + k], '([^,]*),') do col[#col + 1] = tonumber(x) or false end
+  assert(#col == n, 'a value column must hold n rows')
+  cols[k] = col
+end
+local pos, kpos = 6 + ncol, 1
+local code = {[1] = '1', [0] = '0', [-1] = '-'}
+local result = {}
+for s = 1, tonumber(ARGV[5 + ncol]) do
+  local c
+  c, pos = config(pos)
+  local delay, vals = tonumber(ARGV[pos]), cols[tonumber(ARGV[pos + 1])]
+  local codes = {}
+  for key in string.gmatch(ARGV[pos + 2], '([^;]*);') do
+    local rows = {}
+    for i in string.gmatch(key, '%d+') do rows[#rows + 1] = tonumber(i) end
+    local out = record(KEYS[kpos], KEYS[kpos + 1], c, #rows, function(e)
+      local i = rows[e]
+      return ids[i], times[i] + delay, vals and vals[i] or 1.0
+    end)
+    for e = 1, #out do codes[#codes + 1] = code[out[e]] end
+    kpos = kpos + 2
+  end
+  pos = pos + 3
+  result[s] = table.concat(codes)
+end
+return result
+"""
+)
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
-SCRIPTS = (APPLY_LUA,)
+APPLY_STATES_SHA = hashlib.sha1(APPLY_STATES_LUA.encode()).hexdigest()
+SCRIPTS = (APPLY_LUA, APPLY_STATES_LUA)
 
 
 @dataclass(frozen=True)
@@ -836,6 +908,7 @@ class BatchColumns:
         self._values: dict[str | None, list[float]] = {}
         self._args: dict[tuple[int, str | None], list[tuple[str, int, str]]] = {}
         self._args_one: dict[tuple[int, str | None], list[tuple[int, str, int, str]]] = {}
+        self._texts: dict[str | None, list[str]] = {}
 
     @cached_property
     def ids(self) -> list[str]:
@@ -936,17 +1009,31 @@ class BatchColumns:
         out = self._args.get(sig)
         if out is not None:
             return out
-        vc = spec.value_column
-        if vc is None:
-            texts = ["1.0"] * len(self.rows)
-        elif spec.categorical:  # a few distinct values per batch: their texts cached
-            texts = ["" if _empty(v) else _code_text(v) for v in self.column(vc)]
-        else:
-            texts = [repr(v) for v in self.values(spec)]
         d = spec.delay_us
         ts = self.ts_us if d == 0 else [t + d for t in self.ts_us]
-        out = self._args[sig] = list(zip(self.ids, ts, texts, strict=True))
+        out = self._args[sig] = list(zip(self.ids, ts, self.texts(spec), strict=True))
         return out
+
+    def texts(self, spec: Spec) -> list[str]:
+        """Each row's value as the shortest text that reads back as the same double
+        (``repr``; "" for a row without a categorical value, which no state records)."""
+        vc = spec.value_column
+        out = self._texts.get(vc)
+        if out is not None:
+            return out
+        if vc is None:
+            out = ["1.0"] * len(self.rows)
+        elif spec.categorical:  # a few distinct values per batch: their texts cached
+            out = ["" if _empty(v) else _code_text(v) for v in self.column(vc)]
+        else:
+            out = [repr(v) for v in self.values(spec)]
+        self._texts[vc] = out
+        return out
+
+    @cached_property
+    def positions(self) -> list[str]:
+        """Each row's 1-based position as text (how :data:`APPLY_STATES_LUA` names it)."""
+        return [str(i) for i in range(1, len(self.rows) + 1)]
 
     def args_one(self, spec: Spec) -> list[tuple[int, str, int, str]]:
         """:meth:`args` with an event count of 1 ahead (a key with one event)."""
@@ -1074,6 +1161,63 @@ def queue_record(
     else:
         _queue_call(pipe, spec, keys, [*head, *flat(per)])
     return keys
+
+
+def queue_states(
+    pipe: Any, specs: Sequence[Spec], cols: BatchColumns, horizon_s: float
+) -> list[tuple[Spec, list[str]]]:
+    """Queue the recording of a batch (``cols``) in all of ``specs`` (transaction
+    states; a label state takes none) in one :data:`APPLY_STATES_LUA` call: each row's id
+    and time sent once, each value column once, and per state and key only the rows'
+    positions. One server only (a Redis Cluster records per key: :func:`queue_record`).
+    Returns the states that record events with their keys, in reply order (the reply:
+    per state a string, one character per event, :func:`_state_results`); nothing
+    queued when none does."""
+    states = [(s, cols.groups(s)) for s in specs if s.source == "transactions"]
+    states = [(s, g) for s, g in states if g]
+    if not states:
+        return []
+    columns: dict[str | None, int] = {None: 0}  # value column -> its place (1-based)
+    values: list[str] = []
+    for spec, _ in states:
+        if spec.value_column not in columns:
+            columns[spec.value_column] = len(columns)
+            values.append(",".join(cols.texts(spec)) + ",")
+    ids = "\x1f".join(cols.ids) + "\x1f"
+    if ids.count("\x1f") != len(cols.ids):
+        raise ValueError("transaction_id: must not hold the character \\x1f")
+    times = ",".join(map(str, cols.ts_us)) + ","
+    args: list[Any] = [len(cols.ids), ids, times, len(values), *values, len(states)]
+    names: list[str] = []
+    at = cols.positions
+    for spec, groups in states:
+        args += _apply_head(spec, Limits.for_spec(spec, horizon_s))
+        places = [
+            at[idx[0]] if len(idx) == 1 else ",".join(map(at.__getitem__, idx))
+            for idx in groups.values()
+        ]
+        args += (spec.delay_us, columns[spec.value_column], ";".join(places) + ";")
+        names += [n for k in groups for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
+    pipe.execute_command("EVALSHA", APPLY_STATES_SHA, len(names), *names, *args)
+    return [(spec, list(groups)) for spec, groups in states]
+
+
+def _state_results(
+    spec: Spec, keys: Sequence[str], cols: BatchColumns, codes: bytes
+) -> dict[str, list[int]]:
+    """One state's part of an :data:`APPLY_STATES_LUA` reply, as :data:`APPLY_LUA`'s:
+    per key, per event 1, 0 or -1."""
+    groups, out, at = cols.groups(spec), {}, 0
+    for key in keys:
+        n = len(groups[key])
+        out[key] = [_CODES[c] for c in codes[at : at + n]]
+        at += n
+    if at != len(codes):
+        raise ValueError(f"state {spec.id}: {len(codes)} results for {at} events")
+    return out
+
+
+_CODES = {ord("1"): 1, ord("0"): 0, ord("-"): -1}
 
 
 def queue_read(pipe: Any, spec: Spec, key: str, t_us: int) -> None:
@@ -1246,9 +1390,10 @@ class BatchPlan:
     key), and the events it records, by declaration and key."""
 
     reads: list[tuple[Spec, int, str | None]]
-    # Per APPLY call: the spec, its keys in reply order and the batch's columns (the
-    # recorded rows'; their events: BatchColumns.events).
-    writes: list[tuple[Spec, list[str], BatchColumns]]
+    # Per write call: the states it records with their keys in reply order, whether it
+    # is one APPLY_STATES call (else one APPLY call of one state), and the batch's
+    # columns (the recorded rows'; their events: BatchColumns.events).
+    writes: list[tuple[list[tuple[Spec, list[str]]], bool, BatchColumns]]
 
 
 def queue_batch(
@@ -1264,9 +1409,9 @@ def queue_batch(
     read: bool = True,
 ) -> BatchPlan:
     """Queue a micro-batch's reads, then (after ``writes_after``, which may queue other
-    writes) the recording of the rows whose ``record`` is true (``per_key``: one call per
-    key, for a Redis Cluster; ``read`` False: record only, as the updater does). The
-    reads come first, the recording last."""
+    writes) the recording of the rows whose ``record`` is true: one call for every state
+    (:func:`queue_states`), or with ``per_key`` (a Redis Cluster) one per key. ``read``
+    False: record only, as the updater does. The reads come first, the recording last."""
     plan = BatchPlan([], [])
     for spec in decl.specs if read else ():
         for i, row in enumerate(rows):
@@ -1281,14 +1426,14 @@ def queue_batch(
         cols = BatchColumns([rows[i] for i in kept], [ts_us[i] for i in kept])
     else:
         cols = BatchColumns(rows, ts_us)
+    if not per_key:
+        states = queue_states(pipe, decl.specs, cols, horizon_s)
+        if states:
+            plan.writes.append((states, True, cols))
+        return plan
     for spec in decl.specs:
-        keys = queue_record(pipe, spec, cols, Limits.for_spec(spec, horizon_s), per_key=per_key)
-        if not keys:
-            continue
-        if per_key:
-            plan.writes += [(spec, [k], cols) for k in keys]
-        else:
-            plan.writes.append((spec, keys, cols))
+        keys = queue_record(pipe, spec, cols, Limits.for_spec(spec, horizon_s), per_key=True)
+        plan.writes += [([(spec, [k])], False, cols) for k in keys]
     return plan
 
 
@@ -1304,13 +1449,20 @@ def parse_batch(
     Attempts of one key in the same micro-batch see each other in event-time order.
     Returns the columns and how many reads were inexact."""
     fresh: dict[tuple[str, str], list[Event]] = {}
-    for (spec, keys, batch), reply in zip(plan.writes, writes, strict=True):
+    for (recorded, one_call, batch), reply in zip(plan.writes, writes, strict=True):
         if isinstance(reply, Exception):
             continue
-        for key, per_event in zip(keys, reply, strict=True):
-            fresh[(spec.id, key)] = [
-                e for e, a in zip(batch.events(spec, key), per_event, strict=True) if int(a) == 1
-            ]
+        for (spec, keys), part in zip(recorded, reply if one_call else [reply], strict=True):
+            results = (
+                _state_results(spec, keys, batch, part)
+                if one_call
+                else dict(zip(keys, part, strict=True))
+            )
+            for key, per_event in results.items():
+                evs = batch.events(spec, key)
+                fresh[(spec.id, key)] = [
+                    e for e, a in zip(evs, per_event, strict=True) if int(a) == 1
+                ]
     cols: dict[str, list[float]] = {}
     inexact = 0
     pos = 0
@@ -1339,8 +1491,8 @@ def parse_batch(
 def transaction_row(txn: Any) -> dict[str, Any]:
     """The fields of a validated transaction (``fraud_scoring.events.Transaction``) a
     declaration reads."""
-    return {
-        "transaction_id": txn.transaction_id,
-        **{c: getattr(txn, c) for c in KEY_COLUMNS},
-        **{c: getattr(txn, c) for c in VALUE_COLUMNS},
-    }
+    return dict(zip(ROW_FIELDS, _row_of(txn), strict=True))
+
+
+ROW_FIELDS = ("transaction_id", *KEY_COLUMNS, *VALUE_COLUMNS)
+_row_of = operator.attrgetter(*ROW_FIELDS)  # one C call per transaction (the updater's)
