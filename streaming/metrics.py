@@ -11,7 +11,8 @@
 * ``fraud_stream_consumer_lag``: events in the log not yet acknowledged by the group.
 * ``fraud_stream_newest_event_time_seconds``: newest event time applied (epoch s);
   ``time() - it`` is the event-time lag of live traffic.
-* ``fraud_stream_retries_total{step}``: backoff retries while Redis or the log is down.
+* ``fraud_stream_retries_total{step}``: backoff retries while Redis or the log is down
+  (``step``: poll, dead_letter, apply, ack).
 * ``fraud_stream_last_step_time_seconds``: when the loop last completed a step (a poll,
   and for a non-empty batch its apply and acknowledgement); it stops moving while the
   updater retries against a Redis or an event log that is down.
@@ -40,6 +41,8 @@ READY_MAX_AGE_S = 30.0
 # fraud_stream_events_total's outcomes, each exported at 0 from the start: a series born
 # at its first count looks flat to increase() (FraudUpdaterDeadLetters would miss it).
 OUTCOMES = ("applied", "duplicate", "dead_letter", "dropped_too_late")
+# The steps streaming/updater.py's loop retries (``Updater._retry``'s names).
+RETRY_STEPS = ("poll", "dead_letter", "apply", "ack")
 
 LAG_BUCKETS = (
     0.001,
@@ -114,8 +117,12 @@ class UpdaterMetrics:
                 registry=reg,
             ),
         )
+        # Every known label value at 0 from the start: a series born at its first count
+        # looks flat to rate()/increase(), so an alert would miss the first event.
         for outcome in OUTCOMES:
             metrics.events.labels(outcome)
+        for step in RETRY_STEPS:
+            metrics.retries.labels(step)
         return metrics
 
 

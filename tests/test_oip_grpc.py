@@ -412,13 +412,17 @@ def test_grpc_and_rest_calls_draw_on_one_admission_capacity(
             REDIS_URL=url,
             FRAUD_GRPC_PORT=str(port),
             FRAUD_MAX_INFLIGHT="2",
-            FRAUD_REDIS_TIMEOUT_S="5",
-            FRAUD_REQUEST_TIMEOUT_MS="8000",
+            # The REST call waits on the hung Redis up to 20 s (ends with the pause).
+            FRAUD_REDIS_TIMEOUT_S="20",
+            FRAUD_REQUEST_TIMEOUT_MS="30000",
         )
         client = tgrpc.InferenceServerClient(url=f"127.0.0.1:{port}")
         x = _rows(meta, 1)
 
+        answers: list[int] = []
+
         def refused_inflight() -> bool:
+            assert not answers, f"the REST call was answered first: {answers}"
             try:
                 client.infer("fraud", [_infer_input(meta, x)])
             except InferenceServerException as exc:
@@ -431,13 +435,14 @@ def test_grpc_and_rest_calls_draw_on_one_admission_capacity(
             with srv.client() as c:
                 assert client.infer("fraud", [_infer_input(meta, x)]).as_numpy(meta.output_name)
                 before = rejections(c.get("/metrics").text, "inflight")
-                answers: list[int] = []
                 with paused(url):
                     rest = threading.Thread(
-                        target=lambda: answers.append(c.post("/v1/score", json=TXN).status_code)
+                        target=lambda: answers.append(
+                            c.post("/v1/score", json=TXN, timeout=60).status_code
+                        )
                     )
                     rest.start()
-                    wait_until(refused_inflight, timeout=4, what="gRPC refused: REST in process")
+                    wait_until(refused_inflight, timeout=15, what="gRPC refused: REST in process")
                 rest.join()
                 assert len(answers) == 1  # answered (a 503 when the read timed out)
                 assert rejections(c.get("/metrics").text, "inflight") >= before + 1

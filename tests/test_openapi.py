@@ -155,6 +155,37 @@ def test_currency_and_country_enums_are_the_validators_lists(
         assert r.status_code == 200, r.text
 
 
+def test_v2_lists_no_422_and_the_key_schemes_follow_auth(
+    spec: dict[str, Any], tmp_path: Path
+) -> None:
+    """The ``/v2`` operations list no 422 (never answered); the key's two schemes are in
+    the document; with auth off no operation requires them (none is asked for), with
+    auth on exactly the operations that answer 401 do (either scheme)."""
+    from fraud_scoring.settings import Settings
+    from service.edge.app import SECURITY_SCHEMES, create_app
+
+    v2 = [(m, p) for m, p, op in _operations(spec) if p.startswith("/v2")]
+    assert v2 and not [
+        (m, p) for m, p, op in _operations(spec) if p.startswith("/v2") and "422" in op["responses"]
+    ]
+    assert spec["components"]["securitySchemes"] == SECURITY_SCHEMES
+    assert not [p for _, p, op in _operations(spec) if "security" in op]
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+
+    keys = tmp_path / "keys.jsonl"
+    on = create_app(Settings(auth="required", api_keys_file=keys)).openapi()
+    either = [{"bearerAuth": []}, {"apiKeyHeader": []}]
+    keyed = {(m, p) for m, p, op in _operations(on) if "401" in op["responses"]}
+    assert {
+        ("POST", "/v1/score"),
+        ("GET", "/metrics"),
+        ("POST", "/v2/models/{name}/infer"),
+    } <= keyed
+    for method, path, op in _operations(on):
+        assert op.get("security") == (either if (method, path) in keyed else None), path
+    assert ("GET", "/readyz") not in keyed and ("GET", "/v2/health/ready") not in keyed
+
+
 def test_the_documented_id_pattern_is_the_validators() -> None:
     """An id's documented pattern accepts exactly what the validator does with the
     JSON: whitespace around it stripped first, then 1 to 128 characters, no control

@@ -284,6 +284,10 @@ def test_http_metrics_and_zeroed_counters_without_tracing(world: World, tmp_path
                 for state in ("missing", "stale"):
                     labels = {"feature": feature.name, "state": state}
                     assert _sample(before, "fraud_features_unavailable_total", labels) == 0
+            for source in ("chargeback", "analyst", "customer"):
+                for matched in ("true", "false"):
+                    labels = {"source": source, "matched": matched}
+                    assert _sample(before, "fraud_feedback_labels_total", labels) == 0
             assert _sample(before, "http_server_request_duration_seconds_count", SCORED) is None
 
             r = c.post("/v1/score", json={**TXN, "transaction_id": "untraced"})
@@ -310,6 +314,37 @@ def test_http_metrics_and_zeroed_counters_without_tracing(world: World, tmp_path
         assert "# TYPE http_server_request_duration_seconds histogram" in after
     finally:
         stop_server(srv)
+
+
+def test_labelled_counters_start_at_zero_for_every_known_value() -> None:
+    """The challenger's error reasons (once a challenger is configured), the feedback
+    labels' sources and matches, the updater's retry steps: each at 0 when its counter is
+    made, so rate()/increase() see the first event."""
+    import inspect
+    import typing
+
+    from service.core import challenger
+    from service.edge import feedback
+    from streaming import updater
+    from streaming.metrics import RETRY_STEPS, UpdaterMetrics
+
+    challenger._instruments()
+    for reason in challenger.ERROR_REASONS:
+        labels = {"reason": reason}
+        got = prometheus_client.REGISTRY.get_sample_value("fraud_challenger_errors_total", labels)
+        assert got is not None, reason
+    feedback.zero_counters()
+    for source in typing.get_args(feedback.Source):
+        labels = {"source": source, "matched": "false"}
+        got = prometheus_client.REGISTRY.get_sample_value("fraud_feedback_labels_total", labels)
+        assert got is not None, source
+    metrics = UpdaterMetrics.create()
+    for step in RETRY_STEPS:
+        got = metrics.registry.get_sample_value("fraud_stream_retries_total", {"step": step})
+        assert got == 0, step
+    # The steps the updater retries are the ones zeroed.
+    retried = re.findall(r'self\._retry\("(\w+)"', inspect.getsource(updater.Updater))
+    assert sorted(retried) == sorted(RETRY_STEPS)
 
 
 def test_decisions_named_as_the_core_names_them() -> None:

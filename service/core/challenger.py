@@ -72,9 +72,14 @@ class _Instruments:
     errors: Counter
 
 
+# fraud_challenger_errors_total's reasons, each exported at 0 once a challenger is
+# configured (a series born at its first count looks flat to rate()).
+ERROR_REASONS = ("load", "inference", "invalid", "timeout", "busy")
+
+
 @cache
 def _instruments() -> _Instruments:
-    return _Instruments(
+    ins = _Instruments(
         scored=Counter("fraud_challenger_scored", "Transactions the challenger scored"),
         errors=Counter(
             "fraud_challenger_errors",
@@ -82,6 +87,9 @@ def _instruments() -> _Instruments:
             ["reason"],
         ),
     )
+    for reason in ERROR_REASONS:
+        ins.errors.labels(reason=reason)
+    return ins
 
 
 def load_challenger(settings: Settings, version: str) -> LoadedModel:

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Scope
 
 from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
-from service.edge import auth, oip, oip_grpc, review
+from service.edge import auth, feedback, oip, oip_grpc, review
 from service.edge.admission import AdmissionLimit, WorkShares
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
@@ -82,12 +82,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     _offline_redoc(app)
+    _openapi_as_answered(app, auth_on=settings.auth == "required")
     app.include_router(router)
     app.include_router(oip.router)
     # Labels steer training and the review queue: their own `label` scope (admin implies
     # it), for feedback and the analysts' queue, reads included; the page is open.
     labelling = [Depends(auth.require_scope(auth.Scope.LABEL))]
     app.include_router(feedback_router, dependencies=labelling)
+    feedback.zero_counters()
     app.include_router(review.router, dependencies=labelling)
     app.include_router(review.page_router)
     admission = functools.partial(
@@ -168,6 +170,54 @@ def _offline_redoc(app: FastAPI) -> None:
             media_type="text/javascript",
             headers={"Cache-Control": "public, max-age=3600"},
         )
+
+
+# How a caller presents its key (service.edge.auth.presented_key), as OpenAPI schemes.
+SECURITY_SCHEMES: dict[str, dict[str, str]] = {
+    "bearerAuth": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "`Authorization: Bearer <key>` (FRAUD_AUTH=required; docs/api.md, Security)",
+    },
+    "apiKeyHeader": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "X-API-Key",
+        "description": "`X-API-Key: <key>`, the same key another way",
+    },
+}
+
+
+def _openapi_as_answered(app: FastAPI, auth_on: bool) -> None:
+    """``/openapi.json`` as the wire answers, after FastAPI builds it (once):
+
+    * the ``/v2`` operations list no 422: their path parameters are plain strings and
+      the protocol's errors are 400/404 (FastAPI adds a 422 to every route with
+      parameters; ``service.edge.oip`` lists one in its own shape so that none of
+      FastAPI's is added, and it is taken out here);
+    * the key schemes (:data:`SECURITY_SCHEMES`) in ``components.securitySchemes``; with
+      auth on (``FRAUD_AUTH=required``) every operation that answers 401 requires one of
+      them (the others are open). With auth off no operation requires a key, as none is
+      asked for (a client, or schemathesis, would otherwise expect a 401)."""
+    standard = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = standard()
+        for path, item in doc["paths"].items():
+            for op in item.values():
+                if not isinstance(op, dict) or "responses" not in op:
+                    continue
+                if path.startswith("/v2"):
+                    op["responses"].pop("422", None)
+                if auth_on and "401" in op["responses"]:
+                    op["security"] = [{name: []} for name in SECURITY_SCHEMES]
+        doc.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _outermost(app: FastAPI, layer: Callable[[ASGIApp], ASGIApp]) -> None:

@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, get_args
 
 import redis
 from fastapi import APIRouter, Request
@@ -112,12 +112,23 @@ def feedback_key(transaction_id: str, source: str) -> str:
 
 @functools.cache
 def _labels() -> Counter:
-    return Counter(
+    counter = Counter(
         "fraud_feedback_labels",
         "Labels stored through POST /v1/feedback and the review page, by source and by "
         "whether the service held the decision of their transaction_id (matched)",
         ["source", "matched"],
     )
+    # Every source and match at 0 from the start (a series born at its first count looks
+    # flat to rate()): create_app calls zero_counters().
+    for source in get_args(Source):
+        for matched in ("true", "false"):
+            counter.labels(source=source, matched=matched)
+    return counter
+
+
+def zero_counters() -> None:
+    """Export ``fraud_feedback_labels_total`` at 0 for every source and match (once)."""
+    _labels()
 
 
 @router.post(

@@ -135,15 +135,16 @@ def _errors(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
 
 
 # Every route may answer 503 while the process stops (a request on an open connection
-# after SIGTERM); the routes with a path parameter get FastAPI's 422 unless they list one.
+# after SIGTERM). The routes with a path parameter get FastAPI's 422 unless they list one:
+# this one is listed so FastAPI adds none of its own, and the app's OpenAPI hook
+# (service.edge.app._openapi_as_answered) takes it out of the document.
 _DRAINING = "The process is stopping (`draining`): send the request to another instance."
 _KEYED = _errors(
     {
         401: "No API key, or an unknown one (auth on only).",
         403: "The key lacks the 'score' scope (auth on only).",
         404: "No such model or version is served.",
-        422: "Not answered: the path's parameters are plain strings (listed, in this "
-        "shape, because a route with parameters always lists a 422).",
+        422: "Not answered (taken out of /openapi.json by the app).",
     }
 )
 _META_ERRORS = _KEYED | _errors({503: "No model loaded yet (`no_model`), or " + _DRAINING})
