@@ -1,8 +1,9 @@
 # CPU images, two targets (ONNX Runtime on CPU):
 #   docker build --target serve -t fraud-scoring:0.1.0 .       # scoring API and updater
 #   docker build --target jobs  -t fraud-scoring:0.1.0-jobs .  # batch, train, simulate
-# `serve` installs `.[cpu]` (no training stack: about half the size); `jobs` installs
-# `.[cpu,train]` and can run every subcommand. Builds with BuildKit and with the classic
+# `serve` installs `.[cpu]` (no training stack: about half the size; its job subcommands
+# answer exit status 2 with a one-line pointer to the jobs image) and has a HEALTHCHECK;
+# `jobs` installs `.[cpu,train]` and can run every subcommand. Builds with BuildKit and with the classic
 # builder (DOCKER_BUILDKIT=0): no `# syntax=` frontend, no RUN --mount. The classic
 # builder builds every stage before the target, so `--target serve` skips the jobs ones.
 # GPU serving image: see Dockerfile.gpu.
@@ -53,6 +54,12 @@ FROM runtime AS serve
 ARG APP_UID=10001
 COPY --from=venv-serve /opt/venv /opt/venv
 USER ${APP_UID}:${APP_UID}
+# Docker's health probe (Kubernetes ignores it; the chart has its own probes): the
+# scoring API's /healthz on FRAUD_PORT over loopback, with the image's Python (no curl
+# in the image). A container running `stream` instead of `serve` has no API there: give
+# it its own (`--health-cmd`, compose `healthcheck:`) or `--no-healthcheck`.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('FRAUD_PORT', '8080')}/healthz\", timeout=4)"]
 
 FROM build AS venv-jobs
 RUN scripts/image-venv.sh cpu,train

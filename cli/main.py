@@ -7,8 +7,10 @@ Short jobs (simulate, batch, train, demo, emit, feast) start a private Redis-pro
 server for their own duration when ``REDIS_URL`` is unset; the long-running ``serve`` and
 ``stream`` refuse to unless given ``--embedded-redis``.
 
-Exit status: 0 done, 1 the job failed (missing data, bad model, Redis or service would
-not start), 2 bad input or configuration, 130 interrupted.
+Exit status: 0 done (``serve``: also stopped by SIGTERM after a clean drain), 1 the job
+failed (missing data, bad model, Redis or service would not start), 2 bad input or
+configuration (or a job subcommand where the training stack is not installed: the
+serving image), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ from fraud_scoring.storage import DataError
 from service.edge.server import ServiceStartError
 
 log = logging.getLogger("fraud_scoring")
+
+# The import names of the `train` extra's packages (pyproject.toml; tests/test_packaging.py
+# checks that they agree) and Spark's: what the job subcommands import and the serving
+# image lacks.
+JOB_MODULES = frozenset(
+    {
+        "duckdb",
+        "lightgbm",
+        "onnxmltools",
+        "onnx",
+        "skl2onnx",
+        "sklearn",
+        "scipy",
+        "tqdm",
+        "matplotlib",
+        "pyspark",
+    }
+)
 
 COMMANDS: list[Command] = [
     *batch_jobs.commands.COMMANDS,
@@ -122,6 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ModelError, RedisStartError, ServiceStartError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 1
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in JOB_MODULES:
+            raise
+        log.error(
+            "fraud-scoring %s needs %r, which is not installed: this installation (the "
+            "serving image) serves only; the batch jobs need the `train` extra "
+            "(pip install 'fraud-scoring[cpu,train]') or the jobs image",
+            args.command,
+            exc.name,
+        )
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

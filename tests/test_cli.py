@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import socket
 import subprocess
@@ -220,3 +221,93 @@ def test_serve_host_and_grpc_port_flags_bind_the_grpc_server(workers: int, tmp_p
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _healthcheck(dockerfile: str) -> list[str]:
+    """The image's HEALTHCHECK command (its exec form)."""
+    text = (ROOT / dockerfile).read_text().replace("\\\n", " ")
+    (line,) = [x for x in text.splitlines() if x.startswith("HEALTHCHECK ")]
+    command: list[str] = json.loads(line.split(" CMD ", 1)[1])
+    return command
+
+
+def test_sigterm_after_a_clean_drain_exits_0_and_the_images_probe_follows_it(
+    tmp_path: Path,
+) -> None:
+    """A real ``serve`` (one worker: uvicorn in this process): both images' HEALTHCHECK
+    commands, run here with the image's environment variable, pass while it serves; on
+    SIGTERM it drains, stops and exits 0 (not 143, death by the signal); then the probe
+    fails."""
+    port = free_port()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FRAUD_", "REDIS_", "PROMETHEUS_MULTIPROC"))
+    }
+    env.update(
+        FRAUD_DATA_DIR=str(tmp_path / "data"),
+        FRAUD_MODEL_REPO=str(tmp_path / "models"),  # no model: live, not ready
+        FRAUD_PORT=str(port),
+    )
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "serve", "--embedded-redis"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    probes = {d: _healthcheck(d) for d in ("Dockerfile", "Dockerfile.gpu")}
+    probe_env = {**env, "FRAUD_PORT": str(port), "PATH": f"{Path(sys.executable).parent}:/usr/bin"}
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200,
+            timeout=120,
+            what="/healthz",
+            proc=proc,
+        )
+        for dockerfile, probe in probes.items():
+            ran = subprocess.run(probe, env=probe_env, capture_output=True, timeout=30)
+            assert ran.returncode == 0, (dockerfile, ran.stderr)
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Application shutdown complete" in log.read_text()
+    ran = subprocess.run(probes["Dockerfile"], env=probe_env, capture_output=True, timeout=30)
+    assert ran.returncode == 1
+
+
+# What the serving image lacks: the training stack (the `train` extra).
+_NO_TRAINING_STACK = (
+    "import sys\n"
+    "for m in {modules!r}: sys.modules[m] = None  # as if not installed\n"
+    "from cli.main import main\n"
+    "sys.exit(main({argv!r}))\n"
+)
+
+
+@pytest.mark.parametrize("argv", [["train"], ["batch"]])
+def test_job_commands_without_the_training_stack_say_so_in_one_line(
+    argv: list[str], tmp_path: Path
+) -> None:
+    """In the serving image (no ``train`` extra) a job subcommand answers exit status 2
+    and one line pointing at the extra and the jobs image, not a traceback."""
+    from cli.main import JOB_MODULES
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAUD_", "REDIS_"))}
+    env["FRAUD_DATA_DIR"] = str(tmp_path)
+    code = _NO_TRAINING_STACK.format(modules=sorted(JOB_MODULES), argv=argv)
+    r = subprocess.run(
+        [sys.executable, "-c", code], text=True, capture_output=True, env=env, timeout=120
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "ERROR" in x]
+    assert f"fraud-scoring {argv[0]} needs '" in line
+    assert "serves only" in line and "`train` extra" in line and "jobs image" in line

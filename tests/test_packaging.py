@@ -66,3 +66,14 @@ def test_training_stack_is_the_train_extra() -> None:
         assert dist not in core, f"{dist} ({module}) is a core dependency; move it to train"
         assert dist in train, f"{dist} ({module}) is missing from the train extra"
     assert "fraud-scoring[train]" in extras["dev"], "dev must install the training stack"
+
+
+def test_the_clis_job_modules_are_the_training_stack() -> None:
+    """What the CLI names as the jobs' (missing in the serving image) is every import of
+    the ``train`` and ``spark`` extras."""
+    from cli.main import JOB_MODULES
+
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    modules = {v: k for k, v in TRAINING_STACK.items()}
+    wanted = {modules.get(d, d) for d in _names(extras["train"]) | _names(extras["spark"])}
+    assert wanted == JOB_MODULES
