@@ -59,14 +59,15 @@ def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
     as from a slow sender) is not waited for, and the call in process is untouched."""
     import asyncio
 
-    from starlette.types import Message, Receive, Scope, Send
+    from starlette.types import Message, Receive, Send
+    from starlette.types import Scope as AsgiScope
 
     from service.edge.admission import AdmissionLimit
 
     async def run() -> tuple[list[Message], int]:
         holding, finish = asyncio.Event(), asyncio.Event()
 
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        async def app(scope: AsgiScope, receive: Receive, send: Send) -> None:
             holding.set()
             await finish.wait()
 
@@ -84,7 +85,7 @@ def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
             await asyncio.Event().wait()  # the body never arrives
             return {}
 
-        def scope() -> Scope:
+        def scope() -> AsgiScope:
             return {"type": "http", "path": "/v1/score", "headers": [], "state": {}}
 
         async def drop(message: Message) -> None:
