@@ -160,6 +160,20 @@ def test_grpc_port_must_not_be_the_http_port(
     assert "--grpc-port (FRAUD_GRPC_PORT) 8200 is the HTTP port" in caplog.text
 
 
+def _serve_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment without the project's settings, a data dir and an empty
+    model repository (no model: live, not ready), and ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FRAUD_", "REDIS_", "PROMETHEUS_MULTIPROC"))
+    }
+    env.update(
+        FRAUD_DATA_DIR=str(tmp_path / "data"), FRAUD_MODEL_REPO=str(tmp_path / "models"), **extra
+    )
+    return env
+
+
 def _can_bind(host: str) -> bool:
     try:
         with socket.socket() as s:
@@ -179,17 +193,7 @@ def test_serve_host_and_grpc_port_flags_bind_the_grpc_server(workers: int, tmp_p
     if not _can_bind(host):
         pytest.skip(f"{host} is not a local address here")
     port, grpc_port = free_port(), free_port()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FRAUD_", "REDIS_", "PROMETHEUS_MULTIPROC"))
-    }
-    env.update(
-        FRAUD_DATA_DIR=str(tmp_path / "data"),
-        FRAUD_MODEL_REPO=str(tmp_path / "models"),  # no model: live, not ready
-        FRAUD_HOST="127.0.0.1",
-        FRAUD_PORT=str(free_port()),
-    )
+    env = _serve_env(tmp_path, FRAUD_HOST="127.0.0.1", FRAUD_PORT=str(free_port()))
     argv = [sys.executable, "-m", "cli", "serve", "--embedded-redis", "--host", host]
     argv += ["--port", str(port), "--grpc-port", str(grpc_port), "--workers", str(workers)]
     log = tmp_path / "serve.log"
@@ -242,16 +246,7 @@ def test_sigterm_after_a_clean_drain_exits_0_and_the_images_probe_follows_it(
     SIGTERM it drains, stops and exits 0 (not 143, death by the signal); then the probe
     fails."""
     port = free_port()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FRAUD_", "REDIS_", "PROMETHEUS_MULTIPROC"))
-    }
-    env.update(
-        FRAUD_DATA_DIR=str(tmp_path / "data"),
-        FRAUD_MODEL_REPO=str(tmp_path / "models"),  # no model: live, not ready
-        FRAUD_PORT=str(port),
-    )
+    env = _serve_env(tmp_path, FRAUD_PORT=str(port))
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
