@@ -14,12 +14,11 @@ or ``otlp`` (OTLP over HTTP/protobuf; ``OTEL_EXPORTER_OTLP_ENDPOINT`` and the ot
 standard ``OTEL_*`` variables apply as usual). Off, nothing is instrumented and the hot
 path makes no spans at all. On, the project (not FastAPI's version) owns the telemetry:
 
-* OpenTelemetry's FastAPI instrumentation wraps the app (:func:`instrument_app`): one
-  server span per request (``http.request.method``, ``http.route``,
-  ``http.response.status_code``) continuing the caller's W3C ``traceparent``, and no
-  span per ASGI ``receive``/``send`` message (``exclude_spans``: they were more than
-  half of all spans); FastAPI's own instrumentation (0.16x) stands aside when it sees
-  this middleware;
+* OpenTelemetry's ASGI middleware is a layer in front of admission (:func:`tracing_layer`;
+  the stack keeps its shape, one layer more): one server span per request, refused
+  ones included (``http.request.method``, ``http.route``, ``http.response.status_code``)
+  continuing the caller's W3C ``traceparent``, and no span per ASGI ``receive``/``send``
+  message (``exclude_spans``: they were more than half of all spans);
 * redis-py calls are spans (the batch's pipelined feature read, the session writes)
   with the current database conventions: ``db.system.name``, ``db.query.text``,
   ``db.namespace``, ``server.address``, ``server.port`` (:func:`_opt_in_stable_semconv`);
@@ -58,7 +57,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Mu
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import prometheus_client
@@ -73,9 +72,6 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from fraud_scoring.features import BATCH_FEATURES
-
-if TYPE_CHECKING:  # the edge passes its app in; this module imports no web framework
-    from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 
@@ -446,23 +442,33 @@ def _redis_namespace(span: trace.Span, instance: Any, *_: Any) -> None:
         span.set_attribute(DB_NAMESPACE, str(kwargs.get("db") or 0))
 
 
-def instrument_app(app: FastAPI) -> None:
-    """With tracing on (``OTEL_TRACES_EXPORTER``), wrap ``app`` in OpenTelemetry's
-    FastAPI instrumentation: a server span per request continuing the ``traceparent``,
-    no span per ASGI ``receive``/``send`` message, and no metrics (:class:`HttpMetrics`
-    records the HTTP ones, tracing on or off: two exporters of one family would clash).
-    With tracing off, leave it untouched. Sets the tracer up if :func:`setup` has not."""
+def tracing_layer(
+    span_details: Callable[[Scope], tuple[str, dict[str, str]]],
+) -> Callable[[ASGIApp], ASGIApp] | None:
+    """With tracing on (``OTEL_TRACES_EXPORTER``), OpenTelemetry's ASGI middleware as a
+    layer for the front of the app: a server span per request continuing the
+    ``traceparent``, named and attributed by ``span_details(scope)`` (method and route
+    template), no span per ASGI ``receive``/``send`` message, no metrics
+    (:class:`HttpMetrics` records the HTTP ones, tracing on or off) and the URLs of
+    ``OTEL_PYTHON_FASTAPI_EXCLUDED_URLS`` left out. None with tracing off. Sets the
+    tracer up if :func:`setup` has not."""
     setup()
     if _provider is None:
-        return
-    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+        return None
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+    from opentelemetry.util.http import get_excluded_urls
 
-    FastAPIInstrumentor.instrument_app(
-        app,
-        tracer_provider=_provider,
-        meter_provider=NoOpMeterProvider(),
-        exclude_spans=["receive", "send"],
-    )
+    def layer(app: ASGIApp) -> ASGIApp:
+        return OpenTelemetryMiddleware(
+            app,
+            excluded_urls=get_excluded_urls("FASTAPI"),
+            default_span_details=span_details,
+            tracer_provider=_provider,
+            meter_provider=NoOpMeterProvider(),
+            exclude_spans=["receive", "send"],
+        )
+
+    return layer
 
 
 # ASGI's types, as Starlette spells them (this module imports no web framework).

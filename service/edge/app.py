@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html
 from fastapi.responses import HTMLResponse, Response
 from fastapi_offline import FastAPIOffline
+from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
 
 from fraud_scoring.settings import Settings, get_settings
@@ -102,22 +103,36 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The scoring routes straight from admission, past Starlette's routing layers.
         inner=lambda rest: DirectDispatch(app, rest),
     )
-    # Server spans from OpenTelemetry's instrumentation, only when tracing is on
-    # (OTEL_TRACES_EXPORTER). Its layers wrap Starlette's error layer, so admission is
-    # then a middleware inside them, as any other.
-    telemetry.instrument_app(app)
-    if telemetry.tracing():
-        app.add_middleware(admission)
-    else:
-        _outermost(app, admission)
-    # The HTTP server metrics, tracing on or off, in front of all the rest (admission's
-    # refusals included).
+    # One stack whether tracing is on or off: HTTP metrics → [server spans] → admission →
+    # DirectDispatch → Starlette's own layers. The server spans (OpenTelemetry's ASGI
+    # middleware, only with OTEL_TRACES_EXPORTER) and the metrics see refusals too.
+    _outermost(app, admission)
+    traced = telemetry.tracing_layer(_span_details)
+    if traced is not None:
+        _outermost(app, traced)
     _outermost(app, functools.partial(telemetry.HttpMetrics, route_of=_route_of))
     return app
 
 
 # The scoring routes DirectDispatch answers before any router (no path parameters).
 _DIRECT_PATHS = frozenset(r.path for r in router.routes if isinstance(r, DirectRoute))
+
+
+def _span_details(scope: Scope) -> tuple[str, dict[str, str]]:
+    """A server span's name and attributes before the request runs: ``METHOD route``
+    and ``http.route`` (the template of the route that will answer), or the method
+    alone when none matches (a 404)."""
+    method = scope.get("method", "")
+    method = method if method in telemetry.HTTP_METHODS else "HTTP"
+    route: str | None = scope["path"] if scope["path"] in _DIRECT_PATHS else None
+    if route is None:
+        for candidate in scope["app"].routes:
+            if candidate.matches(scope)[0] is Match.FULL:
+                route = getattr(candidate, "path", None)
+                break
+    if route is None:
+        return method, {}
+    return f"{method} {route}", {"http.route": route}
 
 
 def _route_of(scope: Scope) -> str | None:
