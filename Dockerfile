@@ -8,7 +8,8 @@
 # builder builds every stage before the target, so `--target serve` skips the jobs ones.
 # GPU serving image: see Dockerfile.gpu.
 #
-# The build stages make a virtual environment from wheels only (scripts/image-venv.sh);
+# The build stages make a virtual environment from wheels only (scripts/image-venv.sh;
+# for `serve` it also drops what `serve` and `stream` never load);
 # the final stages are a slim Python with that environment and tini (jobs: libgomp,
 # LightGBM's OpenMP runtime) and nothing else: no compiler, no pip, non-root.
 
@@ -22,7 +23,12 @@ COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM build AS venv-serve
-RUN scripts/image-venv.sh cpu
+# binutils (strip, readelf): image-venv.sh drops debug information and what serving
+# never loads; this stage only, not the final image.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends binutils \
+ && rm -rf /var/lib/apt/lists/* \
+ && scripts/image-venv.sh cpu
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG APP_UID=10001

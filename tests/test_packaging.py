@@ -7,6 +7,7 @@ stack must stay out of the core dependencies, or the serving image grows again.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -36,6 +37,22 @@ SERVING_MODULES = [
     "streaming.state",
     "streaming.updater",
 ]
+
+
+# What scripts/image-venv.sh drops from the serving images (paths under site-packages):
+# serving must neither open nor map any of it.
+IMAGE_DROPS = re.compile(
+    r"/site-packages/(?:"
+    r"pyarrow/(?:libarrow_flight|libarrow_python_flight|_flight\.|_pyarrow_cpp_tests|include/|src/)"
+    r"|numpy/_core/include/"
+    r"|onnxruntime/capi/libonnxruntime\.so"
+    r"|onnxruntime/(?:transformers|quantization|tools|datasets)/"
+    r"|feast/ui/(?!__init__\.py|__pycache__/)"
+    r"|pycountry/locales/"
+    r"|(?:requirements|docs)/"
+    r"|(?:ast_serialize|librt|pathspec|greenlet-stubs)/|mypy_extensions\.py"
+    r")|\.(?:pyx|pxd|pxi)$"
+)
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -77,3 +94,35 @@ def test_the_clis_job_modules_are_the_training_stack() -> None:
     modules = {v: k for k, v in TRAINING_STACK.items()}
     wanted = {modules.get(d, d) for d in _names(extras["train"]) | _names(extras["spark"])}
     assert wanted == JOB_MODULES
+
+
+def test_serving_touches_nothing_the_serving_image_drops() -> None:
+    """Every file Python opens (an audit hook) and every library mapped while serve and
+    stream import and the event schema loads its ISO codes stays clear of IMAGE_DROPS."""
+    if not Path("/proc/self/maps").exists():
+        import pytest
+
+        pytest.skip("needs /proc/self/maps (Linux)")
+    code = (
+        "import importlib, json, os, sys\n"
+        "opened = []\n"
+        "def hook(event, args):\n"
+        "    if event == 'open' and args and isinstance(args[0], (str, bytes)):\n"
+        "        opened.append(os.fsdecode(args[0]))\n"
+        "sys.addaudithook(hook)\n"
+        f"for m in {SERVING_MODULES!r}: importlib.import_module(m)\n"
+        "import onnxruntime, pyarrow.parquet\n"
+        "from fraud_scoring import events\n"
+        "assert events.country_codes() and events.currency_codes()\n"
+        "with open('/proc/self/maps') as f:\n"
+        "    mapped = [line.split()[-1] for line in f if '/' in line]\n"
+        "print(json.dumps(sorted(set(opened + mapped))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    touched = json.loads(out[-1])
+    assert any("onnxruntime_pybind11_state" in p for p in touched), "no ONNX Runtime mapped"
+    assert any("/pyarrow/libarrow.so" in p for p in touched), "no Arrow mapped"
+    dropped = [p for p in touched if IMAGE_DROPS.search(p)]
+    assert not dropped, f"serving uses files scripts/image-venv.sh drops: {dropped}"
