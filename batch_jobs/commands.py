@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+from batch_jobs.settings import JobsSettings
 from fraud_scoring.commands import Command, UsageError, iso_date
 from fraud_scoring.contract import check_raw
 from fraud_scoring.redis_server import redis_url
-from fraud_scoring.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=7, help="random seed (same seed, same data)")
 
 
-def run_simulate(args: argparse.Namespace, settings: Settings) -> None:
+def run_simulate(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.simulate import SimConfig, simulate
 
     cfg = SimConfig.from_args(args)
@@ -64,7 +65,7 @@ def configure_ingest(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_ingest(args: argparse.Namespace, settings: Settings) -> None:
+def run_ingest(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.ingest import ingest
 
     t0 = time.perf_counter()
@@ -85,7 +86,7 @@ def configure_batch(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_batch(args: argparse.Namespace, settings: Settings) -> None:
+def run_batch(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs import batch
 
     if args.date and (args.from_ or args.to):
@@ -141,7 +142,7 @@ def run_batch(args: argparse.Namespace, settings: Settings) -> None:
             )
 
 
-def _log_reader(settings: Settings) -> tuple[Callable[[str, date], Iterator[bytes]], str]:
+def _log_reader(settings: JobsSettings) -> tuple[Callable[[str, date], Iterator[bytes]], str]:
     """Payloads of one stream/topic of the configured log for a UTC day, and where the log
     is (for messages)."""
     from fraud_scoring.event_log import read_kafka_day, read_redis_day
@@ -162,7 +163,7 @@ def _log_reader(settings: Settings) -> tuple[Callable[[str, date], Iterator[byte
     return (lambda name, day: (p for _, p in read_redis_day(url, name, day))), redact_url(url)
 
 
-def _compact(day: date, settings: Settings) -> None:
+def _compact(day: date, settings: JobsSettings) -> None:
     import redis
 
     from batch_jobs.decisions import compact_day
@@ -196,7 +197,7 @@ def configure_decisions(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_decisions(args: argparse.Namespace, settings: Settings) -> None:
+def run_decisions(args: argparse.Namespace, settings: JobsSettings) -> None:
     _compact(args.date or (datetime.now(UTC).date() - timedelta(days=1)), settings)
 
 
@@ -278,7 +279,7 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_train(args: argparse.Namespace, settings: Settings) -> None:
+def run_train(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.train import load_train_config, train
 
     overrides: dict[str, object] = {
@@ -371,7 +372,7 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
+def run_evaluate(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.evaluate import REPORT_DIR, evaluate_version
     from fraud_scoring.model_repo import resolve
 
@@ -392,7 +393,7 @@ def run_evaluate(args: argparse.Namespace, settings: Settings) -> None:
     print(f"evaluation report: {path / 'report.md'}")
 
 
-def _evaluate_served(args: argparse.Namespace, settings: Settings) -> None:
+def _evaluate_served(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.served_report import served_report, write_served_report
 
     if args.refresh_labels or args.version != "latest":
@@ -426,7 +427,7 @@ def _evaluate_served(args: argparse.Namespace, settings: Settings) -> None:
     print(f"served-traffic report: {folder / 'report.md'}")
 
 
-def _compare(args: argparse.Namespace, settings: Settings) -> None:
+def _compare(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.compare import compare, table_text, write_report
 
     if not (args.from_ and args.to):
@@ -465,7 +466,7 @@ def configure_features(p: argparse.ArgumentParser) -> None:
     b.add_argument("--all", action="store_true", help="every state, not only new ones")
 
 
-def run_features(args: argparse.Namespace, settings: Settings) -> None:
+def run_features(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs import feature_plan
     from fraud_scoring import features as F
 
@@ -509,30 +510,34 @@ def run_features(args: argparse.Namespace, settings: Settings) -> None:
     print(f"applied: {feature_plan.applied_path(settings.data_dir)}")
 
 
-COMMANDS: list[Command] = [
+COMMANDS: list[Command[Any]] = [
     Command(
         "simulate",
         "write simulated raw transaction history (parquet)",
         run_simulate,
         configure_simulate,
+        settings=JobsSettings,
     ),
     Command(
         "ingest",
         "read your CSV or parquet export through a mapping file into the raw daily partitions",
         run_ingest,
         configure_ingest,
+        settings=JobsSettings,
     ),
     Command(
         "batch",
         "compute daily batch features and materialize them into Redis",
         run_batch,
         configure_batch,
+        settings=JobsSettings,
     ),
     Command(
         "train",
         "train the model on a Feast point-in-time training set",
         run_train,
         configure_train,
+        settings=JobsSettings,
     ),
     Command(
         "evaluate",
@@ -540,17 +545,20 @@ COMMANDS: list[Command] = [
         "or --served: report on the logged decisions",
         run_evaluate,
         configure_evaluate,
+        settings=JobsSettings,
     ),
     Command(
         "features",
         "declared features: plan a change of feature_repo/features.yaml, backfill new state",
         run_features,
         configure_features,
+        settings=JobsSettings,
     ),
     Command(
         "decisions",
         "the decision log: compact a day into the offline store (with feedback labels)",
         run_decisions,
         configure_decisions,
+        settings=JobsSettings,
     ),
 ]

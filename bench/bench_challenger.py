@@ -29,12 +29,12 @@ from bench.world import BenchWorld, bench_world
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import producible_features
-from fraud_scoring.settings import Settings
 from service.core.batching import Batcher
 from service.core.challenger import Challenger
 from service.core.model import ModelHolder, load_model
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer, ScoreRequest, ScoreResult
+from service.settings import ServiceSettings as Settings
 
 
 async def run(world: BenchWorld, seconds: float, concurrency: int) -> None:

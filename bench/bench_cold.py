@@ -40,10 +40,10 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import producible_features
 from fraud_scoring.redis_clients import HeldConnections, packed_by_hiredis
-from fraud_scoring.settings import Settings
 from service.core.model import ModelHolder, load_model
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer
+from service.settings import ServiceSettings as Settings
 
 PING = b"*1\r\n$4\r\nPING\r\n"
 

@@ -34,11 +34,11 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import producible_features
 from fraud_scoring.redis_clients import packed_by_hiredis
-from fraud_scoring.settings import Settings
 from service.core.batching import Batcher
 from service.core.model import ModelHolder, load_model
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer
+from service.settings import ServiceSettings as Settings
 
 
 async def closed_loop(

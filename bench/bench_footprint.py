@@ -54,13 +54,13 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_keys, open_store
 from fraud_scoring.features import VIEWS, producible_features
 from fraud_scoring.session import events_key, ids_key
-from fraud_scoring.settings import Settings
 from fraud_scoring.storage import partition_file
 from service.core.model import ModelHolder, load_model
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer
 from service.loop.decision_log import DecisionLog
 from service.resources import log_producer
+from service.settings import ServiceSettings as Settings
 from streaming.state import SessionWriter
 
 log = logging.getLogger("bench.footprint")

@@ -14,11 +14,11 @@ from datetime import timedelta
 
 import httpx
 
+from cli.settings import Settings
 from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import redis_url
-from fraud_scoring.settings import Settings
 from fraud_scoring.storage import read_partition
 
 
@@ -201,4 +201,5 @@ COMMAND = Command(
     "live traffic through the decision loop)",
     _run,
     configure_demo,
+    settings=Settings,
 )

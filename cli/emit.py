@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from datetime import date
 
+from cli.settings import Settings
 from fraud_scoring.commands import Command, iso_date
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import redis_url
-from fraud_scoring.settings import Settings
 
 
 def run_emit(args: argparse.Namespace, settings: Settings) -> None:
@@ -116,4 +116,5 @@ COMMAND = Command(
     "publish a simulated live transaction feed to the event log",
     run_emit,
     configure_emit,
+    settings=Settings,
 )

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import yaml
 
+from cli.settings import Settings
 from fraud_scoring.commands import Command
 from fraud_scoring.redis_clients import is_cluster
 from fraud_scoring.redis_server import feast_connection_string, redis_url
-from fraud_scoring.settings import Settings
 
 
 def feast_environment(settings: Settings, url: str) -> dict[str, str]:
@@ -116,4 +116,5 @@ COMMAND = Command(
     "run Feast's CLI on feature_repo/ with this project's data dir and Redis",
     run_feast,
     configure_feast,
+    settings=Settings,
 )

@@ -37,9 +37,9 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
+from cli.settings import Settings
 from fraud_scoring.events import raw_row_to_event
 from fraud_scoring.redis_server import free_port
-from fraud_scoring.settings import Settings
 from fraud_scoring.storage import read_partition
 
 CONCURRENCY = 16  # requests in flight at most

@@ -20,6 +20,7 @@ import importlib.metadata
 import logging
 import os
 import sys
+from typing import Any
 
 from pydantic import AliasChoices, ValidationError
 
@@ -27,10 +28,11 @@ import batch_jobs.commands
 import service.commands
 import streaming.commands
 from cli import demo, emit, feast_tools
+from cli.settings import Settings
 from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import RedisNotConfigured, RedisStartError
-from fraud_scoring.settings import Settings, get_settings
+from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import DataError
 from service.edge.server import ServiceStartError
 
@@ -54,7 +56,7 @@ JOB_MODULES = frozenset(
     }
 )
 
-COMMANDS: list[Command] = [
+COMMANDS: list[Command[Any]] = [
     *batch_jobs.commands.COMMANDS,
     *service.commands.COMMANDS,
     *streaming.commands.COMMANDS,
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     for c in COMMANDS:
         cp = sub.add_parser(c.name, help=c.help, description=c.help)
         c.configure(cp)
-        cp.set_defaults(run=c.run)  # main() finds the chosen command in the parsed args
+        # main() finds the chosen command and the settings class it reads in the parsed args
+        cp.set_defaults(run=c.run, settings_class=c.settings)
     return p
 
 
@@ -108,7 +111,7 @@ def env_name(loc: tuple[int | str, ...]) -> str:
 
 
 def _settings_errors(exc: ValidationError) -> str:
-    if exc.title == Settings.__name__:
+    if exc.title in {c.__name__ for c in Settings.__mro__}:  # one of the apps' settings
         return "; ".join(f"{env_name(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
@@ -128,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         # Through the environment, not only this process's settings object: the
         # scoring API's app factory (and any uvicorn worker process) reads it there.
         os.environ["FRAUD_EMBEDDED_REDIS"] = "true"
-        get_settings.cache_clear()
+        read_settings.cache_clear()
     try:
-        settings = get_settings()
+        settings = read_settings(args.settings_class)
         _positive(args)
         args.run(args, settings)
     except ValidationError as exc:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
+from typing import Generic, TypeVar
 
-from fraud_scoring.settings import Settings
+from pydantic_settings import BaseSettings
+
+S = TypeVar("S", bound=BaseSettings)
 
 
 class UsageError(Exception):
@@ -25,19 +28,21 @@ def _no_options(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True)
-class Command:
+class Command(Generic[S]):
     """One ``fraud-scoring`` subcommand.
 
     ``configure`` adds the subcommand's options to its parser; ``run`` does the work
-    with the parsed options and the settings (flags override settings). ``run`` reports
+    with the parsed options and the settings of class ``settings`` (its app's groups,
+    read from the environment; flags override them). ``run`` reports
     failure by raising: :class:`UsageError` or ``ValueError`` for bad input (exit 2),
     the project's data, model and Redis errors for failures (exit 1).
     """
 
     name: str
     help: str
-    run: Callable[[argparse.Namespace, Settings], None]
+    run: Callable[[argparse.Namespace, S], None]
     configure: Callable[[argparse.ArgumentParser], None] = _no_options
+    settings: type[S] = field(kw_only=True)
 
 
 def iso_date(s: str) -> date:

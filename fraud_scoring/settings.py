@@ -1,4 +1,8 @@
-"""One typed settings object, read from the environment.
+"""The settings groups, read from the environment, one class per concern.
+
+Each app folder composes the groups it reads into its own class
+(``service/settings.py``, ``streaming/settings.py``, ``batch_jobs/settings.py``) and
+gets only those; the command line's ``cli.settings.Settings`` is all of them.
 
 Every knob has a default that works on one machine. Variables are prefixed with
 ``FRAUD_`` except ``REDIS_URL`` (the conventional name) and the standard ``OTEL_*``
@@ -7,9 +11,9 @@ variables, which OpenTelemetry reads itself.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 from urllib.parse import parse_qsl, quote, urlsplit
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -597,43 +601,12 @@ class DecisionLogSettings(_Group):
     )
 
 
-class Settings(
-    StoreSettings,
-    ModelSettings,
-    TimeSettings,
-    JobSettings,
-    EdgeSettings,
-    BatchingSettings,
-    ScoringSettings,
-    EventLogSettings,
-    UpdaterSettings,
-    DecisionLogSettings,
-):
-    """Every group: what the command line reads once and hands to the part it runs."""
-
-    @property
-    def admission_capacity(self) -> int:
-        """Transactions admitted at once: ``max_inflight``, or when it is 0, two full
-        micro-batches per model instance."""
-        return self.max_inflight or 2 * self.max_batch_size * self.model_instances
-
-    @property
-    def batch_request_limit(self) -> int:
-        """Most transactions per batch call: ``max_batch_request``, or the capacity."""
-        return self.max_batch_request or self.admission_capacity
-
-    @model_validator(mode="after")
-    def _batch_fits_capacity(self) -> Settings:
-        if self.max_batch_request > self.admission_capacity:
-            raise ValueError(
-                f"FRAUD_MAX_BATCH_REQUEST ({self.max_batch_request}) is above the admission "
-                f"capacity ({self.admission_capacity}, FRAUD_MAX_INFLIGHT or two micro-batches "
-                "per model instance): lower it, or raise FRAUD_MAX_INFLIGHT"
-            )
-        return self
+G = TypeVar("G", bound=BaseSettings)
 
 
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """Settings from the environment, read once per process."""
-    return Settings()
+@cache
+def read_settings(cls: type[G]) -> G:
+    """``cls`` (an app's settings: its groups composed) from the environment, read once
+    per process and class. ``read_settings.cache_clear()`` after changing the
+    environment."""
+    return cls()

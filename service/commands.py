@@ -8,14 +8,16 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fraud_scoring.commands import Command, UsageError, add_embedded_redis
 from fraud_scoring.redis_server import require_redis
-from fraud_scoring.settings import Settings, get_settings
+from fraud_scoring.settings import read_settings
 from service.edge.auth import KeyEntry, Scope, append_key, keyring_for, new_key
+from service.settings import ServiceSettings, get_settings
 
 
-def run_serve(args: argparse.Namespace, settings: Settings) -> None:
+def run_serve(args: argparse.Namespace, settings: ServiceSettings) -> None:
     settings = serve_settings(args, settings)
     # Refuse here, before uvicorn starts, so a missing REDIS_URL (or an unusable keys
     # file) is one clear line and exit status 2 rather than a failed startup. The entry
@@ -46,7 +48,7 @@ SERVE_FLAGS = {
 }
 
 
-def serve_settings(args: argparse.Namespace, settings: Settings) -> Settings:
+def serve_settings(args: argparse.Namespace, settings: ServiceSettings) -> ServiceSettings:
     """``settings`` with the ``--host``/``--port``/``--workers``/``--grpc-port`` flags
     that were given.
 
@@ -58,7 +60,7 @@ def serve_settings(args: argparse.Namespace, settings: Settings) -> Settings:
     given = {var: v for var, v in given.items() if v is not None}
     if given:
         os.environ.update({var: str(v) for var, v in given.items()})
-        get_settings.cache_clear()
+        read_settings.cache_clear()
         settings = get_settings()
     if settings.grpc_port == settings.port:
         raise UsageError(
@@ -129,7 +131,7 @@ def _configure_keys(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_keys(args: argparse.Namespace, settings: Settings) -> None:
+def run_keys(args: argparse.Namespace, settings: ServiceSettings) -> None:
     path = args.file or settings.api_keys_file
     if path is None:
         raise UsageError("keys create: give --file or set FRAUD_API_KEYS_FILE")
@@ -149,12 +151,19 @@ def run_keys(args: argparse.Namespace, settings: Settings) -> None:
     sys.stdout.write(key + "\n")
 
 
-COMMANDS: list[Command] = [
-    Command("serve", "run the scoring API (FastAPI + uvicorn)", run_serve, _configure_serve),
+COMMANDS: list[Command[Any]] = [
+    Command(
+        "serve",
+        "run the scoring API (FastAPI + uvicorn)",
+        run_serve,
+        _configure_serve,
+        settings=ServiceSettings,
+    ),
     Command(
         "keys",
         "manage the scoring API's keys (see docs/api.md, Security)",
         run_keys,
         _configure_keys,
+        settings=ServiceSettings,
     ),
 ]

@@ -30,7 +30,6 @@ from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import ModelError, ModelNotFound
 from fraud_scoring.redis_clients import async_client, is_cluster, packed_by_hiredis
 from fraud_scoring.redis_server import redis_url
-from fraud_scoring.settings import Settings
 from service import telemetry
 from service.core.batching import Batcher, BatchStats
 from service.core.challenger import Challenger
@@ -43,6 +42,7 @@ from service.loop.decision_log import DecisionLog
 from service.loop.drift import DriftMonitor
 from service.loop.review_queue import ReviewQueue
 from service.loop.spool import Spool
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ STATE_KEY = "fraud_scoring.resources"
 
 @dataclass(frozen=True)
 class Resources:
-    settings: Settings
+    settings: ServiceSettings
     redis: Any  # redis.asyncio.Redis, or its RedisCluster (fraud_scoring.redis_clients)
     models: ModelHolder
     scorer: Scorer
@@ -97,7 +97,7 @@ def resources(scope: Mapping[str, Any]) -> Resources:
 
 
 @contextlib.asynccontextmanager
-async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
+async def open_resources(settings: ServiceSettings) -> AsyncIterator[Resources]:
     """Create the service's resources and close them on exit (queued micro-batches get
     ``drain_seconds``). Raises ``RedisNotConfigured`` without REDIS_URL unless
     ``embedded_redis`` is set. A model that is missing or cannot load does not stop the
@@ -261,7 +261,7 @@ class EventLog:
     review: ReviewQueue | None = None
 
 
-def _open_models(stack: contextlib.AsyncExitStack, settings: Settings) -> ModelHolder:
+def _open_models(stack: contextlib.AsyncExitStack, settings: ServiceSettings) -> ModelHolder:
     """The model holder, loaded if it can be, and its watcher."""
     models = ModelHolder()
     try:
@@ -275,7 +275,7 @@ def _open_models(stack: contextlib.AsyncExitStack, settings: Settings) -> ModelH
 
 
 def _open_store_clients(
-    stack: contextlib.AsyncExitStack, url: str, settings: Settings
+    stack: contextlib.AsyncExitStack, url: str, settings: ServiceSettings
 ) -> tuple[Any, Any]:
     """The online store's clients: one with socket timeouts (handlers, health probes),
     one without (the scorer, which bounds each round trip as a whole)."""
@@ -286,7 +286,7 @@ def _open_store_clients(
     return client, scoring_client
 
 
-def _open_pool(stack: contextlib.AsyncExitStack, settings: Settings) -> ThreadPoolExecutor:
+def _open_pool(stack: contextlib.AsyncExitStack, settings: ServiceSettings) -> ThreadPoolExecutor:
     """The threads the model runs on, one per model instance."""
     pool = ThreadPoolExecutor(max_workers=settings.model_instances, thread_name_prefix="onnx")
     stack.callback(pool.shutdown, wait=True)
@@ -297,7 +297,7 @@ def _open_store_health(
     stack: contextlib.AsyncExitStack,
     client: Any,
     project: str,
-    settings: Settings,
+    settings: ServiceSettings,
     instruments: telemetry.Instruments,
 ) -> StoreHealth:
     """The online store's breaker and batch-marker state, and the task that watches it."""
@@ -320,7 +320,9 @@ def _set_presence(instruments: telemetry.Instruments, view: str, present: bool) 
     instruments.batch_features_present.labels(view=view).set(1 if present else 0)
 
 
-def _open_event_log(stack: contextlib.AsyncExitStack, url: str, settings: Settings) -> EventLog:
+def _open_event_log(
+    stack: contextlib.AsyncExitStack, url: str, settings: ServiceSettings
+) -> EventLog:
     """The decision log (its writer also feeds the review queue, on the log's Redis
     server) and the feedback producer; nothing with FRAUD_DECISION_LOG=off."""
     if settings.decision_log == "off":
@@ -346,7 +348,9 @@ def _open_event_log(stack: contextlib.AsyncExitStack, url: str, settings: Settin
     return EventLog(decisions, feedback, review)
 
 
-async def _open_challenger(stack: contextlib.AsyncExitStack, settings: Settings) -> Challenger:
+async def _open_challenger(
+    stack: contextlib.AsyncExitStack, settings: ServiceSettings
+) -> Challenger:
     """The challenger (none loaded by default)."""
     challenger = Challenger(settings)
     await asyncio.to_thread(challenger.load)
@@ -356,7 +360,7 @@ async def _open_challenger(stack: contextlib.AsyncExitStack, settings: Settings)
 
 
 def _open_drift(
-    stack: contextlib.AsyncExitStack, models: ModelHolder, settings: Settings
+    stack: contextlib.AsyncExitStack, models: ModelHolder, settings: ServiceSettings
 ) -> DriftMonitor:
     """The drift monitor, flushed at each scrape."""
     drift = DriftMonitor(models, settings.drift_window)
@@ -368,7 +372,7 @@ def _open_drift(
 def _open_batcher(
     stack: contextlib.AsyncExitStack,
     path: ScoringPath,
-    settings: Settings,
+    settings: ServiceSettings,
     instruments: telemetry.Instruments,
 ) -> Batcher[ScoreRequest, ScoreResult] | None:
     """The micro-batcher running :meth:`ScoringPath.score_batch`, and its queue-depth
@@ -400,7 +404,7 @@ def _start_metric_flush(stack: contextlib.AsyncExitStack) -> None:
     stack.callback(telemetry.worker_exited)
 
 
-def _store_client(url: str, settings: Settings, *, read_timeout: bool = True) -> Any:
+def _store_client(url: str, settings: ServiceSettings, *, read_timeout: bool = True) -> Any:
     """The online store's asyncio client. One server: a blocking pool, so past 64
     connections a read waits (up to the Redis timeout) for a free one instead of failing,
     e.g. a large batch call on the naive path. A cluster: redis-py's cluster client (one
@@ -423,7 +427,7 @@ def _store_client(url: str, settings: Settings, *, read_timeout: bool = True) ->
     return aioredis.Redis.from_pool(packed_by_hiredis(pool))  # the client closes the pool
 
 
-def _spool(settings: Settings) -> Spool | None:
+def _spool(settings: ServiceSettings) -> Spool | None:
     """The decision log's spool (FRAUD_DECISION_SPOOL_DIR), None when 'off'."""
     if settings.decision_spool_dir == "off":
         return None
@@ -440,7 +444,7 @@ def _spool(settings: Settings) -> Spool | None:
         return None
 
 
-def log_producer(settings: Settings, redis_url: str, name: str) -> Producer:
+def log_producer(settings: ServiceSettings, redis_url: str, name: str) -> Producer:
     """A producer for the stream/topic ``name`` of the configured event log (the log's own
     Redis server when FRAUD_DECISION_LOG_URL is set, else ``redis_url``)."""
     if settings.decision_log == "kafka":

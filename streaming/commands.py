@@ -28,14 +28,14 @@ from typing import Any, TypeVar
 from fraud_scoring.commands import Command, add_embedded_redis
 from fraud_scoring.redis_clients import drop_connections, sync_client
 from fraud_scoring.redis_server import redis_url
-from fraud_scoring.settings import Settings
+from streaming.settings import StreamSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 @contextmanager
-def _redis_client(settings: Settings) -> Iterator[Any]:
+def _redis_client(settings: StreamSettings) -> Iterator[Any]:
     with redis_url(settings.redis_url, allow_embedded=settings.embedded_redis) as url:
         # socket_timeout must exceed the XREADGROUP block time. One Redis or a cluster.
         client = sync_client(
@@ -47,7 +47,7 @@ def _redis_client(settings: Settings) -> Iterator[Any]:
             client.close()
 
 
-def run_stream(args: argparse.Namespace, settings: Settings) -> None:
+def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
     from streaming.metrics import UpdaterMetrics, serve_http
     from streaming.sources import KafkaSource, RedisStreamSource, Source, SourceFatal
     from streaming.state import SessionWriter
@@ -170,11 +170,12 @@ def configure_stream(p: argparse.ArgumentParser) -> None:
     add_embedded_redis(p)
 
 
-COMMANDS: list[Command] = [
+COMMANDS: list[Command[Any]] = [
     Command(
         "stream",
         "run the streaming updater (windowed features into Redis)",
         run_stream,
         configure_stream,
+        settings=StreamSettings,
     ),
 ]

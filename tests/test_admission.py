@@ -109,7 +109,7 @@ def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
 
 
 def test_a_batch_call_may_not_be_heavier_than_the_capacity() -> None:
-    from fraud_scoring.settings import Settings
+    from cli.settings import Settings
 
     assert Settings().batch_request_limit == Settings().admission_capacity == 128
     assert Settings(max_inflight=300).batch_request_limit == 300

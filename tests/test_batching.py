@@ -269,10 +269,10 @@ async def test_a_failing_batch_fails_only_its_items() -> None:
 
 
 async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
+    from cli.settings import Settings
     from fraud_scoring.events import Transaction
     from fraud_scoring.feast_store import open_store
     from fraud_scoring.features import producible_features
-    from fraud_scoring.settings import Settings
     from service.core.model import ModelHolder, load_model
     from service.core.online_features import OnlineFeatureReader
     from service.core.scoring import Scorer

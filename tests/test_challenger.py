@@ -24,10 +24,10 @@ import pytest
 import redis
 from onnx import TensorProto, helper
 
+from cli.settings import Settings
 from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import embedded_redis
-from fraud_scoring.settings import Settings
 from service.core.challenger import Challenger, canary_bucket, load_challenger, routed_to_challenger
 from service.core.model import load_model
 from tests.conftest import Server, World, start_server, stop_server, wait_until
@@ -379,7 +379,7 @@ def test_evaluate_compare_reports_both_versions_on_the_logged_traffic(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from cli.main import main
-    from fraud_scoring.settings import get_settings
+    from fraud_scoring.settings import read_settings
 
     shadowed = score_all(srv, rows, "cmp-")
     with srv.client() as c:
@@ -397,7 +397,7 @@ def test_evaluate_compare_reports_both_versions_on_the_logged_traffic(
     monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("FRAUD_MODEL_REPO", str(repo))
     monkeypatch.setenv("FRAUD_DECISION_LOG_URL", log_url)
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     try:
         assert main(["decisions", "compact", "--date", today]) == 0
         capsys.readouterr()
@@ -405,7 +405,7 @@ def test_evaluate_compare_reports_both_versions_on_the_logged_traffic(
         printed = capsys.readouterr().out
         assert main(["evaluate", "--compare", "1", "2", "--from", today]) == 2
     finally:
-        get_settings.cache_clear()
+        read_settings.cache_clear()
     path = Path(printed.strip().splitlines()[-1].removeprefix("comparison: "))
     report = json.loads(path.read_text())
     assert "ROC AUC" in printed and "disagree on" in printed

@@ -18,9 +18,11 @@ import pytest
 
 import service.edge.server
 from cli.main import build_parser, main
+from cli.settings import Settings
 from fraud_scoring.redis_server import free_port
-from fraud_scoring.settings import Settings, get_settings
+from fraud_scoring.settings import read_settings
 from service.edge.proto import grpc_predict_v2_pb2 as pb
+from service.settings import get_settings
 from tests.conftest import wait_until
 
 
@@ -92,21 +94,21 @@ def restored_environ() -> Iterator[None]:
     """This process's environment as it was, and the settings cache cleared, after the
     test: ``serve`` exports its flags into the environment of the process it runs in."""
     saved = dict(os.environ)
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     try:
         yield
     finally:
         for k in [k for k in os.environ if k not in saved and not k.startswith("PYTEST_")]:
             del os.environ[k]
         os.environ.update({k: v for k, v in saved.items() if not k.startswith("PYTEST_")})
-        get_settings.cache_clear()
+        read_settings.cache_clear()
 
 
 def _only_fraud(**variables: str) -> None:
     for k in [k for k in os.environ if k.startswith("FRAUD_")]:
         del os.environ[k]
     os.environ.update(variables)
-    get_settings.cache_clear()
+    read_settings.cache_clear()
 
 
 SERVE_VARIABLES = ("FRAUD_HOST", "FRAUD_PORT", "FRAUD_WORKERS", "FRAUD_GRPC_PORT")

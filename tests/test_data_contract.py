@@ -28,7 +28,7 @@ from cli.main import main
 from fraud_scoring import contract as C
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.model_repo import load_metadata, resolve
-from fraud_scoring.settings import get_settings
+from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import partition_days, partition_file, write_partition
 from service.edge.server import spawn
 
@@ -143,9 +143,9 @@ def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("FRAUD_MODEL_REPO", str(tmp_path / "models"))
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     yield tmp_path / "data"
-    get_settings.cache_clear()
+    read_settings.cache_clear()
 
 
 def _good_day(day: date, ids: range) -> pa.Table:
@@ -319,7 +319,7 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     redis_url = redis_server.rsplit("/", 1)[0] + "/11"
     redis.Redis.from_url(redis_url).flushdb()
     monkeypatch.setenv("REDIS_URL", redis_url)
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     good = other_company_export(tmp_path / "in")
     mapping = str(tmp_path / "in" / "mapping.yaml")
     assert main(["ingest", mapping]) == 0

@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from batch_jobs.decisions import LABEL_SCHEMA
+from cli.settings import Settings
 from fraud_scoring.redis_server import embedded_redis
-from fraud_scoring.settings import Settings
 from service.core.model import load_configured
 from tests.conftest import Server, World, start_server, stop_server, wait_until
 from tests.test_service import TXN, held_out_day
@@ -188,7 +188,7 @@ def test_compaction_is_idempotent_and_labels_join_by_arrival(
 ) -> None:
     from batch_jobs.decisions import decisions_with_labels
     from cli.main import main
-    from fraud_scoring.settings import get_settings
+    from fraud_scoring.settings import read_settings
     from fraud_scoring.storage import partition_file, read_partition, write_partition
 
     ids = [f"cmp-{i}" for i in range(4)]
@@ -225,14 +225,14 @@ def test_compaction_is_idempotent_and_labels_join_by_arrival(
     )
     monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("FRAUD_DECISION_LOG_URL", log_url)
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     try:
         assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
         first = read_partition(raw, "decisions", today)
         first_labels = read_partition(raw, "labels", today)
         assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
     finally:
-        get_settings.cache_clear()
+        read_settings.cache_clear()
     assert read_partition(raw, "decisions", today).equals(first)
     assert read_partition(raw, "labels", today).equals(first_labels)
     assert partition_file(raw, "labels", tomorrow.date()).exists()

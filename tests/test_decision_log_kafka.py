@@ -106,7 +106,7 @@ def test_decisions_on_kafka_compact_like_redis(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from cli.main import main
-    from fraud_scoring.settings import get_settings
+    from fraud_scoring.settings import read_settings
     from fraud_scoring.storage import read_partition
 
     ids = [f"kafka-{i}" for i in range(12)]
@@ -151,7 +151,7 @@ def test_decisions_on_kafka_compact_like_redis(
     monkeypatch.setenv("FRAUD_DECISION_LOG_STREAM", "k-decisions")
     monkeypatch.setenv("FRAUD_FEEDBACK_STREAM", "k-feedback")
     monkeypatch.delenv("REDIS_URL", raising=False)
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     raw = tmp_path / "raw"
     try:
         assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
@@ -159,7 +159,7 @@ def test_decisions_on_kafka_compact_like_redis(
         labels = read_partition(raw, "labels", today)
         assert main(["decisions", "compact", "--date", today.isoformat()]) == 0
     finally:
-        get_settings.cache_clear()
+        read_settings.cache_clear()
     assert read_partition(raw, "decisions", today).equals(first)
     assert read_partition(raw, "labels", today).equals(labels)
     rows = first.to_pylist()

@@ -24,11 +24,11 @@ import pytest
 import redis
 
 from batch_jobs.batch import mark_materialized
+from cli.settings import Settings
 from fraud_scoring import features as F
 from fraud_scoring.features import VIEWS
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
-from fraud_scoring.settings import Settings
 from tests.conftest import (
     World,
     mark_declared,

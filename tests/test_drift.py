@@ -265,11 +265,11 @@ def test_served_report_on_the_logged_decisions(
     drifted: Drifted, world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cli.main import main
-    from fraud_scoring.settings import get_settings
+    from fraud_scoring.settings import read_settings
 
     monkeypatch.setenv("FRAUD_DATA_DIR", str(drifted.raw.parent))
     monkeypatch.setenv("FRAUD_MODEL_REPO", str(world.model_repo))
-    get_settings.cache_clear()
+    read_settings.cache_clear()
     out = tmp_path / "report"
     day = drifted.day.isoformat()
     try:
@@ -277,7 +277,7 @@ def test_served_report_on_the_logged_decisions(
         assert main(args) == 0
         assert main(["evaluate", "--from", day]) == 2  # --from goes with --served
     finally:
-        get_settings.cache_clear()
+        read_settings.cache_clear()
     data = json.loads((out / "served.json").read_text())
     assert data["rows"] == 2 * drifted.window
     assert sum(r["approve"] + r["review"] + r["decline"] for r in data["decisions_per_day"]) == (

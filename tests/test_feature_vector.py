@@ -22,13 +22,13 @@ import pytest
 
 from batch_jobs.train import feature_columns, load_transactions
 from batch_jobs.training_set import point_in_time_join
+from cli.settings import Settings
 from fraud_scoring import features as F
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.redis_clients import async_client
 from fraud_scoring.redis_server import EmbeddedCluster
 from fraud_scoring.session import epoch_us, to_us
-from fraud_scoring.settings import Settings
 from service.core.model import ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer

@@ -22,8 +22,8 @@ import pytest
 from helm_python.errors import HelmRenderError
 from prometheus_client.parser import text_string_to_metric_families
 
+from cli.settings import Settings
 from fraud_scoring.redis_server import free_port
-from fraud_scoring.settings import Settings
 from tests.test_helm import (
     CHART,
     NAMESPACE,

@@ -88,7 +88,7 @@ def test_a_model_the_service_cannot_feed_is_refused(world: World, tmp_path: Path
 
 
 def test_each_variant_decides_with_its_own_thresholds(world: World) -> None:
-    from fraud_scoring.settings import Settings
+    from cli.settings import Settings
     from service.core.scoring import policy_for
 
     model = load_model(world.model_repo, "fraud", "latest", producible_features())
@@ -157,8 +157,8 @@ async def test_a_failed_version_is_tried_again_when_its_files_change(
     import logging
     import shutil
 
+    from cli.settings import Settings
     from fraud_scoring.model_repo import resolve
-    from fraud_scoring.settings import Settings
     from service.core.model import ModelHolder, watch_models
 
     src = resolve(world.model_repo, "fraud")

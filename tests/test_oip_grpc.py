@@ -508,7 +508,7 @@ def test_tls_settings_name_the_variable_at_fault(tmp_path: Path) -> None:
     variable, before anything listens."""
     from pydantic import ValidationError
 
-    from fraud_scoring.settings import Settings
+    from cli.settings import Settings
     from service.edge.oip_grpc import tls_credentials
 
     cert, key = _self_signed(tmp_path)

@@ -161,7 +161,7 @@ def test_v2_lists_no_422_and_the_key_schemes_follow_auth(
     """The ``/v2`` operations list no 422 (never answered); the key's two schemes are in
     the document; with auth off no operation requires them (none is asked for), with
     auth on exactly the operations that answer 401 do (either scheme)."""
-    from fraud_scoring.settings import Settings
+    from cli.settings import Settings
     from service.edge.app import SECURITY_SCHEMES, create_app
 
     v2 = [(m, p) for m, p, op in _operations(spec) if p.startswith("/v2")]

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
+from cli.settings import Settings
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.redis_clients import client_url, is_cluster, sync_client
@@ -25,7 +26,6 @@ from fraud_scoring.redis_server import (
     embedded_redis,
     feast_connection_string,
 )
-from fraud_scoring.settings import Settings
 from streaming.state import SessionWriter, card_event
 from tests.conftest import World, materialize_world
 from tests.conftest_streaming import (

@@ -249,8 +249,8 @@ def test_only_model_that_cannot_load_is_not_ready_until_a_good_one_appears(
 
 
 async def test_embedded_redis_is_started_only_when_asked(world: World) -> None:
+    from cli.settings import Settings
     from fraud_scoring.redis_server import RedisNotConfigured
-    from fraud_scoring.settings import Settings
     from service.resources import open_resources
 
     settings = Settings(redis_url=None, data_dir=world.data_dir, model_repo=world.model_repo)

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from cli.settings import Settings
 from fraud_scoring.redis_server import feast_connection_string, free_port, redact_url
-from fraud_scoring.settings import Settings
 from streaming.metrics import UpdaterMetrics
 from streaming.sources import KafkaSource, RedisStreamSource, SourceFatal, raise_if_fatal
 from streaming.state import SessionWriter

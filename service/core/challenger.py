@@ -43,8 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fraud_scoring.features import producible_features
 from fraud_scoring.model_repo import ModelError
-from fraud_scoring.settings import Settings
 from service.core.model import LoadedModel, ModelHolder, load_configured, load_model
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _instruments() -> _Instruments:
     return ins
 
 
-def load_challenger(settings: Settings, version: str) -> LoadedModel:
+def load_challenger(settings: ServiceSettings, version: str) -> LoadedModel:
     """The challenger model ``version``, validated as the serving model is (its features
     must all be producible, float32, its ONNX input must match, a warm-up must pass);
     raises ModelError naming it as the challenger."""
@@ -117,7 +117,7 @@ class Challenger:
     and ``model_version`` are read from it on every batch and changed by
     :meth:`apply` (the reload endpoint)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
         self.models = ModelHolder()
         self.problem: str | None = None  # why the configured challenger is not running

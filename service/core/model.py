@@ -35,8 +35,8 @@ from fraud_scoring.model_repo import (
     resolve,
     versions,
 )
-from fraud_scoring.settings import Settings
 from service.errors import Rejected, RejectReason
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def load_model(
     return model
 
 
-def load_configured(settings: Settings) -> LoadedModel:
+def load_configured(settings: ServiceSettings) -> LoadedModel:
     """:func:`load_model` for the version the settings name (e.g. 'latest'), refusing a
     model that needs a feature this service cannot produce; raises ModelError."""
     return load_model(
@@ -224,7 +224,7 @@ class ModelHolder:
         return "not loaded" + (f": {self.problem}" if self.problem else "")
 
 
-def watch_models(models: ModelHolder, settings: Settings) -> asyncio.Task[None]:
+def watch_models(models: ModelHolder, settings: ServiceSettings) -> asyncio.Task[None]:
     """Look for a model every ``model_poll_s`` (a task on the running loop; cancel it to
     stop): until the first one loads (the training job has not run yet, or the only
     version cannot load: each poll tries again, and a new problem is logged once) and,

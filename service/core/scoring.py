@@ -47,13 +47,13 @@ from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
-from fraud_scoring.settings import Settings
 from service.core import idempotency
 from service.core.challenger import Challenger
 from service.core.decision import FEATURES_READ, RULE_FEATURES, Policy, Reason, rules_only
 from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class ScoreRequest:
     record: bool = True
 
 
-def policy_for(model: LoadedModel, settings: Settings, *, overrides: bool = True) -> Policy:
+def policy_for(model: LoadedModel, settings: ServiceSettings, *, overrides: bool = True) -> Policy:
     """The decision policy for ``model``: its own thresholds, or the settings' threshold
     overrides when ``overrides`` (the serving model; a challenger keeps its own)."""
     th = model.meta.thresholds_for(model.variant)
@@ -298,7 +298,7 @@ class Scorer:
         redis: Any,
         reader: OnlineFeatureReader,
         models: ModelHolder,
-        settings: Settings,
+        settings: ServiceSettings,
         pool: ThreadPoolExecutor,
         on_scored: OnScored | None = None,
         health: StoreHealth | None = None,

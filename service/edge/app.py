@@ -29,7 +29,6 @@ from fastapi_offline import FastAPIOffline
 from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
 
-from fraud_scoring.settings import Settings, get_settings
 from service import telemetry
 from service.edge import auth, feedback, oip, oip_grpc, review
 from service.edge.admission import AdmissionLimit, WorkShares
@@ -37,9 +36,10 @@ from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
 from service.edge.routes import DirectDispatch, DirectRoute, router
 from service.resources import STATE_KEY, open_resources
+from service.settings import ServiceSettings, get_settings
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     """The app for ``settings`` (default: from the environment). Nothing connects until
     the lifespan starts; without REDIS_URL it refuses to start (RedisNotConfigured) unless
     ``embedded_redis`` is set, and with ``auth`` 'required' it refuses a keys file it

@@ -43,7 +43,7 @@ from fastapi import Request
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fraud_scoring.settings import Settings
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +231,12 @@ class KeyRing:
         return Principal(entry.id, held_scopes(entry.scopes), entry.share)
 
 
-def keyring_for(settings: Settings) -> KeyRing | None:
+def keyring_for(settings: ServiceSettings) -> KeyRing | None:
     """The keys the service checks, or None when ``settings.auth`` is 'off'. Raises
     :class:`KeysFileError` if the keys file cannot be used."""
     if settings.auth == "off":
         return None
-    if settings.api_keys_file is None:  # Settings refuses this too; kept for mypy
+    if settings.api_keys_file is None:  # ServiceSettings refuses this too; kept for mypy
         raise KeysFileError("FRAUD_AUTH=required needs FRAUD_API_KEYS_FILE")
     return KeyRing(settings.api_keys_file)
 

@@ -31,9 +31,9 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from fraud_scoring.settings import get_settings
 from service.edge import errors_http
 from service.errors import Rejected, RejectReason
+from service.settings import get_settings
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from fraud_scoring.settings import Settings
 from service.core.model import LoadedModel
 from service.edge.auth import Scope, check_scope
 from service.edge.oip_model import (
@@ -63,6 +62,7 @@ from service.edge.oip_model import (
 from service.edge.routes import TIMEOUT_HEADER, header
 from service.errors import BadRequest, Rejected
 from service.resources import Resources, resources
+from service.settings import ServiceSettings
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
@@ -361,7 +361,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
 
 
 def _decode(
-    raw: bytes, request: Request, model: LoadedModel, settings: Settings
+    raw: bytes, request: Request, model: LoadedModel, settings: ServiceSettings
 ) -> tuple[np.ndarray, InferIn, bool]:
     """The request's tensor as float32 ``[n, n_features]``, the request, and whether the
     output goes back as binary data; or :class:`~service.errors.BadRequest` naming what

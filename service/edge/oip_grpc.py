@@ -45,7 +45,6 @@ import grpc
 from google.protobuf.message import Message
 from grpc import aio
 
-from fraud_scoring.settings import Settings
 from service import telemetry
 from service.core.model import LoadedModel
 from service.edge import auth
@@ -73,6 +72,7 @@ from service.errors import (
     Unauthenticated,
 )
 from service.resources import Resources
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
     )
 
 
-def tls_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+def tls_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
     """The server's TLS credentials from ``FRAUD_GRPC_TLS_CERT``/``FRAUD_GRPC_TLS_KEY``
     (PEM; the settings hold both or neither), None for plaintext. Raises RuntimeError
     naming the variable whose file cannot be read or is not PEM."""
@@ -327,7 +327,7 @@ def tls_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: Settings,
+    settings: ServiceSettings,
     res: Resources,
     keyring: auth.KeyRing | None,
     version: str,

@@ -18,14 +18,14 @@ import httpx
 import uvicorn
 
 from fraud_scoring.redis_server import free_port, require_redis
-from fraud_scoring.settings import Settings
 from service.errors import ServiceStartError
+from service.settings import ServiceSettings
 from service.telemetry import MULTIPROC_ENV
 
 __all__ = ["ServiceProcess", "ServiceStartError", "app_factory", "serve", "spawn"]
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: ServiceSettings) -> None:
     """Run until SIGTERM/SIGINT; in-flight requests get ``drain_seconds`` to finish.
 
     Raises ``RedisNotConfigured`` before anything starts when REDIS_URL is unset and
