@@ -239,12 +239,21 @@ def test_a_keys_file_caught_mid_write_keeps_the_keys_read_before(tmp_path: Path)
     path = tmp_path / "keys.jsonl"
     key, digest = new_key("ops")
     append_key(path, KeyEntry(id="ops", sha256=digest, scopes=frozenset({Scope.SCORE})))
+    import prometheus_client
+
+    def refused() -> float | None:
+        name = "fraud_keys_file_rejected_reads_total"
+        return prometheus_client.REGISTRY.get_sample_value(name)
+
     ring = KeyRing(path)
+    before = refused()
+    assert before is not None  # exported (at 0 in a fresh process) before any refusal
     full = path.read_text()
     for caught in ("", full[: len(full) // 2]):
         path.write_text(caught)
         ring._next_check = 0.0  # the next call re-reads (normally once a second)
         assert ring.authenticate(key).key_id == "ops"
+    assert refused() == before + 2
     path.write_text("# every key revoked\n")
     ring._next_check = 0.0
     with pytest.raises(AuthError):

@@ -235,9 +235,9 @@ def _sample(text: str, name: str, labels: dict[str, str]) -> float | None:
     """The value of the one sample of ``name`` whose labels include ``labels``."""
     found = []
     for line in text.splitlines():
-        m = re.fullmatch(r"(\w+)\{(.*)\} (\S+)", line)
+        m = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
         if m and m[1] == name:
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
             if labels.items() <= have.items():
                 found.append(float(m[3]))
     assert len(found) <= 1, (name, labels, found)
@@ -288,6 +288,13 @@ def test_http_metrics_and_zeroed_counters_without_tracing(world: World, tmp_path
                 for matched in ("true", "false"):
                     labels = {"source": source, "matched": matched}
                     assert _sample(before, "fraud_feedback_labels_total", labels) == 0
+            # And the unlabelled counters of rare events.
+            for rare in (
+                "fraud_backdated_transactions_total",
+                "fraud_declared_reads_inexact_total",
+                "fraud_id_reused_total",
+            ):
+                assert _sample(before, rare, {}) == 0, rare
             assert _sample(before, "http_server_request_duration_seconds_count", SCORED) is None
 
             r = c.post("/v1/score", json={**TXN, "transaction_id": "untraced"})

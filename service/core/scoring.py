@@ -316,7 +316,8 @@ class Scorer:
         self.pool = pool
         self.limits = session.SessionLimits(settings.allowed_lateness_s)
         self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
-        _backdated()  # exported at 0 from the start: alerts on rate() see the first
+        # Exported at 0 from the start: alerts on rate() see the first event.
+        _backdated(), _inexact_declared(), _id_reused()
         self._keeping: set[asyncio.Task[None]] = set()
         self._declared_for: tuple[LoadedModel | None, LoadedModel | None, D.Declarations] = (
             None,

@@ -183,6 +183,7 @@ class KeyRing:
     :class:`KeysFileError` at construction if the file cannot be used."""
 
     def __init__(self, path: Path) -> None:
+        _rejected_reads()  # exported at 0 from the start
         self.path = path
         self._stamp = self._stat()
         self._entries = read_keys(path)
