@@ -442,6 +442,17 @@ def test_grpc_and_rest_calls_draw_on_one_admission_capacity(
                         )
                     )
                     rest.start()
+                    # The REST call holds the capacity once a body that fails validation
+                    # (answered at once when admitted, never reaching Redis) is refused
+                    # 503: only then probe with gRPC, which would hang if admitted first.
+                    with srv.client() as probe:
+
+                        def rest_in_process() -> bool:
+                            assert not answers, f"the REST call was answered: {answers}"
+                            r = probe.post("/v1/score", json={})
+                            return r.status_code == 503
+
+                        wait_until(rest_in_process, timeout=15, what="the REST call in process")
                     wait_until(refused_inflight, timeout=15, what="gRPC refused: REST in process")
                 rest.join()
                 assert len(answers) == 1  # answered (a 503 when the read timed out)
