@@ -1077,7 +1077,12 @@ def test_helm_test_hook_names_the_key_secret_on_401() -> None:
 # Appended to the rendered simulate step so the run fits the test budget. Training refuses
 # to publish with fewer than 10 frauds in its validation or holdout days: 1,000 cards
 # leave about 7 in the validation days, 2,000 enough.
-SMALL_SIMULATION = ["--cards", "2000"]
+# And to the train step: a sample of the negatives (as the session's world trains), so the
+# fixture's training takes seconds, not a minute.
+SMALL_RUN = {
+    "simulate": ["--cards", "2000"],
+    "train": ["--max-train-negatives", "15000", "--max-holdout-negatives", "15000"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -1105,7 +1110,7 @@ def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
                 workdir,
                 fs_yaml,
             )
-            extra = SMALL_SIMULATION if c["args"][0] == "simulate" else []
+            extra = SMALL_RUN.get(c["args"][0], [])
             proc = subprocess.run(
                 cli_argv(c["args"] + extra),
                 env=_env_for_cli() | env,
