@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (once) and run lint, type checks and the test suite.
-# --quick: only the tests that need no simulated world, server or subprocess (about
-# 20 s of tests); other arguments go to pytest.
+# --quick: only the tests that need no simulated world, server or subprocess; other
+# arguments go to pytest.
 # Everything the tests need (a Redis-protocol server, a Kafka-protocol broker, Helm's
 # Go SDK) comes from PyPI wheels and is started by the tests themselves; promtool (the
 # alert rules' unit tests) from Debian's prometheus package (scripts/install-promtool.sh),
@@ -22,7 +22,10 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy cli fraud_scoring service batch_jobs streaming feature_repo bench
 echo "== import layers"; .venv/bin/lint-imports  # contracts in pyproject.toml
-args=()
+# Two workers, one test file each at a time (a file's module fixtures stay in one
+# process): the suite mostly waits on servers and subprocesses, so two halve its wall
+# time on two cores. PYTEST_WORKERS=0 runs it in one process.
+args=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
 for a in "$@"; do
     if [ "$a" = "--quick" ]; then args+=(-m quick); else args+=("$a"); fi
 done

@@ -260,8 +260,11 @@ def test_cli_reports_bad_input_clearly(tmp_path: Path, redis_server: str) -> Non
     assert r.returncode == 2 and "before" in r.stderr
     r = _cli(["simulate", "--cards", "0"], env)
     assert r.returncode == 2 and "--cards must be positive" in r.stderr
-    r = _cli(["simulate"], {**env, "FRAUD_PORT": "not-a-port"})
+    # Each command reads its own app's settings, named by their variable.
+    r = _cli(["serve"], {**env, "FRAUD_PORT": "not-a-port"})
     assert r.returncode == 2 and "FRAUD_PORT" in r.stderr
+    r = _cli(["batch", "--date", "2026-02-01"], {**env, "FRAUD_BATCH_ENGINE": "pandas"})
+    assert r.returncode == 2 and "FRAUD_BATCH_ENGINE" in r.stderr
     r = _cli(["batch", "--date", "2026-02-01"], {**env, "REDIS_URL": "http://nope"})
     assert r.returncode != 0 and "REDIS_URL" in r.stderr
 
