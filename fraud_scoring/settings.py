@@ -327,9 +327,11 @@ class EdgeSettings(_Group):
         default=0,
         ge=0,
         description="Most transactions one POST /v1/score/batch (or one OIP infer call) may "
-        "carry; more is answered 413. 0 (default): the admission capacity. It may not be "
-        "above the capacity: a call heavier than all the capacity could only run alone, "
-        "refusing every other key while it runs.",
+        "carry; more is answered 413. 0 (default): half the admission capacity (one "
+        "micro-batch per model instance, 64), so a call of the largest size fits any "
+        "key's fair share while another key calls too. It may not be above the capacity: "
+        "a call heavier than all the capacity could only run alone, refusing every other "
+        "key while it runs.",
     )
     request_timeout_ms: float = Field(
         default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."

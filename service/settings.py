@@ -38,8 +38,9 @@ class ServiceSettings(
 
     @property
     def batch_request_limit(self) -> int:
-        """Most transactions per batch call: ``max_batch_request``, or the capacity."""
-        return self.max_batch_request or self.admission_capacity
+        """Most transactions per batch call: ``max_batch_request``, or half the capacity
+        (a call that large fits a key's fair share while one other key calls)."""
+        return self.max_batch_request or max(1, self.admission_capacity // 2)
 
     @model_validator(mode="after")
     def _batch_fits_capacity(self) -> ServiceSettings:

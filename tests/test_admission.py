@@ -111,8 +111,10 @@ def test_a_call_that_cannot_fit_is_refused_before_its_body_is_read() -> None:
 def test_a_batch_call_may_not_be_heavier_than_the_capacity() -> None:
     from cli.settings import Settings
 
-    assert Settings().batch_request_limit == Settings().admission_capacity == 128
-    assert Settings(max_inflight=300).batch_request_limit == 300
+    assert Settings().admission_capacity == 128
+    assert Settings().batch_request_limit == 64  # half: it fits a share beside one other key
+    assert Settings(max_inflight=300).batch_request_limit == 150
+    assert Settings(max_inflight=1).batch_request_limit == 1
     assert Settings(max_batch_request=32).batch_request_limit == 32
     with pytest.raises(ValueError, match=r"FRAUD_MAX_BATCH_REQUEST \(256\) is above"):
         Settings(max_batch_request=256)

@@ -408,8 +408,8 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
 
             def score(txns: list[dict[str, object]]) -> list[dict[str, Any]]:
                 got = []
-                for k in range(0, len(txns), 100):
-                    r = http.post("/v1/score/batch", json={"transactions": txns[k : k + 100]})
+                for k in range(0, len(txns), 64):
+                    r = http.post("/v1/score/batch", json={"transactions": txns[k : k + 64]})
                     assert r.status_code == 200, (r.text, log.read_text()[-3000:])
                     got += r.json()["results"]
                 return got

@@ -209,8 +209,8 @@ def drifted(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             with srv.client() as c:
 
                 def send(batch: list[dict]) -> None:
-                    for i in range(0, len(batch), 128):  # a call holds at most the capacity
-                        body = {"transactions": batch[i : i + 128]}
+                    for i in range(0, len(batch), 64):  # the largest call by default
+                        body = {"transactions": batch[i : i + 64]}
                         r = c.post("/v1/score/batch", json=body, headers=replay)
                         assert r.status_code == 200, r.text
 

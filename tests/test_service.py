@@ -67,10 +67,10 @@ def test_fraud_scores_higher_than_normal_on_held_out_day(server: Server, world: 
     scored: list[tuple[dict, dict]] = []
     with server.client() as c:
         group = fraud + normal
-        for i in range(0, len(group), 100):
-            r = c.post("/v1/score/batch", json={"transactions": group[i : i + 100]})
+        for i in range(0, len(group), 64):
+            r = c.post("/v1/score/batch", json={"transactions": group[i : i + 64]})
             assert r.status_code == 200, r.text
-            for res, sent in zip(r.json()["results"], group[i : i + 100], strict=True):
+            for res, sent in zip(r.json()["results"], group[i : i + 64], strict=True):
                 assert res["transaction_id"] == sent["transaction_id"]  # order kept
                 scored.append((sent, res))
     normal_scores = np.array([res["score"] for s, res in scored if not s["is_fraud"]])
@@ -124,14 +124,14 @@ def test_missing_field_and_non_json_body(server: Server) -> None:
 
 
 def test_batch_limits(server: Server) -> None:
-    """A call may carry at most the admission capacity (128 by default): heavier, it
-    could only run alone while every other key is refused."""
+    """A call may carry at most half the admission capacity (64 by default): a call
+    that large fits a key's fair share beside another key's calls."""
     with server.client() as c:
-        many = [{**TXN, "transaction_id": f"t-{i}"} for i in range(129)]
+        many = [{**TXN, "transaction_id": f"t-{i}"} for i in range(65)]
         r = c.post("/v1/score/batch", json={"transactions": many})
         assert r.status_code == 413
         assert r.json()["detail"][0]["field"] == "transactions"
-        assert "at most 128 per call" in r.json()["detail"][0]["message"]
+        assert "at most 64 per call" in r.json()["detail"][0]["message"]
         r = c.post("/v1/score/batch", json={"transactions": []})
         assert r.status_code == 422
         bad = [TXN, {**TXN, "amount": -1}]
@@ -408,7 +408,13 @@ def test_redis_outage_answers_503_never_500(world: World, tmp_path: Path) -> Non
 def test_naive_path_serves_a_batch_larger_than_the_redis_pool(world: World, tmp_path: Path) -> None:
     """Without batching each transaction reads on its own connection: past the pool's 64
     they wait for a free one instead of failing as "feature store unavailable"."""
-    srv = start_server(world, tmp_path, FRAUD_BATCHING="false", FRAUD_MAX_INFLIGHT="256")
+    srv = start_server(
+        world,
+        tmp_path,
+        FRAUD_BATCHING="false",
+        FRAUD_MAX_INFLIGHT="256",
+        FRAUD_MAX_BATCH_REQUEST="150",
+    )
     try:
         txns = [{**TXN, "transaction_id": f"n{i}"} for i in range(150)]
         with srv.client() as c:
