@@ -1117,7 +1117,7 @@ def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
                 cwd=workdir,
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=240,  # one step; the training step alone takes ~30 s on a quiet machine
             )
             assert proc.returncode == 0, (c["name"], (proc.stdout + proc.stderr)[-3000:])
         yield docs, redis_port, workdir, key
