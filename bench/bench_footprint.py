@@ -13,7 +13,12 @@ Local only and bounded (about a minute, plus Spark's start when asked):
 3. **Decision log**: held-out transactions scored in-process by the service's Scorer
    (micro-batches of 64, no HTTP) with the Redis decision log on, as
    ``FRAUD_DECISION_LOG=redis`` does; bytes per entry = (stream + dedup markers) / entries.
-4. **Daily batch time**: one day's snapshot (both views) computed over the raw history
+4. **Declared states**: after the world's batch backfilled them over its history,
+   ``MEMORY USAGE`` of every key of every declared state (``{agg:<state>:<key>}:t`` and
+   ``:ids``), per state and in all per card of the world (the sheet scales that with the
+   card count). The world holds 14 days: a state's 30-day day tiles are not all there
+   yet, so the figure is low by up to 32 bytes per missing tile.
+5. **Daily batch time**: one day's snapshot (both views) computed over the raw history
    with DuckDB and, with ``--spark``, Spark ``local[*]`` (the second day timed, so the
    JVM start is not counted), on the bench world and on a larger one
    (``--batch-cards``, 30 days, built once under bench/results/).
@@ -52,7 +57,7 @@ from bench.bench_stream import throughput
 from bench.world import CFG, ROOT, BenchWorld, bench_world
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_keys, open_store
-from fraud_scoring.features import VIEWS, producible_features
+from fraud_scoring.features import VIEWS, declarations, producible_features
 from fraud_scoring.session import events_key, ids_key
 from fraud_scoring.storage import partition_file
 from service.core.model import ModelHolder, load_model
@@ -94,6 +99,25 @@ def batch_features(world: BenchWorld) -> dict[str, Any]:
         out[view.entity]["bytes_per_entity"] = float(np.mean(sizes))
     out["as_of"] = last.isoformat()
     return out
+
+
+def declared_state(world: BenchWorld) -> dict[str, Any]:
+    """Bytes Redis keeps per key of each declared state (tiles hash + ids), and in all per
+    card of the world."""
+    client = redis.Redis.from_url(world.redis_url)
+    states: dict[str, Any] = {}
+    total = 0
+    for spec in declarations().specs:
+        tiles = sorted(client.scan_iter(match=f"{{agg:{spec.id}:*}}:t", count=1000))
+        ids = [k[: -len(b":t")] + b":ids" for k in tiles]
+        sizes = np.array(memory(client, tiles)) + np.array(memory(client, ids))
+        states[spec.id] = {
+            "entity": "x".join(spec.entity),
+            "keys": len(tiles),
+            "bytes_per_key": float(sizes.mean()) if len(tiles) else 0.0,
+        }
+        total += int(sizes.sum())
+    return {"states": states, "bytes": total, "bytes_per_card": total / CFG.cards}
 
 
 def session_state(world: BenchWorld) -> dict[str, Any]:
@@ -148,7 +172,10 @@ async def _score(world: BenchWorld, n: int) -> dict[str, Any]:
         )
         txns = [Transaction.model_validate(r) for r in world.held_out(n)]
         for s in range(0, len(txns), 64):
-            await scorer.score_batch(txns[s : s + 64])
+            results = await scorer.score_batch(txns[s : s + 64])
+            # Every decision answered: the log keeps what was answered (as the batcher
+            # tells it in the service).
+            dlog.answered(results, [True] * len(results))
     await dlog.stop(drain_s=30)
     await producer.close()
     await client.aclose()
@@ -232,14 +259,17 @@ def sheet(res: dict[str, Any]) -> str:
     card_b = bf["card"]["bytes_per_entity"] + MERCHANTS_PER_CARD * merchant_b
     active = ss["cards"] / CFG.cards  # share of cards with session state on a day
     fixed_b, event_b = ss["fit_fixed_bytes"], ss["fit_bytes_per_event"]
+    # Declared states per card (every entity's keys, spread over the world's cards): a
+    # key keeps its state for its longest window, whether or not it was active today.
+    declared_b = res.get("declared_state", {}).get("bytes_per_card", 0.0)
     updater = ss["updater"]["events_per_s"] * UPDATER_UTILIZATION
     core_us = res["batch_marginal_us_per_raw_row"].get("spark_local", float("nan")) * (
         res["batch_time_large_world"].get("spark_local", {}).get("cores", 1)
     )
     gb = 1e9
     lines = [
-        "| cards | decisions/s (peak) | batch features GB | session GB | online store GB "
-        f"x{HEADROOM} | shards @ {SHARD_GB:.0f} GB | decision log GB (Redis, "
+        "| cards | decisions/s (peak) | batch features GB | session + declared GB | "
+        f"online store GB x{HEADROOM} | shards @ {SHARD_GB:.0f} GB | decision log GB (Redis, "
         f"{LOG_RETENTION_DAYS} d) | scoring cores | updaters | nightly Spark min "
         f"({EXECUTOR_CORES} cores) | materialize min |",
         "|" + "---:|" * 11,
@@ -248,7 +278,7 @@ def sheet(res: dict[str, Any]) -> str:
         for r in RATES:
             events_day = r * MEAN_TO_PEAK * 86_400
             feast = n * card_b / gb
-            sess = (n * active * fixed_b + events_day * event_b) / gb
+            sess = (n * active * fixed_b + events_day * event_b + n * declared_b) / gb
             store = (feast + sess) * HEADROOM
             dlog = events_day * LOG_RETENTION_DAYS * dl["bytes_per_entry"] / gb
             cores = math.ceil(r / (SCORING_HELD_PER_CORE * UTILIZATION))
@@ -279,6 +309,7 @@ def main() -> None:
     res: dict[str, Any] = {"machine_cpus": os.cpu_count()}
     with bench_world() as world:
         res["batch_features"] = batch_features(world)
+        res["declared_state"] = declared_state(world)
         res["session_state"] = session_state(world)
         res["decision_log"] = decision_log(world, a.decisions)
         last = CFG.start + timedelta(days=CFG.days - 1)
@@ -314,6 +345,7 @@ def report(res: dict[str, Any]) -> None:
         ("  at events per card-day", ss["events_per_card_day"]),
         ("  fit: fixed per card (bytes)", ss["fit_fixed_bytes"]),
         ("  fit: per event (bytes)", ss["fit_bytes_per_event"]),
+        ("declared states per card of the world (bytes)", res["declared_state"]["bytes_per_card"]),
         ("updater events/s (wall, short run)", ss["updater"]["events_per_s"]),
         ("updater events per CPU-second", ss["updater"]["events_per_cpu_s"]),
         ("decision log per entry (bytes)", dl["bytes_per_entry"]),
@@ -325,6 +357,10 @@ def report(res: dict[str, Any]) -> None:
             rows.append((f"{world[11:]} {engine}: us per raw row", t["us_per_raw_row"]))
     for engine, us in res["batch_marginal_us_per_raw_row"].items():
         rows.append((f"{engine}: marginal us per raw row", us))
+    for sid, st in res["declared_state"]["states"].items():
+        rows.append(
+            (f"  {st['entity']} {sid[:16]}: bytes/key, {st['keys']} keys", st["bytes_per_key"])
+        )
     for label, v in rows:
         log.info("%-48s %14s", label, f"{v:,.2f}" if v < 100 else f"{v:,.0f}")
 
