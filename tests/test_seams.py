@@ -219,3 +219,27 @@ def test_the_stack_keeps_its_shape_with_tracing_on() -> None:
         "DirectDispatch",
         "ServerErrorMiddleware",
     ]
+
+
+def test_server_spans_are_named_by_the_route_that_will_answer() -> None:
+    """With tracing on, a server span's name and ``http.route`` come from the route
+    before the request runs: the scoring routes DirectDispatch answers, routes of
+    included routers (FastAPI nests them), templates with parameters, a path whose
+    method does not match (405); a path no route matches gets the method alone."""
+    from service.edge.app import _span_details, create_app
+
+    app = create_app()
+    cases = {
+        ("POST", "/v1/score"): "/v1/score",
+        ("GET", "/healthz"): "/healthz",
+        ("GET", "/v2/models/fraud/versions/1/ready"): "/v2/models/{name}/versions/{version}/ready",
+        ("DELETE", "/healthz"): "/healthz",
+        ("GET", "/docs"): "/docs",
+    }
+    for (method, path), route in cases.items():
+        scope = {"type": "http", "method": method, "path": path, "app": app, "root_path": ""}
+        assert _span_details(scope) == (f"{method} {route}", {"http.route": route}), path
+    lost = {"type": "http", "method": "GET", "path": "/no-such-page", "app": app, "root_path": ""}
+    assert _span_details(lost) == ("GET", {})
+    odd = {**lost, "method": "BREW", "path": "/healthz"}
+    assert _span_details(odd)[0] == "HTTP /healthz"

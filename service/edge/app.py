@@ -25,6 +25,7 @@ import fastapi_offline
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html
 from fastapi.responses import HTMLResponse, Response
+from fastapi.routing import iter_route_contexts
 from fastapi_offline import FastAPIOffline
 from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
@@ -126,10 +127,17 @@ def _span_details(scope: Scope) -> tuple[str, dict[str, str]]:
     method = method if method in telemetry.HTTP_METHODS else "HTTP"
     route: str | None = scope["path"] if scope["path"] in _DIRECT_PATHS else None
     if route is None:
-        for candidate in scope["app"].routes:
-            if candidate.matches(scope)[0] is Match.FULL:
-                route = getattr(candidate, "path", None)
+        # FastAPI nests included routers: its own iterator yields each route with its
+        # whole path. A path whose method does not match (a 405) still names its route.
+        partial = None
+        for candidate in iter_route_contexts(scope["app"].routes):
+            match = candidate.matches(scope)[0]
+            if match is Match.FULL:
+                route = candidate.path
                 break
+            if match is Match.PARTIAL and partial is None:
+                partial = candidate.path
+        route = route or partial
     if route is None:
         return method, {}
     return f"{method} {route}", {"http.route": route}
