@@ -1234,13 +1234,16 @@ class KeyState:
     :data:`NEWEST`), its newest stored event before ``t`` (None: none kept), and per
     window the sums over its tiles, the tile holding ``t`` included. A state that keeps
     values also has its newest events before ``t`` (``before``: ts, value code) and the
-    values pushed out of them (``kept``: code -> newest time)."""
+    values pushed out of them (``kept``: code -> newest time). ``covered`` is False when
+    the key's ring may have dropped a tile a window reads (the key's newest event lies
+    further past ``t`` than the ring keeps: a replay far behind its present)."""
 
     ahead: list[tuple[int, float]]
     last_before: int | None
     sums: list[tuple[float, float, float]]
     before: list[tuple[int, float]] = field(default_factory=list)
     kept: dict[float, int] = field(default_factory=dict)
+    covered: bool = True
 
 
 def _recent(blob: bytes | None, t_us: int) -> tuple[list[tuple[int, float]], int | None]:
@@ -1265,6 +1268,7 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
     t = np.asarray(t_us, dtype=np.int64)
     sums: list[np.ndarray] = []  # per window: (n, 3) count, sum, squares
     rings: dict[int, np.ndarray] = {}
+    covered = np.ones(n, dtype=bool)
     for pos, (u, slots) in enumerate(spec.widths.items()):
         held = [r[pos] or b"" for r in replies]
         size = max([slots * TILE.size, *map(len, held)])
@@ -1277,11 +1281,16 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
         # whole tiles: the tile holding t is not read
         inside = (idx >= last - w.tiles) & ((idx < last) if spec.whole_tiles else (idx <= last))
         sums.append((ring[:, :, 1:] * inside[:, :, None]).sum(axis=1))
+        # The ring keeps the indexes above its top's minus its slots: one this read
+        # needs may have been dropped once the top reached that far past it.
+        top = np.where(ring[:, :, 1] != 0, idx, -np.inf).max(axis=1)
+        covered &= top - spec.widths[w.width_us] < last[:, 0] - w.tiles
     out = []
     at = len(spec.widths)
     for i, r in enumerate(replies):
         ahead, last_ts = _recent(r[at], t_us[i])
-        state = KeyState(ahead, last_ts, [tuple(x[i].tolist()) for x in sums])  # type: ignore[arg-type]
+        sums_i = [tuple(x[i].tolist()) for x in sums]
+        state = KeyState(ahead, last_ts, sums_i, covered=bool(covered[i]))  # type: ignore[arg-type]
         if spec.keeps_values:
             blob = r[at] or b""
             state.before = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob) if a < t_us[i]]
@@ -1302,12 +1311,14 @@ def online_row(
     micro-batch recorded with it that were new to the store (the read ran before they
     were written); ``own`` is the transaction's own value code (a categorical state:
     ``changed``; None: it has none). Returns the
-    features and whether they are exact (False only when :data:`NEWEST` or more stored
-    events lie at or after ``t_us``: a replay far behind the key's present)."""
+    features and whether they are exact (False only in a replay far behind the key's
+    present: :data:`NEWEST` or more stored events lie at or after ``t_us``, or the ring
+    no longer holds a tile a window reads)."""
     # Whole tiles end before the tile holding t: what lies ahead is never read.
     ahead = state.ahead if state and not spec.whole_tiles else []
-    # Fewer than NEWEST kept events at or after t: every event after t is kept.
-    exact = len(ahead) < NEWEST
+    # Fewer than NEWEST kept events at or after t: every event after t is kept; and
+    # the ring still holds every tile the windows read.
+    exact = len(ahead) < NEWEST and (state is None or state.covered)
     mates = [(e.ts_us, e.value) for e in batch_mates if e.ts_us < t_us]
     before = [ts for ts, _ in mates]
     if state is not None and state.last_before is not None:

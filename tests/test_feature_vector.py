@@ -400,37 +400,49 @@ def test_backdating_each_attempt_does_not_hide_a_burst(
 
 
 def test_the_daily_batch_leaves_the_label_states_training_computes(world: World) -> None:
-    """The world's batch (features up to the day before the held-out one) backfilled the
-    label and delayed states and recorded each day's labels: read from its store as of
-    held-out transactions, they equal what training computes from the raw labels."""
+    """The world's batch steps for the declared states (backfill up to the day before the
+    held-out one, then each day's labels) leave label and delayed states that, read as of
+    held-out transactions, equal what training computes from the raw labels. They run
+    into a store of their own: the world's store is the other tests' to write (a
+    held-out transaction they score moves a key's present past these reads')."""
+    from batch_jobs.batch import backfill_declared, record_day_labels
     from batch_jobs.declared_sql import load_label_events, training_columns
     from fraud_scoring import declared as D
+    from fraud_scoring.redis_server import embedded_redis
 
     decl = F.declarations()
     specs = [s for s in decl.specs if s.whole_tiles]
     assert any(s.source == "labels" for s in specs)
     raw = world.data_dir / "raw"
+    days = [world.start + timedelta(days=i) for i in range(world.days - 1)]
     history = load_transactions(raw, world.start, world.last_day)
     held = history[history["event_time"].dt.date == world.last_day].sample(400, random_state=3)
     q = held.rename(columns={"event_time": "event_timestamp"}).reset_index(drop=True)
     only = D.Declarations(tuple(specs), (), decl.source)
     trained = training_columns(only, q, history, labels=load_label_events(raw, 0.0))
-    client = connect(world.redis_url)
     rows = q.to_dict("records")
     t_us = [int(x) for x in epoch_us(q[["event_timestamp"]])]
-    for spec in specs:
-        keys = [spec.key_value(r) for r in rows]
-        pipe = client.pipeline(transaction=False)
-        for key, t in zip(keys, t_us, strict=True):
-            if key is not None:
-                D.queue_read(pipe, spec, key, t)
-        states = iter(
-            D.parse_reads(spec, pipe.execute(), [t for k, t in zip(keys, t_us, strict=True) if k])
-        )
-        for i, (key, t) in enumerate(zip(keys, t_us, strict=True)):
-            got, exact = D.online_row(spec, next(states) if key else None, t)
-            assert exact
-            for name, v in got.items():
-                assert v == pytest.approx(trained[name][i], rel=1e-9, abs=1e-6), (name, rows[i])
+    with embedded_redis() as url:
+        client = connect(url)
+        for spec in decl.specs:  # as backfilled: run_batch backfills only the others
+            if not spec.whole_tiles:
+                client.set(spec.backfilled_key(), "test")
+        assert backfill_declared(raw, days[-1], url, 300.0) > 0  # as run_batch calls them
+        record_day_labels(raw, days, url, 300.0)
+        for spec in specs:
+            keys = [spec.key_value(r) for r in rows]
+            pipe = client.pipeline(transaction=False)
+            for key, t in zip(keys, t_us, strict=True):
+                if key is not None:
+                    D.queue_read(pipe, spec, key, t)
+            at = [t for k, t in zip(keys, t_us, strict=True) if k]
+            states = iter(D.parse_reads(spec, pipe.execute(), at))
+            for i, (key, t) in enumerate(zip(keys, t_us, strict=True)):
+                got, exact = D.online_row(spec, next(states) if key else None, t)
+                assert exact
+                for name, v in got.items():
+                    want = trained[name][i]
+                    assert v == pytest.approx(want, rel=1e-9, abs=1e-6), (name, rows[i])
+        client.close()
     assert (trained["merchant_fraud_count_lag7d_30d"] > 0).sum() > 20
     assert (trained["card_fraud_count_30d"] > 0).sum() >= 0  # a card's own labels: rare
