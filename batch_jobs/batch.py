@@ -30,7 +30,7 @@ from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import declared as D
 from fraud_scoring.feast_store import batch_marker_key, online_key, open_store, stored_time
-from fraud_scoring.features import VIEWS, declarations
+from fraud_scoring.features import declarations, views
 from fraud_scoring.redis_clients import sync_client
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ def forget_recomputed(
     skips rows not newer than the stored time, writes the recomputed values. Entities
     already holding a newer snapshot are left alone. Returns how many were cleared.
     Two pipelined round trips, whatever the number of entities."""
-    views = {v.name: v for v in VIEWS}
+    by_name = {v.name: v for v in views()}
     eksv = store.config.entity_key_serialization_version
     items = sorted(entities)
-    keys = [online_key(store.project, views[v].join_key, e, eksv) for v, e in items]
+    keys = [online_key(store.project, by_name[v].join_key, e, eksv) for v, e in items]
     client = sync_client(redis_url)  # Feast keys are bytes
     try:
         pipe = client.pipeline(transaction=False)
@@ -103,7 +103,7 @@ def mark_materialized(redis_url: str, project: str) -> None:
     try:
         now = datetime.now(UTC).isoformat()
         pipe = client.pipeline(transaction=False)  # one SET each: on a cluster, other slots
-        for v in VIEWS:
+        for v in views():
             pipe.set(batch_marker_key(project, v.name), now)
         pipe.execute()
     finally:
@@ -203,7 +203,7 @@ def run_batch(
         tables = compute(raw, day)
         write_day(feats, day, tables)
         rows += sum(t.num_rows for t in tables.values())
-        for view in VIEWS:
+        for view in views():
             entities.update((view.name, k) for k in tables[view.name][view.join_key].to_pylist())
         log.debug("features for %s: %s", day, {k: v.num_rows for k, v in tables.items()})
     compute_s = time.perf_counter() - t0

@@ -1,20 +1,22 @@
-"""Daily batch features: snapshots as of the end of a day, one SQL for every engine.
+"""Daily batch features: snapshots as of the end of a day, one generated SQL statement per
+declared view for every engine.
 
 For day ``D`` the snapshot's ``event_timestamp`` is ``D+1 00:00 UTC`` and it is built
 only from transactions with ``event_time`` strictly before that instant (and, for the
-merchant fraud rate, only from labels that had *arrived* before it). A transaction at
+fraud counts and rates, only from labels that had *arrived* before it). A transaction at
 time ``t`` may use the snapshot when ``event_timestamp <= t``: everything in it happened
 strictly before ``t``.
 
-Each feature is one SQL expression below, named after the feature in
-``fraud_scoring.features``; a test checks the two lists agree. The statements are the
-only definition of the batch features: DuckDB (the default, :func:`compute_day`) and
-Spark SQL (``batch_jobs/spark_engine.py``) both run them as written, so they keep to
-SQL the two dialects share. Each engine binds the same inputs (:class:`DayInputs`): the
-views ``tx_30d``, ``tx_90d``, ``tx_all`` (raw transaction partitions) and ``labels``,
-and the named parameters ``$snap``, ``$start30``, ``$start90`` (UTC instants) and
-``$snap_s`` (epoch seconds); DuckDB gets a one-line ``unix_micros`` macro, the name
-Spark has built in.
+The views and their features are declared in the ``snapshots`` section of
+``feature_repo/features.yaml`` (:mod:`fraud_scoring.snapshots`); :func:`snapshot_sql`
+compiles each view into one statement, the only definition of its features: DuckDB
+(the default, :func:`compute_day`) and Spark SQL (``batch_jobs/spark_engine.py``) both
+run it as written, so it keeps to SQL the two dialects share. Each engine binds the same
+inputs (:class:`DayInputs`): per view ``tx_<view>`` (the raw partitions its window can
+touch), ``tx_all`` (all history, when a view reads a first-seen time) and ``labels``
+(when it reads fraud labels), and the named parameters ``$snap`` and ``$start_<window>``
+(UTC instants) and ``$snap_s`` (epoch seconds); DuckDB gets a one-line ``unix_micros``
+macro, the name Spark has built in.
 """
 
 from __future__ import annotations
@@ -29,58 +31,135 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from fraud_scoring.features import CARD_VIEW, MERCHANT_VIEW, BatchView, view_features
+from fraud_scoring.declared import window_label
+from fraud_scoring.feature_specs import BatchView, SnapshotAgg
+from fraud_scoring.features import view_features
+from fraud_scoring.features import views as views_declared
+from fraud_scoring.snapshots import window_days
 from fraud_scoring.storage import DataError, partition_days, partition_file, write_partition
 
 log = logging.getLogger(__name__)
 
-CARD_SQL = """
-WITH w AS (
-  SELECT card_id, merchant_id, country, amount FROM tx_30d
-  WHERE event_time >= $start30 AND event_time < $snap
-), ranked AS (
-  SELECT card_id, country,
-    row_number() OVER (PARTITION BY card_id ORDER BY n DESC, country) AS place
-  FROM (SELECT card_id, country, count(*) AS n FROM w GROUP BY card_id, country) AS c
-), top AS (
-  SELECT card_id, country AS top_country FROM ranked WHERE place = 1
-), seen AS (
-  SELECT card_id, min(event_time) AS first_seen FROM tx_all
-  WHERE event_time < $snap GROUP BY card_id
-)
-SELECT w.card_id,
-  $snap AS event_timestamp,
-  CAST(count(*) AS BIGINT) AS card_txn_count_30d,
-  CAST(sum(w.amount) AS FLOAT) AS card_amount_sum_30d,
-  CAST(avg(w.amount) AS FLOAT) AS card_amount_mean_30d,
-  CAST(coalesce(stddev_pop(w.amount), 0) AS FLOAT) AS card_amount_std_30d,
-  CAST(count(DISTINCT w.merchant_id) AS BIGINT) AS card_distinct_merchants_30d,
-  CAST(count(DISTINCT w.country) AS BIGINT) AS card_distinct_countries_30d,
-  CAST(($snap_s - unix_micros(seen.first_seen) / 1e6) / 86400 AS FLOAT)
-    AS card_days_since_first_seen,
-  CAST($snap_s AS BIGINT) AS card_snapshot_time,
-  top.top_country AS card_top_country_30d
-FROM w JOIN top ON w.card_id = top.card_id JOIN seen ON w.card_id = seen.card_id
-GROUP BY w.card_id, seen.first_seen, top.top_country ORDER BY w.card_id
-"""
 
-MERCHANT_SQL = """
-WITH w90 AS (
-  SELECT transaction_id, merchant_id, amount, event_time FROM tx_90d
-  WHERE event_time >= $start90 AND event_time < $snap
-), known AS (
-  SELECT DISTINCT transaction_id FROM labels WHERE label_time < $snap AND is_fraud
-)
-SELECT w90.merchant_id,
-  $snap AS event_timestamp,
-  CAST(count(*) FILTER (WHERE w90.event_time >= $start30) AS BIGINT)
-    AS merchant_txn_count_30d,
-  CAST(coalesce(sum(w90.amount) FILTER (WHERE w90.event_time >= $start30), 0) AS FLOAT)
-    AS merchant_amount_sum_30d,
-  CAST(count(known.transaction_id) / count(*) AS FLOAT) AS merchant_fraud_rate_90d
-FROM w90 LEFT JOIN known ON w90.transaction_id = known.transaction_id
-GROUP BY w90.merchant_id ORDER BY w90.merchant_id
-"""
+def _quote(v: str) -> str:
+    return "'" + v.replace("'", "''") + "'"
+
+
+def _condition(view: BatchView, a: SnapshotAgg) -> str | None:
+    """The SQL condition that keeps ``a``'s transactions among the view's (None: all)."""
+    parts = []
+    if a.window_us and a.window_us != view.window_us:
+        parts.append(f"w.event_time >= $start_{window_label(a.window_us)}")
+    for col, allowed in a.filter:
+        parts.append(f"w.{col} IN ({', '.join(_quote(x) for x in allowed)})")
+    return " AND ".join(parts) or None
+
+
+def _aggregate(view: BatchView, a: SnapshotAgg) -> str:
+    """The aggregate expression of one of the view's features (not most_frequent,
+    days_since_first_seen or snapshot_time: those are joined or constant)."""
+    cond = _condition(view, a)
+    v = f"w.{a.value}"
+    pick = (lambda x: x) if cond is None else (lambda x: f"CASE WHEN {cond} THEN {x} END")
+    n = "count(*)" if cond is None else f"count({pick('1')})"
+    fraud = "count(known.transaction_id)"
+    if cond is not None:
+        fraud = f"count(CASE WHEN {cond} AND known.transaction_id IS NOT NULL THEN 1 END)"
+    exprs = {
+        "count": f"CAST({n} AS BIGINT)",
+        "sum": f"CAST(coalesce(sum({pick(v)}), 0) AS FLOAT)",
+        "mean": f"CAST(avg({pick(v)}) AS FLOAT)",
+        "std": f"CAST(stddev_pop({pick(v)}) AS FLOAT)",
+        "min": f"CAST(min({pick(v)}) AS FLOAT)",
+        "max": f"CAST(max({pick(v)}) AS FLOAT)",
+        "distinct_count": f"CAST(count(DISTINCT {pick(v)}) AS BIGINT)",
+        "fraud_count": f"CAST({fraud} AS BIGINT)",
+        # A rate over no transaction is no value: never a division by zero.
+        "fraud_rate": f"CAST({fraud} / {n} AS FLOAT)"
+        if cond is None
+        else f"CAST(CASE WHEN {n} > 0 THEN {fraud} / {n} END AS FLOAT)",
+    }
+    return exprs[a.agg]
+
+
+def snapshot_sql(view: BatchView) -> str:
+    """``view``'s snapshot statement: one row per key with a transaction in the view's
+    window, its key, ``event_timestamp`` and every declared feature (named after it)."""
+    k = view.join_key
+    used = {k, "event_time"}
+    for a in view.aggs:
+        used |= {a.value} if a.value else set()
+        used |= {c for c, _ in a.filter}
+    if any(a.agg.startswith("fraud_") for a in view.aggs):
+        used.add("transaction_id")
+    ctes = [
+        f"w AS (\n  SELECT {', '.join(sorted(used))} FROM tx_{view.name}\n"
+        f"  WHERE event_time >= $start_{window_label(view.window_us)} AND event_time < $snap\n"
+        f"    AND {k} IS NOT NULL AND {k} <> ''\n)"
+    ]
+    joins_w, joins, selects = [], [], []
+    if any(a.agg.startswith("fraud_") for a in view.aggs):
+        ctes.append(
+            "known AS (\n  SELECT DISTINCT transaction_id FROM labels\n"
+            "  WHERE label_time < $snap AND is_fraud\n)"
+        )
+        joins_w.append("LEFT JOIN known ON w.transaction_id = known.transaction_id")
+    grouped = [f"  {_aggregate(view, a)} AS {a.name}" for a in view.aggs if a.agg in AGGREGATES]
+    for i, a in enumerate(view.aggs):
+        if a.agg == "most_frequent":
+            cond = _condition(view, a)
+            where = f"w.{a.value} IS NOT NULL" + (f" AND {cond}" if cond else "")
+            ctes.append(
+                f"top{i} AS (\n  SELECT {k}, v FROM (\n"
+                f"    SELECT {k}, v, row_number() OVER (PARTITION BY {k} ORDER BY n DESC, v)"
+                " AS place\n"
+                f"    FROM (SELECT w.{k}, w.{a.value} AS v, count(*) AS n FROM w WHERE {where}\n"
+                f"          GROUP BY w.{k}, w.{a.value}) AS c\n"
+                "  ) AS r WHERE place = 1\n)"
+            )
+            joins.append(f"LEFT JOIN top{i} ON top{i}.{k} = g.{k}")
+            selects.append(f"  top{i}.v AS {a.name}")
+        elif a.agg == "days_since_first_seen":
+            if not any("seen AS" in c for c in ctes):
+                ctes.append(
+                    f"seen AS (\n  SELECT {k}, min(event_time) AS first_seen FROM tx_all\n"
+                    f"  WHERE event_time < $snap GROUP BY {k}\n)"
+                )
+                joins.append(f"LEFT JOIN seen ON seen.{k} = g.{k}")
+            selects.append(
+                "  CAST(($snap_s - unix_micros(seen.first_seen) / 1e6) / 86400 AS FLOAT)"
+                f" AS {a.name}"
+            )
+        elif a.agg == "snapshot_time":
+            selects.append(f"  CAST($snap_s AS BIGINT) AS {a.name}")
+    ctes.append(
+        f"g AS (\nSELECT w.{k},\n"
+        + ",\n".join(grouped or ["  count(*) AS _n"])
+        + f"\nFROM w {' '.join(joins_w)}\nGROUP BY w.{k}\n)"
+    )
+    cols = [f"  g.{a.name}" for a in view.aggs if a.agg in AGGREGATES] + selects
+    return (
+        "WITH "
+        + ",\n".join(ctes)
+        + f"\nSELECT g.{k},\n  $snap AS event_timestamp,\n"
+        + ",\n".join(cols)
+        + f"\nFROM g {' '.join(joins)}\nORDER BY g.{k}\n"
+    )
+
+
+# The aggregations computed in the grouped query (the others are joined or constant).
+AGGREGATES = {
+    "count",
+    "sum",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "distinct_count",
+    "fraud_count",
+    "fraud_rate",
+}
+
 
 # The labels view when no chargeback has arrived yet (every fraud rate is then 0).
 LABEL_COLUMNS = pa.schema(
@@ -115,30 +194,36 @@ def _files(raw: Path, table: str, first: date, last: date) -> list[str]:
     return [str(partition_file(raw, table, d)) for d in days]
 
 
-def day_inputs(raw: Path, day: date) -> DayInputs:
-    """The inputs of ``day``'s snapshot from the raw history under ``raw``: the files are
-    the partitions each window can touch (the SQL bounds the window by event time).
+def day_inputs(raw: Path, day: date, views: tuple[BatchView, ...] | None = None) -> DayInputs:
+    """The inputs of ``day``'s snapshot of ``views`` (default: the declared ones) from the
+    raw history under ``raw``: the files are the partitions each window can touch (the
+    SQL bounds the window by event time).
 
     Raises DataError when the day's own raw partition is missing.
     """
+    views = views_declared() if views is None else views
     own = partition_file(raw, "transactions", day)
     if not own.exists():
         raise DataError(
             f"missing raw partition {own} (run `fraud-scoring ingest` or `fraud-scoring simulate`)"
         )
     snap = snapshot_time(day)
+    files = {
+        f"tx_{v.name}": _files(raw, "transactions", day - timedelta(days=window_days(v) - 1), day)
+        for v in views
+    }
+    aggs = [a for v in views for a in v.aggs]
+    if any(a.agg == "days_since_first_seen" for a in aggs):
+        files["tx_all"] = _files(raw, "transactions", date.min, day)
+    if any(a.agg.startswith("fraud_") for a in aggs):
+        files["labels"] = _files(raw, "labels", date.min, day)
+    windows = {v.window_us for v in views} | {a.window_us for a in aggs if a.window_us}
     return DayInputs(
-        views={
-            "tx_30d": _files(raw, "transactions", day - timedelta(days=29), day),
-            "tx_90d": _files(raw, "transactions", day - timedelta(days=89), day),
-            "tx_all": _files(raw, "transactions", date.min, day),
-            "labels": _files(raw, "labels", date.min, day),
-        },
+        views=files,
         params={
             "snap": snap,
-            "start30": snap - timedelta(days=30),
-            "start90": snap - timedelta(days=90),
             "snap_s": int(snap.timestamp()),
+            **{f"start_{window_label(us)}": snap - timedelta(microseconds=us) for us in windows},
         },
     )
 
@@ -157,12 +242,14 @@ def output_schema(view: BatchView) -> pa.Schema:
 
 
 def compute_day(raw: Path, day: date) -> dict[str, pa.Table]:
-    """Both views' snapshot for ``day`` from the raw history under ``raw``, on DuckDB.
+    """Every declared view's snapshot for ``day`` from the raw history under ``raw``, on
+    DuckDB.
 
     Raises DataError when the day's raw partition is missing, empty or unreadable.
     """
     inputs = day_inputs(raw, day)
     con = duckdb.connect()
+    tables = {}
     try:
         con.execute("SET TimeZone='UTC'")
         con.execute("CREATE MACRO unix_micros(ts) AS epoch_us(ts)")  # Spark's name
@@ -175,20 +262,21 @@ def compute_day(raw: Path, day: date) -> dict[str, pa.Table]:
                 con.read_parquet(files).create_view(name)
             else:
                 con.from_arrow(LABEL_COLUMNS.empty_table()).create_view(name)
-        card = con.sql(CARD_SQL, params=inputs.params_of(CARD_SQL)).to_arrow_table()
-        merchant = con.sql(MERCHANT_SQL, params=inputs.params_of(MERCHANT_SQL)).to_arrow_table()
+        for view in views_declared():
+            sql = snapshot_sql(view)
+            tables[view.name] = con.sql(sql, params=inputs.params_of(sql)).to_arrow_table()
     except duckdb.Error as exc:
         raise DataError(f"reading raw history for {day}: {exc}") from exc
     finally:
         con.close()
-    return conform({CARD_VIEW.name: card, MERCHANT_VIEW.name: merchant})
+    return conform(tables)
 
 
 def conform(tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
     """Each view's table cast to :func:`output_schema` (raises DataError naming the view
     when a column is missing or cannot be cast)."""
     out = {}
-    for view in (CARD_VIEW, MERCHANT_VIEW):
+    for view in views_declared():
         schema = output_schema(view)
         try:
             out[view.name] = tables[view.name].select(schema.names).cast(schema)

@@ -48,9 +48,15 @@ class Plan:
     still_read: dict[str, list[str]] = field(default_factory=dict)  # feature -> versions
     new_states: list[D.Spec] = field(default_factory=list)
     unknown_to_models: dict[str, list[str]] = field(default_factory=dict)
+    new_views: list[str] = field(default_factory=list)
 
     def text(self, decl: D.Declarations) -> str:
         lines = [f"declarations: {decl.source}"]
+        for view in decl.views:
+            lines.append(
+                f"  snapshot view {view.name}: entity {view.entity} ({view.join_key}), ttl "
+                f"{view.ttl}; features: {', '.join(f.name for f in view.features)}"
+            )
         for s in decl.specs:
             flt = " ".join(f"{k} in {list(v)}" for k, v in s.filter.items()) or "-"
             wins = ", ".join(f"{w.label} (tiles {w.width_us // D.US} s)" for w in s.windows)
@@ -71,6 +77,11 @@ class Plan:
                 f"  backfill: state {s.id} ({'+'.join(s.entity)}) needs the last {days} day(s) "
                 "of history: `fraud-scoring features backfill`"
             )
+        for name in self.new_views:
+            lines.append(
+                f"  backfill: snapshot view {name} has new features: run `fraud-scoring batch "
+                "--from D1 --to D2` over the days training uses (it registers the view in Feast)"
+            )
         for v, fs in self.unknown_to_models.items():
             lines.append(f"! model version {v} reads undeclared features: {', '.join(fs)}")
         return "\n".join(lines)
@@ -83,6 +94,8 @@ def plan(
     now, before = set(decl.names()), set(applied.get("features", []))
     out = Plan(added=sorted(now - before), removed=sorted(before - now))
     out.new_states = [s for s in decl.specs if s.id not in applied.get("states", {})]
+    # A view with a feature not applied before needs its snapshots computed again.
+    out.new_views = [w.name for w in decl.views if {f.name for f in w.features} - before]
     for v in versions(model_repo, model_name):
         try:
             names = load_metadata(model_repo / model_name / str(v)).feature_names

@@ -42,7 +42,7 @@ from redis.crc import key_slot
 from batch_jobs import resp
 from batch_jobs.feast_encode import timestamp_column, timestamp_nanos, value_column
 from fraud_scoring.feast_store import online_field, online_key_column
-from fraud_scoring.features import VIEWS, BatchView, view_features
+from fraud_scoring.features import BatchView, view_features, views
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.storage import DataError, read_partition
 
@@ -181,7 +181,7 @@ def materialize_days(
     client = sync_client(redis_url)  # one Redis or a cluster; Feast keys and values are bytes
     written = 0
     try:
-        for view in VIEWS:
+        for view in views():
             table = newest_per_entity(features_dir, view, days)
             for node, part in by_node(store, client, view, table):
                 written += write_view(store, node, view, part, recomputed)

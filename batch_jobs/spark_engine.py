@@ -1,7 +1,8 @@
 """The Spark engine: the daily snapshots and training's point-in-time join on Apache Spark.
 
 Nothing here defines a feature. The daily snapshots run the very statements DuckDB runs
-(``batch_jobs/daily_features.py``: same inputs, same SQL; only the parameter marker
+(generated from the declared views by ``batch_jobs/daily_features.py``: same inputs,
+same SQL; only the parameter marker
 differs, ``$name`` in DuckDB and ``:name`` in Spark). The point-in-time join has the
 semantics of ``batch_jobs/training_set.point_in_time_join`` (Feast's file offline
 store, one view at a time) and a test holds the two equal.
@@ -29,13 +30,8 @@ import pyarrow as pa
 from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
 
-from batch_jobs.daily_features import (
-    CARD_SQL,
-    MERCHANT_SQL,
-    conform,
-    day_inputs,
-)
-from fraud_scoring.features import CARD_VIEW, MERCHANT_VIEW, VIEWS, view_features
+from batch_jobs.daily_features import conform, day_inputs, snapshot_sql
+from fraud_scoring.features import view_features, views
 from fraud_scoring.storage import DataError, partition_days, partition_file
 
 log = logging.getLogger(__name__)
@@ -81,7 +77,7 @@ def _spark_sql(sql: str) -> str:
 
 
 def compute_day_spark(spark: SparkSession, raw: Path, day: date) -> dict[str, pa.Table]:
-    """Both views' snapshot for ``day`` on Spark, the same tables as
+    """Every declared view's snapshot for ``day`` on Spark, the same tables as
     ``daily_features.compute_day``. Raises DataError when the day's raw partition is
     missing or empty, or Spark cannot read the history."""
     inputs = day_inputs(raw, day)
@@ -92,10 +88,10 @@ def compute_day_spark(spark: SparkSession, raw: Path, day: date) -> dict[str, pa
         for name, files in inputs.views.items():
             frame = spark.read.parquet(*files) if files else spark.createDataFrame([], _LABELS_DDL)
             frame.createOrReplaceTempView(name)
-        tables = {
-            view.name: spark.sql(_spark_sql(sql), args=inputs.params_of(sql)).toArrow()
-            for view, sql in ((CARD_VIEW, CARD_SQL), (MERCHANT_VIEW, MERCHANT_SQL))
-        }
+        tables = {}
+        for view in views():
+            sql = snapshot_sql(view)
+            tables[view.name] = spark.sql(_spark_sql(sql), args=inputs.params_of(sql)).toArrow()
     except PySparkException as exc:
         raise DataError(f"reading raw history for {day} on Spark: {exc}") from exc
     return conform(tables)
@@ -112,13 +108,13 @@ def point_in_time_join_spark(
     snapshot tables (``<view>/date=*/part-0.parquet``)."""
     if sample["transaction_id"].duplicated().any():
         raise DataError("the sample holds a transaction twice")
-    keys = sorted({v.join_key for v in VIEWS})
+    keys = sorted({v.join_key for v in views()})
     entity = sample[["transaction_id", "event_timestamp", *keys]].copy()
     entity["event_timestamp"] = pd.to_datetime(entity["event_timestamp"], utc=True)
     entity.insert(0, "_row", range(len(entity)))
     spark.createDataFrame(entity).createOrReplaceTempView("entity_rows")
     joined: DataFrame = spark.table("entity_rows")
-    for view in VIEWS:
+    for view in views():
         files = [
             str(partition_file(features_dir, view.name, d))
             for d in partition_days(features_dir, view.name)
@@ -144,5 +140,5 @@ def point_in_time_join_spark(
         )
         joined = joined.join(best, on="_row", how="left")
     out = pd.DataFrame(joined.orderBy("_row").toPandas())
-    feature_cols = [f.name for v in VIEWS for f in view_features(v)]
+    feature_cols = [f.name for v in views() for f in view_features(v)]
     return sample.reset_index(drop=True).join(out[feature_cols])

@@ -300,7 +300,7 @@ def feature_columns(
     are sampled, so ``joined`` alone would undercount). Default: ``joined`` itself.
     ``labels`` (``declared_sql.load_label_events``) feed the label states.
     """
-    batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.BATCH_FEATURES})
+    batch = F.apply_defaults({f.name: joined[f.name].to_numpy(object) for f in F.batch_features()})
     request = F.RequestColumns(
         amount=joined["amount"].to_numpy(np.float64),
         event_us=session.epoch_us(joined),  # exact µs whatever the datetime resolution

@@ -22,7 +22,7 @@ import logging
 import pandas as pd
 from feast import FeatureStore
 
-from fraud_scoring.features import VIEWS, view_features
+from fraud_scoring.features import view_features, views
 from fraud_scoring.storage import DataError
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def point_in_time_join(store: FeatureStore, sample: pd.DataFrame) -> pd.DataFram
     if sample["transaction_id"].duplicated().any():
         raise DataError("the sample holds a transaction twice")
     out = sample
-    for view in VIEWS:
+    for view in views():
         refs = [f"{view.name}:{f.name}" for f in view_features(view)]
         feats = [f.name for f in view_features(view)]
         tie = [view.join_key, "event_timestamp"]

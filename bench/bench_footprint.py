@@ -57,7 +57,7 @@ from bench.bench_stream import throughput
 from bench.world import CFG, ROOT, BenchWorld, bench_world
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_keys, open_store
-from fraud_scoring.features import VIEWS, declarations, producible_features
+from fraud_scoring.features import declarations, producible_features, views
 from fraud_scoring.session import events_key, ids_key
 from fraud_scoring.storage import partition_file
 from service.core.model import ModelHolder, load_model
@@ -88,7 +88,7 @@ def batch_features(world: BenchWorld) -> dict[str, Any]:
     last = CFG.start + timedelta(days=CFG.days - 2)  # the last materialized day
     days = [CFG.start + timedelta(days=i) for i in range(CFG.days - 1)]
     out: dict[str, Any] = {}
-    for view in VIEWS:
+    for view in views():
         ids = newest_per_entity(world.data_dir / "features", view, days)[view.join_key]
         keys = online_keys(store.project, view.join_key, ids.to_pylist())
         sizes = memory(client, keys)

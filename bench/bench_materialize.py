@@ -32,7 +32,7 @@ from batch_jobs.daily_features import output_schema, snapshot_time, write_day
 from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import VIEWS, BatchView, view_features
+from fraud_scoring.features import BatchView, view_features, views
 from fraud_scoring.redis_server import embedded_redis
 
 DAY = date(2026, 1, 10)
@@ -74,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         write_day(
-            data / "features", DAY, {v.name: snapshot(v, sizes[v.entity], rng) for v in VIEWS}
+            data / "features", DAY, {v.name: snapshot(v, sizes[v.entity], rng) for v in views()}
         )
         for name in ("feast", *["direct"] * args.repeat):
             with embedded_redis() as url:

@@ -1,7 +1,9 @@
 """Feast objects: entities, the batch feature views and the model's feature service.
 
-The schemas come from ``fraud_scoring.features`` (the one declaration of each feature);
-this file only says where the daily job writes each view. The project builds them with
+The views, their entities and schemas come from the declared snapshot views
+(``feature_repo/features.yaml``, read through ``fraud_scoring.features``): a new
+declared view is a new Feast entity and view here. This file only says where the daily
+job writes each view. The project builds them with
 :func:`build` and the data dir from its settings (``fraud_scoring.feast_store``). The
 module-level objects exist for the ``feast`` CLI (``feast -c feature_repo apply``), which
 collects them from this module; they read ``FRAUD_DATA_DIR`` (default ``data``).
@@ -17,9 +19,10 @@ from typing import Any
 from feast import Entity, FeatureService, FeatureStore, FeatureView, Field, FileSource, ValueType
 from feast.types import Float32, Int64, String
 
-from fraud_scoring.features import VIEWS, BatchView, view_features
+from fraud_scoring.features import BatchView, view_features, views
 
 _TYPES = {"float32": Float32, "int64": Int64, "string": String}
+_ENTITY_TEXT = {"card": "A payment card (PAN token).", "merchant": "A merchant account."}
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ def _view(v: BatchView, entity: Entity, features_dir: Path) -> FeatureView:
             timestamp_field="event_timestamp",
         ),
         online=True,
-        description=f"Daily snapshot per {v.entity}, as of the end of each day (UTC).",
+        description=v.description
+        or f"Daily snapshot per {v.entity}, as of the end of each day (UTC).",
     )
 
 
@@ -63,33 +67,30 @@ def build(data_dir: Path) -> Definitions:
     directory.
     """
     features_dir = data_dir.resolve() / "features"
+    declared = views()
     entities = {
-        "card": Entity(
-            name="card",
-            join_keys=["card_id"],
+        v.entity: Entity(
+            name=v.entity,
+            join_keys=[v.join_key],
             value_type=ValueType.STRING,
-            description="A payment card (PAN token).",
-        ),
-        "merchant": Entity(
-            name="merchant",
-            join_keys=["merchant_id"],
-            value_type=ValueType.STRING,
-            description="A merchant account.",
-        ),
+            description=_ENTITY_TEXT.get(v.entity, f"The transactions' {v.join_key}."),
+        )
+        for v in declared
     }
-    views = tuple(_view(v, entities[v.entity], features_dir) for v in VIEWS)
+    feature_views = tuple(_view(v, entities[v.entity], features_dir) for v in declared)
     service = FeatureService(
         name="fraud_model",
-        features=list(views),
+        features=list(feature_views),
         description="Batch features read by the scoring service and the training job.",
     )
-    return Definitions(tuple(entities.values()), views, service)
+    return Definitions(tuple(entities.values()), feature_views, service)
 
 
-# For the feast CLI only (see the module docstring); the project calls build().
+# For the feast CLI only (see the module docstring), which collects the objects among
+# this module's attributes: one per declared entity and view, by its name (card,
+# card_30d, ...). The project calls build().
 _cli = build(Path(os.environ.get("FRAUD_DATA_DIR", "data")))
-card, merchant = _cli.entities
-card_30d, merchant_90d = _cli.views
+globals().update({e.name: e for e in _cli.entities} | {v.name: v for v in _cli.views})
 fraud_model_features = _cli.service
 
 

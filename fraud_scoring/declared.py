@@ -54,6 +54,8 @@ import numpy.typing as npt
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fraud_scoring.feature_specs import BatchView
+
 US = 1_000_000
 # Tile widths, finest first (µs); a window takes the widest that divides it >= 10 times.
 TILE_WIDTHS_US = (US, 5 * US, 60 * US, 300 * US, 3600 * US, 6 * 3600 * US, 86_400 * US)
@@ -205,6 +207,7 @@ class DerivedDecl(_Strict):
 class DeclarationsFile(_Strict):
     aggregations: tuple[AggregationDecl, ...] = ()
     derived: tuple[DerivedDecl, ...] = ()
+    snapshots: Any = ()  # the daily snapshot views: fraud_scoring/snapshots.py checks them
 
 
 @dataclass(frozen=True)
@@ -336,12 +339,16 @@ class Declarations:
     specs: tuple[Spec, ...]
     derived: tuple[DerivedDecl, ...]
     source: str
+    # The daily snapshot views (fraud_scoring/snapshots.py), when loaded with them.
+    views: tuple[BatchView, ...] = ()
 
     def aggregate_names(self) -> list[str]:
         return [n for s in self.specs for n in s.feature_names()]
 
     def names(self) -> list[str]:
-        return [*self.aggregate_names(), *(d.name for d in self.derived)]
+        """Every declared feature: snapshot, aggregation, derived."""
+        snap = [f.name for v in self.views for f in v.features]
+        return [*snap, *self.aggregate_names(), *(d.name for d in self.derived)]
 
     def needed(self, names: set[str]) -> set[str]:
         """``names`` and every feature their derived ones read, transitively."""
@@ -419,7 +426,7 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
                 first.value,
                 dict(first.filter),
                 sid,
-                tuple(Window(_label(us), us, tile_width(us)) for us in sorted(windows)),
+                tuple(Window(window_label(us), us, tile_width(us)) for us in sorted(windows)),
                 tuple(feats),
                 "; ".join(d.description for d in ds if d.description),
                 first.source,
@@ -429,7 +436,8 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
     return tuple(specs)
 
 
-def _label(us: int) -> str:
+def window_label(us: int) -> str:
+    """Microseconds as the shortest window text: 2_592_000_000_000 -> ``"30d"``."""
     for unit, size in sorted(UNITS.items(), key=lambda kv: -kv[1]):
         if us % size == 0:
             return f"{us // size}{unit}"
@@ -484,15 +492,20 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
     return decl
 
 
-def load(path: Path, taken: Sequence[str] = ()) -> Declarations:
-    """The declarations in ``path`` (YAML), checked and compiled."""
+def read(path: Path) -> object:
+    """The YAML document in ``path`` (raises :class:`DeclarationError`)."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise DeclarationError(f"{path}: cannot read: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise DeclarationError(f"{path}: not YAML: {exc}") from None
-    return parse(raw, str(path), taken)
+
+
+def load(path: Path, taken: Sequence[str] = ()) -> Declarations:
+    """The aggregations and derived features in ``path`` (YAML), checked and compiled
+    (:func:`fraud_scoring.features.load_declarations` adds the snapshot views)."""
+    return parse(read(path), str(path), taken)
 
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "feature_repo" / "features.yaml"

@@ -1,8 +1,8 @@
 """What a feature declaration is: the types every declaration module shares.
 
-:mod:`fraud_scoring.features` declares the hand-written features (batch, request, the
-feature views) and turns the declared ones (``feature_repo/features.yaml``) into these
-types too, so every consumer reads one shape of declaration.
+:mod:`fraud_scoring.features` declares the hand-written (request) features and turns the
+declared ones (``feature_repo/features.yaml``: daily snapshots, aggregations, derived)
+into these types too, so every consumer reads one shape of declaration.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from datetime import timedelta
 from typing import Literal
 
 Kind = Literal["batch", "request", "aggregation", "derived"]
-Entity = Literal["card", "merchant"]
+# A Feast entity's name (its join key without "_id": card, merchant, device, ...).
+Entity = str
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,29 @@ class Feature:
 
 
 @dataclass(frozen=True)
+class SnapshotAgg:
+    """How a snapshot feature is computed (``fraud_scoring/snapshots.py`` documents each
+    aggregation): over the view's transactions with ``event_time`` in the ``window_us``
+    before the snapshot time (0: all history), passing ``filter``."""
+
+    name: str
+    agg: str
+    value: str | None
+    window_us: int
+    window_label: str
+    filter: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
 class BatchView:
-    """A Feast feature view: one parquet table per entity, one snapshot row per day."""
+    """A Feast feature view: one parquet table per entity, one snapshot row per day, for
+    each key with a transaction in the view's window (``window_us``)."""
 
     name: str
     entity: Entity
     join_key: str
     ttl: timedelta
-
-
-# A daily snapshot is valid until the next one is due plus a day of slack: a value older
-# than this TTL is stale (replaced by its default and flagged), never silently used.
-CARD_VIEW = BatchView("card_30d", "card", "card_id", ttl=timedelta(days=2))
-MERCHANT_VIEW = BatchView("merchant_90d", "merchant", "merchant_id", ttl=timedelta(days=2))
-VIEWS = (CARD_VIEW, MERCHANT_VIEW)
+    window_us: int = 0
+    features: tuple[Feature, ...] = ()
+    aggs: tuple[SnapshotAgg, ...] = ()
+    description: str = ""

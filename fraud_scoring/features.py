@@ -1,30 +1,31 @@
 """Every feature the model can use, declared once.
 
-Two hand-written kinds of feature, one declaration each, and the declared ones:
+Three kinds of feature:
 
-* **batch** features are computed by the daily job (``batch_jobs/daily_features.py``,
-  one SQL expression per feature, named after the feature), written to parquet, served
-  through Feast (``feature_repo/definitions.py`` builds its schema from this list) and
-  joined point-in-time by the training job.
-* **request** features are computed from the transaction itself and the batch values by
-  :func:`request_features`, a pure function over columns that the scoring service and
-  the training-set builder both call.
-* **declared** features (``feature_repo/features.yaml``): windowed aggregations on any
-  entity, the card's velocity over minutes to days among them, kept in tiles by the
-  streaming updater and the scorer (``fraud_scoring/declared.py``), and derived
-  expressions over all the others (a new card, a ratio to a merchant's mean).
+* **batch** (snapshot) features, declared in the ``snapshots`` section of
+  ``feature_repo/features.yaml`` (:mod:`fraud_scoring.snapshots`): computed by the daily
+  job from one SQL statement per view generated from the declarations
+  (``batch_jobs/daily_features.py``), written to parquet, served through Feast (a view
+  and an entity per declared view: ``feature_repo/definitions.py``) and joined
+  point-in-time by the training job.
+* **request** features, written here: computed from the transaction itself and the
+  batch values by :func:`request_features`, a pure function over columns that the
+  scoring service and the training-set builder both call.
+* **declared** aggregations and derived features (the same file): windowed
+  aggregations on any entity, kept in tiles by the streaming updater and the scorer
+  (``fraud_scoring/declared.py``), and derived expressions over all the others.
 
 :func:`build_features` assembles every column the model can read from (batch snapshot
 columns, declared aggregations, the transactions themselves): the scoring service and
 the training-set builder both call it and differ only in how they fetch its inputs.
 
 ``default`` is what a missing or stale value becomes; the response lists such features.
-The declaration types and the feature views are in ``fraud_scoring/feature_specs.py``
-(re-exported here).
+The declaration types are in ``fraud_scoring/feature_specs.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,51 +36,8 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from fraud_scoring import declared, session
-from fraud_scoring.feature_specs import CARD_VIEW as CARD_VIEW
-from fraud_scoring.feature_specs import MERCHANT_VIEW as MERCHANT_VIEW
-from fraud_scoring.feature_specs import VIEWS as VIEWS
+from fraud_scoring import declared, session, snapshots
 from fraud_scoring.feature_specs import BatchView, Feature, Kind
-
-_B: Kind = "batch"
-BATCH_FEATURES: tuple[Feature, ...] = (
-    Feature("card_txn_count_30d", _B, "int64", 0, "card transactions in the 30 days", "card"),
-    Feature("card_amount_sum_30d", _B, "float32", 0.0, "sum of amounts, 30 days", "card"),
-    Feature("card_amount_mean_30d", _B, "float32", 0.0, "mean amount, 30 days", "card"),
-    Feature("card_amount_std_30d", _B, "float32", 0.0, "population std of amount, 30d", "card"),
-    Feature("card_distinct_merchants_30d", _B, "int64", 0, "distinct merchants, 30d", "card"),
-    Feature("card_distinct_countries_30d", _B, "int64", 0, "distinct countries, 30d", "card"),
-    Feature("card_days_since_first_seen", _B, "float32", 0.0, "days from first txn", "card"),
-    Feature(
-        "card_snapshot_time",
-        _B,
-        "int64",
-        0,
-        "epoch seconds (UTC) the card's snapshot describes, for spanning features; 0: none",
-        "card",
-        model_input=False,
-    ),
-    Feature(
-        "card_top_country_30d",
-        _B,
-        "string",
-        "",
-        "most frequent country, 30d",
-        "card",
-        model_input=False,
-    ),
-    Feature("merchant_txn_count_30d", _B, "int64", 0, "merchant transactions, 30d", "merchant"),
-    Feature("merchant_amount_sum_30d", _B, "float32", 0.0, "merchant volume, 30d", "merchant"),
-    Feature(
-        "merchant_fraud_rate_90d",
-        _B,
-        "float32",
-        0.0,
-        "share of the merchant's 90-day transactions labelled fraud, counting only labels "
-        "that had arrived by the snapshot time",
-        "merchant",
-    ),
-)
 
 _R: Kind = "request"
 REQUEST_FEATURES: tuple[Feature, ...] = (
@@ -106,25 +64,59 @@ Columns = Mapping[str, npt.ArrayLike]
 
 
 def view_features(view: BatchView) -> tuple[Feature, ...]:
-    return tuple(f for f in BATCH_FEATURES if f.entity == view.entity)
+    return view.features
+
+
+def views() -> tuple[BatchView, ...]:
+    """The daily snapshot views (the ``snapshots`` section of the declarations)."""
+    return declarations().views
+
+
+def batch_features() -> tuple[Feature, ...]:
+    """Every snapshot feature, view by view."""
+    return tuple(f for v in views() for f in v.features)
 
 
 def hand_written_features() -> dict[str, Feature]:
-    """The features written in this module (batch and request), by name."""
-    return {f.name: f for f in (*BATCH_FEATURES, *REQUEST_FEATURES)}
+    """The features written in this module (request), by name."""
+    return {f.name: f for f in REQUEST_FEATURES}
 
 
 def hand_written_names() -> list[str]:
     return list(hand_written_features())
 
 
+# What :func:`request_features` reads from the snapshots: the declarations must hold them.
+REQUEST_READS = ("card_amount_mean_30d", "card_amount_std_30d", "card_top_country_30d")
+
+
+def load_declarations(path: Path) -> declared.Declarations:
+    """Every declaration in ``path``: the snapshot views, the aggregations and the
+    derived features. Names must be unique across them and the hand-written ones, and
+    the snapshots must hold what the request features read
+    (:class:`declared.DeclarationError` names the problem)."""
+    raw = declared.read(path)
+    views = snapshots.parse(raw, str(path))
+    taken = hand_written_names()
+    for f in (f for v in views for f in v.features):
+        if f.name in taken:
+            raise declared.DeclarationError(f"{path}: feature {f.name!r} is declared twice")
+        taken.append(f.name)
+    missing = [n for n in REQUEST_READS if n not in taken]
+    if missing:
+        raise declared.DeclarationError(
+            f"{path}: snapshots: the request features read {', '.join(missing)}; declare "
+            "them (docs/features.md)"
+        )
+    return dataclasses.replace(declared.parse(raw, str(path), taken), views=views)
+
+
 @cache
 def declarations() -> declared.Declarations:
-    """The declared aggregations and derived features (``feature_repo/features.yaml``,
-    or the file ``FRAUD_FEATURES_FILE`` names), loaded once per process. Their names must
-    not clash with the hand-written ones (:class:`declared.DeclarationError`)."""
+    """The declarations (``feature_repo/features.yaml``, or the file
+    ``FRAUD_FEATURES_FILE`` names), loaded once per process."""
     path = os.environ.get("FRAUD_FEATURES_FILE")
-    return declared.load(Path(path) if path else declared.DEFAULT_PATH, hand_written_names())
+    return load_declarations(Path(path) if path else declared.DEFAULT_PATH)
 
 
 def declared_features() -> dict[str, Feature]:
@@ -149,8 +141,10 @@ def declared_features() -> dict[str, Feature]:
 
 
 def all_features() -> dict[str, Feature]:
-    """Every feature by name: hand-written, then declared."""
-    return {**hand_written_features(), **declared_features()}
+    """Every feature by name: snapshot, request, then the declared aggregations and
+    derived ones."""
+    snap = {f.name: f for f in batch_features()}
+    return {**snap, **hand_written_features(), **declared_features()}
 
 
 def producible_features() -> set[str]:
@@ -213,7 +207,7 @@ def apply_defaults(
     columns for numbers and object columns for strings.
     """
     out: dict[str, np.ndarray] = {}
-    for f in BATCH_FEATURES:
+    for f in batch_features():
         if f.name not in batch:
             continue
         given = batch[f.name]

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import VIEWS
+from fraud_scoring.features import views
 from fraud_scoring.model_repo import ModelError, ModelNotFound
 from fraud_scoring.redis_clients import async_client, is_cluster, packed_by_hiredis
 from fraud_scoring.redis_server import redis_url
@@ -304,7 +304,7 @@ def _open_store_health(
     health = StoreHealth(
         client,
         project,
-        [v.name for v in VIEWS],
+        [v.name for v in views()],
         failures=settings.breaker_failures,
         open_s=settings.breaker_open_s,
         check_s=settings.batch_marker_check_s,

@@ -71,7 +71,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from fraud_scoring.features import BATCH_FEATURES
+from fraud_scoring.features import batch_features
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def setup() -> Instruments:
         ins.degraded.labels(cause=cause)
     # Exported at 0 from the start (an alert on rate() sees the first one): every
     # feature a snapshot can lack.
-    for f in BATCH_FEATURES:
+    for f in batch_features():
         for state in ("missing", "stale"):
             ins.features_unavailable.labels(feature=f.name, state=state)
     return ins

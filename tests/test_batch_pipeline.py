@@ -19,7 +19,7 @@ from batch_jobs.batch import run_batch
 from batch_jobs.daily_features import compute_day, expected_columns, snapshot_time
 from batch_jobs.simulate import SimConfig, generate, simulate
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import VIEWS, default_model_features, view_features
+from fraud_scoring.features import default_model_features, view_features, views
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.storage import DataError, partition_dir
 from tests.conftest import World
@@ -74,7 +74,7 @@ def test_simulator_writes_one_partition_a_day(tmp_path: Path) -> None:
 
 def test_batch_columns_match_declared_features(world: World) -> None:
     tables = compute_day(world.data_dir / "raw", world.start + timedelta(days=3))
-    for view in VIEWS:
+    for view in views():
         assert tables[view.name].column_names == expected_columns(view)
 
 
@@ -405,7 +405,7 @@ def test_training_join_gives_each_row_sharing_an_entity_and_time_its_snapshot(
     store = open_store(world.data_dir, world.redis_url)
     out = point_in_time_join(store, entity)
     assert list(out["transaction_id"]) == list(entity["transaction_id"])  # sample's order
-    names = [f"{v.name}:{f.name}" for v in VIEWS for f in view_features(v)]
+    names = [f"{v.name}:{f.name}" for v in views() for f in view_features(v)]
     online = store.get_online_features(
         features=names,
         entity_rows=[

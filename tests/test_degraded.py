@@ -26,7 +26,7 @@ import redis
 from batch_jobs.batch import mark_materialized
 from cli.settings import Settings
 from fraud_scoring import features as F
-from fraud_scoring.features import VIEWS
+from fraud_scoring.features import views
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.redis_server import embedded_redis
 from tests.conftest import (
@@ -83,7 +83,7 @@ def test_flushed_store_is_declared_and_the_policy_applies(
             redis.Redis.from_url(own_redis).flushall()  # a restart without persistence
 
             wait_until(lambda: set(present(c).values()) == {"0.0"}, what="gauge at 0")
-            assert set(present(c)) == {v.name for v in VIEWS}
+            assert set(present(c)) == {v.name for v in views()}
             ready = c.get("/readyz")
             big = c.post("/v1/score", json=txn(1, amount=9999.0))
             if policy == "refuse":

@@ -35,7 +35,7 @@ from fraud_scoring.feast_store import (
     repo_config,
     stored_time,
 )
-from fraud_scoring.features import BATCH_FEATURES, VIEWS, view_features
+from fraud_scoring.features import batch_features, view_features, views
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.storage import partition_dir
 from service.core.online_features import OnlineFeatureReader
@@ -105,7 +105,7 @@ def test_reader_returns_what_get_online_features_returns(materialized: Materiali
         client.close()
 
     found = 0
-    for f in BATCH_FEATURES:
+    for f in batch_features():
         for i in range(len(txns)):
             want = feast[f.name][i]
             assert f.name not in ours.stale[i], (f.name, i)
@@ -116,8 +116,8 @@ def test_reader_returns_what_get_online_features_returns(materialized: Materiali
             assert f.name not in ours.missing[i], (f.name, i)
             assert ours.columns[f.name][i] == want, (f.name, i)
     # Six known entities per view, every feature present; the unknown ones all missing.
-    assert found == 6 * len(BATCH_FEATURES)
-    assert set(ours.missing[-1]) == {f.name for f in BATCH_FEATURES}
+    assert found == 6 * len(batch_features())
+    assert set(ours.missing[-1]) == {f.name for f in batch_features()}
 
 
 def test_redis_layout_is_the_pinned_one(materialized: Materialized) -> None:
@@ -145,14 +145,14 @@ def test_redis_layout_is_the_pinned_one(materialized: Materialized) -> None:
         + b"fraud_scoring"
     )
     assert online_field("card_30d", "card_txn_count_30d") == bytes.fromhex("4f3b8573")
-    for view in VIEWS:
+    for view in views():
         for f in view_features(view):
             expected = struct.pack("<I", mmh3.hash(f"{view.name}:{f.name}", signed=False))
             assert online_field(view.name, f.name) == expected
 
     client: Any = redis.Redis.from_url(m.redis_url)  # Feast keys are bytes
     try:
-        for view in VIEWS:
+        for view in views():
             (entity_id,) = _ids(m, view.name, view.join_key, 1)
             key = online_key(m.store.project, view.join_key, entity_id)
             fields = set(client.hkeys(key))

@@ -21,7 +21,7 @@ import yaml
 from batch_jobs.batch import run_batch
 from batch_jobs.simulate import SimConfig, simulate
 from fraud_scoring.feast_store import REPO_DIR, open_store
-from fraud_scoring.features import VIEWS, view_features
+from fraud_scoring.features import view_features, views
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.storage import partition_file
 
@@ -51,7 +51,7 @@ def test_direct_writer_leaves_feasts_exact_redis_state(tmp_path: Path) -> None:
         assert got == want
 
         store = open_store(tmp_path, direct_url)
-        for view in VIEWS:
+        for view in views():
             snap = pq.read_table(partition_file(tmp_path / "features", view.name, days[-1]))
             sample = snap.to_pandas().sample(20, random_state=3)
             online = store.get_online_features(

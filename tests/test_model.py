@@ -109,7 +109,7 @@ def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
     from google.protobuf.timestamp_pb2 import Timestamp
 
     from fraud_scoring.events import Transaction
-    from fraud_scoring.features import VIEWS, view_features
+    from fraud_scoring.features import view_features, views
     from service.core.online_features import OnlineFeatureReader
 
     txn = Transaction.model_validate(
@@ -127,7 +127,7 @@ def test_a_hole_in_a_usable_snapshot_is_defaulted_and_flagged() -> None:
     )
     snap = Timestamp(seconds=int(txn.event_ts) - 3600).SerializeToString()
     replies: list[object] = []
-    for view in VIEWS:
+    for view in views():
         fields = []
         for f in view_features(view):
             if f.name == "card_amount_mean_30d":

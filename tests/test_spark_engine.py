@@ -25,7 +25,7 @@ from batch_jobs.daily_features import compute_day, snapshot_time
 from batch_jobs.simulate import SimConfig, simulate
 from batch_jobs.training_set import point_in_time_join
 from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import VIEWS, view_features
+from fraud_scoring.features import view_features, views
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.storage import partition_file
 
@@ -73,7 +73,7 @@ def test_spark_and_duckdb_compute_the_same_snapshots(spark_world: SparkWorld) ->
     # The first day (no label arrived yet: the empty labels view) and a later one.
     for day in (CFG.start, CFG.start + timedelta(days=CFG.days - 1)):
         ours, theirs = compute_day(raw, day), compute_day_spark(spark_world.spark, raw, day)
-        for view in VIEWS:
+        for view in views():
             assert theirs[view.name].num_rows > 0
             assert theirs[view.name].equals(ours[view.name]), (day, view.name)
 
@@ -91,7 +91,7 @@ def test_batch_command_path_writes_the_same_files_on_spark(
     day = CFG.start + timedelta(days=2)
     compute = functools.partial(compute_day_spark, spark_world.spark)
     run_batch(tmp_path, [day], "", materialize=False, compute=compute)
-    for view in VIEWS:
+    for view in views():
         ours = pq.read_table(partition_file(spark_world.data_dir / "features", view.name, day))
         theirs = pq.read_table(partition_file(tmp_path / "features", view.name, day))
         assert theirs.equals(ours), view.name
@@ -138,7 +138,7 @@ def test_spark_point_in_time_join_equals_the_local_one(spark_world: SparkWorld) 
     spark = spark.set_index("transaction_id")
     assert pd.isna(local.loc["edge3", "card_txn_count_30d"])  # past the TTL
     assert pd.isna(local.loc["edge2", "merchant_txn_count_30d"])
-    for f in (f for v in VIEWS for f in view_features(v)):
+    for f in (f for v in views() for f in view_features(v)):
         want, got = local.loc[sample["transaction_id"], f.name], spark[f.name]
         assert list(want.isna()) == list(got.isna()), f.name
         known = ~want.isna()

@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from fraud_scoring.features import BATCH_FEATURES
+from fraud_scoring.features import batch_features
 from service import telemetry
 from service.core.decision import DECISIONS
 from service.errors import RejectReason
@@ -280,7 +280,7 @@ def test_http_metrics_and_zeroed_counters_without_tracing(world: World, tmp_path
             for cause in telemetry.DEGRADED_CAUSES:
                 labels = {"cause": cause}
                 assert _sample(before, "fraud_degraded_decisions_total", labels) == 0, cause
-            for feature in BATCH_FEATURES:
+            for feature in batch_features():
                 for state in ("missing", "stale"):
                     labels = {"feature": feature.name, "state": state}
                     assert _sample(before, "fraud_features_unavailable_total", labels) == 0

@@ -25,7 +25,7 @@ from feast.protos.feast.types.Value_pb2 import Value
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_field, online_key, stored_time
-from fraud_scoring.features import VIEWS, BatchView, apply_defaults, view_features
+from fraud_scoring.features import BatchView, apply_defaults, view_features, views
 from fraud_scoring.redis_clients import is_cluster_pipeline
 
 
@@ -64,7 +64,7 @@ _online_key = functools.lru_cache(maxsize=1 << 16)(online_key)
 
 # The batch features of a whole micro-batch in one command (one server, not a Cluster:
 # Feast's keys carry no hash tag, so a Cluster needs one HMGET per key). KEYS: per
-# transaction, one key per view in VIEWS order; ARGV: the number of views, then per view
+# transaction, one key per view in views() order; ARGV: the number of views, then per view
 # its field count and fields. The reply is what the HMGETs would have answered, in order.
 # redis-py packs each command in Python (~10 us plus each argument), so 2 x n HMGETs of
 # ~20 fields cost the event loop far more than one call.
@@ -90,15 +90,18 @@ class OnlineFeatureReader:
     def __init__(self, project: str, entity_key_serialization_version: int = 3) -> None:
         self.project = project
         self.eksv = entity_key_serialization_version
+        self.views = views()
         self._fields = {
             v.name: [online_field(v.name, f.name) for f in view_features(v)]
             + [f"_ts:{v.name}".encode()]
-            for v in VIEWS
+            for v in self.views
         }
-        # Per view, in VIEWS order: its feature names and TTL (s), as parse reads them.
-        self._views = [([f.name for f in view_features(v)], v.ttl.total_seconds()) for v in VIEWS]
-        self._hmget_args: list[Any] = [len(VIEWS)]
-        for v in VIEWS:
+        # Per view, in order: its feature names and TTL (s), as parse reads them.
+        self._views = [
+            ([f.name for f in view_features(v)], v.ttl.total_seconds()) for v in self.views
+        ]
+        self._hmget_args: list[Any] = [len(self.views)]
+        for v in self.views:
             self._hmget_args += [len(self._fields[v.name]), *self._fields[v.name]]
         # Scripts a server must have loaded for :meth:`queue` (SCRIPT LOAD each).
         self.scripts = (HMGET_LUA,)
@@ -112,10 +115,15 @@ class OnlineFeatureReader:
         one HMGET per transaction and view). Needs :attr:`scripts` loaded
         (``SCRIPT LOAD``); otherwise the replies are ``NoScriptError``."""
         cluster = is_cluster_pipeline(pipe)
-        keys = [self.key(view, getattr(t, view.join_key)) for t in txns for view in VIEWS]
+        # A transaction without the key (no device id) reads the empty key's: never written.
+        keys = [
+            self.key(view, getattr(t, view.join_key, None) or "")
+            for t in txns
+            for view in self.views
+        ]
         if cluster:
-            for k, key in enumerate(keys):  # per transaction: one per view, in VIEWS order
-                pipe.hmget(key, self._fields[VIEWS[k % len(VIEWS)].name])
+            for k, key in enumerate(keys):  # per transaction: one per view, in order
+                pipe.hmget(key, self._fields[self.views[k % len(self.views)].name])
         elif keys:
             pipe.execute_command("EVALSHA", HMGET_SHA, len(keys), *keys, *self._hmget_args)
 
@@ -131,7 +139,7 @@ class OnlineFeatureReader:
         raw: dict[str, list[Any]] = {}
         missing: list[list[str]] = [[] for _ in range(n)]
         stale: list[list[str]] = [[] for _ in range(n)]
-        n_views = len(VIEWS)
+        n_views = len(self.views)
         for vi, (names, ttl) in enumerate(self._views):
             # An unusable snapshot reads as holes, so one apply_defaults call below
             # defaults every view at once.
