@@ -12,7 +12,9 @@ of one card (or merchant) at the same instant, one came back and the other was d
 i.e. null features, while the service reads the snapshot for both (with 1-second
 timestamps, 8 card rows and 36 merchant rows of the 3,000-card test world). Each view is
 therefore asked once per distinct (join key, event time) and the answer is given to
-every row that shares it.
+every row that shares it. Rows without the key (no device id, say) and rows whose key no
+snapshot holds are not asked: their features are null (Feast's file join fails outright
+when none of the rows it is given matches a snapshot).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import pandas as pd
+import pyarrow.parquet as pq
 from feast import FeatureStore
 
 from fraud_scoring.features import view_features, views
@@ -49,7 +52,13 @@ def point_in_time_join(store: FeatureStore, sample: pd.DataFrame) -> pd.DataFram
             )
         )
         asked = keys[keys["transaction_id"] == keys["_asked"]][["transaction_id", *tie]]
-        joined = store.get_historical_features(entity_df=asked, features=refs).to_df()
+        stored = _stored_keys(store, view.name, view.join_key)
+        if stored is not None:
+            asked = asked[asked[view.join_key].isin(stored)]
+        if asked.empty:
+            joined = pd.DataFrame(columns=["transaction_id", *feats])
+        else:
+            joined = store.get_historical_features(entity_df=asked, features=refs).to_df()
         if joined["transaction_id"].duplicated().any():
             raise DataError(f"the point-in-time join of {view.name} returned a row twice")
         lost = len(asked) - len(joined)
@@ -59,3 +68,15 @@ def point_in_time_join(store: FeatureStore, sample: pd.DataFrame) -> pd.DataFram
         per_row = keys[["transaction_id", "_asked"]].merge(answers, on="_asked", how="left")
         out = out.merge(per_row.drop(columns="_asked"), on="transaction_id", how="left")
     return out
+
+
+def _stored_keys(store: FeatureStore, view: str, join_key: str) -> pd.Series | None:
+    """The keys any snapshot of ``view`` holds (its file source's key column); None when
+    its source is not a file (every row is asked)."""
+    path = getattr(store.get_feature_view(view).batch_source, "path", None)
+    if path is None:
+        return None
+    try:
+        return pq.read_table(path, columns=[join_key]).column(0).unique().to_pandas()
+    except OSError as exc:
+        raise DataError(f"{view}: cannot read its snapshots at {path}: {exc}") from None

@@ -465,6 +465,7 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
     cols = {
         **{k: np.asarray(v) for k, v in trained.items()},
         **{k: np.full(len(q), 100.0) for k in F.hand_written_names()},
+        **{f.name: np.full(len(q), 100.0) for f in F.batch_features()},
         "amount": q["amount"].to_numpy(),
     }
     got = derived_columns(decl, cols, len(q))

@@ -195,12 +195,22 @@ def test_every_snapshot_aggregation_equals_a_reference_from_raw_rows(
         )
 
 
+@pytest.mark.slow  # a server of its own
 def test_a_view_on_a_new_entity_goes_through_batch_feast_and_the_online_store(
-    raw_world: Path, declare: object, redis_server: str
+    raw_world: Path, declare: object
 ) -> None:
     """Declared alone: the batch writes its table, Feast registers an entity and a view
     for it and materializes it, Feast's own client and the service's reader read it back,
-    and training's point-in-time join joins it."""
+    and training's point-in-time join joins it. On a Redis of its own: the session's
+    holds the world's snapshots, which these cards' (same ids, later days) would
+    replace."""
+    from fraud_scoring.redis_server import embedded_redis
+
+    with embedded_redis() as url:
+        _new_entity_round_trip(raw_world, declare, url)
+
+
+def _new_entity_round_trip(raw_world: Path, declare: object, redis_server: str) -> None:
     from batch_jobs.batch import run_batch
     from batch_jobs.training_set import point_in_time_join
     from fraud_scoring.events import Transaction
@@ -275,7 +285,15 @@ def test_a_view_on_a_new_entity_goes_through_batch_feast_and_the_online_store(
             "device_id": list(snap["device_id"]),
         }
     )
-    joined = point_in_time_join(store, sample)
+    # Transactions without a device, and a device no snapshot knows, get nulls (the
+    # caller's defaults), the others their values.
+    extra = sample.head(2).assign(transaction_id=["y0", "y1"], device_id=[None, "d-unknown"])
+    joined = point_in_time_join(store, pd.concat([sample, extra], ignore_index=True))
     np.testing.assert_allclose(
-        joined["dev_amount_max_7d"].to_numpy(float), snap["dev_amount_max_7d"].to_numpy(float)
+        joined["dev_amount_max_7d"].to_numpy(float)[:-2],
+        snap["dev_amount_max_7d"].to_numpy(float),
     )
+    assert joined["dev_amount_max_7d"].tail(2).isna().all()
+    # None of them known: all null, not Feast's error.
+    alone = point_in_time_join(store, extra.assign(device_id=["d-a", "d-b"]))
+    assert alone["dev_amount_max_7d"].isna().all() and alone["card_txn_count_30d"].notna().all()
