@@ -96,12 +96,15 @@ WITH ev AS (
   GROUP BY qk.row_id
 ), latest AS (
   SELECT DISTINCT k, ts_us, cat FROM ev
+), lastv AS (  -- the largest value at each key's time (for last)
+  SELECT k, ts_us, max(v) AS v FROM ev GROUP BY k, ts_us
 )
-SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us,
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, max(lastv.v) AS last_v,
        CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0D
             WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0D ELSE 1.0D END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
+          LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
 GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, agg.own
 """
 
@@ -158,7 +161,7 @@ def spark_training_columns(
         spark.catalog.dropTempView(_Q)
         spark.catalog.dropTempView(_E)
     by_part = dict(tuple(got.groupby("part")))
-    empty = pd.DataFrame(columns=["row_id", "c", "s", "q", "d", "last_us", "changed"])
+    empty = pd.DataFrame(columns=["row_id", "c", "s", "q", "d", "last_us", "last_v", "changed"])
     for i, (spec, w) in enumerate(windows):
         res = by_part.get(i, empty).set_index("row_id").reindex(q["row_id"])
         c = res["c"].fillna(0).to_numpy(np.float64)
@@ -174,6 +177,7 @@ def spark_training_columns(
                 since,
                 res["d"].fillna(0).to_numpy(np.float64) if spec.keeps_values else None,
                 res["changed"].fillna(0).to_numpy(np.float64) if spec.keeps_values else None,
+                res["last_v"].to_numpy(np.float64),
             )
         )
     return out

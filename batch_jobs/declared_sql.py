@@ -96,12 +96,15 @@ WITH ev AS (
   GROUP BY qk.row_id
 ), latest AS (  -- the values at each key's latest time before a row (for changed)
   SELECT DISTINCT k, ts_us, cat FROM ev
+), lastv AS (  -- the largest value at each key's time (for last)
+  SELECT k, ts_us, max(v) AS v FROM ev GROUP BY k, ts_us
 )
-SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us,
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, max(lastv.v) AS last_v,
        CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0
             WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0 ELSE 1.0 END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
+          LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
 GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, agg.own
 """
 
@@ -172,6 +175,7 @@ def training_columns(
                         got["changed"].fillna(0).to_numpy(np.float64)
                         if spec.keeps_values
                         else None,
+                        got["last_v"].to_numpy(np.float64),
                     )
                 )
             if progress:

@@ -85,8 +85,10 @@ WHOLE_TILE_AGGS = {"count", "sum", "mean", "std"}
 # A label counts from the day after its arrival (plus FRAUD_BATCH_AVAILABLE_AFTER_S): a
 # label state keeps tiles this far ahead of the present beyond its delay.
 LABEL_ROOM_US = 2 * 86_400 * US
-Agg = Literal["count", "sum", "mean", "std", "seconds_since_last", "distinct_count", "changed"]
-NEEDS_VALUE = {"sum", "mean", "std"}
+Agg = Literal[
+    "count", "sum", "mean", "std", "seconds_since_last", "last", "distinct_count", "changed"
+]
+NEEDS_VALUE = {"sum", "mean", "std", "last"}
 # Aggregations of a categorical value (a key column): a state keeps the values it saw.
 NEEDS_CATEGORY = {"distinct_count", "changed"}
 # distinct_count saturates here (a state keeps at most this many values per key).
@@ -462,7 +464,7 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
             )
         if NEEDS_VALUE & set(d.features) and d.value not in numbers:
             raise DeclarationError(
-                f"{source}: aggregations.{i}.value: sum/mean/std need a number column "
+                f"{source}: aggregations.{i}.value: sum/mean/std/last need a number column "
                 f"({', '.join(numbers)})"
             )
         whole = d.delay is not None or d.source == "labels"
@@ -523,9 +525,11 @@ def finish(
     since_last_s: npt.ArrayLike,
     distinct: npt.ArrayLike | None = None,
     changed: npt.ArrayLike | None = None,
+    last: npt.ArrayLike | None = None,
 ) -> dict[str, np.ndarray]:
     """The declared features over ``window`` from its sums, and (a state that keeps
-    values) its distinct values and changed flags (float64 columns)."""
+    values) its distinct values and changed flags, and the newest event's value
+    (``last``; NaN: none) (float64 columns)."""
     c = np.asarray(count, dtype=np.float64)
     s = np.asarray(total, dtype=np.float64)
     q = np.asarray(squares, dtype=np.float64)
@@ -545,6 +549,10 @@ def finish(
         values["distinct_count"] = np.minimum(np.asarray(distinct, np.float64), DISTINCT_CAP)
     if changed is not None:
         values["changed"] = np.asarray(changed, dtype=np.float64)
+    if last is not None:
+        within = np.asarray(since_last_s, dtype=np.float64) <= window.us / US
+        lv = np.asarray(last, dtype=np.float64)
+        values["last"] = np.where(within & ~np.isnan(lv), np.nan_to_num(lv), 0.0)
     return {
         f.name: values[f.agg] for f in spec.features if f.window.us == window.us and f.agg in values
     }
@@ -1257,19 +1265,33 @@ class KeyState:
     before: list[tuple[int, float]] = field(default_factory=list)
     kept: dict[float, int] = field(default_factory=dict)
     covered: bool = True
+    # The largest value among the stored events at ``last_before`` (None: none kept).
+    last_value: float | None = None
 
 
-def _recent(blob: bytes | None, t_us: int) -> tuple[list[tuple[int, float]], int | None]:
-    """From a key's newest events (packed, in time order): those at or after ``t_us``
-    and the time of the newest before it."""
+def _recent(
+    blob: bytes | None, t_us: int
+) -> tuple[list[tuple[int, float]], int | None, float | None]:
+    """From a key's newest events (packed, in time order): those at or after ``t_us``,
+    the time of the newest before it and the largest value at that time."""
     if not blob:
-        return [], None
-    ts, _ = NEWEST_REC.unpack_from(blob, len(blob) - NEWEST_REC.size)
-    if ts < t_us:  # scoring live: nothing stored lies ahead
-        return [], int(ts)
+        return [], None, None
+    at = len(blob) - NEWEST_REC.size
+    ts, best = NEWEST_REC.unpack_from(blob, at)
+    if ts < t_us:  # scoring live: nothing stored lies ahead; ties sit at the end
+        while at > 0:
+            at -= NEWEST_REC.size
+            a, b = NEWEST_REC.unpack_from(blob, at)
+            if a != ts:
+                break
+            best = max(best, b)
+        return [], int(ts), best
     recs = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob)]
-    before = [a for a, _ in recs if a < t_us]
-    return [r for r in recs if r[0] >= t_us], (before[-1] if before else None)
+    before = [(a, b) for a, b in recs if a < t_us]
+    if not before:
+        return [r for r in recs if r[0] >= t_us], None, None
+    last = before[-1][0]
+    return [r for r in recs if r[0] >= t_us], last, max(b for a, b in before if a == last)
 
 
 def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list[KeyState]:
@@ -1301,9 +1323,15 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
     out = []
     at = len(spec.widths)
     for i, r in enumerate(replies):
-        ahead, last_ts = _recent(r[at], t_us[i])
+        ahead, last_ts, last_value = _recent(r[at], t_us[i])
         sums_i = [tuple(x[i].tolist()) for x in sums]
-        state = KeyState(ahead, last_ts, sums_i, covered=bool(covered[i]))  # type: ignore[arg-type]
+        state = KeyState(
+            ahead,
+            last_ts,
+            sums_i,  # type: ignore[arg-type]
+            covered=bool(covered[i]),
+            last_value=last_value,
+        )
         if spec.keeps_values:
             blob = r[at] or b""
             state.before = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob) if a < t_us[i]]
@@ -1337,6 +1365,13 @@ def online_row(
     if state is not None and state.last_before is not None:
         before.append(state.last_before)
     since = (t_us - max(before)) / US if before else math.inf
+    last = 0.0  # the newest event's value before t (ties: the largest)
+    if before:
+        newest = max(before)
+        tied = [v for ts, v in mates if ts == newest]
+        if state is not None and state.last_before == newest and state.last_value is not None:
+            tied.append(state.last_value)
+        last = max(tied)
     out: dict[str, float] = {}
     for w_i, w in enumerate(spec.windows):
         c, s, q = state.sums[w_i] if state else (0.0, 0.0, 0.0)
@@ -1350,7 +1385,7 @@ def online_row(
                 c, s, q = c + 1, s + v, q + v * v
         if not exact:  # a replay: some later events were counted; never below nothing
             c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)
-        out.update(_finish_one(spec, w, c, s, q, since))
+        out.update(_finish_one(spec, w, c, s, q, since, last))
         if spec.keeps_values:
             out.update(_values_one(spec, w, state, mates, t_us, own))
     return out, exact
@@ -1389,7 +1424,7 @@ def _values_one(
 
 
 def _finish_one(
-    spec: Spec, w: Window, c: float, s: float, q: float, since: float
+    spec: Spec, w: Window, c: float, s: float, q: float, since: float, last: float = 0.0
 ) -> dict[str, float]:
     """:func:`finish` for one row on Python floats (the same IEEE operations, without
     numpy's per-call cost on the scorer's path)."""
@@ -1401,6 +1436,7 @@ def _finish_one(
         "mean": mean,
         "std": math.sqrt(var),
         "seconds_since_last": min(since, w.us / US),
+        "last": last if since <= w.us / US else 0.0,
     }
     return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us and f.agg in values}
 

@@ -113,6 +113,10 @@ def reference(
                         else:
                             at = recent[recent["_us"] == recent["_us"].max()]
                             v = 0.0 if str(own) in {str(c) for c in at[value]} else 1.0
+                    elif agg == "last":  # the newest event's value (ties: the largest)
+                        recent = before[before["_us"] >= t - w_s * US]
+                        at = recent[recent["_us"] == recent["_us"].max()] if len(recent) else recent
+                        v = max(float(x) for x in at[value]) if len(at) else 0.0
                     else:  # seconds_since_last: exact window
                         recent = before[before["_us"] >= t - w_s * US]
                         v = (t - int(recent["_us"].max())) / US if len(recent) else float(w_s)

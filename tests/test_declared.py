@@ -30,7 +30,7 @@ aggregations:
     value: amount
     windows: [1m, 10m, 1h, 1d, 7d]
     features: {count: m_count, sum: m_sum, mean: m_mean, std: m_std,
-               seconds_since_last: m_since}
+               seconds_since_last: m_since, last: m_last}
   - entity: [card_id, merchant_id]
     filter: {channel: [ecom, atm]}
     windows: [10m, 30d]
