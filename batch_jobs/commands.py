@@ -231,6 +231,12 @@ _TRAIN_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
     ("warmup_days", int, "first days skipped: no batch history yet (default 7)"),
     ("valid_days", int, "validation days, fitting the calibration (default 2)"),
     ("holdout_days", int, "last days held out by time (default 3)"),
+    (
+        "calibration_blocks",
+        int,
+        "training blocks cross-fitted for the calibration pool, each one more fit "
+        "per variant (default 8; 0: the validation slice alone)",
+    ),
     ("max_train_negatives", int, "legitimate rows sampled for training (default 60000)"),
     (
         "max_holdout_negatives",

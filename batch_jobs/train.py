@@ -143,9 +143,10 @@ class TrainConfig(BaseModel):
     # training days back from it, each scored by a model fitted without it (on the other
     # training days and the validation slice: as many days as the served model's). Two
     # validation days hold too few frauds, and too few of the rarer patterns, to
-    # calibrate between 0.001 and 0.1. At most this many blocks (None: every training
-    # day; each costs one more fit per variant); 0: the validation slice alone.
-    calibration_blocks: int | None = Field(default=None, ge=0)
+    # calibrate between 0.001 and 0.1. At most this many blocks, the most recent (None:
+    # every training day); each costs one more fit per variant, so the default keeps
+    # training's cost bounded whatever the history's length; 0: the validation slice.
+    calibration_blocks: int | None = Field(default=8, ge=0)
     # "auto": the piecewise-linear logit once the pool holds min_piecewise_positives
     # frauds, else Platt (the reason is recorded).
     calibration_method: Literal["auto", "platt", "piecewise"] = "auto"

@@ -8,7 +8,10 @@ touch a shared database.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import time
@@ -100,27 +103,86 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> World:
 
     The online store holds snapshots up to the end of the next-to-last day, so the last
     day is a held-out day that can be scored point-in-time correctly.
+
+    Under pytest-xdist the first worker to ask builds it once for the run (a file lock);
+    every worker then gets its own copy of the files and its own server holding the
+    same keys, so tests may change their world without touching another worker's.
     """
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        root = tmp_path_factory.mktemp("world")
+        build_world(root, redis_server)
+        return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS)
+    shared = tmp_path_factory.getbasetemp().parent / f"world-{run}"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = (shared / "redis.pickle").exists()
+        if not built:
+            build_world(shared, redis_server)
+            (shared / "redis.pickle").write_bytes(pickle.dumps(dump_keys(redis_server)))
+    if built:
+        restore_keys(redis_server, pickle.loads((shared / "redis.pickle").read_bytes()))
+    root = tmp_path_factory.mktemp("world")
+    for part in ("data", "models"):
+        shutil.copytree(shared / part, root / part)
+    from feature_repo.definitions import apply_definitions
+    from fraud_scoring.feast_store import open_store
+
+    # The registry holds each view's source path: point it at this copy.
+    apply_definitions(open_store(root / "data", redis_server), root / "data")
+    return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS)
+
+
+def build_world(root: Path, url: str) -> None:
     from batch_jobs.batch import day_range, run_batch
     from batch_jobs.simulate import SimConfig, simulate
     from batch_jobs.train import TrainConfig, train
 
-    root = tmp_path_factory.mktemp("world")
     # Seed 26: the held-out last day holds all three fraud patterns (checked in a test).
     # 3,000 cards give the model about 290 training frauds: with 2,000 (about 95) the
     # share of held-out fraud it flags swung around 50 % with any change to training.
     cfg = SimConfig(cards=3000, merchants=200, days=SIM_DAYS, start=SIM_START, seed=26)
     simulate(cfg, root / "data" / "raw")
     last = SIM_START + timedelta(days=SIM_DAYS - 1)
-    run_batch(root / "data", day_range(SIM_START, last - timedelta(days=1)), redis_server)
-    run_batch(root / "data", [last], redis_server, materialize=False)
+    run_batch(root / "data", day_range(SIM_START, last - timedelta(days=1)), url)
+    run_batch(root / "data", [last], url, materialize=False)
     train(
         root / "data",
-        redis_server,
+        url,
         root / "models",
         TrainConfig(holdout_days=4, warmup_days=5, max_train_negatives=15_000),
     )
-    return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS)
+
+
+def dump_keys(url: str) -> list[tuple[bytes, int, bytes]]:
+    """Every key of the server at ``url`` as (name, ttl in ms or 0, DUMP payload)."""
+    client = redis.Redis.from_url(url)
+    try:
+        names = list(client.scan_iter(count=1000))
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.pttl(name)
+            pipe.dump(name)
+        replies = pipe.execute()
+    finally:
+        client.close()
+    return [
+        (name, max(int(ttl), 0), payload)
+        for name, ttl, payload in zip(names, replies[::2], replies[1::2], strict=True)
+        if payload is not None  # expired between SCAN and DUMP
+    ]
+
+
+def restore_keys(url: str, keys: list[tuple[bytes, int, bytes]]) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for name, ttl, payload in keys:
+            pipe.restore(name, ttl, payload, replace=True)
+        pipe.execute()
+    finally:
+        client.close()
 
 
 def wait_until(

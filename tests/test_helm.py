@@ -1081,7 +1081,14 @@ def test_helm_test_hook_names_the_key_secret_on_401() -> None:
 # fixture's training takes seconds, not a minute.
 SMALL_RUN = {
     "simulate": ["--cards", "2000"],
-    "train": ["--max-train-negatives", "15000", "--max-holdout-negatives", "15000"],
+    "train": [
+        "--max-train-negatives",
+        "15000",
+        "--max-holdout-negatives",
+        "15000",
+        "--calibration-blocks",
+        "2",
+    ],
 }
 
 

@@ -187,6 +187,7 @@ def test_a_model_worse_than_latest_is_refused_unless_forced(world: World, tmp_pa
         features=("hour_of_day_local", "channel_atm"),
         min_holdout_pr_auc=0.0,
         min_holdout_roc_auc=0.0,
+        calibration_blocks=0,  # the gate is the point: no cross-fitted blocks
     )
     with pytest.raises(PublishRefused, match="below the latest version") as refused:
         train(world.data_dir, world.redis_url, repo, cfg)
@@ -211,6 +212,7 @@ warmup_days: 5
 labels_as_of: 2030-01-01T00:00:00Z
 max_train_negatives: 15000
 min_label_coverage: 0.6
+calibration_blocks: 0
 force: true
 lightgbm:
   num_leaves: 15
