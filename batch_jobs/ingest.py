@@ -7,7 +7,8 @@ cannot be read (malformed lines, missing or unparsable values, repeated ids) are
 to a rejects file with the reason, never dropped silently. A break of the mapping itself
 (a column that is not there, naive times and no zone) is refused before anything is
 written. Idempotent per day: each UTC day the run holds is replaced as a whole (written
-beside, then renamed), so the same input writes the same files. Layout and rules:
+beside, then renamed), so the same input writes the same files; a run owns the labels of
+the transactions it ingests and keeps every other label (feedback). Layout and rules:
 ``docs/data-contract.md``.
 """
 
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
@@ -28,6 +30,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import yaml
@@ -36,7 +39,13 @@ from tqdm import tqdm
 
 from fraud_scoring import contract as C
 from fraud_scoring.events import CHANNELS, ID_MAX_LEN, country_codes, currency_codes
-from fraud_scoring.storage import partition_days, read_partition, staging_dir, write_partition
+from fraud_scoring.storage import (
+    partition_days,
+    partition_dir,
+    read_partition,
+    staging_dir,
+    write_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -583,6 +592,7 @@ def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None)
 
     labels, rule = _labels(mapping, base, txns, src_all, rejects)
     tables = _day_tables(txns, labels)
+    emptied = _keep_other_labels(raw, set(txns["transaction_id"]), tables)
     problems = [
         p
         for (table, d), t in tables.items()
@@ -598,6 +608,8 @@ def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None)
 
     for (table, d), t in tqdm(tables.items(), desc="write days", unit="partition", disable=None):
         write_partition(raw, table, d, t)
+    for d in emptied:
+        shutil.rmtree(partition_dir(raw, "labels", d))
     counts = rejects.counts()
     _write_rejects(rejects_path, rejects)
     label_days = sorted(d for t, d in tables if t == "labels")
@@ -734,6 +746,37 @@ def _day_tables(txns: pd.DataFrame, labels: pd.DataFrame) -> dict[tuple[str, dat
                 g[C.LABELS.names], schema=C.LABELS, preserve_index=False
             )
     return out
+
+
+def _keep_other_labels(
+    raw: Path, owned: set[str], tables: dict[tuple[str, date], pa.Table]
+) -> list[date]:
+    """A run owns the labels of the transactions it ingests, wherever they lie: each label
+    day it writes, or that holds one of those labels today, is rewritten as the run's own
+    labels beside the labels already there for other transactions (feedback labels that
+    ``decisions compact`` merged in, another export's). Returns the label days left with
+    no label at all (to remove)."""
+    ids = pa.array(sorted(owned), pa.string())
+    emptied = []
+    for d in partition_days(raw, "labels"):
+        old = read_partition(raw, "labels", d).select(C.LABELS.names).cast(C.LABELS)
+        kept = old.filter(pc.invert(pc.is_in(old.column("transaction_id"), value_set=ids)))
+        new = tables.get(("labels", d))
+        if new is None and kept.num_rows == old.num_rows:
+            continue  # nothing of this run's on that day
+        if new is not None and kept.num_rows == 0:
+            continue  # the run's own labels alone: written as a first run writes them
+        merged = pa.concat_tables(
+            ([new] if new is not None else []) + [kept.cast(new.schema if new else C.LABELS)]
+        )
+        if merged.num_rows == 0:
+            emptied.append(d)
+            continue
+        order = pc.sort_indices(
+            merged, sort_keys=[("label_time", "ascending"), ("transaction_id", "ascending")]
+        )
+        tables[("labels", d)] = merged.take(order)
+    return emptied
 
 
 def _write_rejects(path: Path, rejects: Rejects) -> None:

@@ -479,6 +479,37 @@ def test_the_documented_example_ingests(cli_env: Path) -> None:
     C.check_raw(raw)
 
 
+def test_ingest_again_keeps_feedback_labels_and_moves_its_own(cli_env: Path) -> None:
+    """A run owns the labels of the transactions it ingests: a feedback label compacted
+    into one of its label days survives a second run, and a label of its own that lay on
+    another day (an earlier arrival rule) is moved, not duplicated."""
+    from batch_jobs.decisions import LABEL_SCHEMA, merge_labels
+
+    mapping = Path(__file__).resolve().parent.parent / "docs" / "examples" / "mapping.yaml"
+    assert main(["ingest", str(mapping)]) == 0
+    raw, day, early = cli_env / "raw", date(2025, 4, 24), date(2025, 4, 20)
+    first = pq.read_table(partition_file(raw, "labels", day))
+    t = datetime(2025, 4, 24, 23, tzinfo=UTC)
+    feedback = pa.table(
+        {
+            "transaction_id": ["live-1"],
+            "card_id": ["c9"],
+            "merchant_id": ["m9"],
+            "event_time": [t - timedelta(days=3)],
+            "label_time": [t],
+            "is_fraud": [True],
+        }
+    )
+    merge_labels(raw, day, feedback.cast(LABEL_SCHEMA))
+    write_partition(raw, "labels", early, first.slice(0, 1))  # 100004, where it once lay
+
+    assert main(["ingest", str(mapping)]) == 0
+    labels = pq.read_table(partition_file(raw, "labels", day))
+    assert labels.column("transaction_id").to_pylist() == ["100004", "100005", "live-1"]
+    assert early not in partition_days(raw, "labels")
+    C.check_raw(raw)
+
+
 def test_ingest_reads_parquet_with_integer_ids_and_aware_times(
     cli_env: Path, tmp_path: Path
 ) -> None:
