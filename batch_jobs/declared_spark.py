@@ -59,7 +59,7 @@ def _filter_sql(spec: D.Spec, alias: str, params: dict[str, Any]) -> str:
 
 def window_sql_spark(spec: D.Spec, w: D.Window, params: dict[str, Any]) -> str:
     """One window of one declaration in Spark SQL (``declared_sql.window_sql``'s
-    statement): per row id, count, sum, squares, distinct values, the newest earlier
+    statement): per row id, count, sum, squares, min, max, distinct values, the newest earlier
     event time within the exact window and changed. Reads the views ``declared_q``
     (row_id, ts_us, key columns) and ``declared_e`` (one row per transaction_id: ts_us,
     key columns, value); the filter's values go into ``params``."""
@@ -89,6 +89,8 @@ WITH ev AS (
          count(CASE WHEN ev.ts_us >= qk.lo THEN 1 END) AS c,
          coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END), 0.0D) AS s,
          coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * ev.v END), 0.0D) AS q,
+         min(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mn,
+         max(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mx,
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
          max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
   FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
@@ -99,13 +101,14 @@ WITH ev AS (
 ), lastv AS (  -- the largest value at each key's time (for last)
   SELECT k, ts_us, max(v) AS v FROM ev GROUP BY k, ts_us
 )
-SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, max(lastv.v) AS last_v,
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us,
+       max(lastv.v) AS last_v,
        CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0D
             WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0D ELSE 1.0D END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
           LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
-GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, agg.own
+GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us, agg.own
 """
 
 
@@ -161,7 +164,9 @@ def spark_training_columns(
         spark.catalog.dropTempView(_Q)
         spark.catalog.dropTempView(_E)
     by_part = dict(tuple(got.groupby("part")))
-    empty = pd.DataFrame(columns=["row_id", "c", "s", "q", "d", "last_us", "last_v", "changed"])
+    empty = pd.DataFrame(
+        columns=["row_id", "c", "s", "q", "mn", "mx", "d", "last_us", "last_v", "changed"]
+    )
     for i, (spec, w) in enumerate(windows):
         res = by_part.get(i, empty).set_index("row_id").reindex(q["row_id"])
         c = res["c"].fillna(0).to_numpy(np.float64)
@@ -178,6 +183,8 @@ def spark_training_columns(
                 res["d"].fillna(0).to_numpy(np.float64) if spec.keeps_values else None,
                 res["changed"].fillna(0).to_numpy(np.float64) if spec.keeps_values else None,
                 res["last_v"].to_numpy(np.float64),
+                res["mn"].to_numpy(np.float64),
+                res["mx"].to_numpy(np.float64),
             )
         )
     return out

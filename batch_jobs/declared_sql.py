@@ -60,8 +60,8 @@ def _source_sql(spec: D.Spec, alias: str) -> tuple[str, str]:
 
 
 def window_sql(spec: D.Spec, w: D.Window) -> str:
-    """One window of one declaration: per row id, count, sum, squares and the newest
-    earlier event time. Reads the views ``q`` (row_id, ts_us, key columns) and ``e``
+    """One window of one declaration: per row id, count, sum, squares, min, max and
+    the newest earlier event time. Reads the views ``q`` (row_id, ts_us, key columns) and ``e``
     (:func:`_frames`: one row per transaction and per label, with ``src``, ``ev_us``,
     ``avail_us``, key columns and values)."""
     u, n = w.width_us, w.tiles
@@ -89,6 +89,8 @@ WITH ev AS (
          count(CASE WHEN ev.ts_us >= qk.lo THEN 1 END) AS c,
          coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END), 0.0) AS s,
          coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * ev.v END), 0.0) AS q,
+         min(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mn,
+         max(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mx,
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
          max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
   FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
@@ -99,13 +101,14 @@ WITH ev AS (
 ), lastv AS (  -- the largest value at each key's time (for last)
   SELECT k, ts_us, max(v) AS v FROM ev GROUP BY k, ts_us
 )
-SELECT agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, max(lastv.v) AS last_v,
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us,
+       max(lastv.v) AS last_v,
        CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0
             WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0 ELSE 1.0 END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
           LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
-GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.d, agg.last_us, agg.own
+GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us, agg.own
 """
 
 
@@ -176,6 +179,8 @@ def training_columns(
                         if spec.keeps_values
                         else None,
                         got["last_v"].to_numpy(np.float64),
+                        got["mn"].to_numpy(np.float64),
+                        got["mx"].to_numpy(np.float64),
                     )
                 )
             if progress:

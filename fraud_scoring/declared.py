@@ -22,12 +22,15 @@ capped at ``W`` (also when none). ``changed`` (a categorical value, e.g. ``count
 1 when the key's latest event before ``t`` and at most ``W`` before it exists and none
 of the events at that latest time has the transaction's own value, else 0.
 ``distinct_count`` (a categorical value) counts the distinct values of the window's
-events (the same snapped start), saturating at :data:`DISTINCT_CAP`.
+events (the same snapped start), saturating at :data:`DISTINCT_CAP`. ``min`` and ``max``
+are the smallest and largest value of the window's events (0: none).
 
 **Cost per key is bounded.** A key's state is a ring of tiles per width (count, sum,
-sum of squares), its :data:`NEWEST` newest events (for the exact end and
-``seconds_since_last``) and the ids of the last ``horizon`` (for idempotency); a read
-touches ``W / u + 1`` tiles per window whatever the key's traffic. A state with a
+sum of squares; with min or max also the tile's smallest and largest value), its
+:data:`NEWEST` newest events (for the exact end and ``seconds_since_last``) and the ids
+of the last ``horizon`` (for idempotency); a read touches ``W / u + 1`` tiles per window
+whatever the key's traffic (a min or max whose tile holding ``t`` also holds later
+events: a few more, bounded by the widths, :func:`_extremes_before`). A state with a
 categorical value (``distinct_count``, ``changed``) also keeps, per value, the newest
 time it was seen among the events older than its :data:`NEWEST` newest, for at most
 :data:`DISTINCT_CAP` values.
@@ -81,14 +84,25 @@ Source = Literal["transactions", "labels"]
 LABEL_VALUE_COLUMNS = ("is_fraud",)
 # A state whose events are not recorded as they happen (a delay, or labels, which the
 # daily batch records) reads whole tiles, so only these aggregations.
-WHOLE_TILE_AGGS = {"count", "sum", "mean", "std"}
+WHOLE_TILE_AGGS = {"count", "sum", "mean", "std", "min", "max"}
 # A label counts from the day after its arrival (plus FRAUD_BATCH_AVAILABLE_AFTER_S): a
 # label state keeps tiles this far ahead of the present beyond its delay.
 LABEL_ROOM_US = 2 * 86_400 * US
 Agg = Literal[
-    "count", "sum", "mean", "std", "seconds_since_last", "last", "distinct_count", "changed"
+    "count",
+    "sum",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "seconds_since_last",
+    "last",
+    "distinct_count",
+    "changed",
 ]
-NEEDS_VALUE = {"sum", "mean", "std", "last"}
+NEEDS_VALUE = {"sum", "mean", "std", "min", "max", "last"}
+# Aggregations that keep, per tile, the smallest and largest value too.
+EXTREMES = {"min", "max"}
 # Aggregations of a categorical value (a key column): a state keeps the values it saw.
 NEEDS_CATEGORY = {"distinct_count", "changed"}
 # distinct_count saturates here (a state keeps at most this many values per key).
@@ -286,6 +300,16 @@ class Spec:
         """The state keeps the values it saw (for distinct_count and changed)."""
         return any(f.agg in NEEDS_CATEGORY for f in self.features)
 
+    @cached_property
+    def keeps_extremes(self) -> bool:
+        """The state's tiles keep their smallest and largest value too (min, max)."""
+        return any(f.agg in EXTREMES for f in self.features)
+
+    @cached_property
+    def tile(self) -> struct.Struct:
+        """A tile's record: :data:`TILE`, or :data:`TILE_EXTREMES` (min, max)."""
+        return TILE_EXTREMES if self.keeps_extremes else TILE
+
     def distinct_back_us(self, horizon_us: int) -> int:
         """How far behind the key's newest event a kept value can still count."""
         return self.longest_us + max(w.width_us for w in self.windows) + horizon_us
@@ -408,6 +432,9 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
         # A state that keeps values is a different state (its id changes with it).
         keeps = any(a in NEEDS_CATEGORY for d in ds for a in d.features)
         canon = canon0 + ("+values" if keeps else "")
+        # So is one whose tiles keep min and max (its records are longer).
+        if any(a in EXTREMES for d in ds for a in d.features):
+            canon += "+extremes"
         # The id covers the windows: a new window starts a new state (backfill it).
         # and the storage layout: a new layout starts new keys too.
         sid = hashlib.blake2b(
@@ -464,8 +491,8 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
             )
         if NEEDS_VALUE & set(d.features) and d.value not in numbers:
             raise DeclarationError(
-                f"{source}: aggregations.{i}.value: sum/mean/std/last need a number column "
-                f"({', '.join(numbers)})"
+                f"{source}: aggregations.{i}.value: sum/mean/std/min/max/last need a number "
+                f"column ({', '.join(numbers)})"
             )
         whole = d.delay is not None or d.source == "labels"
         if whole and set(d.features) - WHOLE_TILE_AGGS:
@@ -526,10 +553,13 @@ def finish(
     distinct: npt.ArrayLike | None = None,
     changed: npt.ArrayLike | None = None,
     last: npt.ArrayLike | None = None,
+    minimum: npt.ArrayLike | None = None,
+    maximum: npt.ArrayLike | None = None,
 ) -> dict[str, np.ndarray]:
     """The declared features over ``window`` from its sums, and (a state that keeps
-    values) its distinct values and changed flags, and the newest event's value
-    (``last``; NaN: none) (float64 columns)."""
+    values) its distinct values and changed flags, the newest event's value (``last``;
+    NaN: none) and the window's smallest and largest values (NaN: no event) (float64
+    columns)."""
     c = np.asarray(count, dtype=np.float64)
     s = np.asarray(total, dtype=np.float64)
     q = np.asarray(squares, dtype=np.float64)
@@ -553,6 +583,10 @@ def finish(
         within = np.asarray(since_last_s, dtype=np.float64) <= window.us / US
         lv = np.asarray(last, dtype=np.float64)
         values["last"] = np.where(within & ~np.isnan(lv), np.nan_to_num(lv), 0.0)
+    for agg, x in (("min", minimum), ("max", maximum)):
+        if x is not None:
+            xv = np.asarray(x, dtype=np.float64)
+            values[agg] = np.where(np.isnan(xv), 0.0, xv)
     return {
         f.name: values[f.agg] for f in spec.features if f.window.us == window.us and f.agg in values
     }
@@ -654,7 +688,8 @@ def derived_columns(
 #
 # Per (spec, key), two keys sharing the hash tag {agg:<spec id>:<key>}:
 #   <p>:t   hash: field "<u>" per tile width u, that width's tiles as packed records of
-#           four little-endian doubles (tile index, count, sum, sum of squares), one per
+#           four little-endian doubles (tile index, count, sum, sum of squares; a state
+#           with min or max: six, the tile's smallest and largest value after them), one per
 #           tile holding events; it keeps the tiles of the last ``slots`` indexes (older
 #           ones are dropped once the field holds more than ``slots``: no read reaches
 #           them). Field "n": the NEWEST newest events, packed (ts µs, value) doubles in
@@ -665,11 +700,13 @@ def derived_columns(
 # (:func:`queue_read`; no script), summed in the client, vectorized over a micro-batch
 # (:func:`parse_reads`).
 TILE = struct.Struct("<4d")
+TILE_EXTREMES = struct.Struct("<6d")  # a state with min or max: (..., min, max)
 NEWEST_REC = struct.Struct("<2d")
 LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 
 # KEYS: t, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
-# backfill (1/0), dcap, dback_us, nwidths, (u, slots)*, then per key: nev,
+# backfill (1/0), dcap, dback_us, extremes (1/0: tiles of six doubles, with min and
+# max), nwidths, (u, slots)*, then per key: nev,
 # (id, ts, value)*. dcap > 0 (a state that keeps values): the events pushed out of the
 # newest list update field "d" (per value code its newest time among them; values older
 # than the key's newest by more than dback_us are dropped, then all but the dcap
@@ -681,25 +718,28 @@ LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 _RECORD_FN = (
     """
 -- A state's settings from ARGV[pos]: horizon_us, newest, ttl_ms, backfill (1/0), dcap,
--- dback_us, nwidths, (u, slots)*. Returns them (record's c) and the position after.
+-- dback_us, extremes (1/0), nwidths, (u, slots)*. Returns them (record's c) and the
+-- position after.
 local function config(pos)
-  local nw = tonumber(ARGV[pos + 6])
+  local nw = tonumber(ARGV[pos + 7])
   local widths, fields = {}, {}
   for w = 1, nw do
-    local u = ARGV[pos + 5 + 2*w]
-    widths[w] = {u, tonumber(u), tonumber(ARGV[pos + 6 + 2*w])}
+    local u = ARGV[pos + 6 + 2*w]
+    widths[w] = {u, tonumber(u), tonumber(ARGV[pos + 7 + 2*w])}
     fields[w] = u
   end
   fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
+  -- a tile's record: 4 doubles, or 6 with its min and max
+  local rs = ARGV[pos + 6] == '1' and 48 or 32
   return {tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2]),
     ARGV[pos + 3] == '1', tonumber(ARGV[pos + 4]), tonumber(ARGV[pos + 5]), nw, widths,
-    fields}, pos + 7 + 2 * nw
+    fields, rs}, pos + 8 + 2 * nw
 end
 """
     + """
 -- Record one key's events: ``nev`` of them, ``ev(e)`` -> id, ts (µs), value (numbers).
 local function record(kt, kid, c, nev, ev)
-  local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields = unpack(c)
+  local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields, rs = unpack(c)
   local held = redis.call('HMGET', kt, unpack(fields))
   local recent = held[nw + 1] or ''
   -- f: the oldest event recorded live; b: the newest recorded by a backfill
@@ -724,8 +764,10 @@ local function record(kt, kid, c, nev, ev)
         local u = widths[w][2]
         local idx = (ts - math.fmod(ts, u)) / u
         local t = tiles[w][idx]
-        if t == nil then t = {idx, 0, 0, 0}; tiles[w][idx] = t end
+        if t == nil then t = {idx, 0, 0, 0, x, x}; tiles[w][idx] = t end
         t[2], t[3], t[4] = t[2] + 1, t[3] + x, t[4] + x * x
+        if x < t[5] then t[5] = x end
+        if x > t[6] then t[6] = x end
       end
       local at = #recent + 1  -- keep `recent` in time order: insert after any <= ts
       while at > 1 and struct.unpack('<d', recent, at - 16) > ts do at = at - 16 end
@@ -749,27 +791,38 @@ local function record(kt, kid, c, nev, ev)
         local needle, at = struct.pack('<d', idx), 0
         repeat  -- the record of this tile, if held (a match must start a record)
           at = string.find(ring, needle, at + 1, true)
-        until at == nil or at % 32 == 1
-        if at then
+        until at == nil or at % rs == 1
+        local rec
+        if at and rs == 48 then
+          local _, hc, hs, hq, lo, hi = struct.unpack('<dddddd', ring, at)
+          rec = struct.pack('<dddddd', idx, t[2] + hc, t[3] + hs, t[4] + hq,
+            math.min(t[5], lo), math.max(t[6], hi))
+        elseif at then
           local _, hc, hs, hq = struct.unpack('<dddd', ring, at)
-          local rec = struct.pack('<dddd', idx, t[2] + hc, t[3] + hs, t[4] + hq)
-          ring = ring:sub(1, at - 1) .. rec .. ring:sub(at + 32)
+          rec = struct.pack('<dddd', idx, t[2] + hc, t[3] + hs, t[4] + hq)
+        elseif rs == 48 then
+          rec = struct.pack('<dddddd', idx, t[2], t[3], t[4], t[5], t[6])
         else
-          ring = ring .. struct.pack('<dddd', idx, t[2], t[3], t[4])
+          rec = struct.pack('<dddd', idx, t[2], t[3], t[4])
+        end
+        if at then
+          ring = ring:sub(1, at - 1) .. rec .. ring:sub(at + rs)
+        else
+          ring = ring .. rec
           grew = true
         end
       end
       local slots = widths[w][3]
-      if grew and #ring > 32 * slots then  -- keep the tiles of the last `slots` indexes
+      if grew and #ring > rs * slots then  -- keep the tiles of the last `slots` indexes
         local top, recs = -1, {}
-        for at = 1, #ring, 32 do
+        for at = 1, #ring, rs do
           local idx = struct.unpack('<d', ring, at)
           recs[#recs + 1] = {idx, at}
           if idx > top then top = idx end
         end
         local kept = {}
         for _, r in ipairs(recs) do
-          if r[1] > top - slots then kept[#kept + 1] = ring:sub(r[2], r[2] + 31) end
+          if r[1] > top - slots then kept[#kept + 1] = ring:sub(r[2], r[2] + rs - 1) end
         end
         ring = table.concat(kept)
       end
@@ -1118,7 +1171,8 @@ def _apply_head(spec: Spec, limits: Limits) -> list[Any]:
     """The ARGV of an :data:`APPLY_LUA` call before its keys' events."""
     head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
     dcap = DISTINCT_CAP if spec.keeps_values else 0
-    head += [dcap, spec.distinct_back_us(limits.horizon_us), len(spec.widths)]
+    head += [dcap, spec.distinct_back_us(limits.horizon_us), int(spec.keeps_extremes)]
+    head.append(len(spec.widths))
     for u, slots in spec.widths.items():
         head += (u, slots)
     return head
@@ -1255,9 +1309,13 @@ class KeyState:
     :data:`NEWEST`), its newest stored event before ``t`` (None: none kept), and per
     window the sums over its tiles, the tile holding ``t`` included. A state that keeps
     values also has its newest events before ``t`` (``before``: ts, value code) and the
-    values pushed out of them (``kept``: code -> newest time). ``covered`` is False when
-    the key's ring may have dropped a tile a window reads (the key's newest event lies
-    further past ``t`` than the ring keeps: a replay far behind its present)."""
+    values pushed out of them (``kept``: code -> newest time). A state with min or max
+    has per window the smallest and largest value of its events before ``t``
+    (``extremes``; inf, -inf: none). ``covered`` is False when the key's ring may have
+    dropped a tile a window reads (the key's newest event lies further past ``t`` than
+    the ring keeps: a replay far behind its present), or when a window's min or max
+    needs events before ``t`` in a tile that also holds later ones and the key no longer
+    keeps them (:func:`_extremes_before`)."""
 
     ahead: list[tuple[int, float]]
     last_before: int | None
@@ -1267,6 +1325,7 @@ class KeyState:
     covered: bool = True
     # The largest value among the stored events at ``last_before`` (None: none kept).
     last_value: float | None = None
+    extremes: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _recent(
@@ -1302,20 +1361,26 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
     assert len(replies) == n, (len(replies), n)
     t = np.asarray(t_us, dtype=np.int64)
     sums: list[np.ndarray] = []  # per window: (n, 3) count, sum, squares
+    lows: list[np.ndarray] = []  # per window (min or max declared): (n,) min, max
+    highs: list[np.ndarray] = []
     rings: dict[int, np.ndarray] = {}
     covered = np.ones(n, dtype=bool)
+    rec = spec.tile.size
     for pos, (u, slots) in enumerate(spec.widths.items()):
         held = [r[pos] or b"" for r in replies]
-        size = max([slots * TILE.size, *map(len, held)])
+        size = max([slots * rec, *map(len, held)])
         raw = b"".join(h.ljust(size, b"\0") for h in held)
-        rings[u] = np.frombuffer(raw, dtype="<f8").reshape(n, size // TILE.size, 4)
+        rings[u] = np.frombuffer(raw, dtype="<f8").reshape(n, size // rec, rec // 8)
     for w in spec.windows:
         ring = rings[w.width_us]
         last = (t // w.width_us).astype(np.float64)[:, None]
         idx = ring[:, :, 0]
         # whole tiles: the tile holding t is not read
         inside = (idx >= last - w.tiles) & ((idx < last) if spec.whole_tiles else (idx <= last))
-        sums.append((ring[:, :, 1:] * inside[:, :, None]).sum(axis=1))
+        sums.append((ring[:, :, 1:4] * inside[:, :, None]).sum(axis=1))
+        if spec.keeps_extremes:
+            lows.append(np.where(inside, ring[:, :, 4], np.inf).min(axis=1))
+            highs.append(np.where(inside, ring[:, :, 5], -np.inf).max(axis=1))
         # The ring keeps the indexes above its top's minus its slots: one this read
         # needs may have been dropped once the top reached that far past it.
         top = np.where(ring[:, :, 1] != 0, idx, -np.inf).max(axis=1)
@@ -1332,12 +1397,82 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
             covered=bool(covered[i]),
             last_value=last_value,
         )
+        if spec.keeps_extremes:
+            state.extremes = [
+                (float(lo[i]), float(hi[i])) for lo, hi in zip(lows, highs, strict=True)
+            ]
+            if ahead and not spec.whole_tiles:  # later events in t's tiles: not counted
+                _exclude_ahead(spec, state, {u: x[i] for u, x in rings.items()}, r[at], t_us[i])
         if spec.keeps_values:
             blob = r[at] or b""
             state.before = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob) if a < t_us[i]]
             state.kept = {c: int(ts) for c, ts in NEWEST_REC.iter_unpack(r[at + 1] or b"")}
         out.append(state)
     return out
+
+
+def _exclude_ahead(
+    spec: Spec, state: KeyState, rings: Mapping[int, np.ndarray], blob: bytes | None, t_us: int
+) -> None:
+    """Recompute the min and max of each window whose tile holding ``t_us`` also holds
+    stored events at or after it (``state.ahead``): its earlier tiles, then that tile's
+    part before ``t_us`` (:func:`_extremes_before`); ``state.covered`` turns False when
+    that part is not exact. ``rings``: the key's tiles per width (records as rows)."""
+    recent = [(int(a), b) for a, b in NEWEST_REC.iter_unpack(blob or b"")]
+    for w_i, w in enumerate(spec.windows):
+        here = t_us // w.width_us
+        if not any(ts // w.width_us == here for ts, _ in state.ahead):
+            continue
+        lo, hi = _tile_extremes(rings[w.width_us], here - w.tiles, here - 1)
+        plo, phi, ok = _extremes_before(spec, rings, recent, state.ahead, t_us, w.width_us)
+        state.extremes[w_i] = (min(lo, plo), max(hi, phi))
+        state.covered &= ok
+
+
+def _tile_extremes(ring: np.ndarray, first: int, last: int) -> tuple[float, float]:
+    """The smallest and largest value in one key's tiles ``first..last`` of one width
+    (inf, -inf: none holds events)."""
+    idx = ring[:, 0]
+    sel = (idx >= first) & (idx <= last) & (ring[:, 1] != 0)
+    if not sel.any():
+        return math.inf, -math.inf
+    return float(ring[sel, 4].min()), float(ring[sel, 5].max())
+
+
+def _extremes_before(
+    spec: Spec,
+    rings: Mapping[int, np.ndarray],
+    recent: Sequence[tuple[int, float]],
+    ahead: Sequence[tuple[int, float]],
+    t_us: int,
+    u: int,
+) -> tuple[float, float, bool]:
+    """The smallest and largest value of a key's events from the edge of the tile of
+    width ``u`` holding ``t_us`` up to, not including, ``t_us``, and whether that is
+    exact. A tile without stored events at or after ``t_us`` (``ahead``) is read whole;
+    else from the key's newest events (``recent``) when they reach back to the tile's
+    edge; else the tile is split into the state's next finer tiles (read whole, while
+    that ring still holds them) and that width's tile holding ``t_us``, and so on. A min
+    cannot be subtracted: when none of these holds, the tile is read whole (later events
+    included) and the answer is not exact."""
+    start = t_us // u * u
+    whole = _tile_extremes(rings[u], t_us // u, t_us // u)
+    if not any(ts < start + u for ts, _ in ahead):  # nothing at or after t in this tile
+        return (*whole, True)
+    if len(recent) < NEWEST or recent[0][0] < start:  # every event since the edge kept
+        xs = [v for ts, v in recent if start <= ts < t_us]
+        return min(xs, default=math.inf), max(xs, default=-math.inf), True
+    finer = [v for v in spec.widths if v < u]
+    if not finer:
+        return (*whole, False)
+    v = max(finer)
+    ring, first = rings[v], start // v
+    held = ring[ring[:, 1] != 0, 0]
+    if len(held) and first <= held.max() - spec.widths[v]:  # the ring dropped some
+        return (*whole, False)
+    lo, hi = _tile_extremes(ring, first, t_us // v - 1)
+    plo, phi, ok = _extremes_before(spec, rings, recent, ahead, t_us, v)
+    return min(lo, plo), max(hi, phi), ok
 
 
 def online_row(
@@ -1375,6 +1510,7 @@ def online_row(
     out: dict[str, float] = {}
     for w_i, w in enumerate(spec.windows):
         c, s, q = state.sums[w_i] if state else (0.0, 0.0, 0.0)
+        mn, mx = state.extremes[w_i] if state and state.extremes else (math.inf, -math.inf)
         here = t_us // w.width_us
         for ts, v in ahead:  # included with the tile that holds t: not before t
             if ts // w.width_us == here:
@@ -1383,9 +1519,10 @@ def online_row(
         for ts, v in mates:
             if ts // w.width_us >= lo and not (spec.whole_tiles and ts // w.width_us >= here):
                 c, s, q = c + 1, s + v, q + v * v
+                mn, mx = min(mn, v), max(mx, v)
         if not exact:  # a replay: some later events were counted; never below nothing
             c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)
-        out.update(_finish_one(spec, w, c, s, q, since, last))
+        out.update(_finish_one(spec, w, c, s, q, since, last, mn, mx))
         if spec.keeps_values:
             out.update(_values_one(spec, w, state, mates, t_us, own))
     return out, exact
@@ -1424,10 +1561,19 @@ def _values_one(
 
 
 def _finish_one(
-    spec: Spec, w: Window, c: float, s: float, q: float, since: float, last: float = 0.0
+    spec: Spec,
+    w: Window,
+    c: float,
+    s: float,
+    q: float,
+    since: float,
+    last: float = 0.0,
+    mn: float = math.inf,
+    mx: float = -math.inf,
 ) -> dict[str, float]:
     """:func:`finish` for one row on Python floats (the same IEEE operations, without
-    numpy's per-call cost on the scorer's path)."""
+    numpy's per-call cost on the scorer's path); ``mn``, ``mx``: the window's smallest
+    and largest value (inf, -inf: no event)."""
     mean = s / c if c > 0 else 0.0
     var = max(q / c - mean * mean, 0.0) if c > 0 else 0.0
     values = {
@@ -1437,6 +1583,8 @@ def _finish_one(
         "std": math.sqrt(var),
         "seconds_since_last": min(since, w.us / US),
         "last": last if since <= w.us / US else 0.0,
+        "min": mn if mn != math.inf else 0.0,
+        "max": mx if mx != -math.inf else 0.0,
     }
     return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us and f.agg in values}
 

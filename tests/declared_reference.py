@@ -103,6 +103,10 @@ def reference(
                         v = math.fsum(x) / len(x) if x else 0.0
                     elif agg == "std":
                         v = float(np.std(x)) if x else 0.0
+                    elif agg == "min":
+                        v = min(x) if x else 0.0
+                    elif agg == "max":
+                        v = max(x) if x else 0.0
                     elif agg == "distinct_count":
                         v = float(min(len({str(c) for c in inwin[value]}), CAP))
                     elif agg == "changed":

@@ -6,6 +6,7 @@ including a hot key with thousands of events."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ aggregations:
     value: amount
     windows: [1m, 10m, 1h, 1d, 7d]
     features: {count: m_count, sum: m_sum, mean: m_mean, std: m_std,
-               seconds_since_last: m_since, last: m_last}
+               seconds_since_last: m_since, last: m_last, min: m_min, max: m_max}
   - entity: [card_id, merchant_id]
     filter: {channel: [ecom, atm]}
     windows: [10m, 30d]
@@ -57,7 +58,7 @@ aggregations:
     entity: card_id
     value: amount
     windows: [7d]
-    features: {sum: c_labelled_amount}
+    features: {sum: c_labelled_amount, min: c_labelled_min, max: c_labelled_max}
   - entity: merchant_id
     delay: 2d
     windows: [1d, 7d]
@@ -368,7 +369,19 @@ def test_late_shuffled_and_duplicated_events_land_at_their_own_time(
                     for w in spec.windows
                 )
                 many = (same & (hist_us >= t)).sum() >= D.NEWEST
-                assert many or dropped, (spec.feature_names(), row)
+                # min/max: later events share t's finest tile and the key's newest
+                # events no longer reach back to its edge, or a finer ring dropped the
+                # tiles that split a coarser one
+                ws = sorted(spec.widths)
+                f = ws[0]
+                later_in_tile = (same & (hist_us >= t) & (hist_us // f == t // f)).any()
+                edge_gone = (same & (hist_us >= t // f * f)).sum() >= D.NEWEST
+                finer_dropped = any(
+                    t // u * u // v <= newest // v - spec.widths[v]
+                    for v, u in itertools.pairwise(ws)
+                )
+                squeezed = spec.keeps_extremes and ((later_in_tile and edge_gone) or finer_dropped)
+                assert many or dropped or squeezed, (spec.feature_names(), row)
             flags.append(exact)
             for k, v in feats.items():
                 served.setdefault(k, []).append(v)
@@ -529,6 +542,47 @@ def test_a_backfill_after_live_traffic_counts_the_whole_history_once(
     trained = training_columns(decl, q, hist)
     ref = reference(yaml.safe_load(DECL), q, hist, "event_timestamp")
     _assert_equal(q, served, trained, ref)
+
+
+def test_min_and_max_of_a_tile_that_also_holds_later_events(store: Callable[[], Any]) -> None:
+    """A min cannot be taken back out of a tile: read as of a time whose tile also holds
+    later events (a replay, a late transaction), a window's min and max come from the
+    key's newest events when they reach back to the tile's edge, else from the state's
+    finer tiles; when neither holds the tile's earlier events the read says it is not
+    exact (the scorer counts it in fraud_declared_reads_inexact)."""
+    client = store()
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    t0 = int(T0.value // 1000)  # an hour's edge
+    s = D.US
+    early = [D.Event(f"e{i}", t0 + i * s, 50.0 + i % 7) for i in range(40)]
+    later = [D.Event("small", t0 + 50 * s, 1.0), D.Event("big", t0 + 51 * s, 1000.0)]
+    t = t0 + 45 * s
+
+    def read(windows: str, key: str, events: list[D.Event]) -> tuple[dict[str, float], bool]:
+        text = (
+            "aggregations:\n  - entity: merchant_id\n    value: amount\n"
+            f"    windows: {windows}\n    features: {{min: lo, max: hi, count: n}}\n"
+        )
+        (spec,) = D.parse(yaml.safe_load(text), "test").specs
+        pipe = client.pipeline(transaction=False)
+        D.queue_apply(pipe, spec, {key: events}, D.Limits.for_spec(spec, D.HORIZON_S))
+        pipe.execute()
+        D.queue_read(pipe, spec, key, t)
+        (state,) = D.parse_reads(spec, pipe.execute(), [t])
+        return D.online_row(spec, state, t)
+
+    # Fewer events than the key keeps: the tile's part before t from its newest events.
+    assert read("[1h]", "m-few", early[:10] + later) == (
+        {"lo_1h": 50.0, "hi_1h": 56.0, "n_1h": 10.0},
+        True,
+    )
+    # The newest events no longer reach the 5-minute tile's edge: its 5-second tiles do.
+    feats, exact = read("[1m, 1h]", "m-split", early + later)
+    assert exact and (feats["lo_1h"], feats["hi_1h"], feats["n_1h"]) == (50.0, 56.0, 40.0)
+    assert (feats["lo_1m"], feats["hi_1m"]) == (50.0, 56.0)
+    # No finer tiles: the tile's earlier events are gone, and the read says so.
+    assert read("[1h]", "m-gone", early + later)[1] is False
 
 
 def test_a_model_reads_only_the_states_its_features_need() -> None:
