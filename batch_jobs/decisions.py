@@ -31,6 +31,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from fraud_scoring import contract as C
 from fraud_scoring.storage import (
     DataError,
     partition_days,
@@ -72,18 +73,10 @@ DECISION_SCHEMA = pa.schema(
         pa.field("champion_score", pa.float64()),
     ]
 )
-# The chargebacks' columns (batch_jobs/simulate.py): every label partition has exactly
-# these, as the readers scan the partitions as one table.
-LABEL_SCHEMA = pa.schema(
-    [
-        pa.field("transaction_id", pa.string()),
-        pa.field("card_id", pa.string()),
-        pa.field("merchant_id", pa.string()),
-        pa.field("event_time", _TS),
-        pa.field("label_time", _TS),
-        pa.field("is_fraud", pa.bool_()),
-    ]
-)
+# The labels' columns (the data contract's, every field nullable as the compaction
+# writes them): every label partition has exactly these, as the readers scan the
+# partitions as one table.
+LABEL_SCHEMA = pa.schema([f.with_nullable(True) for f in C.LABELS])
 
 
 @dataclass(frozen=True)
