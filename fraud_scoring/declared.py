@@ -114,6 +114,14 @@ class DeclarationError(ValueError):
     the file and the field."""
 
 
+def known_filter(v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """A declaration's ``filter``, refused when it names a column that is not a key column."""
+    for c in v:
+        if c not in KEY_COLUMNS:
+            raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
+    return v
+
+
 def parse_window(text: str) -> int:
     """``"10m"`` → microseconds. Units s, m, h, d; 1 minute to 180 days."""
     unit = UNITS.get(text[-1:]) if text else None
@@ -182,10 +190,7 @@ class AggregationDecl(_Strict):
     @field_validator("filter")
     @classmethod
     def _known_filter(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-        for c in v:
-            if c not in KEY_COLUMNS:
-                raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
-        return v
+        return known_filter(v)
 
     @field_validator("value")
     @classmethod

@@ -44,6 +44,7 @@ from fraud_scoring.declared import (
     VALUE_COLUMNS,
     DeclarationError,
     _Strict,
+    known_filter,
     parse_window,
 )
 from fraud_scoring.feature_specs import BatchView, Feature, SnapshotAgg
@@ -91,10 +92,7 @@ class SnapshotFeatureDecl(_Strict):
     @field_validator("filter")
     @classmethod
     def _known_filter(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-        for c in v:
-            if c not in KEY_COLUMNS:
-                raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
-        return v
+        return known_filter(v)
 
     @field_validator("window")
     @classmethod
