@@ -273,6 +273,7 @@ SLOW_MODULES = frozenset(
     {
         "test_feast_cli",
         "test_spark_engine",
+        "test_declared_spark",  # a JVM, as test_spark_engine
         "test_redis_cluster",
         "test_packaging",
         "test_updater_readyz",
