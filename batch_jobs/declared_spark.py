@@ -73,7 +73,7 @@ def window_sql_spark(spec: D.Spec, w: D.Window, params: dict[str, Any]) -> str:
         num = "CAST(0.0 AS DOUBLE)"
     else:
         value = own = "CAST(NULL AS STRING)"
-        num = f"CAST(e.{spec.value_column} AS DOUBLE)" if spec.value_column else "1.0D"
+        num = f"CAST(e.{spec.value_sql} AS DOUBLE)" if spec.value_sql else "1.0D"
     return f"""
 WITH ev AS (
   SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
@@ -144,9 +144,10 @@ def spark_training_columns(
     out: dict[str, np.ndarray] = {}
     if not decl.specs:
         return out
-    q, e = frames(rows, history, time_col, labels)
+    q, e = frames(rows, history, time_col, labels, decl.specs)
     t_us = q["ts_us"].to_numpy(np.int64)
-    values = {c: pa.float64() for c in (*D.VALUE_COLUMNS, *D.LABEL_VALUE_COLUMNS)}
+    exprs = [s.value_sql for s in decl.specs if s.value_expr and s.value_sql]
+    values = {c: pa.float64() for c in (*D.VALUE_COLUMNS, *D.LABEL_VALUE_COLUMNS, *exprs)}
     spark.createDataFrame(
         _arrow(q, {"row_id": pa.int64(), "ts_us": pa.int64()})
     ).createOrReplaceTempView(_Q)

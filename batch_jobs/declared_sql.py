@@ -73,7 +73,7 @@ def window_sql(spec: D.Spec, w: D.Window) -> str:
         num = "0.0"
     else:
         value = own = "NULL"
-        num = f"CAST(e.{spec.value_column} AS DOUBLE)" if spec.value_column else "1.0"
+        num = f"CAST(e.{spec.value_sql} AS DOUBLE)" if spec.value_sql else "1.0"
     return f"""
 WITH ev AS (
   SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
@@ -113,13 +113,20 @@ GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us, ag
 
 
 def frames(
-    rows: pd.DataFrame, history: pd.DataFrame, time_col: str, labels: pd.DataFrame | None = None
+    rows: pd.DataFrame,
+    history: pd.DataFrame,
+    time_col: str,
+    labels: pd.DataFrame | None = None,
+    specs: Sequence[D.Spec] = (),
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The query rows ``q`` (row_id, ts_us, key columns) and the events ``e`` every
     engine reads: one row per transaction of ``history`` (``src`` "t", ``ev_us`` =
     ``avail_us`` = its event time) and per label of ``labels``
     (:func:`load_label_events`; ``src`` "l", ``ev_us`` its transaction's event time,
-    ``avail_us`` when the store has it), with key columns, ``amount`` and ``is_fraud``."""
+    ``avail_us`` when the store has it), with key columns, ``amount``, ``is_fraud`` and
+    the value of each of ``specs`` whose value is an expression (column
+    :attr:`~fraud_scoring.declared.Spec.value_sql`, by :func:`fraud_scoring.declared.evaluate`,
+    as the updater computes it)."""
     cols = [*D.KEY_COLUMNS, *D.VALUE_COLUMNS]
     q = pd.DataFrame({c: rows.get(c) for c in D.KEY_COLUMNS})
     q["row_id"] = np.arange(len(rows))
@@ -137,6 +144,12 @@ def frames(
             avail_us=labels["available_us"].to_numpy(np.int64),
         )
         e = pd.concat([e, lab], ignore_index=True)
+    for spec in specs:
+        if spec.value_expr and spec.value_sql not in e:
+            assert spec.value_column is not None and spec.value_sql is not None
+            numbers = {c: e[c].to_numpy(np.float64) for c in D.value_names(spec.value_column)}
+            with np.errstate(all="ignore"):  # a label's column is NaN on transactions
+                e[spec.value_sql] = D.evaluate(spec.value_column, numbers)
     return q, e
 
 
@@ -154,7 +167,7 @@ def training_columns(
     out: dict[str, np.ndarray] = {}
     if not decl.specs:
         return out
-    q, e = frames(rows, history, time_col, labels)
+    q, e = frames(rows, history, time_col, labels, decl.specs)
     t_us = q["ts_us"].to_numpy(np.int64)
     con = duckdb.connect()
     try:

@@ -55,7 +55,14 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fraud_scoring.feature_specs import BatchView
 
@@ -105,6 +112,11 @@ NEEDS_VALUE = {"sum", "mean", "std", "min", "max", "last"}
 EXTREMES = {"min", "max"}
 # Aggregations of a categorical value (a key column): a state keeps the values it saw.
 NEEDS_CATEGORY = {"distinct_count", "changed"}
+# Integer features (int64 columns): a declared default must be a whole number.
+WHOLE_NUMBER_AGGS = {"count", "distinct_count"}
+# Aggregations over the exact window (t - W up to t): empty when no event lies in it;
+# the others are empty when the tile-snapped window holds no event.
+EXACT_WINDOW_AGGS = {"seconds_since_last", "last", "changed"}
 # distinct_count saturates here (a state keeps at most this many values per key).
 DISTINCT_CAP = 100
 
@@ -154,7 +166,17 @@ class AggregationDecl(_Strict):
 
     source: Source = Field(default="transactions", description="what the events are")
     entity: tuple[str, ...] = Field(description="transaction columns that form the key")
-    value: str | None = Field(default=None, description="the column sum/mean/std read")
+    value: str | None = Field(
+        default=None,
+        description="the column the aggregations read, or an expression over the number "
+        "columns (e.g. log1p(amount), where(amount > 500, 1, 0))",
+    )
+    default: float | dict[Agg, float] | None = Field(
+        default=None,
+        description="a feature's value when its window holds no event of the key (one "
+        "number for every aggregation, or one per aggregation); else 0, and the window "
+        "for seconds_since_last",
+    )
     delay: str | None = Field(
         default=None, description="an event counts this long after its event time (1m-180d)"
     )
@@ -196,9 +218,39 @@ class AggregationDecl(_Strict):
     @classmethod
     def _known_value(cls, v: str | None) -> str | None:
         known = (*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS, *KEY_COLUMNS)
-        if v is not None and v not in known:
-            raise ValueError(f"unknown column {v!r}; one of {', '.join(known)}")
+        if v is None or v in known:
+            return v
+        if v.isidentifier():
+            raise ValueError(
+                f"unknown column {v!r}; one of {', '.join(known)}, or an expression over "
+                f"{', '.join((*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS))}"
+            )
+        _check_expr(v, {*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS})
         return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> AggregationDecl:
+        if self.default is None:
+            return self
+        given = (
+            self.default
+            if isinstance(self.default, dict)
+            else dict.fromkeys(self.features, self.default)
+        )
+        for agg, x in given.items():
+            if agg not in self.features:
+                raise ValueError(f"default: {agg!r} is not one of this declaration's features")
+            if not math.isfinite(x):
+                raise ValueError(f"default: {agg}: must be a finite number")
+            if agg in WHOLE_NUMBER_AGGS and x != int(x):
+                raise ValueError(f"default: {agg}: must be a whole number (a count)")
+        return self
+
+    def default_of(self, agg: str) -> float | None:
+        """The declared default of ``agg``'s features (None: the built-in one)."""
+        if isinstance(self.default, dict):
+            return self.default.get(agg)  # type: ignore[call-overload]
+        return self.default
 
     @field_validator("delay")
     @classmethod
@@ -249,6 +301,14 @@ class Declared:
     agg: str
     name: str
     window: Window
+    default: float | None = None  # declared; None: the built-in one (:meth:`fallback`)
+
+    @property
+    def fallback(self) -> float:
+        """The value when the window holds no event of the key (or there is no key)."""
+        if self.default is not None:
+            return self.default
+        return self.window.us / US if self.agg == "seconds_since_last" else 0.0
 
 
 @dataclass(frozen=True)
@@ -306,6 +366,11 @@ class Spec:
         return any(f.agg in NEEDS_CATEGORY for f in self.features)
 
     @cached_property
+    def defaulted(self) -> tuple[Declared, ...]:
+        """The features with a declared default."""
+        return tuple(f for f in self.features if f.default is not None)
+
+    @cached_property
     def keeps_extremes(self) -> bool:
         """The state's tiles keep their smallest and largest value too (min, max)."""
         return any(f.agg in EXTREMES for f in self.features)
@@ -321,6 +386,20 @@ class Spec:
 
     def feature_names(self) -> list[str]:
         return [f.name for f in self.features]
+
+    @cached_property
+    def value_expr(self) -> bool:
+        """The value is an expression over number columns (:func:`evaluate`)."""
+        return is_expression(self.value_column)
+
+    @cached_property
+    def value_sql(self) -> str | None:
+        """The value's column in the batch engines' event table: the column itself, or
+        for an expression the column ``frames`` computes (named by its text's hash)."""
+        if not self.value_expr:
+            return self.value_column
+        assert self.value_column is not None
+        return "v_" + hashlib.blake2b(self.value_column.encode(), digest_size=6).hexdigest()
 
     def key_value(self, row: Mapping[str, Any]) -> str | None:
         """The entity value of a transaction (None: a key column is empty, e.g. no
@@ -345,6 +424,10 @@ class Spec:
         code of its value (:func:`value_code`), or 1.0 without a value column."""
         if self.categorical:
             return value_code(row[self.value_column])  # type: ignore[index]
+        if self.value_expr:
+            assert self.value_column is not None
+            cols = {c: [float(row[c])] for c in value_names(self.value_column)}
+            return float(evaluate(self.value_column, cols)[0])
         return float(row[self.value_column]) if self.value_column else 1.0
 
     def own_code(self, row: Mapping[str, Any]) -> float | None:
@@ -396,11 +479,7 @@ class Declarations:
         return out
 
     def defaults(self) -> dict[str, float]:
-        return {
-            f.name: f.window.us / US if f.agg == "seconds_since_last" else 0.0
-            for s in self.specs
-            for f in s.features
-        }
+        return {f.name: f.fallback for s in self.specs for f in s.features}
 
 
 EMPTY = Declarations((), (), "nothing declared")
@@ -450,9 +529,8 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
             for agg, prefix in d.features.items():
                 for label in d.windows:
                     us = parse_window(label)
-                    feats.append(
-                        Declared(agg, f"{prefix}_{label}", Window(label, us, tile_width(us)))
-                    )
+                    win = Window(label, us, tile_width(us))
+                    feats.append(Declared(agg, f"{prefix}_{label}", win, d.default_of(agg)))
         first = ds[0]
         specs.append(
             Spec(
@@ -489,15 +567,16 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
         raise DeclarationError(f"{source}: {loc}: {first['msg']}") from None
     for i, d in enumerate(doc.aggregations):
         numbers = (*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS) if d.source == "labels" else VALUE_COLUMNS
-        if d.value in LABEL_VALUE_COLUMNS and d.source != "labels":
+        reads = value_names(d.value)
+        if reads & set(LABEL_VALUE_COLUMNS) and d.source != "labels":
             raise DeclarationError(
-                f"{source}: aggregations.{i}.value: {d.value!r} is a label's column "
+                f"{source}: aggregations.{i}.value: {d.value!r} reads a label's column "
                 "(declare source: labels)"
             )
-        if NEEDS_VALUE & set(d.features) and d.value not in numbers:
+        if NEEDS_VALUE & set(d.features) and not (reads and reads <= set(numbers)):
             raise DeclarationError(
                 f"{source}: aggregations.{i}.value: sum/mean/std/min/max/last need a number "
-                f"column ({', '.join(numbers)})"
+                f"column ({', '.join(numbers)}) or an expression over them"
             )
         whole = d.delay is not None or d.source == "labels"
         if whole and set(d.features) - WHOLE_TILE_AGGS:
@@ -524,6 +603,21 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
             raise DeclarationError(f"{source}: derived.{i}.expr: {exc}") from None
         known.add(dd.name)
     return decl
+
+
+def is_expression(value: str | None) -> bool:
+    """A declaration's value is an expression, not a column name."""
+    return value is not None and not value.isidentifier()
+
+
+def value_names(value: str | None) -> set[str]:
+    """The columns a declaration's value reads (none without a value)."""
+    if value is None:
+        return set()
+    if not is_expression(value):
+        return {value}
+    tree = ast.parse(value, mode="eval")
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in _FUNCS}
 
 
 def read(path: Path) -> object:
@@ -592,9 +686,18 @@ def finish(
         if x is not None:
             xv = np.asarray(x, dtype=np.float64)
             values[agg] = np.where(np.isnan(xv), 0.0, xv)
-    return {
-        f.name: values[f.agg] for f in spec.features if f.window.us == window.us and f.agg in values
-    }
+    out = {}
+    for f in spec.features:
+        if f.window.us == window.us and f.agg in values:
+            out[f.name] = values[f.agg]
+            if f.default is not None:  # a declared default where the window holds nothing
+                none = (
+                    np.asarray(since_last_s, dtype=np.float64) > window.us / US
+                    if f.agg in EXACT_WINDOW_AGGS
+                    else c == 0
+                )
+                out[f.name] = np.where(none, f.default, values[f.agg])
+    return out
 
 
 # --- derived features ---------------------------------------------------------------------
@@ -1070,6 +1173,12 @@ class BatchColumns:
             out = [1.0] * len(self.rows)
         elif spec.categorical:
             out = [0.0 if _empty(v) else value_code(v) for v in self.column(vc)]
+        elif spec.value_expr:  # evaluated column-wise, as every engine does
+            cols = {
+                c: [self._number(c, i, v) for i, v in enumerate(self.column(c))]
+                for c in value_names(vc)
+            }
+            out = evaluate(vc, cols).tolist()
         else:
             out = [self._number(vc, i, v) for i, v in enumerate(self.column(vc))]
         self._values[vc] = out
@@ -1530,6 +1639,11 @@ def online_row(
         out.update(_finish_one(spec, w, c, s, q, since, last, mn, mx))
         if spec.keeps_values:
             out.update(_values_one(spec, w, state, mates, t_us, own))
+        for f in spec.defaulted:  # a declared default where the window holds nothing
+            if f.window.us == w.us and (
+                since > w.us / US if f.agg in EXACT_WINDOW_AGGS else c <= 0
+            ):
+                out[f.name] = f.default  # type: ignore[assignment]
     return out, exact
 
 

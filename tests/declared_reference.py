@@ -18,6 +18,7 @@ US = 1_000_000
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 _WIDTHS_S = (1, 5, 60, 300, 3600, 21_600, 86_400)
 CAP = 100  # distinct_count saturates here (docs/features.md)
+_KEYS = ("card_id", "merchant_id", "device_id", "country", "channel", "mcc")
 
 
 def _window_s(label: str) -> int:
@@ -69,34 +70,42 @@ def reference(
             allowed = [allowed] if isinstance(allowed, str) else allowed
             ev = ev[ev[col].isin(allowed)]
         value = decl.get("value")
-        categorical = value is not None and value not in ("amount", "is_fraud")
+        categorical = value in _KEYS
+        default = decl.get("default")
         for c in [*entity, value] if categorical else entity:
             ev = ev[ev[c].notna() & (ev[c].astype(str) != "")]
-        groups = (
-            {(k if isinstance(k, tuple) else (k,)): g for k, g in ev.groupby(entity)}
-            if len(ev)
-            else {}
-        )
+        # Each event's number (a column or an expression, evaluated per event) and
+        # categorical value, once.
+        ev = ev.assign(_x=_numbers(ev, value) if value and not categorical else 0.0)
+        ev = ev.assign(_cat=ev[value].astype(str) if categorical else "")
+        groups = {
+            (k if isinstance(k, tuple) else (k,)): (
+                g["_us"].to_numpy(np.int64),
+                g["_x"].to_numpy(np.float64),
+                g["_cat"].to_numpy(object),
+            )
+            for k, g in (ev.groupby(entity) if len(ev) else [])
+        }
+        nothing = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0, object))
         for label in decl["windows"]:
             w_s = _window_s(label)
             u = _width_s(w_s) * US
-            for agg, prefix in decl["features"].items():
-                vals: list[float] = []
-                for i, (_, row) in enumerate(rows.iterrows()):
-                    t = int(t_all[i])
-                    key = tuple(row[c] for c in entity)
-                    if any(k is None or k != k or k == "" for k in key):
-                        g = ev.iloc[:0]
-                    else:
-                        g = groups.get(key, ev.iloc[:0])
-                    if whole:  # the window ends at the tile edge at or before t
-                        before = g[g["_us"] // u < t // u] if len(g) else g
-                    else:
-                        before = g[g["_us"] < t] if len(g) else g
-                    inwin = before[before["_us"] // u >= t // u - w_s * US // u] if len(g) else g
-                    x = [float(v) for v in inwin[value]] if value and not categorical else []
+            cols: dict[str, list[float]] = {a: [] for a in decl["features"]}
+            for i, (_, row) in enumerate(rows.iterrows()):
+                t = int(t_all[i])
+                key = tuple(row[c] for c in entity)
+                if any(k is None or k != k or k == "" for k in key):
+                    ts, xs, cats = nothing
+                else:
+                    ts, xs, cats = groups.get(key, nothing)
+                # whole tiles: the window ends at the tile edge at or before t
+                before = ts // u < t // u if whole else ts < t
+                inwin = before & (ts // u >= t // u - w_s * US // u)  # snapped start
+                recent = before & (ts >= t - w_s * US)  # the exact window
+                x = [float(v) for v in xs[inwin]]
+                for agg in decl["features"]:
                     if agg == "count":
-                        v = float(len(inwin))
+                        v = float(len(x))
                     elif agg == "sum":
                         v = math.fsum(x)
                     elif agg == "mean":
@@ -108,25 +117,34 @@ def reference(
                     elif agg == "max":
                         v = max(x) if x else 0.0
                     elif agg == "distinct_count":
-                        v = float(min(len({str(c) for c in inwin[value]}), CAP))
-                    elif agg == "changed":
-                        recent = before[before["_us"] >= t - w_s * US]
-                        own = row[value]
-                        if not len(recent) or own is None or own != own or own == "":
-                            v = 0.0
+                        v = float(min(len(set(cats[inwin])), CAP))
+                    elif agg in ("changed", "last"):
+                        at = recent & (ts == ts[recent].max()) if recent.any() else recent
+                        if agg == "last":  # the newest event's value (ties: the largest)
+                            v = float(max(xs[at])) if at.any() else 0.0
                         else:
-                            at = recent[recent["_us"] == recent["_us"].max()]
-                            v = 0.0 if str(own) in {str(c) for c in at[value]} else 1.0
-                    elif agg == "last":  # the newest event's value (ties: the largest)
-                        recent = before[before["_us"] >= t - w_s * US]
-                        at = recent[recent["_us"] == recent["_us"].max()] if len(recent) else recent
-                        v = max(float(x) for x in at[value]) if len(at) else 0.0
+                            own = row[value]
+                            missing = own is None or own != own or own == ""
+                            v = 0.0 if missing or not at.any() or str(own) in set(cats[at]) else 1.0
                     else:  # seconds_since_last: exact window
-                        recent = before[before["_us"] >= t - w_s * US]
-                        v = (t - int(recent["_us"].max())) / US if len(recent) else float(w_s)
-                    vals.append(v)
-                out[f"{prefix}_{label}"] = vals
+                        v = (t - int(ts[recent].max())) / US if recent.any() else float(w_s)
+                    mine = default.get(agg) if isinstance(default, dict) else default
+                    exact = agg in ("seconds_since_last", "last", "changed")
+                    if mine is not None and not (recent if exact else inwin).any():
+                        v = float(mine)  # the declared default: the window holds nothing
+                    cols[agg].append(v)
+            for agg, prefix in decl["features"].items():
+                out[f"{prefix}_{label}"] = cols[agg]
     return out
+
+
+def _numbers(events: pd.DataFrame, value: str) -> list[float]:
+    """The events' values: a number column, or an expression over them per event."""
+    if value.isidentifier():
+        return [float(v) for v in events[value]]
+    names = [c for c in ("amount", "is_fraud") if c in events]
+    rows = events[names].astype(float).to_dict("records")
+    return [derived_reference(value, r) for r in rows]
 
 
 _FUNCS = {

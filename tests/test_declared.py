@@ -63,6 +63,25 @@ aggregations:
     delay: 2d
     windows: [1d, 7d]
     features: {count: m_count_2d_ago}
+  - entity: card_id
+    value: log1p(amount)
+    windows: [1h, 1d]
+    features: {mean: c_log_mean, max: c_log_max, last: c_log_last}
+    default: {mean: -1, last: -2}
+  - entity: merchant_id
+    value: where(amount > 100, 1, 0)
+    windows: [1h]
+    features: {sum: m_large}
+  - entity: device_id
+    windows: [1h]
+    features: {seconds_since_last: d_since}
+    default: -1
+  - source: labels
+    entity: card_id
+    value: is_fraud * amount
+    windows: [7d]
+    features: {sum: c_fraud_amount}
+    default: -5
 derived:
   - name: amount_to_m_mean_1d
     expr: where(m_mean_1d > 0, amount / m_mean_1d, 1.0)
@@ -167,6 +186,20 @@ def test_the_language_names_the_field_it_refuses() -> None:
             "aggregations.0.delay",
             "expected a number and a unit",
         ),
+        "aggregations: [{entity: card_id, value: 'amount +', windows: [1h], features: {sum: x}}]": (
+            "aggregations.0.value",
+            "not an expression",
+        ),
+        "aggregations: [{entity: card_id, value: 'log1p(colour)', windows: [1h], "
+        "features: {sum: x}}]": ("aggregations.0.value", "unknown name 'colour'"),
+        "aggregations: [{entity: card_id, value: 'is_fraud * 2', windows: [1h], "
+        "features: {sum: x}}]": ("aggregations.0.value", "declare source: labels"),
+        "aggregations: [{entity: card_id, windows: [1h], features: {count: x}, default: 0.5}]": (
+            "aggregations.0",
+            "whole number",
+        ),
+        "aggregations: [{entity: card_id, windows: [1h], features: {count: x}, "
+        "default: {mean: 1}}]": ("aggregations.0", "not one of"),
         "derived: [{name: r, expr: 'amount / nope'}]": ("derived.0.expr", "unknown name 'nope'"),
         "derived: [{name: r, expr: '__import__(1)'}]": ("derived.0.expr", "only these functions"),
         "aggregations: [{entity: card_id, windows: [1h], features: {count: card_txn_count}}]": (
