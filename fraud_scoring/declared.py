@@ -384,6 +384,13 @@ class Spec:
         """How far behind the key's newest event a kept value can still count."""
         return self.longest_us + max(w.width_us for w in self.windows) + horizon_us
 
+    def reach_us(self, horizon_us: int) -> int:
+        """How far behind a key's newest event an event can still change what the key
+        keeps: a tile its rings hold (``slots`` tiles of each width), a value kept for
+        ``distinct_count`` or an id (``horizon_us``). A backfill sends nothing older."""
+        rings = max(slots * u for u, slots in self.widths.items())
+        return max(rings, self.distinct_back_us(horizon_us)) + horizon_us
+
     def feature_names(self) -> list[str]:
         return [f.name for f in self.features]
 
