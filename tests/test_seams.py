@@ -1,9 +1,13 @@
 """The seams where the service bypasses or reaches into its libraries, each pinned in
 pyproject.toml and checked here: the middleware stack's shape (tracing on and off),
 DirectDispatch past Starlette's router, the response body built without a validation
-pass, the held Redis connections and hiredis's command packing."""
+pass, the held Redis connections, hiredis's command packing and Feast's typeguard."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -243,3 +247,22 @@ def test_server_spans_are_named_by_the_route_that_will_answer() -> None:
     assert _span_details(lost) == ("GET", {})
     odd = {**lost, "method": "BREW", "path": "/healthz"}
     assert _span_details(odd)[0] == "HTTP /healthz"
+
+
+def test_feast_imports_without_typeguards_instrumentation() -> None:
+    """Feast binds ``typechecked`` at import (``from typeguard import typechecked``) and
+    gets the no-op; with FRAUD_FEAST_TYPECHECKS=1 it keeps typeguard's."""
+    code = (
+        "import fraud_scoring, feast.data_source as d, fraud_scoring.feast_import as f; "
+        "print(d.typechecked is f.unchecked)"
+    )
+    for env, want in (({}, "True"), ({"FRAUD_FEAST_TYPECHECKS": "1"}, "False")):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert out.stdout.strip() == want, out.stderr[-2000:]
