@@ -25,7 +25,8 @@ echo "== import layers"; .venv/bin/lint-imports  # contracts in pyproject.toml
 # Two workers, one test file each at a time (a file's module fixtures stay in one
 # process): the suite mostly waits on servers and subprocesses, so two halve its wall
 # time on two cores. PYTEST_WORKERS=0 runs it in one process.
-args=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
+# Longest modules first, in the order tests/conftest.py gives them (MODULE_SECONDS).
+args=(-n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 for a in "$@"; do
     if [ "$a" = "--quick" ]; then args+=(-m quick); else args+=("$a"); fi
 done
