@@ -25,9 +25,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis._parsers.commands import CommandPolicies, RequestPolicy, ResponsePolicy
 from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterPipeline, RedisCluster
+from redis.commands.policies import BasePolicyResolver, PolicyResolver, StaticPolicyResolver
 from redis.connection import HiredisRespSerializer
 
 CLUSTER_PARAM = "cluster"  # the URL query option that marks a Redis Cluster
@@ -76,13 +78,43 @@ def check_cluster_url(url: str) -> None:
         raise ValueError(f"REDIS_URL: a Redis Cluster has only database 0, got /{db}")
 
 
+_KEYED = CommandPolicies(
+    request_policy=RequestPolicy.DEFAULT_KEYED, response_policy=ResponsePolicy.DEFAULT_KEYED
+)
+
+
+class ScriptsAreKeyed(BasePolicyResolver):
+    """redis-py's policies, plus: EVAL and EVALSHA go to the node of their keys' slot.
+    Without it the sync cluster pipeline (redis-py 7.4) asks the server ``COMMAND
+    GETKEYS`` for every script call it routes (a script's keys are "movable"), one
+    round trip each before the pipeline is sent: the updater's recording paid one per
+    key (``tests/test_seams.py`` counts them)."""
+
+    def __init__(self, fallback: PolicyResolver | None = None) -> None:
+        scripts = {"eval": _KEYED, "evalsha": _KEYED}
+        super().__init__({"core": scripts}, fallback or StaticPolicyResolver())
+
+    def with_fallback(self, fallback: PolicyResolver) -> PolicyResolver:
+        return ScriptsAreKeyed(fallback)
+
+
+class _Cluster(RedisCluster):  # type: ignore[misc]
+    """``RedisCluster`` whose pipelines keep its policy resolver (redis-py 7.4's
+    ``pipeline()`` leaves them on the default one)."""
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe._policy_resolver = self._policy_resolver
+        return pipe
+
+
 def sync_client(url: str, **kwargs: Any) -> Any:
     """A blocking client for ``url``: ``RedisCluster`` when it names a cluster, else
     ``redis.Redis``. ``kwargs`` (timeouts, ...) go to every connection. Typed Any: the
     two classes share their commands but not redis-py's annotations."""
     if is_cluster(url):
         check_cluster_url(url)
-        return RedisCluster.from_url(client_url(url), **kwargs)
+        return _Cluster.from_url(client_url(url), policy_resolver=ScriptsAreKeyed(), **kwargs)
     return redis.Redis.from_url(url, **kwargs)
 
 

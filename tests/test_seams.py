@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
+from fraud_scoring.redis_server import EmbeddedCluster
 from service.core.decision import Reason
 from service.core.scoring import ScoreResult
 from service.edge.schemas import ScoreOut
@@ -266,3 +268,30 @@ def test_feast_imports_without_typeguards_instrumentation() -> None:
             check=True,
         )
         assert out.stdout.strip() == want, out.stderr[-2000:]
+
+
+def test_cluster_pipelines_route_scripts_without_asking_the_server(
+    redis_cluster: EmbeddedCluster,
+) -> None:
+    """redis-py 7.4's sync cluster pipeline sends ``COMMAND GETKEYS`` for each EVALSHA it
+    routes unless told scripts are keyed (fraud_scoring/redis_clients.py): one round
+    trip per script call; ours sends none, and the plain client still does (when it
+    stops, the workaround can go)."""
+    from redis.cluster import RedisCluster
+
+    from fraud_scoring.redis_clients import client_url, sync_client
+
+    def getkeys(c: Any) -> int:
+        info = c.info("commandstats", target_nodes=RedisCluster.ALL_NODES)
+        return sum(int(v.get("cmdstat_command|getkeys", {}).get("calls", 0)) for v in info.values())
+
+    plain = RedisCluster.from_url(client_url(redis_cluster.url))
+    for client, asks in ((sync_client(redis_cluster.url), 0), (plain, 50)):
+        sha = client.script_load("return KEYS[1]")
+        before = getkeys(client)
+        pipe = client.pipeline()
+        for i in range(50):
+            pipe.execute_command("EVALSHA", sha, 1, f"k{i}")
+        assert pipe.execute() == [f"k{i}".encode() for i in range(50)]
+        assert getkeys(client) - before == asks
+        client.close()
