@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from batch_jobs.declared_sql import frames
+from batch_jobs.declared_sql import SRC, frames
 from fraud_scoring import declared as D
 
 # Temporary views of one call: the query rows and the history's events.
@@ -64,7 +64,7 @@ def window_sql_spark(spec: D.Spec, w: D.Window, params: dict[str, Any]) -> str:
     (row_id, ts_us, key columns) and ``declared_e`` (one row per transaction_id: ts_us,
     key columns, value); the filter's values go into ``params``."""
     u, n = w.width_us, w.tiles
-    src = "l" if spec.source == "labels" else "t"
+    src = SRC[spec.source]
     ev_ts = f"greatest(e.avail_us, e.ev_us + {spec.delay_us}L)"
     # whole tiles (a delay, labels): the window ends at the tile edge at or before t
     hi = f"q.ts_us - pmod(q.ts_us, {u}L)" if spec.whole_tiles else "q.ts_us"
@@ -147,7 +147,10 @@ def spark_training_columns(
     q, e = frames(rows, history, time_col, labels, decl.specs)
     t_us = q["ts_us"].to_numpy(np.int64)
     exprs = [s.value_sql for s in decl.specs if s.value_expr and s.value_sql]
-    values = {c: pa.float64() for c in (*D.VALUE_COLUMNS, *D.LABEL_VALUE_COLUMNS, *exprs)}
+    values: dict[str, pa.DataType] = {
+        c: pa.float64() for c in (*D.VALUE_COLUMNS, *D.ARRIVAL_VALUE_COLUMNS, *exprs)
+    }
+    values |= {c: pa.string() for c in D.ARRIVAL_FILTER_COLUMNS}
     spark.createDataFrame(
         _arrow(q, {"row_id": pa.int64(), "ts_us": pa.int64()})
     ).createOrReplaceTempView(_Q)

@@ -29,6 +29,20 @@ from fraud_scoring.session import epoch_us
 from fraud_scoring.storage import DataError, partition_days, partition_dir
 
 log = logging.getLogger(__name__)
+# The ``src`` of each source's rows in the events table every engine reads.
+SRC = {"transactions": "t", "labels": "l", "decisions": "d"}
+# The columns of an arrivals frame (load_label_events, load_decision_events).
+ARRIVAL_COLUMNS = [
+    "source",
+    "transaction_id",
+    "event_us",
+    "label_us",
+    "available_us",
+    *D.KEY_COLUMNS,
+    "amount",
+    *D.ARRIVAL_VALUE_COLUMNS,
+    *D.ARRIVAL_FILTER_COLUMNS,
+]
 
 
 def _key_sql(spec: D.Spec, alias: str) -> str:
@@ -53,9 +67,10 @@ def _filter_sql(spec: D.Spec, alias: str) -> str:
 
 def _source_sql(spec: D.Spec, alias: str) -> tuple[str, str]:
     """The events of ``spec``'s source and the time each counts from (µs): a
-    transaction its event time plus the delay; a label the later of when the store has
-    it and its transaction's event time plus the delay (``declared.label_events_for``)."""
-    src = "l" if spec.source == "labels" else "t"
+    transaction its event time plus the delay; a label or a decision the later of when
+    the store has it and its transaction's event time plus the delay
+    (``declared.label_events_for``)."""
+    src = SRC[spec.source]
     ts = f"greatest({alias}.avail_us, {alias}.ev_us + {spec.delay_us})"
     return f"{alias}.src = '{src}'", ts
 
@@ -122,10 +137,11 @@ def frames(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The query rows ``q`` (row_id, ts_us, key columns) and the events ``e`` every
     engine reads: one row per transaction of ``history`` (``src`` "t", ``ev_us`` =
-    ``avail_us`` = its event time) and per label of ``labels``
-    (:func:`load_label_events`; ``src`` "l", ``ev_us`` its transaction's event time,
-    ``avail_us`` when the store has it), with key columns, ``amount``, ``is_fraud`` and
-    the value of each of ``specs`` whose value is an expression (column
+    ``avail_us`` = its event time) and per arrival of ``labels`` (:func:`arrivals_for`:
+    labels, ``src`` "l", and decisions, ``src`` "d"; ``ev_us`` its transaction's event
+    time, ``avail_us`` when the store has it), with key columns, ``amount``, the
+    arrivals' own columns (``is_fraud``, ``score``, ``decision``) and the value of each
+    of ``specs`` whose value is an expression (column
     :attr:`~fraud_scoring.declared.Spec.value_sql`, by :func:`fraud_scoring.declared.evaluate`,
     as the updater computes it)."""
     cols = [*D.KEY_COLUMNS, *D.VALUE_COLUMNS]
@@ -134,17 +150,25 @@ def frames(
     q["ts_us"] = epoch_us(rows[[time_col]])
     e_src = history.drop_duplicates("transaction_id")
     ev_us = epoch_us(e_src[["event_time"]])
+    own = dict.fromkeys(D.ARRIVAL_VALUE_COLUMNS, np.nan) | dict.fromkeys(
+        D.ARRIVAL_FILTER_COLUMNS, None
+    )
     e = pd.DataFrame({c: e_src.get(c) for c in cols}).assign(
-        is_fraud=np.nan, src="t", ev_us=ev_us, avail_us=ev_us
+        **own, src="t", ev_us=ev_us, avail_us=ev_us
     )
     if labels is not None and len(labels):
-        lab = pd.DataFrame({c: labels.get(c) for c in cols}).assign(
-            is_fraud=labels["is_fraud"].astype(np.float64).to_numpy(),
-            src="l",
+        source = labels["source"] if "source" in labels else pd.Series("labels", labels.index)
+        arr = pd.DataFrame({c: labels.get(c) for c in cols}).assign(
+            **{
+                c: labels[c].astype(np.float64) if c in labels else np.nan
+                for c in D.ARRIVAL_VALUE_COLUMNS
+            },
+            **{c: labels.get(c) for c in D.ARRIVAL_FILTER_COLUMNS},
+            src=source.map(SRC).to_numpy(),
             ev_us=labels["event_us"].to_numpy(np.int64),
             avail_us=labels["available_us"].to_numpy(np.int64),
         )
-        e = pd.concat([e, lab], ignore_index=True)
+        e = pd.concat([e, arr], ignore_index=True)
     for spec in specs:
         if spec.value_expr and spec.value_sql not in e:
             assert spec.value_column is not None and spec.value_sql is not None
@@ -241,9 +265,7 @@ def backfill_tiles(
         live = D.Limits.for_spec(spec, horizon_s)
         accept = D.Limits(live.horizon_us + int(span_s * D.US), live.ttl_ms, backfill=True)
         by_key = (
-            D.label_events_for(spec, label_rows)
-            if spec.source == "labels"
-            else D.events_for(spec, rows, ts)
+            D.label_events_for(spec, label_rows) if spec.arrivals else D.events_for(spec, rows, ts)
         )
         reach = spec.reach_us(live.horizon_us)
         pipe, queued = client.pipeline(transaction=False), 0
@@ -278,12 +300,12 @@ def _label_rows(labels: pd.DataFrame | None) -> list[dict[str, Any]]:
 
 
 def record_labels(client: Any, decl: D.Declarations, labels: pd.DataFrame, horizon_s: float) -> int:
-    """Record newly arrived ``labels`` (:func:`load_label_events`) in the label states,
-    as the daily batch does for each day's labels: idempotent per transaction_id, so a
-    rerun (or a label a backfill already recorded) changes nothing. Returns the labels
-    recorded."""
+    """Record newly arrived ``labels`` (:func:`arrivals_for`: labels and decisions) in
+    the states of their source, as the daily batch does for each day's arrivals:
+    idempotent per transaction_id, so a rerun (or one a backfill already recorded)
+    changes nothing. Returns the events recorded."""
     rows = _label_rows(labels)
-    specs = [s for s in decl.specs if s.source == "labels"]
+    specs = [s for s in decl.specs if s.arrivals]
     if not rows or not specs:
         return 0
     cluster = isinstance(client, RedisCluster)
@@ -350,11 +372,98 @@ def label_events(
 def labels_for(
     specs: Sequence[D.Spec], raw: Path, after_s: float, **which: Any
 ) -> pd.DataFrame | None:
-    """:func:`load_label_events` (``which``: its ``first``/``last``/``arrived_before``)
-    when any of ``specs`` counts labels, else None, reading nothing."""
-    if not any(s.source == "labels" for s in specs):
+    """The arrivals ``specs`` count, one frame (column ``source``):
+    :func:`load_label_events` when any counts labels, :func:`load_decision_events` when
+    any counts decisions (``which``: their ``first``/``last``/``arrived_before``); None
+    when none does, reading nothing."""
+    loaders = {"labels": load_label_events, "decisions": load_decision_events}
+    parts = [
+        loaders[src](raw, after_s, **which).assign(source=src)
+        for src in D.ARRIVALS
+        if any(s.source == src for s in specs)
+    ]
+    if not parts:
         return None
-    return load_label_events(raw, after_s, **which)
+    full = [p for p in parts if len(p)]
+    return pd.concat(full, ignore_index=True) if len(full) > 1 else (full or parts)[0]
+
+
+def load_decision_events(
+    raw: Path,
+    after_s: float,
+    first: date | None = None,
+    last: date | None = None,
+    arrived_before: datetime | None = None,
+) -> pd.DataFrame:
+    """The service's decisions made on ``first..last`` (the decision log's partitions
+    under ``raw/decisions``, written by ``fraud-scoring decisions compact``; default
+    all) and before ``arrived_before``: :func:`decision_events` of them."""
+    days = [
+        d
+        for d in partition_days(raw, "decisions")
+        if (first is None or d >= first) and (last is None or d <= last)
+    ]
+    if not days:
+        return pd.DataFrame(columns=[c for c in ARRIVAL_COLUMNS if c != "source"])
+    files = [str(partition_dir(raw, "decisions", d) / "part-0.parquet") for d in days]
+    try:
+        return _decisions(
+            "read_parquet($files, union_by_name => true)", {"files": files}, after_s, arrived_before
+        )
+    except duckdb.Error as exc:
+        raise DataError(f"reading decisions under {raw / 'decisions'}: {exc}") from exc
+
+
+def decision_events(
+    decisions: pd.DataFrame, after_s: float, arrived_before: datetime | None = None
+) -> pd.DataFrame:
+    """Decisions (rows of the decision log's partitions: ``transaction_id``,
+    ``decided_at``, ``event_time``, the transaction's columns as scored, ``score``,
+    ``decision``) as arrivals: one per transaction (its first), with ``event_us``,
+    ``label_us`` (when it was decided) and ``available_us`` (the daily batch after that
+    day, as labels: ``declared.label_available_us`` with ``after_s``)."""
+    cols = [c for c in (*D.KEY_COLUMNS, "amount") if c in decisions] + [
+        "transaction_id",
+        "decided_at",
+        "event_time",
+        "score",
+        "decision",
+    ]
+    frame = decisions[cols].assign(
+        **{c: None for c in (*D.KEY_COLUMNS, "amount") if c not in decisions}
+    )
+    return _decisions("dec_frame", {}, after_s, arrived_before, frame)
+
+
+def _decisions(
+    rel: str,
+    params: dict[str, Any],
+    after_s: float,
+    arrived_before: datetime | None,
+    frame: pd.DataFrame | None = None,
+) -> pd.DataFrame:
+    con = duckdb.connect()
+    try:
+        con.execute("SET TimeZone='UTC'")
+        if frame is not None:
+            con.register("dec_frame", frame)
+        got = con.execute(
+            f"""
+            SELECT transaction_id, epoch_us(event_time) AS event_us,
+                   epoch_us(decided_at) AS label_us, {", ".join(D.KEY_COLUMNS)},
+                   CAST(amount AS DOUBLE) AS amount, CAST(score AS DOUBLE) AS score,
+                   CAST(decision AS VARCHAR) AS decision
+            FROM {rel}
+            WHERE decided_at < $before
+            QUALIFY row_number() OVER (PARTITION BY transaction_id ORDER BY decided_at) = 1
+            ORDER BY label_us, transaction_id
+            """,
+            params | {"before": arrived_before or datetime.max.replace(tzinfo=UTC)},
+        ).df()
+    finally:
+        con.close()
+    got["available_us"] = [D.label_available_us(int(x), after_s) for x in got["label_us"]]
+    return got
 
 
 def load_label_events(

@@ -85,15 +85,24 @@ UNITS = {"s": US, "m": 60 * US, "h": 3600 * US, "d": 86_400 * US}
 # The transaction columns a declaration may read (entity, filter, value).
 KEY_COLUMNS = ("card_id", "merchant_id", "device_id", "country", "channel", "mcc")
 VALUE_COLUMNS = ("amount",)
-# What a declaration counts: the transactions, or the labels (chargebacks, analysts'
-# marks) by when the online store has them; a label carries its transaction's columns.
-Source = Literal["transactions", "labels"]
-LABEL_VALUE_COLUMNS = ("is_fraud",)
+# What a declaration counts: the transactions as they happen, or events that arrive
+# later and that the daily batch records ("arrivals"), each counted from when the online
+# store has it: labels (chargebacks, analysts' marks) and the service's own decisions
+# (the decision log, compacted daily). An arrival carries its transaction's columns.
+Source = Literal["transactions", "labels", "decisions"]
+ARRIVALS = ("labels", "decisions")
+# Each arrival source's own number columns (a value may read them) and, for decisions,
+# the column a filter may read besides the key columns.
+SOURCE_VALUES = {"labels": ("is_fraud",), "decisions": ("score",)}
+SOURCE_FILTERS = {"decisions": ("decision",)}
+LABEL_VALUE_COLUMNS = SOURCE_VALUES["labels"]
+ARRIVAL_VALUE_COLUMNS = tuple(c for cols in SOURCE_VALUES.values() for c in cols)
+ARRIVAL_FILTER_COLUMNS = tuple(c for cols in SOURCE_FILTERS.values() for c in cols)
 # A state whose events are not recorded as they happen (a delay, or labels, which the
 # daily batch records) reads whole tiles, so only these aggregations.
 WHOLE_TILE_AGGS = {"count", "sum", "mean", "std", "min", "max"}
-# A label counts from the day after its arrival (plus FRAUD_BATCH_AVAILABLE_AFTER_S): a
-# label state keeps tiles this far ahead of the present beyond its delay.
+# An arrival counts from the day after it arrived (plus FRAUD_BATCH_AVAILABLE_AFTER_S):
+# its state keeps tiles this far ahead of the present beyond its delay.
 LABEL_ROOM_US = 2 * 86_400 * US
 Agg = Literal[
     "count",
@@ -127,10 +136,12 @@ class DeclarationError(ValueError):
 
 
 def known_filter(v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-    """A declaration's ``filter``, refused when it names a column that is not a key column."""
+    """A declaration's ``filter``, refused when it names a column that is not a key
+    column (or a decision's own: ``source: decisions`` is checked by :func:`parse`)."""
+    known = (*KEY_COLUMNS, *ARRIVAL_FILTER_COLUMNS)
     for c in v:
-        if c not in KEY_COLUMNS:
-            raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
+        if c not in known:
+            raise ValueError(f"unknown column {c!r}; one of {', '.join(known)}")
     return v
 
 
@@ -217,15 +228,15 @@ class AggregationDecl(_Strict):
     @field_validator("value")
     @classmethod
     def _known_value(cls, v: str | None) -> str | None:
-        known = (*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS, *KEY_COLUMNS)
+        known = (*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS, *KEY_COLUMNS)
         if v is None or v in known:
             return v
         if v.isidentifier():
             raise ValueError(
                 f"unknown column {v!r}; one of {', '.join(known)}, or an expression over "
-                f"{', '.join((*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS))}"
+                f"{', '.join((*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS))}"
             )
-        _check_expr(v, {*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS})
+        _check_expr(v, {*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS})
         return v
 
     @model_validator(mode="after")
@@ -329,14 +340,19 @@ class Spec:
     @property
     def whole_tiles(self) -> bool:
         """Events are not recorded as they happen (a delay puts them ahead of the
-        present; labels are recorded by the daily batch): a window reads whole tiles,
-        its end snapped down to the tile edge at or before ``t`` too."""
-        return self.delay_us > 0 or self.source == "labels"
+        present; labels and decisions are recorded by the daily batch): a window reads
+        whole tiles, its end snapped down to the tile edge at or before ``t`` too."""
+        return self.delay_us > 0 or self.arrivals
+
+    @property
+    def arrivals(self) -> bool:
+        """The daily batch records this state's events (labels, decisions)."""
+        return self.source in ARRIVALS
 
     @property
     def ahead_us(self) -> int:
         """How far ahead of the present this state's event times may lie."""
-        return self.delay_us + (LABEL_ROOM_US if self.source == "labels" else 0)
+        return self.delay_us + (LABEL_ROOM_US if self.arrivals else 0)
 
     @cached_property  # read on every queued call: derived once
     def widths(self) -> dict[int, int]:
@@ -573,22 +589,30 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
         loc = ".".join(str(p) for p in first["loc"])
         raise DeclarationError(f"{source}: {loc}: {first['msg']}") from None
     for i, d in enumerate(doc.aggregations):
-        numbers = (*VALUE_COLUMNS, *LABEL_VALUE_COLUMNS) if d.source == "labels" else VALUE_COLUMNS
+        numbers = (*VALUE_COLUMNS, *SOURCE_VALUES.get(d.source, ()))
         reads = value_names(d.value)
-        if reads & set(LABEL_VALUE_COLUMNS) and d.source != "labels":
-            raise DeclarationError(
-                f"{source}: aggregations.{i}.value: {d.value!r} reads a label's column "
-                "(declare source: labels)"
-            )
+        for other, cols in SOURCE_VALUES.items():
+            if reads & set(cols) and d.source != other:
+                raise DeclarationError(
+                    f"{source}: aggregations.{i}.value: {d.value!r} reads a column of "
+                    f"{other} ({', '.join(cols)}): declare source: {other}"
+                )
+        for other, cols in SOURCE_FILTERS.items():
+            if set(d.filter) & set(cols) and d.source != other:
+                raise DeclarationError(
+                    f"{source}: aggregations.{i}.filter: {', '.join(cols)} is a column of "
+                    f"{other}: declare source: {other}"
+                )
         if NEEDS_VALUE & set(d.features) and not (reads and reads <= set(numbers)):
             raise DeclarationError(
                 f"{source}: aggregations.{i}.value: sum/mean/std/min/max/last need a number "
                 f"column ({', '.join(numbers)}) or an expression over them"
             )
-        whole = d.delay is not None or d.source == "labels"
+        whole = d.delay is not None or d.source in ARRIVALS
         if whole and set(d.features) - WHOLE_TILE_AGGS:
             raise DeclarationError(
-                f"{source}: aggregations.{i}.features: with a delay or source labels only "
+                f"{source}: aggregations.{i}.features: with a delay or source "
+                f"{'/'.join(ARRIVALS)} only "
                 f"{', '.join(sorted(WHOLE_TILE_AGGS))} (whole tiles)"
             )
         if NEEDS_CATEGORY & set(d.features) and d.value not in KEY_COLUMNS:
@@ -1066,7 +1090,7 @@ class Limits:
     @classmethod
     def for_spec(cls, spec: Spec, horizon_s: float) -> Limits:
         # A label state's events arrive out of time order by up to its ahead_us.
-        back = int(horizon_s * US) + (spec.ahead_us if spec.source == "labels" else 0)
+        back = int(horizon_s * US) + (spec.ahead_us if spec.arrivals else 0)
         return cls(back, ((spec.longest_us + spec.ahead_us + back) // US + 3600) * 1000)
 
 
@@ -1256,8 +1280,8 @@ def events_for(
     spec: Spec, rows: Sequence[Mapping[str, Any]], ts_us: Sequence[int]
 ) -> dict[str, list[Event]]:
     """The events transactions ``rows`` at ``ts_us`` add to ``spec``'s keys (rows
-    outside its filter, or without a key, add none; a label state takes none: see
-    :func:`label_events_for`), by key value, each at ``ts`` plus the state's delay."""
+    outside its filter, or without a key, add none; a state of labels or decisions takes
+    none: see :func:`label_events_for`), by key value, each at ``ts`` plus the state's delay."""
     if spec.source != "transactions":
         return {}
     cols = BatchColumns(rows, ts_us)
@@ -1273,14 +1297,17 @@ def label_available_us(label_us: int, after_s: float) -> int:
 
 
 def label_events_for(spec: Spec, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Event]]:
-    """The events labels ``rows`` add to a label state's keys, by key value. A row is a
-    label with its transaction's columns, ``event_us`` (the transaction's event time) and
-    ``available_us`` (:func:`label_available_us`); it counts from the later of
-    ``available_us`` and ``event_us`` plus the delay."""
+    """The events arrivals ``rows`` add to a state of labels or decisions, by key value.
+    A row is a label or a decision (its ``source``; none: a label) with its
+    transaction's columns, ``event_us`` (the transaction's event time) and
+    ``available_us`` (:func:`label_available_us` of its arrival); it counts from the
+    later of ``available_us`` and ``event_us`` plus the delay."""
     out: dict[str, list[Event]] = {}
-    if spec.source != "labels":
+    if not spec.arrivals:
         return out
     for row in rows:
+        if row.get("source", "labels") != spec.source:
+            continue
         key = spec.key_value(row)
         if key is not None and spec.passes(row):
             ts = max(int(row["available_us"]), int(row["event_us"]) + spec.delay_us)

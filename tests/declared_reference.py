@@ -40,10 +40,13 @@ def reference(
     time_col: str,
     labels: pd.DataFrame | None = None,
     label_after_s: float = 0.0,
+    decisions: pd.DataFrame | None = None,
 ) -> dict[str, list[float]]:
     """Every declared feature of ``rows`` (a YAML document ``declarations``, as loaded);
-    ``labels`` are the raw labels (transaction_id, label_time, is_fraud), which reach
-    the store ``label_after_s`` after the UTC midnight that follows their arrival."""
+    ``labels`` are the raw labels (transaction_id, label_time, is_fraud) and
+    ``decisions`` the service's decisions (transaction_id, decided_at, score, decision),
+    which both reach the store ``label_after_s`` after the UTC midnight that follows
+    their arrival."""
     hist = history.drop_duplicates("transaction_id").copy()
     hist["_us"] = _us(hist["event_time"])
     t_all = _us(rows[time_col])
@@ -51,19 +54,22 @@ def reference(
     for decl in declarations.get("aggregations", []):
         entity = [decl["entity"]] if isinstance(decl["entity"], str) else decl["entity"]
         delay = _window_s(decl["delay"]) * US if decl.get("delay") else 0
-        whole = bool(delay) or decl.get("source") == "labels"
-        if decl.get("source") == "labels":  # each transaction's first label
-            lab = labels.copy() if labels is not None else pd.DataFrame()
+        src = decl.get("source", "transactions")
+        whole = bool(delay) or src in ("labels", "decisions")
+        if src in ("labels", "decisions"):  # each transaction's first label / decision
+            raw, arrived = (labels, "label_time") if src == "labels" else (decisions, "decided_at")
+            lab = raw.copy() if raw is not None else pd.DataFrame()
             if len(lab):
-                lab["_lus"] = _us(lab["label_time"])
+                lab["_lus"] = _us(lab[arrived])
                 lab = lab.sort_values("_lus").drop_duplicates("transaction_id")
                 lab = lab.merge(hist, on="transaction_id", suffixes=("", "_txn"))
             if len(lab):
                 day = 86_400 * US
                 avail = (lab["_lus"] // day + 1) * day + int(label_after_s * US)
                 lab["_us"] = np.maximum(avail, lab["_us"] + delay)
-                lab["is_fraud"] = lab["is_fraud"].astype(float)
-            ev = lab if len(lab) else hist.iloc[:0].assign(is_fraud=0.0)
+                if src == "labels":
+                    lab["is_fraud"] = lab["is_fraud"].astype(float)
+            ev = lab if len(lab) else hist.iloc[:0].assign(is_fraud=0.0, score=0.0, decision="")
         else:
             ev = hist.assign(_us=hist["_us"] + delay)
         for col, allowed in decl.get("filter", {}).items():
@@ -142,7 +148,7 @@ def _numbers(events: pd.DataFrame, value: str) -> list[float]:
     """The events' values: a number column, or an expression over them per event."""
     if value.isidentifier():
         return [float(v) for v in events[value]]
-    names = [c for c in ("amount", "is_fraud") if c in events]
+    names = [c for c in ("amount", "is_fraud", "score") if c in events]
     rows = events[names].astype(float).to_dict("records")
     return [derived_reference(value, r) for r in rows]
 

@@ -18,7 +18,13 @@ import redis
 import yaml
 from redis.cluster import RedisCluster
 
-from batch_jobs.declared_sql import backfill_tiles, label_events, record_labels, training_columns
+from batch_jobs.declared_sql import (
+    backfill_tiles,
+    decision_events,
+    label_events,
+    record_labels,
+    training_columns,
+)
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
 from fraud_scoring.redis_clients import sync_client
@@ -82,6 +88,17 @@ aggregations:
     windows: [7d]
     features: {sum: c_fraud_amount}
     default: -5
+  - source: decisions
+    entity: card_id
+    filter: {decision: [decline, review]}
+    windows: [1d, 7d]
+    features: {count: c_flagged}
+  - source: decisions
+    entity: merchant_id
+    value: score
+    windows: [7d]
+    features: {mean: m_score_mean, max: m_score_max}
+    default: {mean: -1}
 derived:
   - name: amount_to_m_mean_1d
     expr: where(m_mean_1d > 0, amount / m_mean_1d, 1.0)
@@ -146,6 +163,35 @@ def labels(hist: pd.DataFrame, seed: int = 8) -> pd.DataFrame:
     return pd.concat([lab, again], ignore_index=True)
 
 
+def decisions(hist: pd.DataFrame, seed: int = 9) -> pd.DataFrame:
+    """The service's decisions on ~15 % of ``hist`` (rows of the decision log's
+    partitions), decided 10 ms to 2 s after the event; a few logged twice (a later
+    entry with another decision: the first counts)."""
+    rng = np.random.default_rng(seed)
+    picked = hist.sample(frac=0.15, random_state=seed)
+    score = rng.random(len(picked))
+    dec = picked.assign(
+        decided_at=picked["event_time"] + pd.to_timedelta(rng.uniform(0.01, 2, len(picked)), "s"),
+        score=score,
+        decision=np.select([score > 0.8, score > 0.5], ["decline", "review"], "approve"),
+    )
+    again = dec.head(20).assign(
+        decided_at=lambda d: d["decided_at"] + pd.Timedelta(seconds=5), decision="decline"
+    )
+    return pd.concat([dec, again], ignore_index=True)
+
+
+def arrivals(hist: pd.DataFrame) -> pd.DataFrame:
+    """The label and decision events of ``hist`` (``declared_sql.labels_for``'s frame)."""
+    return pd.concat(
+        [
+            label_events(labels(hist), hist, LABEL_AFTER_S).assign(source="labels"),
+            decision_events(decisions(hist), LABEL_AFTER_S).assign(source="decisions"),
+        ],
+        ignore_index=True,
+    )
+
+
 def test_the_language_names_the_field_it_refuses() -> None:
     cases = {
         "aggregations: [{entity: shoe, windows: [1h], features: {count: x}}]": (
@@ -178,6 +224,14 @@ def test_the_language_names_the_field_it_refuses() -> None:
             "aggregations.0.value",
             "declare source: labels",
         ),
+        "aggregations: [{source: labels, entity: card_id, value: score, windows: [1h], "
+        "features: {max: x}}]": ("aggregations.0.value", "declare source: decisions"),
+        "aggregations: [{entity: card_id, filter: {decision: decline}, windows: [1h], "
+        "features: {count: x}}]": ("aggregations.0.filter", "declare source: decisions"),
+        "aggregations: [{entity: card_id, filter: {verdict: decline}, windows: [1h], "
+        "features: {count: x}}]": ("aggregations.0.filter", "unknown column 'verdict'"),
+        "aggregations: [{source: decisions, entity: card_id, windows: [1h], "
+        "features: {seconds_since_last: x}}]": ("aggregations.0.features", "whole tiles"),
         "aggregations: [{source: labels, entity: card_id, windows: [1h], "
         "features: {seconds_since_last: x}}]": ("aggregations.0.features", "whole tiles"),
         "aggregations: [{source: chargebacks, entity: card_id, windows: [1h], "
@@ -492,18 +546,18 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
         .rename(columns={"event_time": "event_timestamp"})
         .reset_index(drop=True)
     )
-    lab = labels(hist)
-    events = label_events(lab, hist, LABEL_AFTER_S)
+    events = arrivals(hist)
     by_id = _live(client, decl, hist, set(q["transaction_id"]), seed=1, label_events=events)
     served = {n: [by_id[t][n] for t in q["transaction_id"]] for n in decl.aggregate_names()}
     trained = training_columns(decl, q, hist, labels=events)
-    ref = reference(raw, q, hist, "event_timestamp", lab, LABEL_AFTER_S)
+    ref = reference(raw, q, hist, "event_timestamp", labels(hist), LABEL_AFTER_S, decisions(hist))
     assert set(served) == set(trained) == set(ref) == set(decl.aggregate_names())
     _assert_equal(q, served, trained, ref)
     # The check means something: the hot key's windows hold thousands of events.
     if source == "test":
         assert max(trained["m_count_1h"]) > 2500 and max(trained["cm_count_30d"]) > 10
         assert max(trained["m_frauds_7d"]) > 10 and max(trained["m_count_2d_ago_1d"]) > 10
+        assert max(trained["c_flagged_7d"]) > 5 and 0 < max(trained["m_score_mean_7d"]) < 1
 
     # Derived features: the shared evaluator = the reference's on every row.
     from fraud_scoring.declared import derived_columns
@@ -618,6 +672,55 @@ def test_min_and_max_of_a_tile_that_also_holds_later_events(store: Callable[[], 
     assert read("[1h]", "m-gone", early + later)[1] is False
 
 
+def test_decision_states_read_the_compacted_decision_log(tmp_path: Path) -> None:
+    """``source: decisions`` reads what ``fraud-scoring decisions compact`` writes: the
+    decision log's entries (the service's format), compacted per UTC day, load as the
+    same arrivals as the frames the tests above use, first entry per transaction."""
+    import json
+
+    from batch_jobs.decisions import compact_day
+    from batch_jobs.declared_sql import labels_for, load_decision_events
+
+    hist = history().tail(300)
+    dec = decisions(hist)
+    by_day: dict[Any, list[bytes]] = {}
+    for r in dec.to_dict("records"):
+        entry = {
+            "transaction_id": r["transaction_id"],
+            "decided_at": r["decided_at"].isoformat(),
+            "transaction": {
+                "event_time": r["event_time"].isoformat(),
+                "currency": "USD",
+                "mcc": None,
+                **{k: r[k] for k in ("card_id", "merchant_id", "amount", "country", "channel")},
+                "device_id": r["device_id"],
+            },
+            "score": r["score"],
+            "decision": r["decision"],
+            "model_version": "v1",
+            **{k: [] for k in ("reasons", "missing", "stale")},
+            "features": {},
+            "timing_ms": {},
+        }
+        by_day.setdefault(r["decided_at"].date(), []).append(json.dumps(entry).encode())
+    raw = tmp_path / "raw"
+    for day in sorted(by_day):
+        compact_day(raw, day, by_day[day], [])
+    got = load_decision_events(raw, LABEL_AFTER_S)
+    want = decision_events(dec, LABEL_AFTER_S)
+    cols = ["transaction_id", "event_us", "label_us", "available_us", "score", "decision"]
+    cols += ["card_id", "merchant_id", "device_id", "amount"]
+    assert len(got) == len(hist.merge(dec[["transaction_id"]]).drop_duplicates()) > 30
+    pd.testing.assert_frame_equal(
+        got[cols].reset_index(drop=True), want[cols].reset_index(drop=True), check_dtype=False
+    )
+    decl = D.parse(yaml.safe_load(DECL), "test")
+    both = labels_for(decl.specs, raw, LABEL_AFTER_S)
+    assert both is not None and set(both["source"]) == {"decisions"}  # no label partitions
+    no_decisions = [s for s in decl.specs if s.source != "decisions"]
+    assert set(labels_for(no_decisions, raw, LABEL_AFTER_S)["source"]) <= {"labels"}
+
+
 def test_a_model_reads_only_the_states_its_features_need() -> None:
     """The scorer reads (and requires backfilled) only the states a serving model's
     features come from, derived ones followed to what they read: a declaration added
@@ -661,3 +764,17 @@ def test_a_backfill_counts_every_event_of_one_time(store: Callable[[], Any]) -> 
     D.queue_read(pipe, spec, "m-same", t)
     (state,) = D.parse_reads(spec, pipe.execute(), [t])
     assert D.online_row(spec, state, t)[0]["n_1h"] == 7
+
+
+def test_the_documented_example_declares_what_it_says() -> None:
+    """docs/features.md's example is a valid declaration (read beside the project's own
+    features, which its derived expressions read)."""
+    import re
+
+    text = (Path(__file__).parents[1] / "docs" / "features.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "aggregations:" in b]
+    doc = yaml.safe_load(block)
+    own = D.parse({"aggregations": doc["aggregations"]}, "docs").aggregate_names()
+    own += [d["name"] for d in doc.get("derived", [])]
+    decl = D.parse(doc, "docs/features.md", taken=sorted(set(F.all_features()) - set(own)))
+    assert {s.source for s in decl.specs} == {"transactions", "labels", "decisions"}

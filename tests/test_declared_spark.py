@@ -18,10 +18,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from batch_jobs.declared_sql import label_events, training_columns
+from batch_jobs.declared_sql import training_columns
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
-from tests.test_declared import DECL, LABEL_AFTER_S, T0, history, labels
+from tests.test_declared import DECL, T0, arrivals, history
 
 if shutil.which("java") is None:
     pytest.skip(
@@ -85,7 +85,7 @@ def test_spark_equals_duckdb_for_every_declared_aggregation(spark: Any, source: 
     decl = _decl(source)
     hist = history()
     q = _queries(hist)
-    events = label_events(labels(hist), hist, LABEL_AFTER_S)
+    events = arrivals(hist)
     duck = training_columns(decl, q, hist, labels=events)
     ours = spark_training_columns(spark, decl, q, hist, labels=events)
     assert set(ours) == set(duck) == set(decl.aggregate_names())
