@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 
 from cli.settings import Settings
 from fraud_scoring.events import raw_row_to_event
+from fraud_scoring.redis_clients import async_client
 from fraud_scoring.redis_server import free_port
 from fraud_scoring.storage import read_partition
 
@@ -94,7 +94,7 @@ async def _play(
     answers: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=CONCURRENCY)
     async with httpx.AsyncClient(base_url=base, timeout=10, limits=limits) as client:
-        log = aioredis.Redis.from_url(url)
+        log = async_client(url)
 
         async def one(row: dict) -> None:
             async with gate:

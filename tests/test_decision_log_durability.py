@@ -242,3 +242,58 @@ def test_a_shadowed_decision_is_spooled_before_its_answer_and_shipped_with_its_s
     assert {t: by_id[t]["challenger_score"] for t in by_id if t.startswith("shadowed")} == {
         f"shadowed-{i}": 0.5 for i in range(3)
     }
+
+
+def test_an_unexpected_error_after_the_write_is_retried_not_fatal(
+    tmp_path: Path, log_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer's after-write step (the review queue) raising what it should not (a
+    client fault, a bug: here a TypeError) does not end the writer: it is logged once
+    with its traceback, the log reads as down, and the batch is retried until it goes
+    through; the decisions after it are written too. (A review queue built on a plain
+    client for a Redis Cluster URL once raised TypeError here, and every decision after
+    the first ``review`` stayed in the spool until the next start.)"""
+    import asyncio
+
+    import numpy as np
+
+    from fraud_scoring.event_log import RedisStreamProducer
+    from fraud_scoring.events import Transaction
+    from service.core.scoring import ScoreResult
+    from service.loop.decision_log import DecisionLog
+    from service.loop.spool import Spool
+
+    calls = []
+
+    async def flaky(batch: list[object]) -> None:
+        calls.append(len(batch))
+        if len(calls) <= 2:
+            raise TypeError("unexpected keyword argument 'cluster'")
+
+    async def run() -> tuple[str | None, str | None]:
+        producer = RedisStreamProducer(log_url, "decisions", retention_s=0, timeout_s=2)
+        dlog = DecisionLog(producer, 100, after_write=flaky, spool=Spool(tmp_path, fsync_s=0))
+        dlog.start()
+        for n in range(2):
+            ids = [f"t{n}-{i}" for i in range(3)]
+            txns = [Transaction.model_validate({**TXN, "transaction_id": t}) for t in ids]
+            results = [ScoreResult(t, "review", 0.5, [], "1", [], []) for t in ids]
+            dlog.submit(txns, np.zeros((3, 2)), ["a", "b"], results)
+            dlog.answered(results, [True] * 3)
+            await asyncio.sleep(0.02)
+        down = await asyncio.to_thread(wait_until, lambda: dlog.readiness(), what="the error")
+        await asyncio.to_thread(
+            wait_until, lambda: not dlog.pending and dlog.readiness() is None, what="the retry"
+        )
+        up = dlog.readiness()
+        await dlog.stop(5)
+        return down, up
+
+    with caplog.at_level("ERROR", logger="service.loop.decision_log"):
+        down, up = asyncio.run(run())
+    assert down is not None and down.startswith("unreachable") and up is None
+    assert sorted(logged(log_url)) == [f"t{n}-{i}" for n in range(2) for i in range(3)]
+    assert max(logged(log_url).values()) == 1
+    errors = [r for r in caplog.records if "TypeError" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    assert sum(calls[2:]) == 6  # every decision went through after_write once it worked

@@ -416,10 +416,18 @@ class DecisionLog:
                     logged = True
                 if self.after_write is not None:
                     await self.after_write([(e.result, e.record) for e in batch])
-            except LogUnavailable as exc:
+            except Exception as exc:  # the writer must not die: kept, retried
                 if self.last_error is None:
-                    log.warning("decision log unreachable, buffering: %s", exc)
-                self.last_error = str(exc)
+                    # Anything but LogUnavailable is a fault of ours or of the client:
+                    # its traceback, once, as an error.
+                    known = isinstance(exc, LogUnavailable)
+                    log.log(
+                        logging.WARNING if known else logging.ERROR,
+                        "decision log unreachable, buffering: %s",
+                        exc if known else f"{type(exc).__name__}: {exc}",
+                        exc_info=not known,
+                    )
+                self.last_error = str(exc) or type(exc).__name__
                 self.ins.up.set(0)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])

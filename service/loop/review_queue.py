@@ -35,10 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-import redis.asyncio as aioredis
-
 from fraud_scoring.event_log import LogRecord, LogUnavailable
+from fraud_scoring.redis_clients import STORE_ERRORS, async_client
 from service.core.scoring import ScoreResult
 
 # KEYS[1]: the queue. ARGV: item TTL (ms), oldest decision time kept (µs, "" for all),
@@ -88,7 +86,8 @@ class ReviewQueue:
         self.key = f"{{{stream}}}:review"
         self.retention_us = int(retention_s * 1e6)
         self.ttl_ms = int(retention_s * 1000) or FOREVER_MS
-        self.client: Any = aioredis.Redis.from_url(
+        # A Redis Cluster URL gets the cluster client (every key shares the stream's slot).
+        self.client: Any = async_client(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         self._add = self.client.register_script(_ADD_LUA)
@@ -160,7 +159,7 @@ class ReviewQueue:
     async def _call(self, awaitable: Any) -> Any:
         try:
             return await awaitable
-        except (redis.RedisError, OSError) as exc:
+        except (*STORE_ERRORS, OSError) as exc:  # type: ignore[misc]  # OSError: timeouts too
             raise LogUnavailable(f"review queue {self.key!r}: {exc}") from exc
 
     async def close(self) -> None:
