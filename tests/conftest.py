@@ -40,6 +40,8 @@ class World:
     redis_url: str
     start: date
     days: int
+    # The keys the world's batch runs left in the online store (batch features, markers).
+    batch_keys: frozenset[bytes] = frozenset()
 
     @property
     def last_day(self) -> date:
@@ -84,6 +86,22 @@ def materialize_world(world: World, url: str) -> None:
     mark_declared(url)  # the declared states stay empty: the tests feed them
 
 
+def private_db(world: World, db: int) -> str:
+    """A Redis database of the world's server holding a copy of the keys its batch runs
+    left (not what tests wrote since: session and declared state, claims, logs),
+    emptied first, for a module whose writes must leave other tests' state alone.
+    Databases 2-5 and 7 are taken by tests."""
+    src = redis.Redis.from_url(world.redis_url)
+    url = world.redis_url.rsplit("/", 1)[0] + f"/{db}"
+    redis.Redis.from_url(url).flushdb()
+    pipe = src.pipeline(transaction=False)
+    for key in world.batch_keys:
+        if not key.startswith((b"{card:", b"{agg:")):  # none, unless a batch wrote them
+            pipe.copy(key, key, destination_db=db, replace=True)
+    pipe.execute()
+    return url
+
+
 def mark_declared(url: str) -> None:
     """Set the declared states' backfilled markers (the batch job's backfill sets them;
     without them the service refuses to serve those states)."""
@@ -112,7 +130,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> World:
     if run is None:
         root = tmp_path_factory.mktemp("world")
         build_world(root, redis_server)
-        return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS)
+        keys = frozenset(redis.Redis.from_url(redis_server).scan_iter(count=1000))
+        return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS, keys)
     shared = tmp_path_factory.getbasetemp().parent / f"world-{run}"
     shared.mkdir(exist_ok=True)
     with open(shared / "lock", "w") as lock:
@@ -131,7 +150,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> World:
 
     # The registry holds each view's source path: point it at this copy.
     apply_definitions(open_store(root / "data", redis_server), root / "data")
-    return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS)
+    keys = frozenset(redis.Redis.from_url(redis_server).scan_iter(count=1000))
+    return World(root / "data", root / "models", redis_server, SIM_START, SIM_DAYS, keys)
 
 
 def build_world(root: Path, url: str) -> None:

@@ -32,7 +32,7 @@ from fraud_scoring.session import epoch_us, to_us
 from service.core.model import ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.scoring import Scorer
-from tests.conftest import World, materialize_world, start_server, stop_server
+from tests.conftest import World, materialize_world, private_db, start_server, stop_server
 from tests.conftest_streaming import (
     connect,
     dump_state,
@@ -73,22 +73,9 @@ def online_store(request: pytest.FixtureRequest, world: World) -> Callable[[int]
     features and no session state: database ``db`` of the world's server, or the test
     cluster (it has database 0 only), materialized by the batch job."""
     if request.param == "redis":
-        return lambda db: _private_db(world, db)
+        return lambda db: private_db(world, db)
     fresh = request.getfixturevalue("cluster_store")
     return lambda _db: fresh()
-
-
-def _private_db(world: World, db: int) -> str:
-    """A Redis database of the world's server holding a copy of its Feast keys and no
-    session state, so this module's updater runs leave other tests' state alone."""
-    src = connect(world.redis_url)
-    url = world.redis_url.rsplit("/", 1)[0] + f"/{db}"
-    dst = connect(url)
-    dst.flushdb()
-    for key in src.scan_iter(count=1000):
-        if not key.startswith((b"{card:", b"{agg:")):  # session and declared state
-            src.copy(key, key, destination_db=db, replace=True)
-    return url
 
 
 def _drain(url: str, log: Path, *args: str) -> None:

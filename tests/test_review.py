@@ -1,12 +1,14 @@
 """The review queue and the analysts' page: decisions of 'review' enter the queue (once),
 leave it when a label arrives through the feedback path, and the page lists, opens and
 marks them in a real browser (Debian's ``chromium`` driven by Playwright; skipped with a
-message without either). A real service with auth on, the log on its own Redis server.
+message without either). A real service with auth on, the log on its own Redis server
+or on a Redis Cluster.
 
 ``REVIEW_SCREENSHOT=path.png`` saves the page (an item open) for the README."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -16,12 +18,20 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from fraud_scoring.redis_server import embedded_redis
+from fraud_scoring.redis_clients import sync_client
+from fraud_scoring.redis_server import EmbeddedCluster, embedded_redis
 from service.core import idempotency
 from service.edge.auth import KeyEntry, Scope, append_key, new_key
-from tests.conftest import Server, World, chromium, start_server, stop_server, wait_until
+from tests.conftest import (
+    Server,
+    World,
+    chromium,
+    private_db,
+    start_server,
+    stop_server,
+    wait_until,
+)
 from tests.test_protocols import check_against_openapi
 from tests.test_service import held_out_day
 
@@ -32,6 +42,7 @@ LIMIT = 1000.0  # FRAUD_REVIEW_AMOUNT_LIMIT: amounts above it are (at least) 're
 class Reviewing:
     srv: Server
     log_url: str
+    store_url: str  # the online store
     scorer: str  # scope score: the payment system
     analyst: str  # scope admin (which implies label): the review page's user
     feed: str  # scope label: a chargeback feed
@@ -44,8 +55,12 @@ class Reviewing:
         return c
 
 
-@pytest.fixture(scope="module")
-def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reviewing]:
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def reviewing(
+    world: World, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Reviewing]:
+    """The service with the decision log, the review queue and the feedback log on a
+    Redis server of their own, or on the test's Redis Cluster (emptied first)."""
     tmp = tmp_path_factory.mktemp("review")
     keys = tmp / "keys.jsonl"
     made = {}
@@ -58,10 +73,13 @@ def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         key, digest = new_key(key_id)
         append_key(keys, KeyEntry(id=key_id, sha256=digest, scopes=frozenset({scope})))
         made[key_id] = key
-    with embedded_redis() as log_url:
+    # The cluster run scores the same cards again: an online store of its own.
+    store = world.redis_url if request.param == "redis" else private_db(world, 5)
+    with _log_store(request) as log_url:
         srv = start_server(
             world,
             tmp,
+            REDIS_URL=store,
             FRAUD_AUTH="required",
             FRAUD_API_KEYS_FILE=str(keys),
             FRAUD_DECISION_LOG_URL=log_url,
@@ -76,10 +94,29 @@ def reviewing(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         )
         try:
             yield Reviewing(
-                srv, log_url, made["checkout"], made["analyst"], made["feed"], made["prometheus"]
+                srv,
+                log_url,
+                store,
+                made["checkout"],
+                made["analyst"],
+                made["feed"],
+                made["prometheus"],
             )
         finally:
             stop_server(srv)
+
+
+@contextlib.contextmanager
+def _log_store(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "redis":
+        with embedded_redis() as url:
+            yield url
+        return
+    cluster: EmbeddedCluster = request.getfixturevalue("redis_cluster")
+    client = sync_client(cluster.url)
+    client.flushall(target_nodes=client.PRIMARIES)
+    client.close()
+    yield cluster.url
 
 
 def card_txns(world: World, card: str, amounts: list[float]) -> list[dict[str, Any]]:
@@ -118,7 +155,7 @@ def queued_ids(r: Reviewing) -> list[str]:
 
 def labels(r: Reviewing, transaction_id: str) -> list[dict[str, Any]]:
     """What the feedback log holds for ``transaction_id``."""
-    client: Any = redis.Redis.from_url(r.log_url)
+    client: Any = sync_client(r.log_url)
     try:
         found = [json.loads(f[b"d"]) for _, f in client.xrange("feedback")]
     finally:
@@ -286,7 +323,7 @@ def test_a_label_for_an_approved_decision_is_matched_by_its_claim(
     assert score(r, txns) == ["approve"]
     tid = txns[0]["transaction_id"]
     # The claim keeps the answer just after answering (off the answer's path).
-    store: Any = redis.Redis.from_url(world.redis_url)
+    store: Any = sync_client(r.store_url)
     try:
         wait_until(
             lambda: idempotency.SEP.encode() in (store.get(idempotency.key(tid)) or b""),
