@@ -641,14 +641,20 @@ def is_expression(value: str | None) -> bool:
     return value is not None and not value.isidentifier()
 
 
-def value_names(value: str | None) -> set[str]:
+@functools.lru_cache(maxsize=1024)  # read per event (a label's value): parsed once
+def value_names(value: str | None) -> frozenset[str]:
     """The columns a declaration's value reads (none without a value)."""
     if value is None:
-        return set()
+        return frozenset()
     if not is_expression(value):
-        return {value}
-    tree = ast.parse(value, mode="eval")
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in _FUNCS}
+        return frozenset({value})
+    tree = _parsed(value)
+    return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in _FUNCS)
+
+
+@functools.lru_cache(maxsize=1024)  # derived features are evaluated per micro-batch
+def _parsed(expr: str) -> ast.Expression:
+    return ast.parse(expr, mode="eval")
 
 
 def read(path: Path) -> object:
@@ -808,7 +814,7 @@ def evaluate(expr: str, columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:
             return _FUNCS[node.func.id](*(ev(a) for a in node.args))
         raise ValueError(f"{type(node).__name__} is not allowed")  # _check_expr refused it
 
-    return np.asarray(ev(ast.parse(expr, mode="eval")), dtype=np.float64)
+    return np.asarray(ev(_parsed(expr)), dtype=np.float64)
 
 
 def derived_columns(
