@@ -98,14 +98,31 @@ class ScriptsAreKeyed(BasePolicyResolver):
         return ScriptsAreKeyed(fallback)
 
 
+_STREAM_READS = {"XREADGROUP", "XREAD"}
+
+
 class _Cluster(RedisCluster):  # type: ignore[misc]
     """``RedisCluster`` whose pipelines keep its policy resolver (redis-py 7.4's
-    ``pipeline()`` leaves them on the default one)."""
+    ``pipeline()`` leaves them on the default one), and which finds the slot of a
+    stream read itself: its keys are "movable", so redis-py asks the server ``COMMAND
+    GETKEYS`` before each one (the updater's every poll)."""
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         pipe = super().pipeline(transaction, shard_hint)
         pipe._policy_resolver = self._policy_resolver
         return pipe
+
+    def determine_slot(self, *args: Any) -> int | None:
+        if args and str(args[0]).upper() in _STREAM_READS:
+            # ... STREAMS key [key ...] id [id ...]: the first half after STREAMS
+            words = [a.upper() if isinstance(a, str | bytes) else a for a in args]
+            at = next((i for i, w in enumerate(words) if w in ("STREAMS", b"STREAMS")), None)
+            if at is not None:
+                rest = args[at + 1 :]
+                slots = {self.keyslot(k) for k in rest[: len(rest) // 2]}
+                if len(slots) == 1:
+                    return slots.pop()
+        return super().determine_slot(*args)
 
 
 def sync_client(url: str, **kwargs: Any) -> Any:

@@ -275,7 +275,8 @@ def test_cluster_pipelines_route_scripts_without_asking_the_server(
 ) -> None:
     """redis-py 7.4's sync cluster pipeline sends ``COMMAND GETKEYS`` for each EVALSHA it
     routes unless told scripts are keyed (fraud_scoring/redis_clients.py): one round
-    trip per script call; ours sends none, and the plain client still does (when it
+    trip per script call; and its client one before each stream read (XREADGROUP: the
+    updater's every poll). Ours sends none, and the plain client still does (when it
     stops, the workaround can go)."""
     from redis.cluster import RedisCluster
 
@@ -294,4 +295,13 @@ def test_cluster_pipelines_route_scripts_without_asking_the_server(
             pipe.execute_command("EVALSHA", sha, 1, f"k{i}")
         assert pipe.execute() == [f"k{i}".encode() for i in range(50)]
         assert getkeys(client) - before == asks
+        # The updater's poll: a stream read (its keys are "movable" too).
+        client.xadd("{s}:events", {"d": "1"})
+        client.xgroup_create("{s}:events", "g", id="0", mkstream=True)
+        before = getkeys(client)
+        for _ in range(20):
+            client.xreadgroup("g", "c", {"{s}:events": ">"}, count=10)
+        asked = getkeys(client) - before
+        assert asked == 0 if asks == 0 else asked >= 20
+        client.delete("{s}:events")
         client.close()
