@@ -388,6 +388,15 @@ def labels_for(
     return pd.concat(full, ignore_index=True) if len(full) > 1 else (full or parts)[0]
 
 
+def _days(raw: Path, table: str, first: date | None, last: date | None) -> list[date]:
+    """``table``'s partition days in ``first..last`` (either end open when None)."""
+    return [
+        d
+        for d in partition_days(raw, table)
+        if (first is None or d >= first) and (last is None or d <= last)
+    ]
+
+
 def load_decision_events(
     raw: Path,
     after_s: float,
@@ -398,11 +407,7 @@ def load_decision_events(
     """The service's decisions made on ``first..last`` (the decision log's partitions
     under ``raw/decisions``, written by ``fraud-scoring decisions compact``; default
     all) and before ``arrived_before``: :func:`decision_events` of them."""
-    days = [
-        d
-        for d in partition_days(raw, "decisions")
-        if (first is None or d >= first) and (last is None or d <= last)
-    ]
+    days = _days(raw, "decisions", first, last)
     if not days:
         return pd.DataFrame(columns=[c for c in ARRIVAL_COLUMNS if c != "source"])
     files = [str(partition_dir(raw, "decisions", d) / "part-0.parquet") for d in days]
@@ -479,11 +484,7 @@ def load_label_events(
     ``available_us``: when the online store has it, the daily batch after its arrival
     day (``declared.label_available_us`` with ``after_s``). Labels whose transaction is
     not in the raw history are left out."""
-    days = [
-        d
-        for d in partition_days(raw, "labels")
-        if (first is None or d >= first) and (last is None or d <= last)
-    ]
+    days = _days(raw, "labels", first, last)
     tx_days = partition_days(raw, "transactions")
     if not days or not tx_days:
         cols = ["transaction_id", "event_us", "label_us", "is_fraud", *D.KEY_COLUMNS, "amount"]
