@@ -325,6 +325,7 @@ MODULE_SECONDS = {
     "test_data_contract": 15,
     "test_decision_log_kafka": 14,
     "test_updater_hardening": 13,
+    "test_features_cli": 15,
     "test_oip_grpc": 11,
     "test_feast_cli": 10,
     "test_auth": 10,
