@@ -60,9 +60,11 @@ class Plan:
         for s in decl.specs:
             flt = " ".join(f"{k} in {list(v)}" for k, v in s.filter.items()) or "-"
             wins = ", ".join(f"{w.label} (tiles {w.width_us // D.US} s)" for w in s.windows)
+            src = "" if s.source == "transactions" else f"source {s.source}, "
+            delay = f", delay {D.window_label(s.delay_us)}" if s.delay_us else ""
             lines.append(
-                f"  state {s.id}: entity {'+'.join(s.entity)}, value {s.value_column or '-'}, "
-                f"filter {flt}; windows {wins}"
+                f"  state {s.id}: {src}entity {'+'.join(s.entity)}, value {s.value_column or '-'}, "
+                f"filter {flt}{delay}; windows {wins}"
             )
             lines.append(f"    features: {', '.join(s.feature_names())}")
         for d in decl.derived:

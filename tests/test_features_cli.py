@@ -105,6 +105,7 @@ def test_plan_and_backfill_a_declared_transactions_and_decisions_state(
         first = _cli(data, env, "features", "plan")
         assert "card_flagged_count_7d" in first and "merchant_ecom_count_1d" in first
         assert "needs the last 7 day(s) of history" in first  # the decisions state
+        assert "source decisions, entity card_id, value -, filter decision in" in first
         out = _cli(data, env, "features", "backfill")
         assert "events recorded into" in out and (data / "features" / "applied.json").exists()
         again = _cli(data, env, "features", "plan")
