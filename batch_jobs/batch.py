@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from batch_jobs import declared_sql
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
-from batch_jobs.feature_plan import history_days
+from batch_jobs.feature_plan import history_days, record_backfilled
 from batch_jobs.materialize import materialize_days
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import declared as D
@@ -153,6 +153,16 @@ def backfill_declared(
         client.close()
 
 
+def present_states(redis_url: str) -> list[D.Spec]:
+    """The declared states whose backfilled marker the store holds."""
+    client = sync_client(redis_url)
+    try:
+        missing = {s.id for s in declared_sql.missing_states(client, declarations())}
+    finally:
+        client.close()
+    return [s for s in declarations().specs if s.id not in missing]
+
+
 def record_day_labels(
     raw: Path,
     days: list[date],
@@ -192,8 +202,9 @@ def run_batch(
     """Compute (with ``compute``: DuckDB unless told), write and (optionally)
     materialize the snapshots of ``days``; both materializers leave the same Redis
     state (tests/test_materialize.py). Materializing also backfills the declared states
-    the store does not hold yet (:func:`backfill_declared`) and records the labels that
-    arrived on ``days`` (:func:`record_day_labels`; ``label_available_after_s`` is
+    the store does not hold yet (:func:`backfill_declared`; recorded as applied, so
+    ``features plan`` does not list them again) and records the labels and decisions
+    that arrived on ``days`` (:func:`record_day_labels`; ``label_available_after_s`` is
     ``FRAUD_BATCH_AVAILABLE_AFTER_S``)."""
     raw, feats = data_dir / "raw", data_dir / "features"
     t0 = time.perf_counter()
@@ -224,6 +235,7 @@ def run_batch(
     mark_materialized(redis_url, store.project)
     backfill_declared(raw, max(days), redis_url, allowed_lateness_s, label_available_after_s)
     record_day_labels(raw, days, redis_url, allowed_lateness_s, label_available_after_s)
+    record_backfilled(data_dir, present_states(redis_url))
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(

@@ -12,7 +12,8 @@ the row), and writes:
   columns (``card_id``, ``merchant_id``, ``event_time`` are null: a label carries only
   its id), one per (``transaction_id``, source).
 
-Idempotent: a re-run rewrites the same rows (each partition replaced atomically; the
+Idempotent: a re-run rewrites the same rows (each partition replaced atomically, merged
+with what it held: a re-run after the log dropped the day keeps the day's decisions; the
 labels merge keeps the distinct rows). The stream keeps entries for
 FRAUD_DECISION_LOG_RETENTION_S, so a day must be compacted within it.
 
@@ -186,6 +187,14 @@ def compact_day(
         kept = [r for r in rows if r["transaction_id"] not in seen]
         dropped += len(rows) - len(kept)
         rows = kept
+    if partition_file(raw, "decisions", day).exists():
+        # What an earlier run wrote stays: the log keeps a day only for its retention, so
+        # a re-run after it (`batch` over past days) reads less, or nothing.
+        old = read_partition(raw, "decisions", day).to_pylist()
+        have = {r["transaction_id"] for r in old}
+        new = [r for r in rows if r["transaction_id"] not in have]
+        dropped += len(rows) - len(new)
+        rows = sorted([*old, *new], key=lambda r: (r["decided_at"], r["transaction_id"]))
     write_partition(raw, "decisions", day, pa.Table.from_pylist(rows, schema=DECISION_SCHEMA))
     labels = feedback_labels(feedback)
     # A label belongs to its arrival day's partition (the log stores it a moment later,

@@ -2,7 +2,8 @@
 ``feature_repo/features.yaml`` does, and the one command that fills new state.
 
 The plan compares the declarations with the last applied ones
-(``<data dir>/features/applied.json``, written by backfill) and with every published
+(``<data dir>/features/applied.json``, written by backfill; the daily batch adds the
+states it backfilled) and with every published
 model version: features added and removed, states (entity + value + filter + windows)
 that are new and need a backfill of their longest window, and removed features that a
 published model still reads (they stay: a model keeps serving while its features exist;
@@ -118,6 +119,24 @@ def record_applied(data_dir: Path, decl: D.Declarations, states: list[D.Spec]) -
     applied["features"] = decl.names()
     at = datetime.now(UTC).isoformat()
     applied.setdefault("states", {}).update({s.id: {"backfilled_at": at} for s in states})
+    _write(data_dir, applied)
+
+
+def record_backfilled(data_dir: Path, states: list[D.Spec]) -> None:
+    """Record ``states`` as backfilled (the daily batch, which fills every state the
+    store lacks), leaving the applied features alone: a new snapshot view's features are
+    applied only once ``features backfill`` (or a batch over the training days) ran."""
+    applied = read_applied(data_dir)
+    known = applied.setdefault("states", {})
+    new = [s for s in states if s.id not in known]
+    if not new:
+        return
+    at = datetime.now(UTC).isoformat()
+    known.update({s.id: {"backfilled_at": at} for s in new})
+    _write(data_dir, applied)
+
+
+def _write(data_dir: Path, applied: dict[str, Any]) -> None:
     p = applied_path(data_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")

@@ -295,3 +295,43 @@ def test_a_decision_logged_again_after_midnight_is_one_row(tmp_path: Path) -> No
         rows = dict(zip(ids, at, strict=True))
         assert sorted(rows) == ["t-a", "t-b", "t-midnight"] and len(view) == 3
         assert rows["t-midnight"].date() == d1
+
+
+def test_a_rerun_after_the_log_dropped_the_day_keeps_its_decisions(tmp_path: Path) -> None:
+    """The log keeps a day for FRAUD_DECISION_LOG_RETENTION_S (3 days), and ``batch``
+    compacts each day it runs: a re-run over past days (as ``features plan`` asks for a new
+    snapshot feature) reads less of the log, or nothing, and must not replace the day's
+    decisions with what is left; a re-run that reads more adds it."""
+    from datetime import date
+
+    from batch_jobs.decisions import compact_day
+    from fraud_scoring.storage import read_partition
+
+    def entry(tid: str, decided: str) -> bytes:
+        t = {"event_time": decided, "card_id": "c1", "amount": 5.0}
+        return json.dumps(
+            {
+                "transaction_id": tid,
+                "decided_at": decided,
+                "transaction": t,
+                "features": {"amount": 5.0},
+                **{k: [] for k in ("missing", "stale", "reasons")},
+                "score": 0.1,
+                "model_version": "1",
+                "decision": "approve",
+                "timing_ms": {"total": 1.0},
+            }
+        ).encode()
+
+    raw, day = tmp_path / "raw", date(2026, 3, 1)
+    logged = [entry(f"t{i}", f"2026-03-01T1{i}:00:00+00:00") for i in range(3)]
+    assert compact_day(raw, day, logged, []).decisions == 3
+    first = read_partition(raw, "decisions", day)
+    assert compact_day(raw, day, [], []).decisions == 3  # the log no longer holds the day
+    assert compact_day(raw, day, logged[2:], []).decisions == 3  # holds part of it
+    assert read_partition(raw, "decisions", day).equals(first)
+    later = entry("t-late", "2026-03-01T09:00:00+00:00")  # logged late, earlier time
+    report = compact_day(raw, day, [*logged, later], [])
+    assert (report.decisions, report.duplicates) == (4, 3)
+    ids = read_partition(raw, "decisions", day).column("transaction_id").to_pylist()
+    assert ids == ["t-late", "t0", "t1", "t2"]  # in decision-time order

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -102,12 +103,23 @@ def test_plan_and_backfill_a_declared_transactions_and_decisions_state(
             "FRAUD_MODEL_REPO": str(world.model_repo),
             "FRAUD_FEATURES_FILE": str(declared),
         }
+        # A deployment: the daily batch with the shipped declarations (it backfills
+        # their states and compacts the day's decisions from the log, which no longer
+        # holds them: what the day's partition holds stays).
+        shipped_env = {k: v for k, v in env.items() if k != "FRAUD_FEATURES_FILE"}
+        day = world.last_day.isoformat()
+        held = pq.read_table(data / "raw" / "decisions" / f"date={day}").num_rows
+        _cli(data, shipped_env, "batch", "--from", day, "--to", day)
+        assert pq.read_table(data / "raw" / "decisions" / f"date={day}").num_rows == held > 0
+        # Then the declarations change: only the two new states need a backfill.
         first = _cli(data, env, "features", "plan")
         assert "card_flagged_count_7d" in first and "merchant_ecom_count_1d" in first
+        assert first.count("backfill: state") == 2, first
         assert "needs the last 7 day(s) of history" in first  # the decisions state
         assert "source decisions, entity card_id, value -, filter decision in" in first
         out = _cli(data, env, "features", "backfill")
-        assert "events recorded into" in out and (data / "features" / "applied.json").exists()
+        assert "events recorded into 2 state(s)" in out
+        assert (data / "features" / "applied.json").exists()
         again = _cli(data, env, "features", "plan")
         assert "+ add: nothing" in again and "backfill: state" not in again
 
