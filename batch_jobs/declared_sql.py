@@ -137,7 +137,7 @@ def frames(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The query rows ``q`` (row_id, ts_us, key columns) and the events ``e`` every
     engine reads: one row per transaction of ``history`` (``src`` "t", ``ev_us`` =
-    ``avail_us`` = its event time) and per arrival of ``labels`` (:func:`arrivals_for`:
+    ``avail_us`` = its event time) and per arrival of ``labels`` (:func:`labels_for`:
     labels, ``src`` "l", and decisions, ``src`` "d"; ``ev_us`` its transaction's event
     time, ``avail_us`` when the store has it), with key columns, ``amount``, the
     arrivals' own columns (``is_fraud``, ``score``, ``decision``) and the value of each
@@ -188,7 +188,7 @@ def training_columns(
 ) -> dict[str, np.ndarray]:
     """Every declared aggregation for ``rows`` (their ``time_col`` is ``t``) over the
     raw ``history`` (transactions with ``event_time``) and ``labels``
-    (:func:`load_label_events`; needed by label states), float64 columns."""
+    (:func:`labels_for`: needed by label and decision states), float64 columns."""
     out: dict[str, np.ndarray] = {}
     if not decl.specs:
         return out
@@ -300,7 +300,7 @@ def _label_rows(labels: pd.DataFrame | None) -> list[dict[str, Any]]:
 
 
 def record_labels(client: Any, decl: D.Declarations, labels: pd.DataFrame, horizon_s: float) -> int:
-    """Record newly arrived ``labels`` (:func:`arrivals_for`: labels and decisions) in
+    """Record newly arrived ``labels`` (:func:`labels_for`: labels and decisions) in
     the states of their source, as the daily batch does for each day's arrivals:
     idempotent per transaction_id, so a rerun (or one a backfill already recorded)
     changes nothing. Returns the events recorded."""

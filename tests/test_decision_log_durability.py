@@ -280,7 +280,6 @@ def test_an_unexpected_error_after_the_write_is_retried_not_fatal(
             results = [ScoreResult(t, "review", 0.5, [], "1", [], []) for t in ids]
             dlog.submit(txns, np.zeros((3, 2)), ["a", "b"], results)
             dlog.answered(results, [True] * 3)
-            await asyncio.sleep(0.02)
         down = await asyncio.to_thread(wait_until, lambda: dlog.readiness(), what="the error")
         await asyncio.to_thread(
             wait_until, lambda: not dlog.pending and dlog.readiness() is None, what="the retry"
