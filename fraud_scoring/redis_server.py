@@ -60,7 +60,7 @@ def free_port() -> int:
 
 def _spawn(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
     """A server process on ``port`` (loopback only, nothing kept on disk but what
-    ``extra`` asks for in ``workdir``)."""
+    ``extra`` asks for in ``workdir``). Its log goes to ``workdir/server-<port>.log``."""
     cmd = [
         server_binary(),
         "--port",
@@ -77,30 +77,89 @@ def _spawn(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
         "yes",
         *extra,
     ]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    return _popen(cmd)
+
+
+def _popen(cmd: list[str]) -> subprocess.Popen[bytes]:
+    with open(_log_path(cmd), "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _log_path(cmd: list[str]) -> Path:
+    return Path(cmd[cmd.index("--dir") + 1]) / f"server-{cmd[cmd.index('--port') + 1]}.log"
+
+
+class _Exited(RedisStartError):
+    """The server process exited before answering (most often: its port was taken
+    between :func:`free_port` and its bind)."""
 
 
 def _await_ping(proc: subprocess.Popen[bytes], url: str, deadline: float) -> None:
-    """Wait until the server at ``url`` answers PING; raise RedisStartError if its
-    process exits first or ``deadline`` (monotonic) passes."""
-    client = redis.Redis.from_url(url)
+    """Wait until the server at ``url`` answers PING; raise :class:`_Exited` (with the
+    end of its log) if its process exits first, RedisStartError if ``deadline``
+    (monotonic) passes."""
+    # A timeout: whoever holds a taken port may accept and never answer.
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
     binary = server_binary()
     try:
         while True:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RedisStartError(f"{binary} exited with {proc.returncode}: {err}")
+                raise _Exited(f"{binary} exited with {proc.returncode}: {_log_tail(proc)}")
             try:
                 client.ping()
                 return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 if time.monotonic() > deadline:
                     raise RedisStartError(f"{binary} did not answer at {url}") from None
                 time.sleep(0.02)
     finally:
         client.close()
+
+
+def _log_tail(proc: subprocess.Popen[bytes], lines: int = 5) -> str:
+    try:
+        text = _log_path(_args(proc)).read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return " | ".join(text.strip().splitlines()[-lines:]) or "(empty log)"
+
+
+def _args(proc: subprocess.Popen[bytes]) -> list[str]:
+    return [str(a) for a in proc.args]  # type: ignore[union-attr]
+
+
+START_TRIES = 5
+
+
+def _start(
+    workdir: Path,
+    extra: Callable[[int, int], list[str]],
+    url: Callable[[int], str],
+    deadline: float,
+    taken: set[int],
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Spawn a server on a fresh port (and bus port) and wait for its PING; when it
+    exits first (a port taken by another process between the pick and the bind), try
+    again on other ports, up to :data:`START_TRIES` times. ``taken`` holds ports already
+    handed out by this caller (kept distinct) and gains the two chosen."""
+    for attempt in range(1, START_TRIES + 1):
+        port, bus = _distinct_port(taken), _distinct_port(taken)
+        proc = _spawn(port, workdir, *extra(port, bus))
+        try:
+            _await_ping(proc, url(port), deadline)
+            return proc, port, bus
+        except _Exited as e:
+            if attempt == START_TRIES:
+                raise
+            log.warning("embedded server did not start (%s); trying other ports", e)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _distinct_port(taken: set[int]) -> int:
+    while (port := free_port()) in taken:
+        pass
+    taken.add(port)
+    return port
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -118,17 +177,23 @@ def embedded_redis(timeout_s: float = 10.0, password: str | None = None) -> Iter
 
     With ``password`` the server requires it (``requirepass``) and the URL carries it.
     """
-    port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="fraud-redis-"))
-    proc = _spawn(port, workdir, *(["--requirepass", password] if password else []))
     auth = f":{quote(password, safe='')}@" if password else ""
-    url = f"redis://{auth}127.0.0.1:{port}/0"
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        _await_ping(proc, url, time.monotonic() + timeout_s)
+        proc, port, _ = _start(
+            workdir,
+            lambda _port, _bus: ["--requirepass", password] if password else [],
+            lambda port: f"redis://{auth}127.0.0.1:{port}/0",
+            time.monotonic() + timeout_s,
+            set(),
+        )
+        url = f"redis://{auth}127.0.0.1:{port}/0"
         log.info("started embedded Redis-protocol server at %s", redact_url(url))
         yield url
     finally:
-        _stop(proc)
+        if proc is not None:
+            _stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -163,12 +228,7 @@ class EmbeddedCluster:
     def restart(self, node: ClusterNode) -> None:
         """Start a stopped (or killed) node again with its own command line and cluster
         config file: it rejoins the cluster, as a replica when its slots moved on."""
-        node.process = subprocess.Popen(
-            node.process.args,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        node.process = _popen(_args(node.process))
 
 
 SLOTS = 16384  # Redis Cluster's hash slots
@@ -190,22 +250,24 @@ def embedded_cluster(
     nodes: list[ClusterNode] = []
     deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(primaries * (1 + replicas)):
-            port, bus = free_port(), free_port()
-            conf = f"nodes-{port}.conf"
-            proc = _spawn(
-                port,
-                workdir,
-                *("--cluster-enabled", "yes", "--cluster-config-file", conf),
-                *("--cluster-node-timeout", str(node_timeout_ms)),
-                # The bus port defaults to port + 10000, past 65535 for a high free port.
-                *("--cluster-port", str(bus)),
-                *("--repl-diskless-sync-delay", "0"),  # a replica syncs at once
-            )
-            nodes.append(ClusterNode(port, proc, bus))
+        taken: set[int] = set()
         clients: list[Any] = []  # typed Any: redis-py's annotations mix sync and async
-        for n in nodes:
-            _await_ping(n.process, n.url, deadline)
+        for _ in range(primaries * (1 + replicas)):
+            proc, port, bus = _start(
+                workdir,
+                lambda port, bus: [
+                    *("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"),
+                    *("--cluster-node-timeout", str(node_timeout_ms)),
+                    # The bus port defaults to port + 10000, past 65535 for a high port.
+                    *("--cluster-port", str(bus)),
+                    *("--repl-diskless-sync-delay", "0"),  # a replica syncs at once
+                ],
+                lambda port: f"redis://127.0.0.1:{port}/0",
+                deadline,
+                taken,
+            )
+            n = ClusterNode(port, proc, bus)
+            nodes.append(n)
             c = redis.Redis.from_url(n.url, decode_responses=True)
             clients.append(c)
             n.node_id = c.execute_command("CLUSTER", "MYID")

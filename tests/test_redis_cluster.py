@@ -137,3 +137,39 @@ def test_updater_survives_a_failover_without_losing_events(tmp_path: Path) -> No
         for i in range(0, len(valid), 50):
             writer.apply(valid[i : i + 50])
         assert served == dump_state(clean)
+
+
+def test_an_embedded_server_whose_port_was_taken_starts_on_another(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between picking a free port and binding it, another process can take it (the
+    tests run in parallel): the server then exits at once. The embedded server and every
+    cluster node try again on other ports; when every try fails the error carries the
+    server's own words."""
+    import socket
+
+    from fraud_scoring import redis_server
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        real = redis_server.free_port
+        picks = iter([taken])
+        monkeypatch.setattr(redis_server, "free_port", lambda: next(picks, None) or real())
+        with embedded_redis() as url:
+            assert f":{taken}/" not in url
+            assert sync_client(url).ping()
+        picks = iter([taken])
+        with embedded_cluster(primaries=1) as cluster:
+            assert cluster.nodes[0].port != taken
+            assert sync_client(cluster.url).ping()
+        assert "trying other ports" in caplog.text
+
+        monkeypatch.setattr(redis_server, "free_port", lambda: taken)
+        monkeypatch.setattr(redis_server, "_distinct_port", lambda _taken: taken)
+        with (
+            pytest.raises(redis_server.RedisStartError, match=r"(?i)address already in use"),
+            embedded_redis(),
+        ):
+            pass
