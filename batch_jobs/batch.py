@@ -235,7 +235,7 @@ def run_batch(
     mark_materialized(redis_url, store.project)
     backfill_declared(raw, max(days), redis_url, allowed_lateness_s, label_available_after_s)
     record_day_labels(raw, days, redis_url, allowed_lateness_s, label_available_after_s)
-    record_backfilled(data_dir, present_states(redis_url))
+    record_backfilled(data_dir, declarations(), present_states(redis_url))
     mat_s = time.perf_counter() - t1
     report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
     log.info(

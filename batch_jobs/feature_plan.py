@@ -3,7 +3,7 @@
 
 The plan compares the declarations with the last applied ones
 (``<data dir>/features/applied.json``, written by backfill; the daily batch adds the
-states it backfilled) and with every published
+states it backfilled and their features) and with every published
 model version: features added and removed, states (entity + value + filter + windows)
 that are new and need a backfill of their longest window, and removed features that a
 published model still reads (they stay: a model keeps serving while its features exist;
@@ -122,18 +122,26 @@ def record_applied(data_dir: Path, decl: D.Declarations, states: list[D.Spec]) -
     _write(data_dir, applied)
 
 
-def record_backfilled(data_dir: Path, states: list[D.Spec]) -> None:
-    """Record ``states`` as backfilled (the daily batch, which fills every state the
-    store lacks), leaving the applied features alone: a new snapshot view's features are
-    applied only once ``features backfill`` (or a batch over the training days) ran."""
+def record_backfilled(data_dir: Path, decl: D.Declarations, states: list[D.Spec]) -> None:
+    """Record what the daily batch made: ``states`` (every state the store holds; the
+    batch backfills those it lacks) and their features. A deployment's first batch also
+    records the snapshot views' and the derived features (it computed the views for the
+    days it ran over); later, a view's new feature is applied only once
+    ``features backfill`` (or a batch over the training days) ran."""
     applied = read_applied(data_dir)
+    was = json.dumps(applied)
+    features: list[str] = applied.get("features", [])
+    if not applied_path(data_dir).exists():
+        features = [f.name for view in decl.views for f in view.features]
+        features += [d.name for d in decl.derived]
     known = applied.setdefault("states", {})
-    new = [s for s in states if s.id not in known]
-    if not new:
-        return
     at = datetime.now(UTC).isoformat()
-    known.update({s.id: {"backfilled_at": at} for s in new})
-    _write(data_dir, applied)
+    known.update({s.id: {"backfilled_at": at} for s in states if s.id not in known})
+    applied["features"] = features + [
+        f for s in states for f in s.feature_names() if f not in features
+    ]
+    if json.dumps(applied) != was:
+        _write(data_dir, applied)
 
 
 def _write(data_dir: Path, applied: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import shutil
 import socket
@@ -53,9 +54,32 @@ def server_binary() -> str:
 
 
 def free_port() -> int:
+    """A loopback port free now, for a server started next. Picked below the kernel's
+    ephemeral range, where no outgoing connection can take it before the server binds
+    it (the kernel's own pick, port 0, comes from that range); the kernel's pick when
+    that range is unknown or nothing below it is free."""
+    low = _ephemeral_low()
+    for _ in range(50 if low > 2048 else 0):
+        port = _RNG.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_RNG = random.SystemRandom()  # not the seeded module state tests may share
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _spawn(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:

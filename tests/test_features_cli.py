@@ -111,8 +111,20 @@ def test_plan_and_backfill_a_declared_transactions_and_decisions_state(
         held = pq.read_table(data / "raw" / "decisions" / f"date={day}").num_rows
         _cli(data, shipped_env, "batch", "--from", day, "--to", day)
         assert pq.read_table(data / "raw" / "decisions" / f"date={day}").num_rows == held > 0
+        # The deployment's first batch is recorded as applied: nothing to add.
+        shipped_plan = _cli(data, shipped_env, "features", "plan")
+        assert "+ add: nothing" in shipped_plan and "backfill:" not in shipped_plan
         # Then the declarations change: only the two new states need a backfill.
         first = _cli(data, env, "features", "plan")
+        added = first.split("+ add: ")[1].splitlines()[0].split(", ")
+        assert set(added) == {
+            f"{name}_{w}"
+            for name, wins in (
+                ("merchant_ecom_count", ("1h", "1d")),
+                ("card_flagged_count", ("1d", "7d")),
+            )
+            for w in wins
+        }, added
         assert "card_flagged_count_7d" in first and "merchant_ecom_count_1d" in first
         assert first.count("backfill: state") == 2, first
         assert "needs the last 7 day(s) of history" in first  # the decisions state
