@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import operator
+import string
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -288,9 +289,71 @@ class DerivedDecl(_Strict):
     description: str = ""
 
 
+class ReasonDecl(_Strict):
+    """A reason code a decision gives when ``when`` (an expression over features and
+    request fields) is not 0; ``message`` names features in braces, with an optional
+    format: ``"{card_txn_count_1h:.0f} transactions in the last hour"``."""
+
+    code: str = Field(pattern=r"^[A-Z][A-Z0-9_]*$", max_length=64)
+    when: str
+    message: str = Field(min_length=1, max_length=300)
+    description: str = ""
+
+    def reads(self) -> tuple[str, ...]:
+        """The names ``when`` and ``message`` read, in order (the first: the feature the
+        reason is about, shown first on the review page and ordered by its importance)."""
+        names = [n.id for n in ast.walk(_parsed(self.when)) if isinstance(n, ast.Name)]
+        names += [f for _, f, _, _ in string.Formatter().parse(self.message) if f]
+        return tuple(dict.fromkeys(n for n in names if n not in _FUNCS))
+
+
+# Reason codes the service gives itself (the model's thresholds, the amount rule, a card
+# without history, rules-only decisions): a declared reason may not take them.
+BUILT_IN_REASONS = (
+    "MODEL_SCORE_DECLINE",
+    "MODEL_SCORE_REVIEW",
+    "RULE_AMOUNT_OVER_LIMIT",
+    "NO_CARD_HISTORY",
+    "DEGRADED_RULES_ONLY",
+)
+
+
+def check_reasons(reasons: Sequence[ReasonDecl], known: set[str], source: str) -> None:
+    """Refuse a reason whose code is taken, whose ``when`` is not an expression over
+    ``known`` (number features and request fields) or whose message names anything else
+    or has a bad format; :class:`DeclarationError` names the field."""
+    codes: set[str] = set()
+    for i, r in enumerate(reasons):
+        where = f"{source}: reasons.{i}"
+        if r.code in BUILT_IN_REASONS or r.code in codes:
+            raise DeclarationError(f"{where}.code: {r.code!r} is taken")
+        codes.add(r.code)
+        try:
+            _check_expr(r.when, known)
+        except ValueError as exc:
+            raise DeclarationError(f"{where}.when: {exc}") from None
+        try:
+            for _, name, spec, conv in string.Formatter().parse(r.message):
+                if name is None:
+                    continue
+                if name not in known:
+                    raise ValueError(f"{{{name}}}: not a number feature or request field")
+                if conv is not None:
+                    raise ValueError(f"{{{name}!{conv}}}: no conversions")
+                format(0.0, spec or "")
+        except ValueError as exc:
+            raise DeclarationError(f"{where}.message: {exc}") from None
+
+
+def reason_message(reason: ReasonDecl, row: Mapping[str, float]) -> str:
+    """``reason``'s message with ``row``'s values (checked by :func:`check_reasons`)."""
+    return reason.message.format_map(row)
+
+
 class DeclarationsFile(_Strict):
     aggregations: tuple[AggregationDecl, ...] = ()
     derived: tuple[DerivedDecl, ...] = ()
+    reasons: tuple[ReasonDecl, ...] = ()
     snapshots: Any = ()  # the daily snapshot views: fraud_scoring/snapshots.py checks them
 
 
@@ -478,6 +541,7 @@ class Declarations:
     source: str
     # The daily snapshot views (fraud_scoring/snapshots.py), when loaded with them.
     views: tuple[BatchView, ...] = ()
+    reasons: tuple[ReasonDecl, ...] = ()
 
     def aggregate_names(self) -> list[str]:
         return [n for s in self.specs for n in s.feature_names()]
@@ -620,7 +684,7 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
                 f"{source}: aggregations.{i}.value: distinct_count/changed need a "
                 f"categorical column ({', '.join(KEY_COLUMNS)})"
             )
-    decl = Declarations(compile_decls(doc.aggregations), doc.derived, source)
+    decl = Declarations(compile_decls(doc.aggregations), doc.derived, source, reasons=doc.reasons)
     seen = set(taken)
     for n in decl.names():
         if n in seen:

@@ -108,7 +108,12 @@ def load_declarations(path: Path) -> declared.Declarations:
             f"{path}: snapshots: the request features read {', '.join(missing)}; declare "
             "them (docs/features.md)"
         )
-    return dataclasses.replace(declared.parse(raw, str(path), taken), views=views)
+    decl = dataclasses.replace(declared.parse(raw, str(path), taken), views=views)
+    strings = {f.name for v in views for f in v.features if f.dtype == "string"}
+    strings |= {f.name for f in REQUEST_FEATURES if f.dtype == "string"}
+    numbers = {*taken, *decl.names(), *declared.REQUEST_FIELDS} - strings
+    declared.check_reasons(decl.reasons, numbers, str(path))
+    return decl
 
 
 @cache

@@ -2,14 +2,22 @@
 
 Thresholds come from the model metadata (chosen on the holdout by the training job) and
 can be overridden in settings. Hard rules apply after the model and can only make a
-decision stricter. Reason codes are indicators over the features the model saw, ordered
-by the model's feature importance when the metadata has it.
+decision stricter. Reason codes are the declared reasons (``reasons`` in
+feature_repo/features.yaml) that fire on the features the model saw, ordered by the
+model's feature importance when the metadata has it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from fraud_scoring import declared as D
+from fraud_scoring import features as F
 
 DECISIONS = ("approve", "review", "decline")
 
@@ -22,60 +30,59 @@ class Reason:
 
 @dataclass(frozen=True)
 class Indicator:
-    code: str
-    feature: str
-    fires: Callable[[Mapping[str, float]], bool]
-    message: Callable[[Mapping[str, float]], str]
+    """A declared reason (``reasons`` in feature_repo/features.yaml) ready to fire."""
+
+    decl: D.ReasonDecl
+    rules: bool  # reads streaming features only: it applies in rules-only mode too
+
+    @property
+    def code(self) -> str:
+        return self.decl.code
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return self.decl.reads()
+
+    @property
+    def feature(self) -> str:
+        """The feature the reason is about (the first it reads)."""
+        return self.reads[0] if self.reads else "amount"
+
+    def fires(self, cols: Mapping[str, npt.ArrayLike], n: int) -> np.ndarray:
+        """Where it fires over ``n`` rows (nowhere when a feature it reads is absent)."""
+        if not all(r in cols for r in self.reads):
+            return np.zeros(n, dtype=bool)
+        v = np.broadcast_to(D.evaluate(self.decl.when, cols), (n,))
+        return (v != 0) & ~np.isnan(v)
+
+    def reason(self, row: Mapping[str, float]) -> Reason:
+        return Reason(self.code, D.reason_message(self.decl, row))
 
 
-INDICATORS: tuple[Indicator, ...] = (
-    Indicator(
-        "AMOUNT_FAR_ABOVE_CARD_HISTORY",
-        "amount_to_card_mean_30d",
-        lambda f: f["amount_to_card_mean_30d"] >= 5,
-        lambda f: f"Amount is {f['amount_to_card_mean_30d']:.1f}x the card's 30-day average.",
-    ),
-    Indicator(
-        "FOREIGN_COUNTRY",
-        "is_foreign_country",
-        lambda f: f["is_foreign_country"] >= 1,
-        lambda f: "Transaction country differs from the card's usual country.",
-    ),
-    Indicator(
-        "RISKY_MERCHANT",
-        "merchant_fraud_rate_90d",
-        lambda f: f["merchant_fraud_rate_90d"] >= 0.02,
-        lambda f: f"Merchant's 90-day fraud rate is {f['merchant_fraud_rate_90d']:.1%}.",
-    ),
-    Indicator(
-        "NEW_CARD",
-        "card_days_since_first_seen",
-        lambda f: 0 < f["card_days_since_first_seen"] < 3,
-        lambda f: f"Card first seen {f['card_days_since_first_seen']:.1f} days ago.",
-    ),
-    Indicator(
-        "VELOCITY_10M",
-        "card_txn_count_10m",
-        lambda f: f.get("card_txn_count_10m", 0) >= 3,
-        lambda f: (
-            f"{f.get('card_txn_count_10m', 0):.0f} transactions on this card in "
-            "the last 10 minutes."
-        ),
-    ),
-    Indicator(
-        "VELOCITY_1H",
-        "card_txn_count_1h",
-        lambda f: f.get("card_txn_count_1h", 0) >= 8,
-        lambda f: (
-            f"{f.get('card_txn_count_1h', 0):.0f} transactions on this card in the last hour."
-        ),
-    ),
-)
+@functools.cache
+def indicators() -> tuple[Indicator, ...]:
+    """The declared reasons (loaded with the declarations, once per process)."""
+    decl = F.declarations()
+    streaming = {*decl.aggregate_names(), *(d.name for d in decl.derived), "amount"}
+    out = []
+    for r in decl.reasons:
+        needed = decl.needed(set(r.reads()))
+        out.append(Indicator(r, rules=needed <= streaming))
+    return tuple(out)
 
 
-# The features Policy.decide reads (the amount rule and the indicators): the scorer hands
-# it these alone, not every column.
-FEATURES_READ: frozenset[str] = frozenset({"amount", *(i.feature for i in INDICATORS)})
+@functools.cache
+def features_read() -> frozenset[str]:
+    """The features the decision reads (the amount rule and the reasons): the scorer
+    hands it these alone, not every column."""
+    return frozenset({"amount", *(f for i in indicators() for f in i.reads)})
+
+
+def fired(cols: Mapping[str, npt.ArrayLike], n: int, rules: bool = False) -> list[list[Indicator]]:
+    """The reasons that fire on each of ``n`` rows (``rules``: the rules-only ones)."""
+    inds = [i for i in indicators() if i.rules or not rules]
+    masks = [i.fires(cols, n) for i in inds]
+    return [[i for i, m in zip(inds, masks, strict=True) if m[k]] for k in range(n)]
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,14 @@ class Policy:
     importance: Mapping[str, float]
 
     def decide(
-        self, score: float, features: Mapping[str, float], card_known: bool
+        self,
+        score: float,
+        features: Mapping[str, float],
+        card_known: bool,
+        fired: Sequence[Indicator] = (),
     ) -> tuple[str, list[Reason]]:
-        """Decision and reasons for one transaction (``features`` as the model saw them)."""
+        """Decision and reasons for one transaction (``features`` as the model saw them,
+        ``fired``: the declared reasons that fire on it)."""
         reasons: list[Reason] = []
         if score >= self.decline_threshold:
             decision = "decline"
@@ -126,25 +138,21 @@ class Policy:
                     "NO_CARD_HISTORY", "No recent batch history for this card; defaults were used."
                 )
             )
-        fired = [i for i in INDICATORS if i.feature in features and i.fires(features)]
-        fired.sort(key=lambda i: -self.importance.get(i.feature, 0.0))
-        reasons.extend(Reason(i.code, i.message(features)) for i in fired)
+        ranked = sorted(fired, key=lambda i: -self.importance.get(i.feature, 0.0))
+        reasons.extend(i.reason(features) for i in ranked)
         return decision, reasons
 
 
-# Rules-only decisions (degraded mode) use only what does not come from the batch job:
-# the request and the card's session counts.
-_SESSION_INDICATORS = tuple(i for i in INDICATORS if i.code.startswith("VELOCITY_"))
-# The features the rules-only decision reads (the card's velocity), when they were read.
-RULE_FEATURES = tuple(i.feature for i in _SESSION_INDICATORS)
-
-
 def rules_only(
-    amount: float, session: Mapping[str, float], review_amount_limit: float
+    amount: float,
+    session: Mapping[str, float],
+    review_amount_limit: float,
+    fired: Sequence[Indicator] = (),
 ) -> tuple[str, list[Reason]]:
     """The degraded-mode decision without a model score: 'review' when the amount is over
-    the limit or a velocity indicator fires on the session counts, else 'approve'; never
-    'decline' (no model has judged it). ``session`` may be empty (store unreachable)."""
+    the limit or a declared reason over streaming features fires (``fired``, with the
+    values it reads in ``session``), else 'approve'; never 'decline' (no model has
+    judged it). ``session`` may be empty (store unreachable)."""
     reasons = [
         Reason(
             "DEGRADED_RULES_ONLY",
@@ -161,8 +169,7 @@ def rules_only(
                 f"Amount {amount:.2f} is over the review limit {review_amount_limit:.2f}.",
             )
         )
-    for i in _SESSION_INDICATORS:
-        if i.feature in session and i.fires(session):
-            decision = "review"
-            reasons.append(Reason(i.code, i.message(session)))
+    for i in fired:
+        decision = "review"
+        reasons.append(i.reason({**session, "amount": amount}))
     return decision, reasons

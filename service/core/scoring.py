@@ -49,7 +49,7 @@ from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
 from service.core import idempotency
 from service.core.challenger import Challenger
-from service.core.decision import FEATURES_READ, RULE_FEATURES, Policy, Reason, rules_only
+from service.core.decision import Policy, Reason, features_read, fired, indicators, rules_only
 from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
@@ -397,7 +397,8 @@ class Scorer:
         challenger = self.challenger.current if self.challenger is not None else None
         held = self._declared_for  # the models change seldom: decide once per pair
         if held[0] is not champion or held[1] is not challenger:
-            names = set(champion.meta.feature_names)
+            # What the models and the declared reasons read.
+            names = set(champion.meta.feature_names) | features_read()
             if challenger is not None:
                 names.update(challenger.meta.feature_names)
             # A derived feature reads others: the states those come from too.
@@ -526,14 +527,21 @@ class Scorer:
         card's velocity counts. Handed to ``on_scored`` like every decision, with the
         rules' inputs as the vector (the decision log records them; drift skips them)."""
         # The rules' inputs that were read: one matrix, the rules' and the log's.
-        names = [n for n in RULE_FEATURES if cols is not None and n in cols]
+        rules = [i for i in indicators() if i.rules]
+        wanted = dict.fromkeys(f for i in rules for f in i.reads if f != "amount")
+        names = [n for n in wanted if cols is not None and n in cols]
         x = np.zeros((len(txns), len(names)))
         for j, n in enumerate(names):
             x[:, j] = cols[n]  # type: ignore[index]  # names is empty without cols
+        given = {n: x[:, j] for j, n in enumerate(names)}
+        given["amount"] = np.array([t.amount for t in txns], dtype=np.float64)
+        fires = fired(given, len(txns), rules=True)
         out = []
         for i, t in enumerate(txns):
             sess = dict(zip(names, x[i].tolist(), strict=True))
-            decision, reasons = rules_only(t.amount, sess, self.settings.review_amount_limit)
+            decision, reasons = rules_only(
+                t.amount, sess, self.settings.review_amount_limit, fires[i]
+            )
             out.append(
                 ScoreResult(
                     transaction_id=t.transaction_id,
@@ -741,7 +749,8 @@ class Scorer:
             else policy
         )
         # Python scalars, converted once per batch: the policy reads a few features.
-        read = {n: cols[n].tolist() for n in FEATURES_READ if n in cols}
+        read = {n: cols[n].tolist() for n in features_read() if n in cols}
+        fires = fired(cols, len(txns))
         champion = scores.tolist()
         challenger = route.scores.tolist() if route.scores is not None else None
         out = []
@@ -754,6 +763,7 @@ class Scorer:
                 row,
                 card_known="card_txn_count_30d" not in missing[i]
                 and "card_txn_count_30d" not in stale[i],
+                fired=fires[i],
             )
             out.append(
                 ScoreResult(

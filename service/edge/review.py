@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fraud_scoring.event_log import LogUnavailable
 from fraud_scoring.events import ID_PATTERN
 from fraud_scoring.session import decode_member, events_key
-from service.core.decision import INDICATORS
+from service.core.decision import indicators
 from service.edge import auth
 from service.edge.feedback import FeedbackIn, FeedbackOut, store_label
 from service.edge.routes import json_model
@@ -59,8 +59,6 @@ page_router = APIRouter()  # the page and its assets (open)
 
 KEY_FEATURES = 6  # shown per item: the reasons' features, then by model importance
 HISTORY = 20  # the card's most recent session events shown with an item
-# The feature each reason code is about (the amount rule's is the amount).
-REASON_FEATURES = {i.code: i.feature for i in INDICATORS} | {"RULE_AMOUNT_OVER_LIMIT": "amount"}
 
 TransactionId = Annotated[str, Query(min_length=1, max_length=128, pattern=ID_PATTERN)]
 
@@ -172,11 +170,9 @@ def key_features(entry: dict[str, Any], importance: dict[str, float]) -> list[Ke
     model's most important ones, :data:`KEY_FEATURES` in all (more if the reasons name
     more)."""
     feats: dict[str, float | None] = entry["features"]
-    names = [
-        REASON_FEATURES[r["code"]]
-        for r in entry["reasons"]
-        if REASON_FEATURES.get(r["code"]) in feats
-    ]
+    # The feature each reason code is about (the amount rule's is the amount).
+    about = {i.code: i.feature for i in indicators()} | {"RULE_AMOUNT_OVER_LIMIT": "amount"}
+    names = [about[r["code"]] for r in entry["reasons"] if about.get(r["code"]) in feats]
     for name in sorted(feats, key=lambda n: -importance.get(n, 0.0)):
         if len(names) >= KEY_FEATURES:
             break

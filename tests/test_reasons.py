@@ -1,0 +1,92 @@
+"""Reason codes declared as data (``reasons`` in feature_repo/features.yaml): what the
+language refuses, naming the field; a reason over a newly declared feature fires and
+reads its values into its message; which reasons apply in rules-only mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from fraud_scoring import declared as D
+from fraud_scoring import features as F
+from service.core.decision import Indicator, Policy
+
+CARD_TESTING = {
+    "code": "CARD_TESTING_AT_MERCHANT",
+    "when": "merchant_distinct_cards_10m >= 20",
+    "message": "{merchant_distinct_cards_10m:.0f} cards at this merchant in 10 minutes.",
+}
+
+
+def _load(tmp_path: Path, *reasons: dict[str, str]) -> D.Declarations:
+    doc = yaml.safe_load(D.DEFAULT_PATH.read_text())
+    doc["reasons"] = [*doc["reasons"], *reasons]
+    path = tmp_path / "features.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return F.load_declarations(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"code": "NO_CARD_HISTORY"}, "reasons.6.code", "is taken"),
+        ({"code": "VELOCITY_1H"}, "reasons.6.code", "is taken"),
+        ({"code": "card_testing"}, "reasons.6.code", "should match pattern"),
+        ({"when": "merchant_cards >= 20"}, "reasons.6.when", "unknown name 'merchant_cards'"),
+        ({"when": "card_top_country_30d == 1"}, "reasons.6.when", "card_top_country_30d"),
+        ({"when": "open('x')"}, "reasons.6.when", "only these functions"),
+        ({"message": "{merchant_cards} cards"}, "reasons.6.message", "{merchant_cards}"),
+        ({"message": "{amount:.1q}"}, "reasons.6.message", "format code"),
+        ({"message": "{amount!r}"}, "reasons.6.message", "no conversions"),
+        ({"message": "{amount.real}"}, "reasons.6.message", "not a number feature"),
+        ({"message": "{0}"}, "reasons.6.message", "not a number feature"),
+        ({"message": ""}, "reasons.6.message", "at least 1 character"),
+    ],
+)
+def test_a_reason_the_language_cannot_check_is_refused_naming_the_field(
+    tmp_path: Path, change: dict[str, str], field: str, words: str
+) -> None:
+    with pytest.raises(D.DeclarationError) as err:
+        _load(tmp_path, {**CARD_TESTING, **change})
+    assert field in str(err.value) and words in str(err.value), err.value
+
+
+def test_a_declared_reason_fires_with_its_values_and_ranks_by_importance(
+    tmp_path: Path,
+) -> None:
+    decl = _load(tmp_path, CARD_TESTING)
+    card_testing, velocity = (
+        next(r for r in decl.reasons if r.code == c)
+        for c in ("CARD_TESTING_AT_MERCHANT", "VELOCITY_10M")
+    )
+    assert card_testing.reads() == ("merchant_distinct_cards_10m",)
+    ind = Indicator(card_testing, rules=True)
+    cols = {"merchant_distinct_cards_10m": np.array([3.0, 20.0, np.nan, 41.0])}
+    assert ind.fires(cols, 4).tolist() == [False, True, False, True]
+    assert not ind.fires({"amount": np.ones(4)}, 4).any()  # not read: never fires
+    row = {"merchant_distinct_cards_10m": 41.0, "card_txn_count_10m": 4.0, "amount": 9.0}
+    assert ind.reason(row).message == "41 cards at this merchant in 10 minutes."
+
+    fired = [Indicator(velocity, rules=True), ind]
+    policy = Policy(0.5, 0.9, 1000.0, importance={"merchant_distinct_cards_10m": 0.3})
+    decision, reasons = policy.decide(0.1, row, True, fired)
+    assert decision == "approve"
+    assert [r.code for r in reasons] == ["CARD_TESTING_AT_MERCHANT", "VELOCITY_10M"]
+    assert reasons[1].message == "4 transactions on this card in the last 10 minutes."
+
+
+def test_reasons_over_streaming_features_alone_apply_in_rules_only_mode() -> None:
+    from service.core.decision import indicators
+
+    rules = {i.code: i.rules for i in indicators()}
+    assert rules == {
+        "AMOUNT_FAR_ABOVE_CARD_HISTORY": False,  # the card's snapshot
+        "FOREIGN_COUNTRY": False,
+        "RISKY_MERCHANT": False,
+        "NEW_CARD": False,
+        "VELOCITY_10M": True,
+        "VELOCITY_1H": True,
+    }
