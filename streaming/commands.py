@@ -48,11 +48,13 @@ def _redis_client(settings: StreamSettings) -> Iterator[Any]:
 
 
 def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
+    from fraud_scoring.features import declarations
     from streaming.metrics import UpdaterMetrics, serve_http
     from streaming.sources import KafkaSource, RedisStreamSource, Source, SourceFatal
     from streaming.state import SessionWriter
     from streaming.updater import Updater
 
+    declarations()  # a bad declarations file refuses to start, naming the field
     source_kind = args.source or settings.stream_source
     stream = args.stream or settings.stream_name
     group = args.group or settings.consumer_group

@@ -15,10 +15,12 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import yaml
 
 import service.edge.server
 from cli.main import build_parser, main
 from cli.settings import Settings
+from fraud_scoring import declared as D
 from fraud_scoring.redis_server import free_port
 from fraud_scoring.settings import read_settings
 from service.edge.proto import grpc_predict_v2_pb2 as pb
@@ -44,6 +46,19 @@ def test_long_running_commands_refuse_without_redis_url(command: str, tmp_path: 
     r = _cli([command], tmp_path)
     assert r.returncode == 2, r.stderr
     assert "REDIS_URL" in r.stderr and "--embedded-redis" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "stream"])
+def test_long_running_commands_refuse_a_bad_declarations_file_at_start(
+    command: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "features.yaml"
+    doc = yaml.safe_load(D.DEFAULT_PATH.read_text())
+    doc["reasons"].append({"code": "X", "when": "no_such_feature > 1", "message": "x"})
+    bad.write_text(yaml.safe_dump(doc))
+    r = _cli([command, "--embedded-redis"], tmp_path, FRAUD_FEATURES_FILE=str(bad))
+    assert r.returncode == 2, r.stderr
+    assert f"{bad}: reasons.6.when: unknown name 'no_such_feature'" in r.stderr
 
 
 def test_every_app_folder_contributes_its_subcommands(tmp_path: Path) -> None:

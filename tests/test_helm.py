@@ -423,6 +423,36 @@ def test_feature_store_configmap_mirrors_feature_repo_and_is_mounted() -> None:
         assert any(storage.startswith(m["mountPath"] + "/") for m in c["volumeMounts"])
 
 
+def test_declared_features_from_values_reach_every_pod(tmp_path: Path) -> None:
+    """values `features` (a features.yaml of one's own) is in the ConfigMap and every
+    app container reads it through FRAUD_FEATURES_FILE; without it none is set."""
+    from fraud_scoring import declared as D
+    from fraud_scoring import features as F
+
+    assert all(
+        "FRAUD_FEATURES_FILE" not in env_of(c)
+        for _, c in app_containers(rendered_case("default"), None)
+    )
+    doc = yaml.safe_load(D.DEFAULT_PATH.read_text())
+    doc["reasons"].append(
+        {"code": "BUSY_DEVICE", "when": "device_txn_count_1h >= 5", "message": "busy"}
+    )
+    docs = render({"features": yaml.safe_dump(doc)})
+    cm = one(docs, "ConfigMap", f"{RELEASE}-fraud-scoring-config")
+    mounted = tmp_path / "features.yaml"
+    mounted.write_text(cm["data"]["features.yaml"])
+    assert "BUSY_DEVICE" in [r.code for r in F.load_declarations(mounted).reasons]
+    seen = 0
+    for workload, c in app_containers(docs, None):
+        path = env_of(c)["FRAUD_FEATURES_FILE"]["value"]
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
+        assert volume["configMap"]["name"] == cm["metadata"]["name"]
+        assert path == f"{mount['mountPath']}/features.yaml"
+        seen += 1
+    assert seen >= 4  # scoring, updater, batch, training, bootstrap
+
+
 def password_volume(workload: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
     """The Secret volume FRAUD_REDIS_PASSWORD_FILE points into; the password is in no
     environment variable of the container."""

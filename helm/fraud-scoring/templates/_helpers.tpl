@@ -179,6 +179,10 @@ environment variable. */}}
   value: {{ $.Values.batchAvailableAfterSeconds | quote }}
 - name: FRAUD_FEATURE_STORE_YAML
   value: {{ printf "%s/feature_store.yaml" (include "fraud-scoring.configMountPath" $) | quote }}
+{{- if $.Values.features }}
+- name: FRAUD_FEATURES_FILE
+  value: {{ printf "%s/features.yaml" (include "fraud-scoring.configMountPath" $) | quote }}
+{{- end }}
 - name: FRAUD_STREAM_SOURCE
   value: {{ $.Values.streaming.source | quote }}
 - name: FRAUD_STREAM_NAME
