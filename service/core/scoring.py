@@ -271,6 +271,14 @@ def policy_for(model: LoadedModel, settings: ServiceSettings, *, overrides: bool
     )
 
 
+@functools.cache
+def card_snapshot_probe() -> str | None:
+    """A feature of the card's snapshot view (entity ``card_id``): missing or stale, the
+    card has no usable batch history (reason ``NO_CARD_HISTORY``). None: no such view."""
+    views = [v for v in F.views() if v.join_key == "card_id" and v.features]
+    return views[0].features[0].name if views else None
+
+
 class OnScored(Protocol):
     """Told of every scored micro-batch: the transactions, the model's input (one row
     each), the feature names in the model's order, the results; ``shadow``: a challenger's
@@ -751,6 +759,7 @@ class Scorer:
         # Python scalars, converted once per batch: the policy reads a few features.
         read = {n: cols[n].tolist() for n in features_read() if n in cols}
         fires = fired(cols, len(txns))
+        probe = card_snapshot_probe()
         champion = scores.tolist()
         challenger = route.scores.tolist() if route.scores is not None else None
         out = []
@@ -761,8 +770,7 @@ class Scorer:
             decision, reasons = (ch_policy if routed else policy).decide(
                 score,
                 row,
-                card_known="card_txn_count_30d" not in missing[i]
-                and "card_txn_count_30d" not in stale[i],
+                card_known=probe is None or not (probe in missing[i] or probe in stale[i]),
                 fired=fires[i],
             )
             out.append(
