@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import operator
+import re
 import string
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -340,6 +341,8 @@ def check_reasons(reasons: Sequence[ReasonDecl], known: set[str], source: str) -
                     raise ValueError(f"{{{name}}}: not a number feature or request field")
                 if conv is not None:
                     raise ValueError(f"{{{name}!{conv}}}: no conversions")
+                if re.search(r"\d{3}", spec or ""):
+                    raise ValueError(f"{{{name}:{spec}}}: width and precision under 100")
                 format(0.0, spec or "")
         except ValueError as exc:
             raise DeclarationError(f"{where}.message: {exc}") from None

@@ -41,6 +41,7 @@ def _load(tmp_path: Path, *reasons: dict[str, str]) -> D.Declarations:
         ({"message": "{merchant_cards} cards"}, "reasons.6.message", "{merchant_cards}"),
         ({"message": "{amount:.1q}"}, "reasons.6.message", "format code"),
         ({"message": "{amount!r}"}, "reasons.6.message", "no conversions"),
+        ({"message": "{amount:>1000000000}"}, "reasons.6.message", "under 100"),
         ({"message": "{amount.real}"}, "reasons.6.message", "not a number feature"),
         ({"message": "{0}"}, "reasons.6.message", "not a number feature"),
         ({"message": ""}, "reasons.6.message", "at least 1 character"),
