@@ -70,6 +70,8 @@ class Plan:
             lines.append(f"    features: {', '.join(s.feature_names())}")
         for d in decl.derived:
             lines.append(f"  derived {d.name} = {d.expr}")
+        for r in decl.reasons:
+            lines.append(f"  reason {r.code} when {r.when}")
         lines.append(f"+ add: {', '.join(self.added) or 'nothing'}")
         lines.append(f"- remove: {', '.join(self.removed) or 'nothing'}")
         for f, vs in self.still_read.items():

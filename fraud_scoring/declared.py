@@ -853,35 +853,94 @@ def _check_expr(expr: str, known: set[str]) -> None:
 def evaluate(expr: str, columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:
     """An expression over float64 columns. ``a / b`` is 0 where ``b`` is 0 (write the
     default you want with ``where``); clipping is written in the expression."""
+    return np.asarray(_compiled(expr)(columns), dtype=np.float64)
 
-    def ev(node: ast.AST) -> Any:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant):
-            return float(node.value)  # type: ignore[arg-type]  # numbers only (_check_expr)
-        if isinstance(node, ast.Name):
-            return np.asarray(columns[node.id], dtype=np.float64)
-        if isinstance(node, ast.UnaryOp):
-            return -ev(node.operand)
-        if isinstance(node, ast.BinOp):
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Div):
-                b = np.asarray(b, dtype=np.float64)
-                return np.where(b != 0, np.asarray(a) / np.where(b != 0, b, 1.0), 0.0)
-            return _BINOPS[type(node.op)](a, b)
-        if isinstance(node, ast.Compare):
-            out = _CMPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
-            for op, c_prev, c in zip(
-                node.ops[1:], node.comparators, node.comparators[1:], strict=False
-            ):
-                out = out & _CMPS[type(op)](ev(c_prev), ev(c))
-            return out.astype(np.float64)
-        if isinstance(node, ast.Call):
-            assert isinstance(node.func, ast.Name)
-            return _FUNCS[node.func.id](*(ev(a) for a in node.args))
-        raise ValueError(f"{type(node).__name__} is not allowed")  # _check_expr refused it
 
-    return np.asarray(ev(_parsed(expr)), dtype=np.float64)
+def _div(a: Any, b: Any) -> Any:
+    b = np.asarray(b, dtype=np.float64)
+    return np.where(b != 0, np.asarray(a) / np.where(b != 0, b, 1.0), 0.0)
+
+
+def _chain(*parts: Any) -> Any:
+    """A comparison (chained: ``0 < x < 3``) as 1.0 / 0.0."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return np.asarray(out).astype(np.float64)
+
+
+# The names a compiled expression calls: numpy's operations, and each function by name.
+_NAMESPACE: dict[str, Any] = {
+    "__builtins__": {},
+    "_col": lambda c, k: np.asarray(c[k], dtype=np.float64),
+    "_div": _div,
+    "_neg": operator.neg,
+    "_chain": _chain,
+    **{f"_op_{op.__name__}": fn for op, fn in _BINOPS.items()},
+    **{f"_op_{op.__name__}": fn for op, fn in _CMPS.items()},
+    **{f"_fn_{name}": fn for name, fn in _FUNCS.items()},
+}
+
+
+class _Compile(ast.NodeTransformer):
+    """A checked expression (:func:`_check_expr`) as calls into :data:`_NAMESPACE`: the
+    tree is walked once, not per evaluation."""
+
+    @staticmethod
+    def _call(name: str, *args: ast.expr) -> ast.Call:
+        return ast.Call(ast.Name(name, ast.Load()), list(args), [])
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return self._call("_col", ast.Name("c", ast.Load()), ast.Constant(node.id))
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        return ast.Constant(float(node.value))  # type: ignore[arg-type]  # numbers only
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
+        return self._call("_neg", self.visit(node.operand))
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        a, b = self.visit(node.left), self.visit(node.right)
+        if isinstance(node.op, ast.Div):
+            return self._call("_div", a, b)
+        return self._call(f"_op_{type(node.op).__name__}", a, b)
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        sides = [node.left, *node.comparators]
+        parts = [
+            self._call(f"_op_{type(op).__name__}", self.visit(x), self.visit(y))
+            for op, x, y in zip(node.ops, sides, sides[1:], strict=False)
+        ]
+        return self._call("_chain", *parts)
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        assert isinstance(node.func, ast.Name)
+        return self._call(f"_fn_{node.func.id}", *(self.visit(a) for a in node.args))
+
+
+@functools.lru_cache(maxsize=1024)  # derived features and reasons: per micro-batch
+def _compiled(expr: str) -> Callable[[Mapping[str, npt.ArrayLike]], Any]:
+    _check_expr(expr, _AnyName())
+    body = _Compile().visit(ast.parse(expr, mode="eval").body)
+    tree = ast.fix_missing_locations(ast.Expression(ast.Lambda(_lambda_args("c"), body)))
+    fn: Callable[[Mapping[str, npt.ArrayLike]], Any] = eval(  # checked above
+        compile(tree, f"<expression {expr!r}>", "eval"), _NAMESPACE
+    )
+    return fn
+
+
+def _lambda_args(name: str) -> ast.arguments:
+    return ast.arguments(
+        posonlyargs=[], args=[ast.arg(name)], kwonlyargs=[], kw_defaults=[], defaults=[]
+    )
+
+
+class _AnyName(set[str]):
+    """Every name is known: :func:`_check_expr` then checks the shape alone (the names
+    were checked when the declarations were loaded)."""
+
+    def __contains__(self, _name: object) -> bool:
+        return True
 
 
 def derived_columns(

@@ -129,6 +129,7 @@ def test_plan_and_backfill_a_declared_transactions_and_decisions_state(
         assert first.count("backfill: state") == 2, first
         assert "needs the last 7 day(s) of history" in first  # the decisions state
         assert "source decisions, entity card_id, value -, filter decision in" in first
+        assert "reason VELOCITY_1H when card_txn_count_1h >= 8" in first
         out = _cli(data, env, "features", "backfill")
         assert "events recorded into 2 state(s)" in out
         assert (data / "features" / "applied.json").exists()

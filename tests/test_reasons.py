@@ -64,14 +64,14 @@ def test_a_declared_reason_fires_with_its_values_and_ranks_by_importance(
         for c in ("CARD_TESTING_AT_MERCHANT", "VELOCITY_10M")
     )
     assert card_testing.reads() == ("merchant_distinct_cards_10m",)
-    ind = Indicator(card_testing, rules=True)
+    ind = Indicator(card_testing, rules=True, reads=card_testing.reads())
     cols = {"merchant_distinct_cards_10m": np.array([3.0, 20.0, np.nan, 41.0])}
     assert ind.fires(cols, 4).tolist() == [False, True, False, True]
     assert not ind.fires({"amount": np.ones(4)}, 4).any()  # not read: never fires
     row = {"merchant_distinct_cards_10m": 41.0, "card_txn_count_10m": 4.0, "amount": 9.0}
     assert ind.reason(row).message == "41 cards at this merchant in 10 minutes."
 
-    fired = [Indicator(velocity, rules=True), ind]
+    fired = [Indicator(velocity, rules=True, reads=velocity.reads()), ind]
     policy = Policy(0.5, 0.9, 1000.0, importance={"merchant_distinct_cards_10m": 0.3})
     decision, reasons = policy.decide(0.1, row, True, fired)
     assert decision == "approve"

@@ -34,14 +34,11 @@ class Indicator:
 
     decl: D.ReasonDecl
     rules: bool  # reads streaming features only: it applies in rules-only mode too
+    reads: tuple[str, ...]  # decl.reads(), kept: read per micro-batch
 
     @property
     def code(self) -> str:
         return self.decl.code
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return self.decl.reads()
 
     @property
     def feature(self) -> str:
@@ -52,7 +49,9 @@ class Indicator:
         """Where it fires over ``n`` rows (nowhere when a feature it reads is absent)."""
         if not all(r in cols for r in self.reads):
             return np.zeros(n, dtype=bool)
-        v = np.broadcast_to(D.evaluate(self.decl.when, cols), (n,))
+        v = D.evaluate(self.decl.when, cols)
+        if v.shape != (n,):  # a constant expression
+            v = np.full(n, v)
         return (v != 0) & ~np.isnan(v)
 
     def reason(self, row: Mapping[str, float]) -> Reason:
@@ -67,7 +66,7 @@ def indicators() -> tuple[Indicator, ...]:
     out = []
     for r in decl.reasons:
         needed = decl.needed(set(r.reads()))
-        out.append(Indicator(r, rules=needed <= streaming))
+        out.append(Indicator(r, rules=needed <= streaming, reads=r.reads()))
     return tuple(out)
 
 
