@@ -120,3 +120,29 @@ def test_the_compiled_expression_equals_the_reference_row_by_row(expr: str) -> N
     for i in range(40):
         want = derived_reference(expr, {k: float(v[i]) for k, v in cols.items()})
         assert got[i] == pytest.approx(want, nan_ok=True), (expr, i)
+
+
+def test_a_reason_over_a_new_state_is_read_but_does_not_hold_serving_up(
+    tmp_path: Path,
+) -> None:
+    """The scorer reads the states the reasons need besides the models'; only the
+    models' must be backfilled before it serves."""
+    from service.core.scoring import declared_reads
+
+    doc = yaml.safe_load(D.DEFAULT_PATH.read_text())
+    doc["aggregations"].append(
+        {"entity": "device_id", "value": "merchant_id", "windows": ["1h"],
+         "features": {"distinct_count": "device_distinct_merchants"}}
+    )  # fmt: skip
+    doc["reasons"].append(
+        {"code": "DEVICE_HOPPING", "when": "device_distinct_merchants_1h >= 4", "message": "x"}
+    )
+    path = tmp_path / "features.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    decl = F.load_declarations(path)
+    reasons = {f for r in decl.reasons for f in r.reads()}
+    specs, required = declared_reads(decl, {"card_txn_count_1h"}, reasons)
+    read = {f for s in specs for f in s.feature_names()}
+    held = {f for s in required for f in s.feature_names()}
+    assert {"device_distinct_merchants_1h", "card_txn_count_10m", "card_txn_count_1h"} <= read
+    assert "card_txn_count_1h" in held and "device_distinct_merchants_1h" not in held

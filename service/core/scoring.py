@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -271,6 +271,19 @@ def policy_for(model: LoadedModel, settings: ServiceSettings, *, overrides: bool
     )
 
 
+def declared_reads(
+    decl: D.Declarations, models: set[str], reasons: Iterable[str]
+) -> tuple[tuple[D.Spec, ...], tuple[D.Spec, ...]]:
+    """The declared states the scorer reads for the features ``models`` read and those
+    the declared reasons read (``reasons``), derived features followed to what they read;
+    and those of them that must be backfilled before serving: the models' only (a reason
+    added with a new state does not stop serving)."""
+    for_models = decl.needed(models)
+    needed = for_models | decl.needed(set(reasons))
+    specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
+    return specs, tuple(s for s in specs if for_models & set(s.feature_names()))
+
+
 @functools.cache
 def card_snapshot_probe() -> str | None:
     """A feature of the card's snapshot view (entity ``card_id``): missing or stale, the
@@ -405,18 +418,15 @@ class Scorer:
         challenger = self.challenger.current if self.challenger is not None else None
         held = self._declared_for  # the models change seldom: decide once per pair
         if held[0] is not champion or held[1] is not challenger:
-            # What the models and the declared reasons read.
-            names = set(champion.meta.feature_names) | features_read()
+            names = set(champion.meta.feature_names)
             if challenger is not None:
                 names.update(challenger.meta.feature_names)
-            # A derived feature reads others: the states those come from too.
-            needed = decl.needed(names)
-            specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
+            specs, required = declared_reads(decl, names, features_read())
             self._declared_for = (champion, challenger, dataclasses.replace(decl, specs=specs))
             if self.health is not None:  # their markers are checked with the views'
                 self.health.states = [
                     (f"declared state {s.id} ({', '.join(s.feature_names())})", s.backfilled_key())
-                    for s in specs
+                    for s in required
                 ]
         return self._declared_for[2]
 
