@@ -171,6 +171,7 @@ def test_plan_and_backfill_a_declared_transactions_and_decisions_state(
         # Dropping the shipped features: the published model still reads them.
         doc["aggregations"] = yaml.safe_load(NEW)
         doc["derived"] = []
+        doc["reasons"] = []  # the velocity reasons read the dropped aggregations
         declared.write_text(yaml.safe_dump(doc, sort_keys=False))
         removed = _cli(data, env, "features", "plan")
         assert "card_txn_count_1h" in removed.split("- remove:")[1]
