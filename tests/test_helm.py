@@ -54,9 +54,9 @@ CASES: dict[str, dict[str, Any] | None] = {"default": None} | {
 POD_KINDS = {"Deployment", "StatefulSet", "Job", "CronJob", "Pod"}
 
 
-def missing_cli(reason: str) -> None:
-    """Skip when the CLI this test drives is missing, but fail under ``CI=true``: a
-    broken CLI must not pass CI as a skipped test."""
+def missing_tool(reason: str) -> None:
+    """Skip when an outside tool a test drives (promtool) is not installed, but fail under
+    ``CI=true``, where scripts/test.sh installs it. Product code is never skipped."""
     if os.environ.get("CI") == "true":
         pytest.fail(reason)
     pytest.skip(reason)
@@ -696,14 +696,6 @@ def cli_argv(args: list[str]) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
-def _cli_missing_reason() -> str | None:
-    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    module = next(iter(target.values())).split(":")[0]
-    if not (ROOT / (module.replace(".", "/") + ".py")).exists():
-        return f"{module} does not exist yet"
-    return None
-
-
 def rendered_commands() -> list[list[str]]:
     seen: dict[str, list[str]] = {}
     for case, values in CASES.items():
@@ -724,8 +716,6 @@ def _env_for_cli() -> dict[str, str]:
 
 @pytest.mark.parametrize("args", rendered_commands(), ids=lambda a: " ".join(a))
 def test_rendered_command_exists(args: list[str]) -> None:
-    if reason := _cli_missing_reason():
-        missing_cli(f"fraud-scoring CLI not written yet: {reason}")
     proc = subprocess.run(
         [*cli_argv(args), "--help"],
         capture_output=True,
@@ -735,8 +725,6 @@ def test_rendered_command_exists(args: list[str]) -> None:
         env=_env_for_cli(),
     )
     out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and re.search(r"invalid choice|No such command", out):
-        missing_cli(f"subcommand {args[0]!r} not written yet: {out.strip()[-300:]}")
     assert proc.returncode == 0, out
     for flag in (a for a in args if a.startswith("--")):
         assert flag in out, f"{flag} is not an option of `fraud-scoring {args[0]}`"
@@ -891,8 +879,6 @@ def running_scoring(
             try:
                 wait_until(lambda p=path: http_get(base + p) == 200, 60, f"{probe} {path}", proc)
             except AssertionError as exc:
-                if missing := re.search(r"No module named '(service[.\w]*)'", output()):
-                    missing_cli(f"`serve` not written yet: {missing.group(0)}")
                 raise AssertionError(f"{exc}\n{output()}") from None
         yield base, c
         proc.send_signal(signal.SIGTERM)
@@ -918,8 +904,6 @@ def new_key(key_id: str, scopes: list[str]) -> tuple[str, dict[str, Any]]:
 
 def test_rendered_scoring_command_starts_and_answers_its_probes(tmp_path: Path) -> None:
     """Default values plus a Redis password; no model yet, so /readyz answers 503."""
-    if reason := _cli_missing_reason():
-        missing_cli(f"fraud-scoring CLI not written yet: {reason}")
     password = "rendered-s3cret"
     key, entry = new_key("scraper", ["metrics"])
     docs = render({"redis": {"password": password}, "scoring": {"auth": {"keys": [entry]}}})
@@ -1126,8 +1110,6 @@ SMALL_RUN = {
 def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, int, Path]]:
     """The in-chart-redis release: its generated Redis password on a local server, and
     the rendered bootstrap Job's steps run in order with their rendered environment."""
-    if reason := _cli_missing_reason():
-        missing_cli(f"fraud-scoring CLI not written yet: {reason}")
     key, entry = new_key("helm-test", ["score"])
     values = copy.deepcopy(CASES["in-chart-redis"]) or {}
     values.setdefault("scoring", {})["auth"] = {"keys": [entry]}

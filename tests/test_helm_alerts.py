@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_helm import ROOT, find, missing_cli, render, rendered_case
+from tests.test_helm import ROOT, find, missing_tool, render, rendered_case
 
 RULE_TESTS = ROOT / "tests" / "helm_alerts"
 OPERATOR = ("monitoring.coreos.com/v1",)
@@ -45,7 +45,7 @@ def promtool() -> str:
         "promtool"
     )
     if not found:
-        missing_cli("promtool not installed: run scripts/install-promtool.sh")
+        missing_tool("promtool not installed: run scripts/install-promtool.sh")
     assert found
     return found
 
