@@ -22,15 +22,15 @@ the hash tag ``{card:<id>}`` so a card's state lives on one Redis Cluster slot:
 * ``{card:<id>}:ids`` - hash transaction_id -> event time, which makes applying an
   event idempotent on ``transaction_id``.
 
-Both are trimmed to 24 h plus the allowed lateness behind the card's newest event, so
-state per card is bounded. Every write goes through one Lua script, :data:`APPLY_LUA`
-(one call per card, idempotent on ``transaction_id``), queued with :func:`queue_apply`:
-the streaming updater (``streaming/state.py``, which documents the late-event rule)
-and the scoring service (read-your-writes: each scored transaction joins its card's
-history as part of scoring) both use it, so a transaction written by one and then by
-the other is the same member at the same score, written once. Nothing on the scoring
-path reads the whole history: the scorer reads only its newest event (one
-``ZREVRANGE 0 0``).
+Both are trimmed to 24 h plus 900 s (an event may be stamped ahead) plus the allowed
+lateness behind the card's newest event, so state per card is bounded. Every write goes
+through one Lua script, :data:`APPLY_LUA` (one call per card, idempotent on
+``transaction_id``), queued with :func:`queue_apply`: the streaming updater
+(``streaming/state.py``, which documents the late-event rule) and the scoring service
+(read-your-writes: each scored transaction joins its card's history as part of scoring)
+both use it, so a transaction written by one and then by the other is the same member at
+the same score, written once. Nothing on the scoring path reads the whole history: the
+scorer reads only its newest event (one ``ZREVRANGE 0 0``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ US = 1_000_000
 DAY_US = 86_400 * US
 # The history a card keeps (plus the allowed lateness), and the TTL it is based on.
 LONGEST_WINDOW_US = DAY_US
+# An event may be stamped up to FRAUD_MAX_FUTURE_SKEW_S (at most 900 s) ahead of the
+# clock and is recorded: the history keeps this much more, so such an event never trims
+# an honest one that a 24 h window still reads.
+FUTURE_ROOM_US = 900 * US
 
 SEP = "\x1f"  # unit separator: cannot occur in validated ids or country codes
 
@@ -251,7 +255,7 @@ class SessionLimits:
     card lives: the arguments every :data:`APPLY_LUA` call carries.
 
     ``allowed_lateness_s`` is ``FRAUD_ALLOWED_LATENESS_S``; state is kept for
-    ``retention = 24 h + allowed_lateness`` behind the card's newest event. ``ttl_s`` is
+    ``retention = 24 h + 900 s + allowed_lateness`` behind the card's newest event. ``ttl_s`` is
     the wall-clock expiry of an idle card (default: retention plus an hour). The
     updater and the scorer must use the same limits, or one would trim what the other
     keeps.
@@ -266,7 +270,7 @@ class SessionLimits:
 
     @property
     def retention_us(self) -> int:
-        return LONGEST_WINDOW_US + self.lateness_us
+        return LONGEST_WINDOW_US + FUTURE_ROOM_US + self.lateness_us
 
     @property
     def ttl_ms(self) -> int:

@@ -224,11 +224,14 @@ class TimeSettings(_Group):
         "the 24 h windows) is dropped and counted as late.",
     )
     max_future_skew_s: float = Field(
-        default=300.0,
+        default=600.0,
         ge=0,
-        description="An event stamped further than this into the future (by this host's "
-        "clock) is dead-lettered by the updater, and scored but not recorded by the "
-        "service: applied, it would trim its card's real history away.",
+        le=900,
+        description="How far ahead of this host's clock an event may be stamped and still "
+        "be recorded (the store keeps tiles 900 s ahead: FUTURE_ROOM_US). Further ahead, "
+        "the updater dead-letters it and the service refuses it (422) as live: what is "
+        "answered as live is always recorded. The same as FRAUD_MAX_EVENT_SKEW_S by "
+        "default, so the two bounds agree.",
     )
 
 

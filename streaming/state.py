@@ -12,7 +12,7 @@ hash in ``fraud_scoring.session``).
 **Late events.** Every event applies at its own event time. An event whose time is more
 than ``allowed_lateness`` behind the newest event already stored for its card is
 *late*: it is still applied and counted (``late``). State is trimmed to
-``RETENTION = 24 h + allowed_lateness`` behind the card's newest event, so an event
+``RETENTION = 24 h + 900 s + allowed_lateness`` behind the card's newest event, so an event
 older than that is dropped on arrival and counted (``dropped``); it could only change
 features as of times more than ``allowed_lateness`` in the card's past, which nothing
 scores any more. Idle cards also expire by wall clock (``ttl_s``).

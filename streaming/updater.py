@@ -131,7 +131,7 @@ class Updater:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         lag_interval_s: float = 1.0,
-        max_future_s: float = 300.0,
+        max_future_s: float = 600.0,
         on_readonly: Callable[[], None] | None = None,
     ) -> None:
         """``on_readonly`` is called after Redis answered ``READONLY``, before the retry

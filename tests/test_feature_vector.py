@@ -408,6 +408,61 @@ def test_backdating_each_attempt_does_not_hide_a_burst(
     assert "fraud_backdated_transactions_total 12.0" in metrics
 
 
+def test_forward_dating_each_attempt_does_not_hide_a_burst(
+    world: World, tmp_path: Path, online_store: Callable[[int], str]
+) -> None:
+    """A burst stamped 400 s ahead of the clock (inside the event-time bound) is recorded
+    like the honest one: its attempts count in velocity, and a reused id with other
+    content is refused (409). Past FRAUD_MAX_FUTURE_SKEW_S (what the store records) a
+    live transaction is refused (422), never answered without being recorded."""
+    url = online_store(4)
+    srv = start_server(
+        world,
+        tmp_path,
+        REDIS_URL=url,
+        FRAUD_MAX_EVENT_SKEW_S="600",
+        FRAUD_MAX_FUTURE_SKEW_S="500",
+        FRAUD_IDEMPOTENCY_TTL_S="3600",
+    )
+    ahead = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=400)
+    bodies = []
+
+    def attempt(i: int, **over: Any) -> dict[str, Any]:
+        return (
+            _attempt(i)
+            | {
+                "transaction_id": f"ahead-{i}",
+                "card_id": "c-ahead",
+                "merchant_id": "m-ahead",
+                "device_id": "d-ahead",
+                "amount": 1.5,
+                "event_time": (ahead + timedelta(seconds=i)).isoformat(),
+            }
+            | over
+        )
+
+    try:
+        with srv.client() as c:
+            for i in range(13):
+                r = c.post("/v1/score", json=attempt(i))
+                assert r.status_code == 200, r.text
+                bodies.append(r.json())
+            again = c.post("/v1/score", json=attempt(12, amount=99.0))
+            late = c.post(
+                "/v1/score",
+                json=attempt(13, event_time=(ahead + timedelta(seconds=200)).isoformat()),
+            )
+    finally:
+        stop_server(srv)
+    for i in range(3, 13):
+        want = f"{i} transactions on this card in the last 10 minutes."
+        assert _velocity(bodies[i]) == want, (i, bodies[i])
+    assert again.status_code == 409, again.text
+    assert late.status_code == 422, late.text
+    [problem] = late.json()["detail"]
+    assert problem["field"] == "event_time" and "FRAUD_MAX_FUTURE_SKEW_S" in problem["message"]
+
+
 def test_the_daily_batch_leaves_the_label_states_training_computes(world: World) -> None:
     """The world's batch steps for the declared states (backfill up to the day before the
     held-out one, then each day's labels) leave label and delayed states that, read as of

@@ -16,10 +16,11 @@ lags, and the updater's later copy is a duplicate. A transaction never counts in
 features (its read is queued before the write, and counts only what is before its time).
 Attempts of one key in the *same* micro-batch see each other in event-time order
 (:func:`fraud_scoring.declared.parse_batch`). Off with ``FRAUD_RECORD_SCORED=false`` or
-per request (``X-Fraud-Record: false``, for what-if and replay calls). A transaction
-stamped more than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is scored but
-not recorded, as the updater dead-letters it; one far in the past is dropped by the
-script itself without trimming the card's real history (see ``streaming/state.py``).
+per request (``X-Fraud-Record: false``, for what-if and replay calls). A live
+transaction stamped more than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is
+refused at the door (service/edge/routes.py), as the updater dead-letters it; one far in
+the past is dropped by the script itself without trimming the card's real history (see
+``streaming/state.py``).
 
 The dynamic batcher calls :meth:`Scorer.score_batch` with whatever micro-batch it formed;
 the naive path (batching off) calls it with one transaction per request.
@@ -348,7 +349,8 @@ class Scorer:
 
     def _to_record(self, txns: Sequence[Transaction], record: Sequence[bool] | None) -> list[bool]:
         """Per transaction, whether it joins the session and declared state: asked to be
-        recorded and not stamped too far into the future (the updater's bound)."""
+        recorded and not stamped too far into the future (the updater's bound; the HTTP
+        door refuses such a live transaction, so this only guards other callers)."""
         if not self.settings.record_scored:
             return [False] * len(txns)
         latest_us = session.to_us(time.time() + self.settings.max_future_skew_s)

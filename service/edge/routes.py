@@ -59,6 +59,7 @@ from service.errors import (
     error_responses,
 )
 from service.resources import Resources, resources
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -139,14 +140,26 @@ async def json_model(request: Request, model: type[_Model]) -> _Model:
         raise Invalid.from_errors(exc.errors(include_url=False)) from None
 
 
-def _check_clock(txn: Transaction, max_skew_s: float, *loc: str | int) -> None:
-    """Live scoring: ``event_time`` within ``max_skew_s`` of this host's clock, else a
-    422 naming the field (0: no bound)."""
-    if max_skew_s and abs(txn.event_ts - time.time()) > max_skew_s:
+def _check_clock(txn: Transaction, settings: ServiceSettings, *loc: str | int) -> None:
+    """Live scoring: ``event_time`` within ``max_event_skew_s`` of this host's clock (0:
+    no bound), and never further ahead than the store records (``max_future_skew_s``,
+    the updater's bound too): what is answered as live is recorded, so a caller cannot
+    move an attempt out of the velocity windows by stamping it ahead. Else a 422 naming
+    the field."""
+    field = ".".join(str(p) for p in (*loc, "event_time"))
+    ahead = txn.event_ts - time.time()
+    skew = settings.max_event_skew_s
+    if skew and abs(ahead) > skew:
         raise Invalid(
-            f"more than {max_skew_s:g} s from the server clock; score old transactions in "
+            f"more than {skew:g} s from the server clock; score old transactions in "
             f"replay mode ({RECORD_HEADER}: false, admin scope)",
-            ".".join(str(p) for p in (*loc, "event_time")),
+            field,
+        )
+    if settings.record_scored and ahead > settings.max_future_skew_s:
+        raise Invalid(
+            f"more than {settings.max_future_skew_s:g} s ahead of the server clock: the "
+            "store records no event that far ahead (FRAUD_MAX_FUTURE_SKEW_S)",
+            field,
         )
 
 
@@ -283,7 +296,7 @@ async def score(request: Request) -> Response:
         raise Invalid.from_errors(exc.errors(include_url=False)) from None
     res = resources(request)
     if record:
-        _check_clock(txn, res.settings.max_event_skew_s)
+        _check_clock(txn, res.settings)
     deadline = request_deadline(request, res)
     item = ScoreRequest(txn, record)
     return _json(await _score_one(request, res, item, deadline, client_gone(request)))
@@ -353,7 +366,7 @@ async def score_many(request: Request) -> Response:
         raise Invalid("at least one transaction is required", "transactions")
     if record:
         for i, txn in enumerate(transactions):
-            _check_clock(txn, res.settings.max_event_skew_s, "transactions", i)
+            _check_clock(txn, res.settings, "transactions", i)
     deadline = request_deadline(request, res)
     gone = client_gone(request)
     # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so no
