@@ -254,3 +254,38 @@ def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
     text = srv.log.read_text()
     assert text.count("Traceback") == 0, text[-3000:]
     assert text.count("circuit open") == 1 and text.count("circuit closed") == 1, text[-3000:]
+
+
+def test_a_full_store_still_decides_and_says_it_records_nothing(
+    world: World, tmp_path: Path, own_redis: str
+) -> None:
+    """Redis at maxmemory with noeviction refuses every write (the id claims, the
+    recording) but answers reads: each call is still decided (200, not 503), the
+    refusals are counted, /readyz stays ready and names the store read-only, and it
+    clears once the store takes writes again."""
+    client = redis.Redis.from_url(own_redis)
+    srv = start_server(
+        world, tmp_path, REDIS_URL=own_redis, FRAUD_IDEMPOTENCY_TTL_S="3600", **FAST_CHECKS
+    )
+    try:
+        with srv.client() as c:
+            assert c.post("/v1/score", json=txn(0)).status_code == 200
+            assert "store_writes" not in c.get("/readyz").json()
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 1)  # below what it holds: every write refused
+            answers = [c.post("/v1/score", json=txn(i)) for i in range(1, 21)]
+            assert [a.status_code for a in answers] == [200] * 20, answers[-1].text
+            assert all(a.json()["model_version"] != "rules-only" for a in answers)
+            ready = c.get("/readyz")
+            assert ready.status_code == 200 and "refuses writes" in ready.json()["store_writes"]
+            metrics = c.get("/metrics").text
+            assert 'fraud_store_writes_refused_total{what="claim"} 20.0' in metrics
+            client.config_set("maxmemory", 0)
+            assert c.post("/v1/score", json=txn(21)).status_code == 200
+            assert "store_writes" not in c.get("/readyz").json()
+    finally:
+        client.config_set("maxmemory", 0)
+        client.close()
+        stop_server(srv)
+    log = srv.log.read_text()
+    assert log.count("refuses writes") == 1, log[-3000:]

@@ -53,7 +53,12 @@ from service.core.challenger import Challenger
 from service.core.decision import Policy, Reason, features_read, fired, indicators, rules_only
 from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
-from service.core.store_health import FeatureStoreUnavailable, NoBatchFeatures, StoreHealth
+from service.core.store_health import (
+    FeatureStoreUnavailable,
+    NoBatchFeatures,
+    StoreHealth,
+    write_refused,
+)
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -73,6 +78,16 @@ def _inexact_declared() -> Counter:
     events behind its key's present (a replay; see fraud_scoring/declared.py)."""
     return Counter(
         "fraud_declared_reads_inexact", "Declared-feature reads that were not exact (replays)"
+    )
+
+
+@functools.cache
+def _writes_refused() -> Counter:
+    return Counter(
+        "fraud_store_writes_refused_total",
+        "Writes the online store refused (OOM at maxmemory, READONLY): the id claims or "
+        "the recording of scored transactions; the decisions stand, not recorded.",
+        ["what"],
     )
 
 
@@ -340,6 +355,8 @@ class Scorer:
         self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
         # Exported at 0 from the start: alerts on rate() see the first event.
         _backdated(), _inexact_declared(), _id_reused()
+        for what in ("claim", "record"):
+            _writes_refused().labels(what=what)
         self._keeping: set[asyncio.Task[None]] = set()
         self._declared_for: tuple[LoadedModel | None, LoadedModel | None, D.Declarations] = (
             None,
@@ -386,7 +403,12 @@ class Scorer:
                 raise FeatureStoreUnavailable("feature store unavailable: a read failed")
         if self.health is not None:
             self.health.observed(replies[: lay.markers], lay.states)
-        if batch.by_card:
+        writes = [*replies[lay.reads_end : lay.session_end], *lay.declared_writes(replies)]
+        if refused := [r for r in writes if write_refused(r)]:
+            self._refused("record", refused[0], len(refused))
+        elif writes and self.health is not None:
+            self.health.write_succeeded()
+        if batch.by_card and not refused:
             await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
         rows = self.reader.parse(replies[lay.markers : lay.reader], txns)
         aggs, inexact = D.parse_batch(
@@ -673,15 +695,31 @@ class Scorer:
             return None, newest
         got = iter(zip(asked, contents, replies[len(cards) :], strict=True))
         out: list[_Claimed | None] = []
+        refused: list[Any] = []
         for r in recorded:
             if not r:
                 out.append(None)
                 continue
             t, c, reply = next(got)
+            if write_refused(reply):  # a full store still decides: not recorded
+                refused.append(reply)
+                out.append(None)
+                continue
             if isinstance(reply, Exception):
                 raise FeatureStoreUnavailable("feature store unavailable: a claim failed")
             out.append(_Claimed(idempotency.outcome(t, c, reply), c))
+        if refused:
+            self._refused("claim", refused[0], len(refused))
         return out, newest
+
+    def _refused(self, what: str, reply: Any, n: int) -> None:
+        """The store refused ``n`` writes of ``what``: counted; logged and shown on
+        /readyz through the health (once per interval, not per micro-batch)."""
+        _writes_refused().labels(what=what).inc(n)
+        if self.health is not None:
+            self.health.write_refused(what, reply, n)
+        else:
+            log.warning("the online store refused %d writes (%s): %s", n, what, reply)
 
     def _settle(self, out: list[ScoreResult], claims: list[_Claimed | None]) -> list[ScoreResult]:
         """Retries get their original answer (or, before it is stored, this one, marked

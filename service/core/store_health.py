@@ -20,6 +20,13 @@ Redis that restarted without persistence lacks them, and :attr:`absent_views` (a
 :attr:`absent_states`) name them from the first read until the next batch run.
 Presence is reported through ``on_presence`` (the ``fraud_batch_features_present{view}``
 gauge), so this module imports no telemetry.
+
+**Read-only store.** A store that answers reads but refuses writes (``OOM`` at
+``maxmemory`` with ``noeviction``, ``READONLY`` on a replica) does not stop decisions:
+the scorer decides without recording and reports each refusal here
+(:meth:`write_refused`): :attr:`read_only` names the cause for ``/readyz`` until a write
+succeeds again (:meth:`write_succeeded`), and the log gets one line per
+``log_every_s`` with the count, not one per micro-batch.
 """
 
 from __future__ import annotations
@@ -30,11 +37,27 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis.exceptions
+
 from fraud_scoring.feast_store import batch_marker_key
 from fraud_scoring.redis_clients import STORE_ERRORS
 from service.errors import Rejected, RejectReason
 
 PROBE_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
+# A store that reads but does not write: full (noeviction), or a replica after failover.
+WRITE_REFUSED: tuple[type[Exception], ...] = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+)
+
+
+def write_refused(reply: object) -> bool:
+    """``reply`` is the store refusing a write (OOM, READONLY), not failing."""
+    if isinstance(reply, WRITE_REFUSED):
+        return True
+    # Inside a script (EVALSHA) the refusal comes back as a plain error with its code.
+    text = str(reply) if isinstance(reply, redis.exceptions.ResponseError) else ""
+    return "OOM " in text or "READONLY " in text
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +114,11 @@ class StoreHealth:
         # or read did not find.
         self.states: list[tuple[str, str]] = []
         self.absent_states: list[str] = []
+        # The store refuses writes (why), since the last refusal without a success.
+        self.read_only: str | None = None
+        self.log_every_s = 60.0
+        self._refused = 0  # refusals since the last log line
+        self._logged_at: float | None = None
 
     # --- breaker ------------------------------------------------------------------------
     @property
@@ -126,6 +154,32 @@ class StoreHealth:
         if self.absent_states:
             return f"not backfilled: {', '.join(self.absent_states)}"
         return None
+
+    # --- writes -------------------------------------------------------------------------
+    def write_refused(self, what: str, reply: object, n: int = 1) -> None:
+        """The store refused ``n`` writes of ``what`` (claims, recording): decided, not
+        recorded. Logged once per ``log_every_s`` with the count."""
+        if self.read_only is None:
+            log.warning("the online store refuses writes (%s): deciding without recording", reply)
+        self.read_only = f"refuses writes: {str(reply)[:120]}"
+        self._refused += n
+        now = self.clock()
+        if self._logged_at is None or now - self._logged_at >= self.log_every_s:
+            if self._logged_at is not None:
+                log.warning(
+                    "the online store refused %d writes in the last %.0f s (%s, last: %s); "
+                    "decisions are made but not recorded",
+                    self._refused,
+                    now - self._logged_at,
+                    what,
+                    reply,
+                )
+            self._logged_at, self._refused = now, 0
+
+    def write_succeeded(self) -> None:
+        if self.read_only is not None:
+            log.info("the online store takes writes again")
+            self.read_only, self._logged_at, self._refused = None, None, 0
 
     # --- markers ------------------------------------------------------------------------
     async def check(self) -> None:

@@ -573,6 +573,9 @@ async def readyz(request: Request) -> JSONResponse:
     # Information only: scoring goes on (decisions buffered, then dropped and counted).
     if res.decision_log is not None and (why := res.decision_log.readiness()) is not None:
         body["decision_log"] = why
+    if res.health is not None and res.health.read_only is not None:
+        # Information only: decisions go on, not recorded (ids unclaimed) until it writes.
+        body["store_writes"] = res.health.read_only + "; deciding without recording"
     if res.challenger is not None and (why := res.challenger.readiness()) is not None:
         body["challenger"] = why  # information only: the serving model decides alone
     if degraded and store:

@@ -136,6 +136,11 @@ class ReadyzOut(BaseModel):
     challenger: str | None = Field(
         default=None, description="the challenger's problem; the serving model decides alone"
     )
+    store_writes: str | None = Field(
+        default=None,
+        description="the online store refuses writes (OOM at maxmemory, READONLY): decisions "
+        "go on, not recorded in velocity and without the id check, until it writes again",
+    )
     degraded: dict[str, str] | None = Field(
         default=None,
         description="FRAUD_DEGRADED_POLICY=rules: the store's problems (keys as in the 503), "
