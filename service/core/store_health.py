@@ -59,6 +59,7 @@ def write_refused(reply: object) -> bool:
     text = str(reply) if isinstance(reply, redis.exceptions.ResponseError) else ""
     return "OOM " in text or "READONLY " in text
 
+
 log = logging.getLogger(__name__)
 
 
