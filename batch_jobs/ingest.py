@@ -6,14 +6,15 @@ of naive times, and when labels arrived (a column, or event time + N days). Rows
 cannot be read (malformed lines, missing or unparsable values, repeated ids) are written
 to a rejects file with the reason, never dropped silently. A break of the mapping itself
 (a column that is not there, naive times and no zone) is refused before anything is
-written. Idempotent per day: each UTC day the run holds is replaced as a whole (written
-beside, then renamed), so the same input writes the same files; a run owns the labels of
-the transactions it ingests and keeps every other label (feedback). Layout and rules:
-``docs/data-contract.md``.
+written, and so is a file that is empty, not UTF-8 or not CSV. Idempotent per day: each
+UTC day the run holds is replaced as a whole (written beside, then renamed), so the same
+input writes the same files; a run owns the labels of the transactions it ingests and
+keeps every other label (feedback). Layout and rules: ``docs/data-contract.md``.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import logging
@@ -219,36 +220,135 @@ def _files(spec: Files, base: Path) -> list[Path]:
     return out
 
 
+def _refuse(path: Path, what: str, fix: str) -> C.ContractError:
+    return C.ContractError([C.Problem(str(path), "*", what, fix)])
+
+
+def _check_text(path: Path) -> bool:
+    """Refuse (ContractError naming the file) a CSV that is empty (0 bytes, or blank: no
+    header line) or not UTF-8 (with the offset of the first bad byte). Returns whether a
+    line break follows the header's first character (a header alone without one is read
+    apart: pyarrow wants it ended)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, blank, newline = 0, True, False
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = len(decoder.getstate()[0])  # bytes of a character cut by the chunk
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, offset - pending + exc.start, exc) from None
+            if not chunk:
+                break
+            if blank:  # from the first character that is not blank on
+                text = text.lstrip("\ufeff \t\r\n\f\v")
+                blank = not text
+            newline = newline or "\n" in text or "\r" in text
+            offset += len(chunk)
+    if offset == 0:
+        raise _refuse(path, "empty file (0 bytes)", "export the file again, with its header")
+    if blank:
+        raise _refuse(
+            path, "empty file (blank, no header line)", "export the file again, with its header"
+        )
+    return newline
+
+
+def _not_utf8(path: Path, at: int, exc: UnicodeDecodeError) -> C.ContractError:
+    bom = at == 0 and exc.object[:2] in (b"\xff\xfe", b"\xfe\xff")
+    return _refuse(
+        path,
+        f"not UTF-8: byte 0x{exc.object[exc.start : exc.start + 1].hex()} at offset {at}"
+        + (" (a UTF-16 byte order mark)" if bom else ""),
+        "export the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+    )
+
+
+def _read_csv(path: Path, spec: Files, rejects: Rejects) -> pd.DataFrame:
+    """A CSV as text columns, its malformed lines in ``rejects``; a file that is empty,
+    not UTF-8 or that pyarrow cannot parse is refused (ContractError) naming it."""
+    has_newline = _check_text(path)
+
+    def malformed(row: pacsv.InvalidRow) -> str:
+        try:
+            text: object = row.text
+        except ValueError:  # UnicodeDecodeError: not after _check_text, but never a crash
+            text = "(not UTF-8)"
+        rejects.add(
+            str(path),
+            "?",
+            "malformed line",
+            f"{row.actual_columns} fields, expected {row.expected_columns}",
+            text,
+        )
+        return "skip"
+
+    data = None if has_newline else path.read_bytes() + b"\n"  # a header alone: ended
+    size = path.stat().st_size + 1
+    mark = len(rejects.rows)
+    try:
+        for block in (None, size):
+            # A line longer than a block (a huge field) straddles blocks: then the file
+            # is read again as one block.
+            del rejects.rows[mark:]
+            read = pacsv.ReadOptions() if block is None else pacsv.ReadOptions(block_size=block)
+            try:
+                probe = pacsv.open_csv(
+                    path if data is None else pa.BufferReader(data),
+                    read_options=read,
+                    parse_options=pacsv.ParseOptions(
+                        delimiter=spec.delimiter, invalid_row_handler=lambda _: "skip"
+                    ),
+                )
+                header = probe.schema.names
+                probe.close()
+                return pacsv.read_csv(
+                    path if data is None else pa.BufferReader(data),
+                    read_options=read,
+                    parse_options=pacsv.ParseOptions(
+                        delimiter=spec.delimiter, invalid_row_handler=malformed
+                    ),
+                    convert_options=pacsv.ConvertOptions(
+                        column_types={h: pa.string() for h in header}, strings_can_be_null=False
+                    ),
+                ).to_pandas()
+            except pa.ArrowInvalid as exc:
+                if block is not None or "straddl" not in str(exc) or size >= 1 << 31:
+                    raise
+        raise AssertionError("unreachable")
+    except pa.ArrowMemoryError:
+        raise
+    except pa.ArrowException as exc:
+        msg = str(exc).splitlines()[0][:200]
+        if "cannot infer number of columns" in msg:  # not blank, yet no header row: a quote
+            msg = "the header line does not end: a quote not closed?"
+        raise _refuse(
+            path,
+            f"not readable as CSV ({msg})",
+            "fix the file (quotes, line breaks, delimiter) or export it again",
+        ) from None
+
+
 def read_file(path: Path, spec: Files, rejects: Rejects) -> pd.DataFrame:
     """One source file as a frame (CSV: every column as text), with ``_source`` and ``_row``
     (the record's number among the file's well-formed ones). Malformed CSV lines go to
-    ``rejects``. Raises ContractError when a mapped column is not in the file."""
+    ``rejects``. Raises ContractError when the file is empty, not UTF-8 or not readable as
+    CSV (parquet), when a mapped column is not in the file or in it more than once."""
     fmt = spec.format or ("parquet" if path.suffix in (".parquet", ".pq") else "csv")
     if fmt == "parquet":
-        df = pq.read_table(path).to_pandas()
+        try:
+            df = pq.read_table(path).to_pandas()
+        except pa.ArrowMemoryError:
+            raise
+        except pa.ArrowException as exc:
+            raise _refuse(
+                path,
+                f"not readable as parquet ({str(exc).splitlines()[0][:200]})",
+                "export the file again",
+            ) from None
     else:
-        with open(path, newline="") as f:
-            header = next(csv.reader(f, delimiter=spec.delimiter), [])
-
-        def malformed(row: pacsv.InvalidRow) -> str:
-            rejects.add(
-                str(path),
-                "?",
-                "malformed line",
-                f"{row.actual_columns} fields, expected {row.expected_columns}",
-                row.text,
-            )
-            return "skip"
-
-        df = pacsv.read_csv(
-            path,
-            parse_options=pacsv.ParseOptions(
-                delimiter=spec.delimiter, invalid_row_handler=malformed
-            ),
-            convert_options=pacsv.ConvertOptions(
-                column_types={h: pa.string() for h in header}, strings_can_be_null=False
-            ),
-        ).to_pandas()
+        df = _read_csv(path, spec, rejects)
     wanted = {s.column for s in spec.columns.values() if s.column is not None}
     missing = sorted(wanted - set(df.columns))
     if missing:
@@ -263,6 +363,23 @@ def read_file(path: Path, spec: Files, rejects: Rejects) -> pd.DataFrame:
                 for m in missing
             ]
         )
+    seen = Counter(map(str, df.columns))
+    twice = sorted(m for m in wanted if seen[m] > 1)
+    if twice:
+        raise C.ContractError(
+            [
+                C.Problem(str(path), m, f"{seen[m]} columns of this name", "rename all but one")
+                for m in twice
+            ]
+        )
+    if any(n > 1 for n in seen.values()):  # unmapped repeats: kept, told apart
+        names: list[str] = []
+        for c in map(str, df.columns):
+            k = 0
+            while (name := c if k == 0 else f"{c}.{k}") in names or (k and name in seen):
+                k += 1
+            names.append(name)
+        df.columns = pd.Index(names)
     df["_source"], df["_row"] = str(path), np.arange(1, len(df) + 1)
     return df
 
@@ -303,6 +420,8 @@ def _times(
     no_gap = pd.Series(False, index=idx)
     if src.format in ("epoch_s", "epoch_ms"):
         num = pd.to_numeric(s, errors="coerce")
+        lim = 9e9 if src.format == "epoch_s" else 9e12  # beyond ~2255: unparsable, no overflow
+        num = num.where(num.abs() < lim)
         utc = pd.to_datetime(
             num, unit="s" if src.format == "epoch_s" else "ms", utc=True, errors="coerce"
         )
@@ -360,7 +479,9 @@ def _times(
 def _aware(v: str) -> tuple[Any, int]:
     try:
         t = datetime.fromisoformat(v.replace("Z", "+00:00"))
-    except ValueError:
+        ts = pd.Timestamp(t)  # beyond pandas' nanoseconds (1677..2262): unparsable
+        (ts.tz_convert("UTC") if ts.tzinfo is not None else ts).as_unit("ns")
+    except (ValueError, OverflowError):
         return pd.NaT, 0
     o = t.utcoffset()
     return t, int(o.total_seconds() // 60) if o is not None else 0
@@ -537,7 +658,9 @@ def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None)
     ``data_dir/raw``, the refused rows to ``rejects_path`` (default
     ``data_dir/ingest/rejects.csv``) and a manifest beside it (the mapping, the label
     rule, the counts). Raises ContractError (nothing written) on a break of the mapping or
-    of the contract; ValueError naming the field for an invalid mapping file."""
+    of the contract, and naming the file on one that is empty (or, for the transactions,
+    headers only), not UTF-8 or not readable; ValueError naming the field for an invalid
+    mapping file."""
     mapping = load_mapping(mapping_path)
     base = mapping_path.parent
     raw = data_dir / "raw"
@@ -547,13 +670,21 @@ def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None)
 
     frames: list[pd.DataFrame] = []
     sources: list[pd.DataFrame] = []
-    for path in tqdm(_files(tspec, base), desc="read transactions", unit="file", disable=None):
+    tfiles = _files(tspec, base)
+    for path in tqdm(tfiles, desc="read transactions", unit="file", disable=None):
         src = read_file(path, tspec, rejects)
         frame, reasons = cast_transactions(src, tspec)
         _reject(rejects, src, src.index[reasons != ""], reasons)
         frames.append(frame[reasons == ""].assign(_file=len(sources)))
         sources.append(src)
     rows_read = sum(len(s) for s in sources) + rejects.counts()["malformed line"]
+    if rows_read == 0:  # every transaction file a header alone: nothing to write
+        raise C.ContractError(
+            [
+                C.Problem(str(p), "*", "no rows, a header only", "export the transactions again")
+                for p in tfiles
+            ]
+        )
     src_all = (
         pd.concat(sources, ignore_index=False, keys=range(len(sources)))
         if sources
