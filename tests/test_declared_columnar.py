@@ -1,0 +1,144 @@
+"""The columnar micro-batch read (``fraud_scoring/declared_columnar.py``) equals the
+row-by-row definition (``declared.parse_batch``, itself checked against training and a
+naive reference in tests/test_declared.py) on every row and feature: live rows, bursts
+of one key inside a micro-batch (recorded or not), replays behind a key's present
+(tiles and newest events ahead of ``t``), hot keys, keys absent from the batch, empty
+categorical values, whole-tile (delayed) states, min/max, declared defaults; with the
+test file's declarations and the shipped ones, on a real Redis-protocol server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from fraud_scoring import declared as D
+from fraud_scoring import declared_columnar as C
+from fraud_scoring import features as F
+from fraud_scoring.redis_clients import sync_client
+from fraud_scoring.redis_server import embedded_redis
+from tests.test_declared import DECL, T0, history
+
+HORIZON_S = 300.0 + D.HORIZON_S
+US = D.US
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[Any]:
+    """A store holding the test history in the test file's and the shipped states."""
+    with embedded_redis() as url:
+        client = sync_client(url)
+        for script in D.SCRIPTS:
+            client.script_load(script)
+        hist = history()
+        rows = hist.assign(mcc="5411").to_dict("records")
+        ts = [int(t.value // 1000) for t in hist["event_time"]]
+        for decl in (_test_decl(), F.declarations()):
+            for at in range(0, len(rows), 1000):
+                pipe = client.pipeline(transaction=False)
+                D.queue_batch(
+                    pipe,
+                    decl,
+                    rows[at : at + 1000],
+                    ts[at : at + 1000],
+                    [True] * len(rows[at : at + 1000]),
+                    HORIZON_S,
+                    read=False,
+                )
+                pipe.execute()
+        yield client
+        client.close()
+
+
+def _test_decl() -> D.Declarations:
+    return D.parse(yaml.safe_load(DECL), "test")
+
+
+def _batch(seed: int, n: int) -> tuple[list[dict[str, Any]], list[int], list[bool]]:
+    """A micro-batch: live rows just after the history, replays inside it, bursts of
+    one card or merchant, rows without a device or a country, some not recorded."""
+    rng = np.random.default_rng(seed)
+    rows, ts = [], []
+    end = int(T0.value // 1000)
+    for i in range(n):
+        kind = rng.choice(["live", "replay", "deep"], p=[0.6, 0.3, 0.1])
+        if kind == "live":
+            t = end + int(rng.integers(1, 120 * US))
+        elif kind == "replay":
+            t = end - int(rng.integers(1, 600 * US))
+        else:
+            t = end - int(rng.integers(3600 * US, 3 * 86_400 * US))
+        rows.append(
+            {
+                "transaction_id": f"b{seed}-{i}",
+                "card_id": f"c{rng.integers(0, 4 if i % 3 else 20)}",
+                "merchant_id": str(rng.choice(["m1", "m2", "m-hot", "m-new"])),
+                "device_id": None if rng.random() < 0.3 else f"d{rng.integers(1, 4)}",
+                "amount": round(float(rng.lognormal(3, 1)), 2),
+                "channel": str(rng.choice(["pos", "ecom", "atm"])),
+                "country": "" if rng.random() < 0.1 else str(rng.choice(["US", "GB", "FR"])),
+                "mcc": "5411",
+            }
+        )
+        ts.append(t)
+    if n > 3:  # two attempts at one time (ties) in a burst
+        ts[2] = ts[1]
+        rows[2]["card_id"] = rows[1]["card_id"]
+    record = [bool(r) for r in rng.random(n) < 0.8]
+    return rows, ts, record
+
+
+def _both(client: Any, decl: D.Declarations, seed: int, n: int) -> None:
+    rows, ts, record = _batch(seed, n)
+    pipe = client.pipeline(transaction=False)
+    plan = C.queue_batch(pipe, decl, D.BatchColumns(rows, ts), record, HORIZON_S)
+    replies = pipe.execute(raise_on_error=False)
+    nreads = sum(len(k) for k in plan.keys)
+    reads, writes = replies[:nreads], replies[nreads:]
+    got, inexact = C.parse_batch(plan, reads, writes, ts)
+    reference = D.BatchPlan(
+        [(s, i, s.key_value(r)) for s in decl.specs for i, r in enumerate(rows)], plan.writes
+    )
+    want, inexact_ref = D.parse_batch(reference, reads, writes, rows, ts)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(
+            np.asarray(got[name], dtype=np.float64),
+            np.asarray(want[name], dtype=np.float64),
+            rtol=1e-12,
+            atol=1e-9,
+            err_msg=f"{name} (seed {seed}, {n} rows)",
+        )
+    assert inexact == inexact_ref
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_columns_equal_the_row_by_row_definition(store: Any, seed: int, n: int) -> None:
+    _both(store, _test_decl(), seed * 100 + n, n)
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shipped_declarations_too(store: Any, seed: int, n: int) -> None:
+    _both(store, F.declarations(), 7_000 + seed * 100 + n, n)
+
+
+def test_a_batch_of_keys_the_store_never_saw(store: Any) -> None:
+    rows, ts, _ = _batch(11, 16)
+    for r in rows:
+        r["card_id"], r["merchant_id"] = "c-unseen-" + r["transaction_id"], "m-unseen"
+        r["device_id"] = "d-unseen" if r["device_id"] else None
+    pipe = store.pipeline(transaction=False)
+    decl = F.declarations()
+    plan = C.queue_batch(pipe, decl, D.BatchColumns(rows, ts), [False] * 16, HORIZON_S)
+    replies = pipe.execute(raise_on_error=False)
+    got, inexact = C.parse_batch(plan, replies, [], ts)
+    assert inexact == 0
+    for f in decl.specs[0].features:
+        assert len(got[f.name]) == 16
+    assert pd.Series(got["card_txn_count_1h"]).eq(0).all()
