@@ -1,0 +1,174 @@
+"""Expressions over number columns: a declaration's value (``log1p(amount)``), a derived
+feature's ``expr`` and a reason's ``when``. :func:`_check_expr` refuses anything but
+numbers, names, ``+ - * /``, comparisons and the functions of :data:`_FUNCS`; a checked
+expression is compiled once to numpy calls (:func:`evaluate`; ``a / b`` is 0 where
+``b`` is 0).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+# Request fields an expression may read besides features.
+REQUEST_FIELDS = ("amount",)
+_FUNCS: dict[str, Callable[..., Any]] = {
+    "log1p": np.log1p,
+    "abs": np.abs,
+    "sqrt": lambda x: np.sqrt(np.maximum(x, 0.0)),
+    "clip": np.clip,
+    "minimum": np.minimum,
+    "maximum": np.maximum,
+    "where": np.where,
+}
+_BINOPS = {ast.Add: np.add, ast.Sub: np.subtract, ast.Mult: np.multiply}
+_CMPS = {
+    ast.Gt: np.greater,
+    ast.GtE: np.greater_equal,
+    ast.Lt: np.less,
+    ast.LtE: np.less_equal,
+    ast.Eq: np.equal,
+    ast.NotEq: np.not_equal,
+}
+
+
+def _check_expr(expr: str, known: set[str]) -> None:
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression: {exc.msg}") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id not in known and node.id not in _FUNCS:
+            raise ValueError(f"unknown name {node.id!r}")
+        if isinstance(node, ast.Call) and not (
+            isinstance(node.func, ast.Name) and node.func.id in _FUNCS
+        ):
+            raise ValueError(f"only these functions: {', '.join(_FUNCS)}")
+        ok = (
+            ast.Expression, ast.BinOp, ast.UnaryOp, ast.USub, ast.Compare, ast.Call,
+            ast.Name, ast.Load, ast.Constant, ast.Div, *_BINOPS, *_CMPS,
+        )  # fmt: skip
+        if not isinstance(node, ok):
+            raise ValueError(f"{type(node).__name__} is not allowed")
+        if isinstance(node, ast.Constant) and not isinstance(node.value, int | float):
+            raise ValueError("constants must be numbers")
+
+
+def evaluate(expr: str, columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:
+    """An expression over float64 columns. ``a / b`` is 0 where ``b`` is 0 (write the
+    default you want with ``where``); clipping is written in the expression."""
+    return np.asarray(_compiled(expr)(columns), dtype=np.float64)
+
+
+def _div(a: Any, b: Any) -> Any:
+    b = np.asarray(b, dtype=np.float64)
+    return np.where(b != 0, np.asarray(a) / np.where(b != 0, b, 1.0), 0.0)
+
+
+def _chain(*parts: Any) -> Any:
+    """A comparison (chained: ``0 < x < 3``) as 1.0 / 0.0."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return np.asarray(out).astype(np.float64)
+
+
+# The names a compiled expression calls: numpy's operations, and each function by name.
+_NAMESPACE: dict[str, Any] = {
+    "__builtins__": {},
+    "_col": lambda c, k: np.asarray(c[k], dtype=np.float64),
+    "_div": _div,
+    "_neg": operator.neg,
+    "_chain": _chain,
+    **{f"_op_{op.__name__}": fn for op, fn in _BINOPS.items()},
+    **{f"_op_{op.__name__}": fn for op, fn in _CMPS.items()},
+    **{f"_fn_{name}": fn for name, fn in _FUNCS.items()},
+}
+
+
+class _Compile(ast.NodeTransformer):
+    """A checked expression (:func:`_check_expr`) as calls into :data:`_NAMESPACE`: the
+    tree is walked once, not per evaluation."""
+
+    @staticmethod
+    def _call(name: str, *args: ast.expr) -> ast.Call:
+        return ast.Call(ast.Name(name, ast.Load()), list(args), [])
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return self._call("_col", ast.Name("c", ast.Load()), ast.Constant(node.id))
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        return ast.Constant(float(node.value))  # type: ignore[arg-type]  # numbers only
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
+        return self._call("_neg", self.visit(node.operand))
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        a, b = self.visit(node.left), self.visit(node.right)
+        if isinstance(node.op, ast.Div):
+            return self._call("_div", a, b)
+        return self._call(f"_op_{type(node.op).__name__}", a, b)
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        sides = [node.left, *node.comparators]
+        parts = [
+            self._call(f"_op_{type(op).__name__}", self.visit(x), self.visit(y))
+            for op, x, y in zip(node.ops, sides, sides[1:], strict=False)
+        ]
+        return self._call("_chain", *parts)
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        assert isinstance(node.func, ast.Name)
+        return self._call(f"_fn_{node.func.id}", *(self.visit(a) for a in node.args))
+
+
+@functools.lru_cache(maxsize=1024)  # derived features and reasons: per micro-batch
+def _compiled(expr: str) -> Callable[[Mapping[str, npt.ArrayLike]], Any]:
+    _check_expr(expr, _AnyName())
+    body = _Compile().visit(ast.parse(expr, mode="eval").body)
+    tree = ast.fix_missing_locations(ast.Expression(ast.Lambda(_lambda_args("c"), body)))
+    fn: Callable[[Mapping[str, npt.ArrayLike]], Any] = eval(  # checked above
+        compile(tree, f"<expression {expr!r}>", "eval"), _NAMESPACE
+    )
+    return fn
+
+
+def _lambda_args(name: str) -> ast.arguments:
+    return ast.arguments(
+        posonlyargs=[], args=[ast.arg(name)], kwonlyargs=[], kw_defaults=[], defaults=[]
+    )
+
+
+class _AnyName(set[str]):
+    """Every name is known: :func:`_check_expr` then checks the shape alone (the names
+    were checked when the declarations were loaded)."""
+
+    def __contains__(self, _name: object) -> bool:
+        return True
+
+
+def is_expression(value: str | None) -> bool:
+    """A declaration's value is an expression, not a column name."""
+    return value is not None and not value.isidentifier()
+
+
+@functools.lru_cache(maxsize=1024)  # read per event (a label's value): parsed once
+def value_names(value: str | None) -> frozenset[str]:
+    """The columns a declaration's value reads (none without a value)."""
+    if value is None:
+        return frozenset()
+    if not is_expression(value):
+        return frozenset({value})
+    tree = _parsed(value)
+    return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in _FUNCS)
+
+
+@functools.lru_cache(maxsize=1024)  # derived features are evaluated per micro-batch
+def _parsed(expr: str) -> ast.Expression:
+    return ast.parse(expr, mode="eval")

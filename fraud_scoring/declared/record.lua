@@ -1,0 +1,148 @@
+-- A state's settings from ARGV[pos]: horizon_us, newest, ttl_ms, backfill (1/0), dcap,
+-- dback_us, extremes (1/0), nwidths, (u, slots)*. Returns them (record's c) and the
+-- position after.
+local function config(pos)
+  local nw = tonumber(ARGV[pos + 7])
+  local widths, fields = {}, {}
+  for w = 1, nw do
+    local u = ARGV[pos + 6 + 2*w]
+    widths[w] = {u, tonumber(u), tonumber(ARGV[pos + 7 + 2*w])}
+    fields[w] = u
+  end
+  fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
+  -- a tile's record: 4 doubles, or 6 with its min and max
+  local rs = ARGV[pos + 6] == '1' and 48 or 32
+  return {tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2]),
+    ARGV[pos + 3] == '1', tonumber(ARGV[pos + 4]), tonumber(ARGV[pos + 5]), nw, widths,
+    fields, rs}, pos + 8 + 2 * nw
+end
+
+-- Record one key's events: ``nev`` of them, ``ev(e)`` -> id, ts (µs), value (numbers).
+local function record(kt, kid, c, nev, ev)
+  local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields, rs = unpack(c)
+  local held = redis.call('HMGET', kt, unpack(fields))
+  local recent = held[nw + 1] or ''
+  -- f: the oldest event recorded live; b: the newest recorded by a backfill
+  local first = held[nw + 2] and tonumber(held[nw + 2])
+  local back = held[nw + 3] and tonumber(held[nw + 3])
+  local back0 = back  -- as before this call: events of one time all count (labels share one)
+  local newest = nil
+  if #recent > 0 then newest = struct.unpack('<d', recent, #recent - 15) end
+  local out, tiles, added = {}, {}, false
+  for w = 1, nw do tiles[w] = {} end
+  for e = 1, nev do
+    local id, ts, x = ev(e)
+    if backfill and ((back0 and ts <= back0) or (first and ts >= first)) then
+      out[e] = 0  -- recorded by an earlier backfill, or live (the stream has it)
+    elseif redis.call('ZSCORE', kid, id) then
+      out[e] = 0
+    elseif newest and ts < newest - horizon then
+      out[e] = -1
+    else
+      redis.call('ZADD', kid, ts, id)
+      for w = 1, nw do
+        local u = widths[w][2]
+        local idx = (ts - math.fmod(ts, u)) / u
+        local t = tiles[w][idx]
+        if t == nil then t = {idx, 0, 0, 0, x, x}; tiles[w][idx] = t end
+        t[2], t[3], t[4] = t[2] + 1, t[3] + x, t[4] + x * x
+        if x < t[5] then t[5] = x end
+        if x > t[6] then t[6] = x end
+      end
+      local at = #recent + 1  -- keep `recent` in time order: insert after any <= ts
+      while at > 1 and struct.unpack('<d', recent, at - 16) > ts do at = at - 16 end
+      recent = recent:sub(1, at - 1) .. struct.pack('<dd', ts, x) .. recent:sub(at)
+      if not newest or ts > newest then newest = ts end
+      if backfill then
+        if not back or ts > back then back = ts end
+      elseif not first or ts < first then
+        first = ts
+      end
+      out[e] = 1
+      added = true
+    end
+  end
+  if added then
+    local set = {}
+    for w = 1, nw do
+      local ring = held[w] or ''
+      local grew = false
+      for idx, t in pairs(tiles[w]) do
+        local needle, at = struct.pack('<d', idx), 0
+        repeat  -- the record of this tile, if held (a match must start a record)
+          at = string.find(ring, needle, at + 1, true)
+        until at == nil or at % rs == 1
+        local rec
+        if at and rs == 48 then
+          local _, hc, hs, hq, lo, hi = struct.unpack('<dddddd', ring, at)
+          rec = struct.pack('<dddddd', idx, t[2] + hc, t[3] + hs, t[4] + hq,
+            math.min(t[5], lo), math.max(t[6], hi))
+        elseif at then
+          local _, hc, hs, hq = struct.unpack('<dddd', ring, at)
+          rec = struct.pack('<dddd', idx, t[2] + hc, t[3] + hs, t[4] + hq)
+        elseif rs == 48 then
+          rec = struct.pack('<dddddd', idx, t[2], t[3], t[4], t[5], t[6])
+        else
+          rec = struct.pack('<dddd', idx, t[2], t[3], t[4])
+        end
+        if at then
+          ring = ring:sub(1, at - 1) .. rec .. ring:sub(at + rs)
+        else
+          ring = ring .. rec
+          grew = true
+        end
+      end
+      local slots = widths[w][3]
+      if grew and #ring > rs * slots then  -- keep the tiles of the last `slots` indexes
+        local top, recs = -1, {}
+        for at = 1, #ring, rs do
+          local idx = struct.unpack('<d', ring, at)
+          recs[#recs + 1] = {idx, at}
+          if idx > top then top = idx end
+        end
+        local kept = {}
+        for _, r in ipairs(recs) do
+          if r[1] > top - slots then kept[#kept + 1] = ring:sub(r[2], r[2] + rs - 1) end
+        end
+        ring = table.concat(kept)
+      end
+      set[#set + 1] = widths[w][1]
+      set[#set + 1] = ring
+    end
+    if #recent > 16 * keep then
+      local cut = #recent - 16 * keep
+      if dcap > 0 then  -- the values pushed out: their newest time per value
+        local seen, d = {}, held[nw + 4] or ''
+        for at = 1, #d, 16 do
+          local c, ts = struct.unpack('<dd', d, at)
+          seen[c] = ts
+        end
+        for at = 1, cut, 16 do
+          local ts, c = struct.unpack('<dd', recent, at)
+          if not seen[c] or seen[c] < ts then seen[c] = ts end
+        end
+        local recs = {}
+        for c, ts in pairs(seen) do
+          if ts >= newest - dback then recs[#recs + 1] = {ts, c} end
+        end
+        -- newest first, then by code: the same bytes however the values arrived
+        table.sort(recs, function(x, y) return x[1] > y[1] or (x[1] == y[1] and x[2] < y[2]) end)
+        for i = #recs, dcap + 1, -1 do recs[i] = nil end
+        local out_d = {}
+        for i, r in ipairs(recs) do out_d[i] = struct.pack('<dd', r[2], r[1]) end
+        set[#set + 1] = 'd'
+        set[#set + 1] = table.concat(out_d)
+      end
+      recent = recent:sub(cut + 1)
+    end
+    set[#set + 1] = 'n'
+    set[#set + 1] = recent
+    if first then set[#set + 1] = 'f'; set[#set + 1] = string.format('%d', first) end
+    if back then set[#set + 1] = 'b'; set[#set + 1] = string.format('%d', back) end
+    redis.call('HSET', kt, unpack(set))
+    redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
+    redis.call('PEXPIRE', kt, ttl)
+    redis.call('PEXPIRE', kid, ttl)
+  end
+  return out
+end
