@@ -27,6 +27,7 @@ The result equals :func:`fraud_scoring.declared.parse_batch` (the reference) row
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ class _Feature:
     fallback: float  # without a key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: one per set of states
 class _Compiled:
     """What the window table needs of a set of states, derived once per declarations."""
 
@@ -58,6 +59,7 @@ class _Compiled:
     fields: tuple[tuple[bytes, ...], ...]  # per state: its HMGET fields
     heads: tuple[str, ...]  # per state: its key names' start ("{agg:<id>:")
     features: tuple[_Feature, ...]
+    by_window: dict[tuple[int, int], tuple[_Feature, ...]]  # (state, window) -> its features
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,7 +74,16 @@ def _compile(specs: tuple[D.Spec, ...]) -> _Compiled:
             _Feature(f.name, s, windows[f.window.us], f.agg, f.default, f.fallback)
             for f in spec.features
         ]
-    return _Compiled(specs, tuple(fields), tuple(heads), tuple(feats))
+    by_window: dict[tuple[int, int], list[_Feature]] = {}
+    for f in feats:
+        by_window.setdefault((f.spec, f.window), []).append(f)
+    return _Compiled(
+        specs,
+        tuple(fields),
+        tuple(heads),
+        tuple(feats),
+        {k: tuple(v) for k, v in by_window.items()},
+    )
 
 
 class _Specs(tuple[D.Spec, ...]):
@@ -181,6 +192,13 @@ class _Index:
     pair_whole: np.ndarray  # per pair: bool, the state reads whole tiles
     tables: tuple[_Table | None, _Table | None]
     values: tuple[int, ...]  # the states that keep values
+    # Their window rows (state, window, row): pair, row of the kept values, window.
+    val_pair: np.ndarray
+    val_kept: np.ndarray
+    val_width: np.ndarray
+    val_tiles: np.ndarray
+    val_us: np.ndarray
+    val_block: dict[tuple[int, int], int]
 
 
 @functools.lru_cache(maxsize=512)
@@ -246,7 +264,32 @@ def _index(comp: _Compiled, ns: tuple[int, ...]) -> _Index:
             )
         )
     values = tuple(s for s, spec in enumerate(comp.specs) if spec.keeps_values)
-    return _Index(tuple(starts), whole, (tables[0], tables[1]), values)
+    vcols: dict[str, list[Any]] = {k: [] for k in ("pair", "kept", "width", "tiles", "us")}
+    vblock: dict[tuple[int, int], int] = {}
+    rows = kept_at = 0
+    for s in values:
+        n, p0 = ns[s], starts[s]
+        for j, w in enumerate(comp.specs[s].windows):
+            vblock[(s, j)] = rows
+            rows += n
+            vcols["pair"] += range(p0, p0 + n)
+            vcols["kept"] += range(kept_at, kept_at + n)
+            vcols["width"] += [w.width_us] * n
+            vcols["tiles"] += [w.tiles] * n
+            vcols["us"] += [w.us] * n
+        kept_at += n
+    return _Index(
+        tuple(starts),
+        whole,
+        (tables[0], tables[1]),
+        values,
+        np.asarray(vcols["pair"], dtype=np.intp),
+        np.asarray(vcols["kept"], dtype=np.intp),
+        np.asarray(vcols["width"], dtype=np.float64),
+        np.asarray(vcols["tiles"], dtype=np.float64),
+        np.asarray(vcols["us"], dtype=np.float64),
+        vblock,
+    )
 
 
 def _packed(blobs: list[bytes], doubles: int) -> tuple[np.ndarray, np.ndarray]:
@@ -385,17 +428,24 @@ def _parse(
         newest += [r[nw] or b"" for r in chunk]
         if spec.keeps_values:
             kept[s] = [r[nw + 1] or b"" for r in chunk]
-    ts_n, vs_n = _newest(newest, pairs)
+    ts_s, vs_s = _newest(newest, pairs)  # stored
+    # Whole tiles end before the tile holding t: what lies ahead is never read.
+    ahead = (ts_s >= t[:, None]) & ~ix.pair_whole[:, None]
+    n_ahead = ahead.sum(axis=1)
+    exact = n_ahead < NEWEST
+    # The events this micro-batch recorded in the key before t (a burst): with the
+    # stored ones for the newest event and the values, added to the windows below.
+    mates = _mates(plan, writes, ix, t)
+    ts_n, vs_n = ts_s, vs_s
+    if mates is not None:
+        m_ts, m_vs = _by_pair(mates[0], mates[1], mates[2], pairs)
+        ts_n, vs_n = np.concatenate([ts_s, m_ts], axis=1), np.concatenate([vs_s, m_vs], axis=1)
     before = ts_n < t[:, None]
     last_ts = np.where(before, ts_n, -np.inf).max(axis=1, initial=-np.inf)
     tied = before & (ts_n == last_ts[:, None])
     last_v = np.where(tied, vs_n, -np.inf).max(axis=1, initial=-np.inf)
     last_v = np.where(last_ts > -np.inf, last_v, 0.0)
     since = np.where(last_ts > -np.inf, (t - last_ts) / US, np.inf)
-    # Whole tiles end before the tile holding t: what lies ahead is never read.
-    ahead = (ts_n >= t[:, None]) & ~ix.pair_whole[:, None]
-    n_ahead = ahead.sum(axis=1)
-    exact = n_ahead < NEWEST
     cols: dict[str, np.ndarray] = {}
     fix: set[tuple[int, int]] = set()  # (state, pair): by the row-by-row definition
     counts: dict[tuple[int, int], np.ndarray] = {}  # (state, window): a values state's counts
@@ -408,10 +458,10 @@ def _parse(
         c, s_, q = win.c, win.s, win.q
         if n_ahead.any():  # a replay: later events in t's tile are not before t
             hit = ahead[wp] & (
-                np.floor_divide(ts_n[wp], tab.win_width[:, None])
+                np.floor_divide(ts_s[wp], tab.win_width[:, None])
                 == np.floor_divide(t[wp], tab.win_width)[:, None]
             )
-            v = vs_n[wp]
+            v = vs_s[wp]
             c = c - hit.sum(axis=1)
             s_ = s_ - (v * hit).sum(axis=1)
             q = q - (v * v * hit).sum(axis=1)
@@ -419,23 +469,24 @@ def _parse(
                 held = np.bincount(wp, weights=hit.any(axis=1).astype(np.float64), minlength=pairs)
                 for pp in np.flatnonzero(held).tolist():
                     fix.add((_state_of(ix.pair_start, pp), pp))
+        if mates is not None:
+            c, s_, q = _add_mates(tab, mates, t, win, c, s_, q)
         if not exact.all():  # a replay: some later events were counted; never below nothing
             loose = ~exact[wp]
             c = np.where(loose, np.maximum(c, 0.0), c)
             s_ = np.where(loose, np.maximum(s_, 0.0), s_)
             q = np.where(loose, np.maximum(q, 0.0), q)
         agg = _finish(c, s_, q, since[wp], last_v[wp], win.lo, win.hi, tab.win_us)
-        for f in comp.features:
-            at = tab.block.get((f.spec, f.window))
-            if at is None or f.agg not in agg:
-                continue
-            cols[f.name] = _column(agg, f, at, plan.rows[f.spec], n, c, since[wp], tab.win_us)
+        sw = since[wp]
         for (s, j), at in tab.block.items():
+            for f in comp.by_window.get((s, j), ()):
+                if f.agg in agg:
+                    cols[f.name] = _column(agg, f, at, plan.rows[s], n, c, sw, tab.win_us)
             if s in ix.values:
                 counts[(s, j)] = c[at : at + ns[s]]
     if ix.values:
         _values(comp, ix, plan, kept, (ts_n, vs_n, t, since), counts, cols)
-    for st, p in sorted(fix | _mated(plan, writes, ix)):
+    for st, p in sorted(fix):
         exact[p] = _by_row(plan, writes, reads, ts_us, st, p, ix, cols)
     return cols, int(pairs - exact.sum())
 
@@ -506,57 +557,53 @@ def _values(
     counts: Mapping[tuple[int, int], np.ndarray],
     cols: dict[str, np.ndarray],
 ) -> None:
-    """distinct_count and changed of the states that keep values, over their rows: from
-    the key's newest events before t and the values pushed out of them (``pairs``: the
-    newest events' times and values, each pair's t and time since its last event)."""
+    """distinct_count and changed of the states that keep values, over their window
+    rows at once: from the key's newest events before t (``pairs``: the newest events'
+    times and values, each pair's t and time since its last event) and the values
+    pushed out of them (``kept``)."""
     ts_n, vs_n, t, since_p = pairs
     n = len(plan.cols.ts_us)
-    for s in ix.values:
-        spec = comp.specs[s]
-        p0, k = ix.pair_start[s], len(plan.rows[s])
-        if k == 0:
-            continue
-        codes_k, ts_k = _kept(kept[s])
-        own = _own(spec, plan.cols, plan.rows[s])
-        tn, vn, ts = ts_n[p0 : p0 + k], vs_n[p0 : p0 + k], t[p0 : p0 + k]
-        since = since_p[p0 : p0 + k]
-        before = tn < ts[:, None]
-        before_k = ts_k < ts[:, None]
-        for j, w in enumerate(spec.windows):
-            first = (np.floor_divide(ts, w.width_us) - w.tiles)[:, None]
-            sel_n = before & (np.floor_divide(tn, w.width_us) >= first)
-            sel_k = before_k & (np.floor_divide(ts_k, w.width_us) >= first)
-            both = np.concatenate(
-                [np.where(sel_n, vn, np.nan), np.where(sel_k, codes_k, np.nan)], axis=1
-            )
-            both.sort(axis=1)
-            new = ~np.isnan(both)
-            new[:, 1:] &= both[:, 1:] != both[:, :-1]
-            start = (ts - w.us)[:, None]
-            latest = np.maximum(
-                np.where(before & (tn >= start), tn, -np.inf).max(axis=1),
-                np.where(before_k & (ts_k >= start), ts_k, -np.inf).max(axis=1),
-            )
-            same = ((tn == latest[:, None]) & (vn == own[:, None])).any(axis=1) | (
-                (ts_k == latest[:, None]) & (codes_k == own[:, None])
-            ).any(axis=1)
-            values = {
-                "distinct_count": np.minimum(new.sum(axis=1), D.DISTINCT_CAP).astype(np.float64),
-                "changed": np.where((latest > -np.inf) & ~np.isnan(own) & ~same, 1.0, 0.0),
-            }
-            for f in comp.features:
-                if f.spec != s or f.window != j or f.agg not in values:
-                    continue
-                v = values[f.agg]
-                if f.default is not None:  # a declared default where the window is empty
-                    exact_window = f.agg in D.EXACT_WINDOW_AGGS
-                    none = since > w.us / US if exact_window else counts[(s, j)] <= 0
-                    v = np.where(none, f.default, v)
-                if k == n:
-                    cols[f.name] = v
-                else:
-                    cols[f.name] = np.full(n, f.fallback)
-                    cols[f.name][plan.rows[s]] = v
+    codes_k, ts_k = _kept([b for s in ix.values for b in kept[s]])
+    own = np.concatenate([_own(comp.specs[s], plan.cols, plan.rows[s]) for s in ix.values])
+    vp, vk = ix.val_pair, ix.val_kept
+    tn, vn, tv = ts_n[vp], vs_n[vp], t[vp][:, None]
+    tk, ck, mine = ts_k[vk], codes_k[vk], own[vk][:, None]
+    width = ix.val_width[:, None]
+    first = np.floor_divide(tv, width) - ix.val_tiles[:, None]
+    before, before_k = tn < tv, tk < tv
+    sel_n = before & (np.floor_divide(tn, width) >= first)
+    sel_k = before_k & (np.floor_divide(tk, width) >= first)
+    both = np.concatenate([np.where(sel_n, vn, np.nan), np.where(sel_k, ck, np.nan)], axis=1)
+    both.sort(axis=1)
+    new = ~np.isnan(both)
+    new[:, 1:] &= both[:, 1:] != both[:, :-1]
+    start = tv - ix.val_us[:, None]
+    latest = np.maximum(
+        np.where(before & (tn >= start), tn, -np.inf).max(axis=1, initial=-np.inf),
+        np.where(before_k & (tk >= start), tk, -np.inf).max(axis=1, initial=-np.inf),
+    )[:, None]
+    same = ((tn == latest) & (vn == mine)).any(axis=1) | ((tk == latest) & (ck == mine)).any(axis=1)
+    values = {
+        "distinct_count": np.minimum(new.sum(axis=1), D.DISTINCT_CAP).astype(np.float64),
+        "changed": np.where((latest[:, 0] > -np.inf) & ~np.isnan(mine[:, 0]) & ~same, 1.0, 0.0),
+    }
+    since = since_p[vp]
+    for (s, j), at in ix.val_block.items():
+        k = len(plan.rows[s])
+        w = comp.specs[s].windows[j]
+        for f in comp.by_window.get((s, j), ()):
+            if f.agg not in values:
+                continue
+            v = values[f.agg][at : at + k]
+            if f.default is not None:  # a declared default where the window is empty
+                exact_window = f.agg in D.EXACT_WINDOW_AGGS
+                none = since[at : at + k] > w.us / US if exact_window else counts[(s, j)] <= 0
+                v = np.where(none, f.default, v)
+            if k == n:
+                cols[f.name] = v
+            else:
+                cols[f.name] = np.full(n, f.fallback)
+                cols[f.name][plan.rows[s]] = v
 
 
 def _own(spec: D.Spec, cols: D.BatchColumns, rows: np.ndarray) -> np.ndarray:
@@ -581,32 +628,129 @@ def _state_of(starts: Sequence[int], p: int) -> int:
     return s
 
 
-def _mated(plan: Plan, writes: Sequence[Any], ix: _Index) -> set[tuple[int, int]]:
-    """The (state, pair) whose key has other events recorded by this micro-batch: a
-    burst's attempts in one micro-batch see each other (row by row)."""
-    out: set[tuple[int, int]] = set()
-    for _states, _one, rec in plan.writes:
-        for s, spec in enumerate(plan.compiled.specs):
-            if spec.source != "transactions":
-                continue
-            groups = rec.groups(spec)
-            if not groups:
-                continue
-            keys = plan.keys[s]
-            if rec is plan.cols and len(groups) == sum(map(len, groups.values())):
-                continue  # every recorded row its own key, each read only by itself
-            p0 = ix.pair_start[s]
-            own = rec.ids
-            for local, key in enumerate(keys):
-                idx = groups.get(key)
-                if idx is None:
-                    continue
-                i = int(plan.rows[s][local])
-                tid = str(plan.cols.rows[i]["transaction_id"])
-                if len(idx) > 1 or own[idx[0]] != tid:
-                    out.add((s, p0 + local))
-        break  # one recorded set per micro-batch (every write shares it)
+def _results(plan: Plan, writes: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Per state (by id), which of its recorded events were new to the store (in the
+    order of :meth:`BatchColumns.groups`: keys, then rows); a failed write: none."""
+    out: dict[str, np.ndarray] = {}
+    per_key: dict[str, dict[str, list[int]]] = {}
+    for (states, one_call, _), reply in zip(plan.writes, writes, strict=True):
+        if isinstance(reply, Exception):
+            continue
+        if one_call:
+            for (spec, _keys), part in zip(states, reply, strict=True):
+                raw = part if isinstance(part, bytes) else str(part).encode()
+                out[spec.id] = np.frombuffer(raw, dtype=np.uint8) == ord("1")
+        else:
+            ((spec, (key,)),) = states
+            per_key.setdefault(spec.id, {})[key] = [int(x) for x in reply]
+    if per_key:
+        rec = plan.writes[0][2]
+        for spec in plan.compiled.specs:
+            got = per_key.get(spec.id)
+            if got is not None:
+                groups = rec.groups(spec)
+                flat = [a for k, g in groups.items() for a in got.get(k, [0] * len(g))]
+                out[spec.id] = np.asarray(flat, dtype=np.int64) == 1
     return out
+
+
+def _mates(
+    plan: Plan, writes: Sequence[Any], ix: _Index, t: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The events this micro-batch recorded, new to the store, in each read's key before
+    its time and not its own transaction: (pair, time, value) arrays; None: there are
+    none (no key read by a row is recorded by another row: the common case)."""
+    if not plan.writes:
+        return None
+    rec = plan.writes[0][2]  # every write call records the same rows
+    results: dict[str, np.ndarray] | None = None
+    tid: tuple[np.ndarray, np.ndarray] | None = None
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for s, spec in enumerate(plan.compiled.specs):
+        if spec.source != "transactions":
+            continue
+        groups = rec.groups(spec)
+        sizes = list(map(len, groups.values()))
+        if not groups or (rec is plan.cols and len(groups) == sum(sizes)):
+            continue  # every recorded row its own key, read by itself only
+        if results is None:
+            results = _results(plan, writes)
+            code = {x: j for j, x in enumerate(plan.cols.ids)}
+            tid = (
+                np.fromiter(map(code.__getitem__, plan.cols.ids), np.intp, len(plan.cols.ids)),
+                np.fromiter(map(code.__getitem__, rec.ids), np.intp, len(rec.ids)),
+            )
+        fresh = results.get(spec.id)
+        if fresh is None or not fresh.any():
+            continue
+        assert tid is not None
+        rows = np.fromiter(itertools.chain.from_iterable(groups.values()), np.intp, sum(sizes))
+        key = np.repeat(np.arange(len(groups)), sizes)[fresh]
+        rows = rows[fresh]
+        ev_tid = tid[1][rows]
+        ev_ts = np.asarray(rec.ts_us, dtype=np.float64)[rows] + spec.delay_us
+        ev_v = np.asarray(rec.values(spec), dtype=np.float64)[rows]
+        kid = dict(zip(groups, range(len(groups)), strict=True))
+        pk = np.fromiter((kid.get(k, -1) for k in plan.keys[s]), np.intp, len(plan.keys[s]))
+        lo = np.searchsorted(key, pk, "left")
+        hi = np.where(pk >= 0, np.searchsorted(key, pk, "right"), lo)
+        seg, at = _expand(hi - lo, lo)
+        pair = ix.pair_start[s] + seg
+        ok = (ev_tid[at] != tid[0][plan.rows[s][seg]]) & (ev_ts[at] < t[pair])
+        parts.append((pair[ok], ev_ts[at][ok], ev_v[at][ok]))
+    if not parts or not sum(len(p[0]) for p in parts):
+        return None
+    return (
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([p[2] for p in parts]),
+    )
+
+
+def _by_pair(
+    pair: np.ndarray, ts: np.ndarray, vs: np.ndarray, pairs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Events (pair, time, value) as (pairs, most per pair) arrays (-inf: none)."""
+    order = np.argsort(pair, kind="stable")
+    pair, ts, vs = pair[order], ts[order], vs[order]
+    counts = np.bincount(pair, minlength=pairs)
+    width = int(counts.max())
+    out_ts = np.full((pairs, width), -np.inf)
+    out_vs = np.zeros((pairs, width))
+    dest = pair * width + (np.arange(len(pair)) - np.repeat(_starts(counts), counts))
+    out_ts.ravel()[dest] = ts
+    out_vs.ravel()[dest] = vs
+    return out_ts, out_vs
+
+
+def _add_mates(
+    tab: _Table,
+    mates: tuple[np.ndarray, np.ndarray, np.ndarray],
+    t: np.ndarray,
+    win: _Windows,
+    c: np.ndarray,
+    s: np.ndarray,
+    q: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The window sums (and min, max in ``win``) with the micro-batch's own earlier
+    events of each key added where a window holds them."""
+    pair, ts, vs = mates
+    order = np.argsort(tab.win_pair, kind="stable")  # each pair's window rows
+    counts = np.bincount(tab.win_pair, minlength=len(t))
+    mate, at = _expand(counts[pair], _starts(counts)[pair])
+    wr = order[at]
+    width = tab.win_width[wr]
+    tile = np.floor_divide(ts[mate], width)
+    here = np.floor_divide(t[tab.win_pair[wr]], width)
+    inc = (tile >= here - tab.win_tiles[wr]) & ~((tab.win_whole[wr] == 1.0) & (tile >= here))
+    wr, v = wr[inc], vs[mate][inc]
+    m = len(c)
+    c = c + np.bincount(wr, minlength=m)
+    s = s + np.bincount(wr, weights=v, minlength=m)
+    q = q + np.bincount(wr, weights=v * v, minlength=m)
+    np.minimum.at(win.lo, wr, v)
+    np.maximum.at(win.hi, wr, v)
+    return c, s, q
 
 
 def _fresh(plan: Plan, writes: Sequence[Any], spec: D.Spec, key: str) -> list[D.Event]:
