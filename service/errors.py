@@ -16,6 +16,7 @@ The ``/v2`` inference protocol's body is ``{"error": message}``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -24,6 +25,14 @@ from pydantic import BaseModel, Field
 
 # Shown in a 422's problem list: more than this many problems end in a count, not a list.
 MAX_PROBLEMS = 20
+# An error message repeats at most this many characters of one value (a run without
+# white space: a name, a datatype, a header's value, as sent), then "…"; and is at most
+# MESSAGE_LIMIT characters in all (values with spaces). Whatever a client sends, the
+# answer stays short: over gRPC the message travels in the status's trailing metadata,
+# which a client refuses past 8 KiB (RESOURCE_EXHAUSTED instead of the refusal).
+ECHO_LIMIT = 100
+MESSAGE_LIMIT = 500
+_LONG_RUN = re.compile(rf"\S{{{ECHO_LIMIT + 1},}}")
 
 
 class ErrorCode(StrEnum):
@@ -88,6 +97,15 @@ class ErrorOut(BaseModel):
     )
 
 
+def bounded(message: str) -> str:
+    """``message`` with every run of more than :data:`ECHO_LIMIT` non-space characters
+    cut to that many and "…", then cut to :data:`MESSAGE_LIMIT` characters and "…":
+    every refusal's message, on every transport (:class:`ApiError` applies it), so
+    no value a client sends is echoed whole."""
+    cut = _LONG_RUN.sub(lambda m: m.group()[:ECHO_LIMIT] + "…", message)
+    return cut if len(cut) <= MESSAGE_LIMIT else cut[:MESSAGE_LIMIT] + "…"
+
+
 def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
     """The JSON body of an error answer with one problem."""
     problem: dict[str, Any] = {"code": code, "message": message}
@@ -99,11 +117,13 @@ def error_body(code: str, message: str, field: str | None = None) -> dict[str, A
 class ApiError(Exception):
     """A request refused: answered :attr:`status` with one problem (:attr:`code`,
     ``message``, ``field`` when one field is at fault). ``headers`` go with the answer;
-    ``extra`` fields join the body (either shape)."""
+    ``extra`` fields join the body (either shape). The message is :func:`bounded` (it
+    may echo what the client sent) unless the type says it cannot (``bound_message``)."""
 
     status: ClassVar[int]
     code: str  # a class default; a 503's is its reason
     counted: ClassVar[bool] = False  # counted in fraud_rejections_total
+    bound_message: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -113,6 +133,9 @@ class ApiError(Exception):
         headers: Mapping[str, str] | None = None,
         **extra: Any,
     ) -> None:
+        if self.bound_message:
+            message = bounded(message)
+            field = None if field is None else bounded(field)
         super().__init__(message)
         self.message, self.field = message, field
         self.headers = dict(headers or {})
@@ -173,6 +196,9 @@ class ModelRejected(ApiError):
     serving (it joins the body)."""
 
     status, code = 409, ErrorCode.MODEL_REJECTED
+    # The model load's own error (paths, the runtime's text) for an admin: nothing the
+    # caller sent, kept whole.
+    bound_message = False
 
     def __init__(self, message: str, serving_version: str | None) -> None:
         super().__init__(message, serving_version=serving_version)
@@ -209,7 +235,7 @@ class Invalid(ApiError):
     ) -> None:
         super().__init__(message, field)
         self.code = code
-        self.listed = [{"field": field or "body", "code": code, "message": message}]
+        self.listed = [{"field": self.field or "body", "code": code, "message": self.message}]
         self.total = 1
 
     @classmethod
@@ -241,7 +267,8 @@ def _problem(e: Mapping[str, Any], prefix: Sequence[str | int]) -> dict[str, Any
     code, message = _PYDANTIC_CODES.get(e["type"], ErrorCode.INVALID), e["msg"]
     if e["type"] == "json_invalid":
         message = f"body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
-    return {"field": ".".join(loc) or "body", "code": code, "message": message}
+    field = bounded(".".join(loc)) or "body"  # a key the client named may be in it
+    return {"field": field, "code": code, "message": bounded(message)}
 
 
 class Rejected(ApiError):

@@ -32,6 +32,7 @@ from service.errors import (
     Rejected,
     TransactionIdReused,
     Unauthenticated,
+    bounded,
     error_body,
 )
 from service.resources import STATE_KEY, Resources
@@ -82,7 +83,8 @@ async def _answer(request: Request, exc: Exception) -> Response:
         # as it is, in the one shape.
         if exc.status_code < 400 or exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
-        body = error_body(ErrorCode.INVALID, f"{request.method} {request.url.path}: {exc.detail}")
+        message = bounded(f"{request.method} {request.url.path}: {exc.detail}")
+        body = error_body(ErrorCode.INVALID, message)
         return JSONResponse(body, exc.status_code, headers=exc.headers)
     return answer(request.scope, as_api_error(exc, request))
 
