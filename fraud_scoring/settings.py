@@ -288,6 +288,15 @@ class EdgeSettings(_Group):
         default=None,
         description="PEM private key of FRAUD_GRPC_TLS_CERT (both or neither).",
     )
+    grpc_max_concurrent_streams: int = Field(
+        default=100,
+        ge=1,
+        description="Most calls one gRPC connection (HTTP/2) may have open at once (the "
+        "server's SETTINGS_MAX_CONCURRENT_STREAMS): gRPC clients hold further calls back, "
+        "and a connection kept at the limit may see some refused UNAVAILABLE "
+        "(REFUSED_STREAM, nothing ran: safe to retry). Admission bounds the work; this "
+        "bounds what one connection makes the server hold.",
+    )
     max_connections: int = Field(
         default=1000,
         ge=1,

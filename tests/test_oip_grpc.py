@@ -5,6 +5,8 @@ refusals (as status codes), the same counting in ``fraud_rejections_total``."""
 
 from __future__ import annotations
 
+import logging
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -300,6 +302,194 @@ def _call(channel: grpc.Channel, method: str, response: Any, request: Message, *
     return stub(request, **kw)
 
 
+def _raw_call(channel: grpc.Channel, method: str, body: bytes, **kw: Any) -> Any:
+    """``method`` called with ``body`` as the request's bytes, as sent."""
+    stub = channel.unary_unary(SERVICE + method, response_deserializer=lambda b: b)
+    return stub(body, **kw)
+
+
+def test_an_undecodable_request_is_invalid_argument_counted_and_logged_once(
+    grpc_server: GrpcServer,
+) -> None:
+    """Bytes that do not parse as the call's message: ``INVALID_ARGUMENT`` (not grpc's
+    ``UNKNOWN``), after the key check (no key: ``UNAUTHENTICATED``), timed under its
+    code in ``rpc_server_call_duration_seconds``, and logged as one WARNING line with no
+    traceback, however many arrive within a minute."""
+    from tests.test_tracing import _sample
+
+    name = "rpc_server_call_duration_seconds_count"
+
+    def invalid(method: str) -> dict[str, str]:
+        return {
+            "rpc_method": f"inference.GRPCInferenceService/{method}",
+            "rpc_response_status_code": "INVALID_ARGUMENT",
+        }
+
+    garbage = b"\xff\xff\xff"
+    log_from = grpc_server.server.log.stat().st_size
+    before = grpc_server.metrics()
+    metadata = tuple(grpc_server.auth().items())
+    with grpc.insecure_channel(grpc_server.address) as channel:
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as exc:
+                _raw_call(channel, "ModelInfer", garbage, metadata=metadata)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert exc.value.details() == (
+                "the request does not parse as inference.ModelInferRequest (protobuf)"
+            )
+        with pytest.raises(grpc.RpcError) as exc:  # the open calls parse after no key
+            _raw_call(channel, "ServerLive", garbage)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as exc:  # the key first: nothing parsed without
+            _raw_call(channel, "ModelInfer", garbage)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The server still answers well-formed calls.
+        live = _call(channel, "ServerLive", pb.ServerLiveResponse, pb.ServerLiveRequest())
+        assert live.live is True
+    after = grpc_server.metrics()
+    assert _sample(after, name, invalid("ModelInfer")) == (
+        (_sample(before, name, invalid("ModelInfer")) or 0) + 3
+    )
+    assert _sample(after, name, invalid("ServerLive")) == (
+        (_sample(before, name, invalid("ServerLive")) or 0) + 1
+    )
+
+    def logged() -> str:
+        with grpc_server.server.log.open("rb") as f:
+            f.seek(log_from)
+            text = f.read().decode()
+        return text if "does not parse as" in text else ""
+
+    text = wait_until(logged, timeout=10, what="the undecodable request's log line")
+    lines = [line for line in text.splitlines() if "does not parse as" in line]
+    assert len(lines) == 1, lines  # four calls, one line within the minute
+    assert "WARNING" in lines[0] and "inference.ModelInferRequest" in lines[0]
+    assert "Traceback" not in text and "ERROR" not in text, text
+
+
+def test_undecodable_warnings_are_logged_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At most one line per interval; the next says how many were not logged."""
+    from service.edge.oip_grpc import Throttled
+
+    now = [1000.0]
+    throttled = Throttled(60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="service.edge.oip_grpc"):
+        assert throttled.warning("bad %s", "one")
+        now[0] += 30
+        assert not throttled.warning("bad %s", "two")
+        assert not throttled.warning("bad %s", "three")
+        now[0] += 30
+        assert throttled.warning("bad %s", "four")
+        now[0] += 1
+        assert not throttled.warning("bad %s", "five")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad one",
+        "bad four (2 more since the last such line, not logged)",
+    ]
+    assert all(r.exc_info is None and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_long_values_are_cut_in_refusals(grpc_server: GrpcServer, meta: ModelMetadata) -> None:
+    """A 10,000-character datatype (or header, or metadata value) is refused with a short
+    message, over gRPC (where a whole echo would pass the status metadata's 8 KiB and
+    reach the client as RESOURCE_EXHAUSTED) and over HTTP (/v2 and /v1)."""
+    from service.errors import ECHO_LIMIT, MESSAGE_LIMIT, bounded
+
+    long_type = "X" * 10_000
+    n = len(meta.features)
+    x = _rows(meta, 1)
+    headers = grpc_server.auth()
+    metadata = tuple(headers.items())
+    Tensor = pb.ModelInferRequest.InferInputTensor
+    odd = pb.ModelInferRequest(
+        model_name="fraud",
+        inputs=[Tensor(name=meta.input_name, datatype=long_type, shape=[1, n])],
+        raw_input_contents=[x.tobytes()],
+    )
+    with grpc.insecure_channel(grpc_server.address) as channel:
+        with pytest.raises(grpc.RpcError) as exc:
+            _call(channel, "ModelInfer", pb.ModelInferResponse, odd, metadata=metadata)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        message = exc.value.details()
+        assert "datatype must be FP32" in message
+        # The value's first characters (the quote is one of the ECHO_LIMIT), then "…".
+        assert f"got '{'X' * (ECHO_LIMIT - 1)}…" in message
+        assert message.endswith("…") and len(message) < 200, message
+        # A metadata value, echoed by the deadline's check.
+        fine = pb.ModelInferRequest()
+        fine.CopyFrom(odd)
+        fine.inputs[0].datatype = "FP32"
+        with pytest.raises(grpc.RpcError) as exc:
+            long_timeout = (("x-request-timeout-ms", "9" * 5000),)
+            _call(
+                channel,
+                "ModelInfer",
+                pb.ModelInferResponse,
+                fine,
+                metadata=metadata + long_timeout,
+            )
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "x-request-timeout-ms" in exc.value.details()
+        assert len(exc.value.details()) < 300, exc.value.details()
+
+    body = {"inputs": [{"name": meta.input_name, "shape": [1, n], "datatype": long_type}]}
+    body["inputs"][0]["data"] = x.ravel().tolist()
+    with httpx.Client(base_url=grpc_server.server.url, headers=headers, timeout=10) as c:
+        r = c.post("/v2/models/fraud/infer", json=body)
+        assert r.status_code == 400, r.text
+        assert "datatype must be FP32" in r.json()["error"] and len(r.text) < 300, r.text
+        r = c.post("/v1/score", json=TXN, headers={"X-Request-Timeout-Ms": "9" * 10_000})
+        assert r.status_code == 422, r.text[:500]
+        (problem,) = r.json()["detail"]
+        assert problem["field"] == "header.X-Request-Timeout-Ms" and len(problem["message"]) < 300
+
+    # Spaces do not get a value past the cut: the message as a whole is bounded.
+    spaced = bounded("got " + "ab " * 10_000)
+    assert len(spaced) == MESSAGE_LIMIT + 1 and spaced.endswith("…")
+    assert bounded("input 'x': datatype must be FP32") == "input 'x': datatype must be FP32"
+
+
+def _h2_settings(address: str) -> dict[int, int]:
+    """The HTTP/2 SETTINGS the server at ``address`` sends a new connection (id: value)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        # The client's connection preface and an empty SETTINGS frame.
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        buffer = b""
+
+        def read(size: int) -> bytes:
+            nonlocal buffer
+            while len(buffer) < size:
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                buffer += chunk
+            out, buffer = buffer[:size], buffer[size:]
+            return out
+
+        while True:
+            head = read(9)
+            length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+            payload = read(length)
+            if kind == 4 and not flags & 1:  # SETTINGS, not an acknowledgement
+                return {
+                    int.from_bytes(payload[i : i + 2], "big"): int.from_bytes(
+                        payload[i + 2 : i + 6], "big"
+                    )
+                    for i in range(0, length, 6)
+                }
+
+
+MAX_CONCURRENT_STREAMS = 0x3  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
+
+
+def test_a_connection_holds_at_most_max_concurrent_streams(grpc_server: GrpcServer) -> None:
+    """FRAUD_GRPC_MAX_CONCURRENT_STREAMS (100 by default) is what the server tells each
+    connection (another value: the flood test's server)."""
+    assert _h2_settings(grpc_server.address)[MAX_CONCURRENT_STREAMS] == 100
+
+
 def test_contents_are_read_as_raw_contents_are(
     grpc_server: GrpcServer, world: World, meta: ModelMetadata
 ) -> None:
@@ -462,6 +652,141 @@ def test_grpc_and_rest_calls_draw_on_one_admission_capacity(
                 assert got is not None and got.shape == (1,)
         finally:
             client.close()
+            stop_server(srv)
+
+
+def test_a_flood_from_one_key_does_not_starve_another(
+    world: World, tmp_path: Path, meta: ModelMetadata
+) -> None:
+    """Per-key shares on gRPC as on REST: with room for two calls
+    (``FRAUD_MAX_INFLIGHT=4``) and key ``flooder`` holding one (a REST scoring call held
+    in process by a hung Redis), ``flooder``'s gRPC calls are refused ``UNAVAILABLE``
+    (reason ``client_share``, counted) while key ``other`` calls, and ``other``'s gRPC
+    calls are admitted throughout a flood of ``flooder``'s. The server also tells each
+    connection its FRAUD_GRPC_MAX_CONCURRENT_STREAMS (the flood's connection is over
+    it: some of its calls are refused by HTTP/2 before any handler, REFUSED_STREAM)."""
+    keys_file = tmp_path / "keys.jsonl"
+    keys: dict[str, str] = {}
+    for key_id, scope in (
+        ("flooder", Scope.SCORE),
+        ("other", Scope.SCORE),
+        ("scraper", Scope.METRICS),
+    ):
+        key, digest = new_key(key_id)
+        append_key(keys_file, KeyEntry(id=key_id, sha256=digest, scopes=frozenset({scope})))
+        keys[key_id] = key
+    auth = {k: (("authorization", f"Bearer {v}"),) for k, v in keys.items()}
+
+    def shed_for_share() -> float:
+        metrics = httpx.get(f"{srv.url}/metrics", headers=dict(auth["scraper"]), timeout=10)
+        return rejections(metrics.text, "client_share")
+
+    x = _rows(meta, 1)
+    Tensor = pb.ModelInferRequest.InferInputTensor
+    request = pb.ModelInferRequest(
+        model_name="fraud",
+        inputs=[Tensor(name=meta.input_name, datatype="FP32", shape=list(x.shape))],
+        raw_input_contents=[x.tobytes()],
+    )
+    port = free_port()
+    with embedded_redis() as url:
+        mark_materialized(url, PROJECT)
+        mark_declared(url)
+        srv = start_server(
+            world,
+            tmp_path,
+            REDIS_URL=url,
+            FRAUD_GRPC_PORT=str(port),
+            FRAUD_AUTH="required",
+            FRAUD_API_KEYS_FILE=str(keys_file),
+            FRAUD_MAX_INFLIGHT="4",
+            FRAUD_GRPC_MAX_CONCURRENT_STREAMS="16",
+            # The REST call waits on the hung Redis up to 20 s (ends with the pause).
+            FRAUD_REDIS_TIMEOUT_S="20",
+            FRAUD_REQUEST_TIMEOUT_MS="30000",
+        )
+        address = f"127.0.0.1:{port}"
+        # A connection per key, as two clients would have.
+        channels = {k: grpc.insecure_channel(address) for k in ("flooder", "other")}
+        infer = {
+            k: channel.unary_unary(
+                SERVICE + "ModelInfer",
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+            for k, channel in channels.items()
+        }
+
+        def refusal(exc: grpc.RpcError) -> str:
+            """The status and the admission's reason; ``stream refused`` when the
+            connection was over its streams (HTTP/2 REFUSED_STREAM, before any handler)."""
+            reason = dict(exc.trailing_metadata() or ()).get("fraud-reason")
+            if reason is None and "RST_STREAM" in (exc.details() or ""):
+                reason = "stream refused"
+            return f"{exc.code().name} {reason}"
+
+        def outcome(key_id: str) -> str:
+            """``OK``, or the refusal."""
+            try:
+                infer[key_id](request, metadata=auth[key_id], timeout=10)
+            except grpc.RpcError as exc:
+                return refusal(exc)
+            return "OK"
+
+        held: list[threading.Thread] = []
+        answers: list[int] = []
+
+        def post() -> None:
+            headers = dict(auth["flooder"])
+            r = httpx.post(f"{srv.url}/v1/score", json=TXN, headers=headers, timeout=60)
+            answers.append(r.status_code)
+
+        def hold() -> None:
+            """A REST scoring call of ``flooder``'s, held in process by the hung Redis."""
+            held.append(threading.Thread(target=post))
+            held[-1].start()
+
+        def flooder_over_its_share() -> bool:
+            # Refused at once (503) when it came while a gRPC call of flooder's held
+            # capacity: hold again.
+            if not held[-1].is_alive():
+                hold()
+            assert outcome("other") == "OK"  # other is seen calling
+            return outcome("flooder") == "UNAVAILABLE client_share"
+
+        try:
+            assert _h2_settings(address)[MAX_CONCURRENT_STREAMS] == 16
+            assert outcome("flooder") == outcome("other") == "OK"
+            before = shed_for_share()
+            with paused(url):
+                hold()
+                wait_until(flooder_over_its_share, timeout=15, what="flooder over its share")
+                # The flood: 64 calls at once (16 at a time on the connection) while
+                # other keeps calling; each of other's calls is admitted.
+                flooding = infer["flooder"].future
+                flood = [flooding(request, metadata=auth["flooder"], timeout=10) for _ in range(64)]
+                for _ in range(5):
+                    wait_until(lambda: outcome("other") == "OK", timeout=10, what="other admitted")
+                outcomes = []
+                for call in flood:
+                    try:
+                        call.result()
+                        outcomes.append("OK")
+                    except grpc.RpcError as exc:
+                        outcomes.append(refusal(exc))
+                refused = {
+                    f"UNAVAILABLE {r}" for r in ("client_share", "inflight", "stream refused")
+                }
+                assert set(outcomes) <= {"OK", *refused}, outcomes
+                shed = outcomes.count("UNAVAILABLE client_share")
+                assert shed >= 1, outcomes
+            for thread in held:
+                thread.join(timeout=60)
+            assert shed_for_share() >= before + shed + 1  # the flood's and the wait's, counted
+            assert outcome("flooder") == "OK"  # the REST call answered: admitted again
+        finally:
+            for channel in channels.values():
+                channel.close()
             stop_server(srv)
 
 

@@ -6,19 +6,25 @@ It runs in the service's own process and event loop (``grpc.aio``), started by t
 lifespan when ``FRAUD_GRPC_PORT`` is set (:func:`serving`) and stopped before the
 resources close, in-flight calls given ``drain_seconds``. A call is the REST call's
 twin: the ``score`` scope (``authorization: Bearer <key>`` or ``x-api-key`` metadata,
-when auth is on) → admission (the in-flight bound, ``FRAUD_MAX_INFLIGHT``, and the per-key
-shares: the process's one :class:`~service.edge.admission.WorkShares`, which REST's
-admission layer draws on too, each call weighing as a REST inference call) → the same decode and
-checks (``service.edge.oip_model``: the model's input, FP32 ``[n, n_features]``, at most
-the batch limit of rows, every element finite) → the model on the scoring thread pool
-under the call's deadline: ``x-request-timeout-ms`` metadata as on REST, else
-``FRAUD_REQUEST_TIMEOUT_MS``, and never past the client's own gRPC deadline.
+when auth is on), checked before the request's bytes are parsed → admission (the
+in-flight bound, ``FRAUD_MAX_INFLIGHT``, and the per-key shares: the process's one
+:class:`~service.edge.admission.WorkShares`, which REST's admission layer draws on too,
+each call weighing as a REST inference call), before any other work, as REST's admission
+comes before the body is parsed → the protobuf message parsed (the handlers take raw
+bytes: a message that does not parse is ``INVALID_ARGUMENT``, timed and counted like
+any call, and logged as one WARNING line at most per :data:`LOG_EVERY_S`, no traceback)
+→ the same decode and checks (``service.edge.oip_model``: the model's input, FP32
+``[n, n_features]``, at most the batch limit of rows, every element finite) → the model
+on the scoring thread pool under the call's deadline: ``x-request-timeout-ms`` metadata
+as on REST, else ``FRAUD_REQUEST_TIMEOUT_MS``, and never past the client's own gRPC
+deadline.
 
 Input data may be ``raw_input_contents`` (what tritonclient sends) or
 ``contents.fp32_contents``; the output is ``raw_output_contents`` (little-endian FP32).
 
 Refusals are ``service.errors``' types, as on REST, answered with a status code and
-the REST message (naming the field or element at fault): 400 → ``INVALID_ARGUMENT``,
+the REST message (naming the field or element at fault; short whatever the client
+sent, :func:`service.errors.bounded`, so it fits the status's metadata): 400 → ``INVALID_ARGUMENT``,
 401 → ``UNAUTHENTICATED``, 403 → ``PERMISSION_DENIED``, 404 → ``NOT_FOUND``, 503 →
 ``UNAVAILABLE`` (``DEADLINE_EXCEEDED`` when the call's deadline passed), with
 ``retry-after`` (seconds) and ``fraud-reason`` trailing metadata; a 503 is counted in
@@ -27,6 +33,10 @@ the REST message (naming the field or element at fault): 400 → ``INVALID_ARGUM
 the caller's ``traceparent`` metadata (``service.telemetry.RpcCalls``). ``ModelReady`` answers
 ``ready: false`` (status OK) while no model is loaded; ``ServerLive``, ``ServerReady``
 and ``ServerMetadata`` are open, like their REST twins.
+
+One connection holds at most ``FRAUD_GRPC_MAX_CONCURRENT_STREAMS`` calls at once
+(HTTP/2's ``SETTINGS_MAX_CONCURRENT_STREAMS``: the client holds the rest back; one kept
+at the limit may see some refused, ``REFUSED_STREAM``, before any handler).
 
 The port is plaintext unless ``FRAUD_GRPC_TLS_CERT`` and ``FRAUD_GRPC_TLS_KEY`` name a
 PEM certificate chain and its key: then it speaks TLS only (no client certificates).
@@ -38,11 +48,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
 from service import telemetry
@@ -77,6 +87,9 @@ from service.settings import ServiceSettings
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
+# Requests that do not parse are logged at most once per this many seconds (with how
+# many were not logged); each is timed and counted in rpc_server_call_duration_seconds.
+LOG_EVERY_S = 60.0
 SERVER_NAME = "fraud-scoring"
 TIMEOUT_METADATA = "x-request-timeout-ms"
 
@@ -91,6 +104,8 @@ _PAST_DEADLINE = (RejectReason.TIMEOUT, RejectReason.DEADLINE)
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
+# A call's method: (request, context, the caller: None for the open calls).
+Method = Callable[[Req, aio.ServicerContext, auth.Principal | None], Awaitable[Resp]]
 
 
 def status_of(exc: ApiError) -> grpc.StatusCode:
@@ -104,7 +119,8 @@ def status_of(exc: ApiError) -> grpc.StatusCode:
 
 
 class InferenceService:
-    """The six calls, each an ``async`` handler of (request, context)."""
+    """The six calls, each an ``async`` handler of (request, context, caller): the caller
+    (:meth:`principal`) is checked before the request is parsed, by :func:`_handler`."""
 
     def __init__(
         self,
@@ -117,21 +133,18 @@ class InferenceService:
         self.res, self.keyring, self.version, self.shares = res, keyring, version, shares
 
     # --- the protocol --------------------------------------------------------------
-    async def server_live(self, _: pb.ServerLiveRequest, __: Any) -> pb.ServerLiveResponse:
+    async def server_live(self, _: pb.ServerLiveRequest, *__: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def server_ready(self, _: pb.ServerReadyRequest, __: Any) -> pb.ServerReadyResponse:
+    async def server_ready(self, _: pb.ServerReadyRequest, *__: Any) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.res.models.readiness() is None)
 
     async def server_metadata(
-        self, _: pb.ServerMetadataRequest, __: Any
+        self, _: pb.ServerMetadataRequest, *__: Any
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self.version, extensions=[])
 
-    async def model_ready(
-        self, request: pb.ModelReadyRequest, context: aio.ServicerContext
-    ) -> pb.ModelReadyResponse:
-        self.principal(context, "ModelReady")
+    async def model_ready(self, request: pb.ModelReadyRequest, *_: Any) -> pb.ModelReadyResponse:
         try:
             served(self.res, request.name, request.version or None)
         except Rejected:  # no model loaded: not ready (a probe: not counted)
@@ -139,9 +152,8 @@ class InferenceService:
         return pb.ModelReadyResponse(ready=True)
 
     async def model_metadata(
-        self, request: pb.ModelMetadataRequest, context: aio.ServicerContext
+        self, request: pb.ModelMetadataRequest, *_: Any
     ) -> pb.ModelMetadataResponse:
-        self.principal(context, "ModelMetadata")
         meta = served(self.res, request.name, request.version or None).meta
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
@@ -153,23 +165,15 @@ class InferenceService:
         )
 
     async def model_infer(
-        self, request: pb.ModelInferRequest, context: aio.ServicerContext
+        self, request: pb.ModelInferRequest, context: aio.ServicerContext, *_: Any
     ) -> pb.ModelInferResponse:
-        who = self.principal(context, "ModelInfer")
+        # Admitted already (:meth:`admitted`, before the request was parsed).
         model = served(self.res, request.model_name, request.model_version or None)
         until = deadline(_metadata(context).get(TIMEOUT_METADATA), self.res, TIMEOUT_METADATA)
         left = context.time_remaining()
         if left is not None:  # the client's own deadline: nobody reads an answer after it
             until = min(until, time.monotonic() + left)
-        # Admitted before any work, as REST's admission does (the same bound and shares).
-        refused = self.shares.refusal(who.key_id, CALL_WEIGHT, time.monotonic(), who.share)
-        if refused is not None:
-            raise refused
-        self.shares.take(who.key_id, CALL_WEIGHT)
-        try:
-            scores = await predict(self.res, model, self.decode(request, model), until)
-        finally:
-            self.shares.release(who.key_id, CALL_WEIGHT)
+        scores = await predict(self.res, model, self.decode(request, model), until)
         out = pb.ModelInferResponse.InferOutputTensor(
             name=model.meta.output_name, datatype=FP32, shape=[len(scores)]
         )
@@ -182,6 +186,21 @@ class InferenceService:
         )
 
     # --- the parts -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def admitted(self, who: auth.Principal) -> Iterator[None]:
+        """The block holds a call's weight of the admission capacity for ``who``, as
+        REST's admission does (the same bound and per-key shares): refused at once
+        (:class:`~service.errors.Rejected`, ``inflight`` or ``client_share``) when it
+        does not fit."""
+        refused = self.shares.refusal(who.key_id, CALL_WEIGHT, time.monotonic(), who.share)
+        if refused is not None:
+            raise refused
+        self.shares.take(who.key_id, CALL_WEIGHT)
+        try:
+            yield
+        finally:
+            self.shares.release(who.key_id, CALL_WEIGHT)
+
     def principal(self, context: aio.ServicerContext, call: str) -> auth.Principal:
         """The caller if it holds the ``score`` scope (anyone with auth off); else
         :class:`~service.errors.Unauthenticated` or :class:`~service.errors.Forbidden`."""
@@ -232,22 +251,81 @@ def _metadata(context: aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
+class Throttled:
+    """A warning logged at most once per ``every_s`` seconds, saying how many were not
+    logged since the last one (each is counted elsewhere: the metric is the count)."""
+
+    def __init__(
+        self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every_s, self.clock = every_s, clock
+        self.last: float | None = None
+        self.unlogged = 0
+
+    def warning(self, message: str, *args: object) -> bool:
+        """Log ``message % args`` (a WARNING, no traceback) unless one was logged within
+        ``every_s``; whether it was."""
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every_s:
+            self.unlogged += 1
+            return False
+        if self.unlogged:
+            message += " (%d more since the last such line, not logged)"
+            args = (*args, self.unlogged)
+        log.warning(message, *args)
+        self.last, self.unlogged = now, 0
+        return True
+
+
+def _parse(request_type: type[Req], raw: bytes, call: str, undecodable: Throttled) -> Req:
+    """``raw`` as a ``request_type`` message; else :class:`~service.errors.BadRequest`
+    (``INVALID_ARGUMENT``), noted in ``undecodable``'s log."""
+    try:
+        return request_type.FromString(raw)
+    except DecodeError:
+        kind = request_type.DESCRIPTOR.full_name
+        undecodable.warning(
+            "gRPC %s: a request of %d bytes does not parse as %s: answered "
+            "INVALID_ARGUMENT (logged at most once per %g s; every one is counted in "
+            "rpc_server_call_duration_seconds)",
+            call,
+            len(raw),
+            kind,
+            undecodable.every_s,
+        )
+        raise BadRequest(f"the request does not parse as {kind} (protobuf)") from None
+
+
 def _handler(
-    res: Resources,
+    service: InferenceService,
     calls: telemetry.RpcCalls,
+    undecodable: Throttled,
     name: str,
-    method: Callable[[Req, aio.ServicerContext], Awaitable[Resp]],
+    method: Method[Req, Resp],
     request_type: type[Req],
     response_type: type[Resp],
+    keyed: bool,
+    admitted: bool,
 ) -> grpc.RpcMethodHandler:
     """``method`` (the call ``name``) as a unary call whose refusals are answered as
-    status codes (and counted, as on REST), timed and traced (:class:`telemetry.RpcCalls`)."""
+    status codes (and counted, as on REST), timed and traced (:class:`telemetry.RpcCalls`).
+    The handler takes the request's bytes: the caller's key is checked first (``keyed``:
+    the ``score`` scope), then the call is admitted (``admitted``: it holds capacity
+    until answered), and only then are the bytes parsed (a message that does not parse
+    is a refusal like any other, not grpc's UNKNOWN and traceback)."""
     full_name = f"{SERVICE}/{name}"
+    res = service.res
 
-    async def call(request: Req, context: aio.ServicerContext) -> Resp:
+    async def call(raw: bytes, context: aio.ServicerContext) -> Resp:
         with calls.call(full_name, _metadata(context)) as outcome:
             try:
-                return await method(request, context)
+                who = service.principal(context, name) if keyed else None
+                holding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+                if admitted:
+                    holding = service.admitted(who or auth.ANONYMOUS)
+                with holding:
+                    request = _parse(request_type, raw, full_name, undecodable)
+                    return await method(request, context, who)
             except ApiError as exc:
                 code = status_of(exc)
                 outcome.code = code.name
@@ -268,36 +346,52 @@ def _handler(
                 outcome.code = grpc.StatusCode.UNKNOWN.name
                 raise
 
+    # No request_deserializer: the handler gets the bytes (a deserializer that raises
+    # makes grpc answer UNKNOWN and log a traceback, before the key is checked).
     return grpc.unary_unary_rpc_method_handler(
-        call,
-        request_deserializer=request_type.FromString,
-        response_serializer=response_type.SerializeToString,
+        call, response_serializer=response_type.SerializeToString
     )
 
 
 def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
-    res, calls = service.res, telemetry.RpcCalls("grpc")
-    methods: list[tuple[str, Callable[..., Awaitable[Any]], type[Message], type[Message]]] = [
-        ("ServerLive", service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
-        ("ServerReady", service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
-        ("ModelReady", service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+    calls, undecodable = telemetry.RpcCalls("grpc"), Throttled()
+    s = service
+    # name, method, request and response types, keyed (the score scope), admitted.
+    methods: list[tuple[str, Method[Any, Any], type[Message], type[Message], bool, bool]] = [
+        ("ServerLive", s.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, False, False),
+        (
+            "ServerReady",
+            s.server_ready,
+            pb.ServerReadyRequest,
+            pb.ServerReadyResponse,
+            False,
+            False,
+        ),
+        ("ModelReady", s.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse, True, False),
         (
             "ServerMetadata",
-            service.server_metadata,
+            s.server_metadata,
             pb.ServerMetadataRequest,
             pb.ServerMetadataResponse,
+            False,
+            False,
         ),
         (
             "ModelMetadata",
-            service.model_metadata,
+            s.model_metadata,
             pb.ModelMetadataRequest,
             pb.ModelMetadataResponse,
+            True,
+            False,
         ),
-        ("ModelInfer", service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
+        ("ModelInfer", s.model_infer, pb.ModelInferRequest, pb.ModelInferResponse, True, True),
     ]
     return grpc.method_handlers_generic_handler(
         SERVICE,
-        {name: _handler(res, calls, name, m, q, a) for name, m, q, a in methods},
+        {
+            name: _handler(s, calls, undecodable, name, m, q, a, keyed, admitted)
+            for name, m, q, a, keyed, admitted in methods
+        },
     )
 
 
@@ -346,6 +440,8 @@ async def serving(
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.so_reuseport", 1),  # uvicorn's workers each serve the one port
+            # Calls one connection may have open at once (HTTP/2 SETTINGS).
+            ("grpc.max_concurrent_streams", settings.grpc_max_concurrent_streams),
         ]
     )
     service = InferenceService(res, keyring, version, shares)
