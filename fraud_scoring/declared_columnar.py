@@ -641,8 +641,8 @@ def _results(plan: Plan, writes: Sequence[Any]) -> dict[str, np.ndarray]:
                 raw = part if isinstance(part, bytes) else str(part).encode()
                 out[spec.id] = np.frombuffer(raw, dtype=np.uint8) == ord("1")
         else:
-            ((spec, (key,)),) = states
-            per_key.setdefault(spec.id, {})[key] = [int(x) for x in reply]
+            ((spec, (key,)),) = states  # a Redis Cluster: one APPLY call per key
+            per_key.setdefault(spec.id, {})[key] = [int(x) for x in reply[0]]
     if per_key:
         rec = plan.writes[0][2]
         for spec in plan.compiled.specs:

@@ -92,10 +92,11 @@ def _batch(seed: int, n: int) -> tuple[list[dict[str, Any]], list[int], list[boo
     return rows, ts, record
 
 
-def _both(client: Any, decl: D.Declarations, seed: int, n: int) -> None:
+def _both(client: Any, decl: D.Declarations, seed: int, n: int, *, per_key: bool = False) -> None:
     rows, ts, record = _batch(seed, n)
     pipe = client.pipeline(transaction=False)
-    plan = C.queue_batch(pipe, decl, D.BatchColumns(rows, ts), record, HORIZON_S)
+    cols = D.BatchColumns(rows, ts)
+    plan = C.queue_batch(pipe, decl, cols, record, HORIZON_S, per_key=per_key)
     replies = pipe.execute(raise_on_error=False)
     nreads = sum(len(k) for k in plan.keys)
     reads, writes = replies[:nreads], replies[nreads:]
@@ -126,6 +127,12 @@ def test_the_columns_equal_the_row_by_row_definition(store: Any, seed: int, n: i
 @pytest.mark.parametrize("seed", range(4))
 def test_the_shipped_declarations_too(store: Any, seed: int, n: int) -> None:
     _both(store, F.declarations(), 7_000 + seed * 100 + n, n)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_recording_call_per_key_as_on_a_cluster(store: Any, seed: int) -> None:
+    _both(store, _test_decl(), 9_000 + seed, 32, per_key=True)
+    _both(store, F.declarations(), 9_100 + seed, 32, per_key=True)
 
 
 def test_a_batch_of_keys_the_store_never_saw(store: Any) -> None:
