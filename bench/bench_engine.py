@@ -1,7 +1,7 @@
 """The declared-feature engine alone: CPU per transaction of a micro-batch's declared read
 + record + assembly for the shipped ``feature_repo/features.yaml``, at micro-batch sizes
 1, 8 and 64, live and replay, for the columnar path the service runs
-(``fraud_scoring.declared_columnar``) beside the row-by-row path
+(``fraud_scoring.declared.columnar``) beside the row-by-row path
 (``declared.queue_batch`` + ``declared.parse_batch``, unchanged since 2ec2c63, the last
 landed commit before the columnar path: the reference) in the same run, batch by batch
 interleaved.
@@ -31,7 +31,7 @@ import numpy as np
 import redis
 
 from fraud_scoring import declared as D
-from fraud_scoring import declared_columnar as C
+from fraud_scoring.declared import columnar as C
 from fraud_scoring.features import declarations
 from fraud_scoring.redis_server import embedded_redis
 

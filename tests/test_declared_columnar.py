@@ -1,4 +1,4 @@
-"""The columnar micro-batch read (``fraud_scoring/declared_columnar.py``) equals the
+"""The columnar micro-batch read (``fraud_scoring/declared/columnar.py``) equals the
 row-by-row definition (``declared.parse_batch``, itself checked against training and a
 naive reference in tests/test_declared.py) on every row and feature: live rows, bursts
 of one key inside a micro-batch (recorded or not), replays behind a key's present
@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from fraud_scoring import declared as D
-from fraud_scoring import declared_columnar as C
 from fraud_scoring import features as F
+from fraud_scoring.declared import columnar as C
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import embedded_redis
 from tests.test_declared import DECL, T0, history

@@ -15,7 +15,7 @@ scoring: after the batch's reads, the same pipeline carries the updater's own sc
 lags, and the updater's later copy is a duplicate. A transaction never counts in its own
 features (its read is queued before the write, and counts only what is before its time).
 Attempts of one key in the *same* micro-batch see each other in event-time order
-(:func:`fraud_scoring.declared.parse_batch`). Off with ``FRAUD_RECORD_SCORED=false`` or
+(:func:`fraud_scoring.declared.columnar.parse_batch`). Off with ``FRAUD_RECORD_SCORED=false`` or
 per request (``X-Fraud-Record: false``, for what-if and replay calls). A live
 transaction stamped more than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is
 refused at the door (service/edge/routes.py), as the updater dead-letters it; one far in
@@ -46,6 +46,7 @@ from redis.exceptions import NoScriptError
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
 from fraud_scoring import session
+from fraud_scoring.declared import columnar as C
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
 from service.core import idempotency
@@ -152,8 +153,7 @@ class _Layout:
     reader: int
     reads_end: int
     session_end: int
-    plan: D.BatchPlan
-    rows: list[dict[str, Any]]  # what the declared reads and writes were queued for
+    plan: C.Plan  # what the declared reads and writes were queued for
     states: list[tuple[str, str]]  # the declared states' markers read (StoreHealth)
 
     def declared_writes(self, replies: list[Any]) -> list[Any]:
@@ -411,11 +411,10 @@ class Scorer:
         if batch.by_card and not refused:
             await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
         rows = self.reader.parse(replies[lay.markers : lay.reader], txns)
-        aggs, inexact = D.parse_batch(
+        aggs, inexact = C.parse_batch(
             lay.plan,
             replies[lay.reader : lay.reads_end],
             lay.declared_writes(replies),
-            lay.rows,
             batch.ts_us,
         )
         if inexact:
@@ -477,19 +476,18 @@ class Scorer:
             session.queue_apply_many(pipe, batch.by_card, self.limits, per_card=per_card)
             marks.append(len(pipe))
 
-        rows = batch.rows if decl.specs else []
-        plan = D.queue_batch(
+        cols = D.BatchColumns(batch.rows if decl.specs else [], batch.ts_us if decl.specs else [])
+        plan = C.queue_batch(
             pipe,
             decl,
-            rows,
-            batch.ts_us,
-            batch.recorded,
+            cols,
+            batch.recorded if decl.specs else [],
             self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
             writes_after=session_writes,
             per_key=is_cluster_pipeline(pipe),
         )
         states = list(self.health.states) if self.health is not None else []
-        lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, rows, states)
+        lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, states)
         return await self._bounded(pipe, "feature read"), lay
 
     async def _bounded(self, pipe: Any, what: str) -> list[Any]:

@@ -1,0 +1,386 @@
+"""The window table of a micro-batch: every (state, window, row) read as one row of a
+few arrays, and the array kernels over it (tiles summed with ``bincount``, newest events
+and kept values as (rows x 32) arrays, the finish of every aggregation). What the table
+holds for a set of states and per-state row counts is derived once and cached; the
+serving path that fills it is :mod:`fraud_scoring.declared.columnar`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fraud_scoring.declared.language import NEWEST, US
+from fraud_scoring.declared.plan import TILE, TILE_EXTREMES, Spec
+
+GROUPS = (TILE, TILE_EXTREMES)  # tile records of 4 or 6 doubles
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    spec: int
+    window: int
+    agg: str
+    default: float | None
+    fallback: float  # without a key
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: one per set of states
+class Compiled:
+    """What the window table needs of a set of states, derived once per declarations."""
+
+    specs: tuple[Spec, ...]
+    fields: tuple[tuple[bytes, ...], ...]  # per state: its HMGET fields
+    heads: tuple[str, ...]  # per state: its key names' start ("{agg:<id>:")
+    features: tuple[Feature, ...]
+    by_window: dict[tuple[int, int], tuple[Feature, ...]]  # (state, window) -> its features
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(specs: tuple[Spec, ...]) -> Compiled:
+    fields, heads, feats = [], [], []
+    for s, spec in enumerate(specs):
+        extra = (b"n", b"d") if spec.keeps_values else (b"n",)
+        fields.append((*(str(u).encode() for u in spec.widths), *extra))
+        heads.append("{agg:" + spec.id + ":")
+        windows = {w.us: j for j, w in enumerate(spec.windows)}
+        feats += [
+            Feature(f.name, s, windows[f.window.us], f.agg, f.default, f.fallback)
+            for f in spec.features
+        ]
+    by_window: dict[tuple[int, int], list[Feature]] = {}
+    for f in feats:
+        by_window.setdefault((f.spec, f.window), []).append(f)
+    return Compiled(
+        specs,
+        tuple(fields),
+        tuple(heads),
+        tuple(feats),
+        {k: tuple(v) for k, v in by_window.items()},
+    )
+
+
+class _Specs(tuple[Spec, ...]):
+    """A tuple of states, hashed by identity (a Spec holds a dict: not hashable)."""
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+_SPECS: dict[int, tuple[tuple[Spec, ...], _Specs]] = {}
+
+
+def compiled(specs: tuple[Spec, ...]) -> Compiled:
+    held = _SPECS.get(id(specs))
+    if held is None or held[0] is not specs:
+        if len(_SPECS) > 16:
+            _SPECS.clear()
+        held = _SPECS[id(specs)] = (specs, _Specs(specs))
+    return _compile(held[1])
+
+
+# --- the window table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Table:
+    """Per record size: the rings (state, width, row) and the window rows (state,
+    window, row) of a batch whose states read ``ns`` rows each: static index arrays."""
+
+    ring_pair: np.ndarray  # per ring: its (state, row) pair
+    ring_at: list[tuple[int, int, int, int]]  # per (state, field): pair start, n, field, ring start
+    win_ring: np.ndarray
+    win_pair: np.ndarray
+    win_width: np.ndarray  # float64: tile width (µs)
+    win_tiles: np.ndarray  # float64
+    win_whole: np.ndarray  # float64 1.0: whole tiles (the tile holding t not read)
+    win_us: np.ndarray  # float64: the window (µs)
+    win_slots: np.ndarray  # float64: its ring's slots
+    block: dict[tuple[int, int], int]  # (state, window) -> first window row
+
+
+@dataclass(frozen=True)
+class Index:
+    pair_start: tuple[int, ...]  # per state: its first pair
+    pair_whole: np.ndarray  # per pair: bool, the state reads whole tiles
+    tables: tuple[Table | None, Table | None]
+    values: tuple[int, ...]  # the states that keep values
+    # Their window rows (state, window, row): pair, row of the kept values, window.
+    val_pair: np.ndarray
+    val_kept: np.ndarray
+    val_width: np.ndarray
+    val_tiles: np.ndarray
+    val_us: np.ndarray
+    val_block: dict[tuple[int, int], int]
+
+
+@functools.lru_cache(maxsize=512)
+def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
+    starts, at = [], 0
+    for n in ns:
+        starts.append(at)
+        at += n
+    whole = np.zeros(at, dtype=bool)
+    for s, spec in enumerate(comp.specs):
+        whole[starts[s] : starts[s] + ns[s]] = spec.whole_tiles
+    tables: list[Table | None] = []
+    for g in (0, 1):
+        ring_pair: list[np.ndarray] = []
+        ring_at: list[tuple[int, int, int, int]] = []
+        cols: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("ring", "pair", "width", "tiles", "whole", "us", "slots")
+        }
+        block: dict[tuple[int, int], int] = {}
+        rings = wins = 0
+        for s, spec in enumerate(comp.specs):
+            if int(spec.keeps_extremes) != g:
+                continue
+            n, p0 = ns[s], starts[s]
+            first: dict[int, int] = {}
+            for j, (u, _) in enumerate(spec.widths.items()):
+                first[u] = rings
+                ring_at.append((p0, n, j, rings))
+                ring_pair.append(np.arange(p0, p0 + n))
+                rings += n
+            for k, w in enumerate(spec.windows):
+                block[(s, k)] = wins
+                wins += n
+                cols["ring"].append(np.arange(first[w.width_us], first[w.width_us] + n))
+                cols["pair"].append(np.arange(p0, p0 + n))
+                for name, v in (
+                    ("width", w.width_us),
+                    ("tiles", w.tiles),
+                    ("whole", float(spec.whole_tiles)),
+                    ("us", w.us),
+                    ("slots", spec.widths[w.width_us]),
+                ):
+                    cols[name].append(np.full(n, v, dtype=np.float64))
+        if not ring_at:
+            tables.append(None)
+            continue
+
+        def cat(xs: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(xs).astype(dtype) if xs else np.zeros(0, dtype=dtype)
+
+        tables.append(
+            Table(
+                cat(ring_pair, np.intp),
+                ring_at,
+                cat(cols["ring"], np.intp),
+                cat(cols["pair"], np.intp),
+                cat(cols["width"], np.float64),
+                cat(cols["tiles"], np.float64),
+                cat(cols["whole"], np.float64),
+                cat(cols["us"], np.float64),
+                cat(cols["slots"], np.float64),
+                block,
+            )
+        )
+    values = tuple(s for s, spec in enumerate(comp.specs) if spec.keeps_values)
+    vcols: dict[str, list[Any]] = {k: [] for k in ("pair", "kept", "width", "tiles", "us")}
+    vblock: dict[tuple[int, int], int] = {}
+    rows = kept_at = 0
+    for s in values:
+        n, p0 = ns[s], starts[s]
+        for j, w in enumerate(comp.specs[s].windows):
+            vblock[(s, j)] = rows
+            rows += n
+            vcols["pair"] += range(p0, p0 + n)
+            vcols["kept"] += range(kept_at, kept_at + n)
+            vcols["width"] += [w.width_us] * n
+            vcols["tiles"] += [w.tiles] * n
+            vcols["us"] += [w.us] * n
+        kept_at += n
+    return Index(
+        tuple(starts),
+        whole,
+        (tables[0], tables[1]),
+        values,
+        np.asarray(vcols["pair"], dtype=np.intp),
+        np.asarray(vcols["kept"], dtype=np.intp),
+        np.asarray(vcols["width"], dtype=np.float64),
+        np.asarray(vcols["tiles"], dtype=np.float64),
+        np.asarray(vcols["us"], dtype=np.float64),
+        vblock,
+    )
+
+
+def records(blobs: list[bytes], doubles: int) -> tuple[np.ndarray, np.ndarray]:
+    """Records of ``doubles`` float64 each from ``blobs`` (one per ring, possibly
+    empty): all records as one (records, doubles) array and each blob's record count."""
+    lens = np.fromiter(map(len, blobs), dtype=np.intp, count=len(blobs))
+    flat = np.frombuffer(b"".join(blobs), dtype="<f8").reshape(-1, doubles)
+    return flat, lens // (8 * doubles)
+
+
+def offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts), dtype=np.intp)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def expand(counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments ``starts[i] .. starts[i] + counts[i]`` of a record array: each
+    record's segment and its position in the record array."""
+    total = int(counts.sum())
+    seg = np.repeat(np.arange(len(counts)), counts)
+    pos = np.repeat(starts - offsets(counts), counts) + np.arange(total)
+    return seg, pos
+
+
+def newest_events(blobs: list[bytes], pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The newest events of each pair as (pairs, NEWEST) arrays of times (µs; -inf:
+    none) and values, left-aligned in time order."""
+    flat, counts = records(blobs, 2)
+    counts = np.minimum(counts, NEWEST)
+    ts = np.full((pairs, NEWEST), -np.inf)
+    vs = np.zeros((pairs, NEWEST))
+    if len(flat):
+        lens = np.fromiter(map(len, blobs), dtype=np.intp, count=len(blobs)) // 16
+        seg, pos = expand(counts, offsets(lens))
+        dest = seg * NEWEST + (pos - np.repeat(offsets(lens), counts))
+        ts.ravel()[dest] = flat[pos, 0]
+        vs.ravel()[dest] = flat[pos, 1]
+    return ts, vs
+
+
+def kept_values(blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """The values pushed out of each pair's newest events (field "d": code, newest
+    time) as (pairs, most held) arrays of codes and times (-inf: none)."""
+    flat, counts = records(blobs, 2)
+    width = max(int(counts.max(initial=0)), 1)
+    codes = np.full((len(blobs), width), np.nan)
+    ts = np.full((len(blobs), width), -np.inf)
+    if len(flat):
+        seg, pos = expand(counts, offsets(counts))
+        dest = seg * width + (pos - np.repeat(offsets(counts), counts))
+        codes.ravel()[dest] = flat[pos, 0]
+        ts.ravel()[dest] = flat[pos, 1]
+    return codes, ts
+
+
+@dataclass
+class Windows:
+    """One record size's window rows, summed."""
+
+    c: np.ndarray
+    s: np.ndarray
+    q: np.ndarray
+    covered: np.ndarray
+    lo: np.ndarray  # min (inf: none)
+    hi: np.ndarray  # max (-inf: none)
+
+
+def sum_windows(tab: Table, blobs: list[bytes], doubles: int, t: np.ndarray) -> Windows:
+    flat, counts = records(blobs, doubles)
+    rstart = offsets(counts)
+    m = len(tab.win_ring)
+    cnt = counts[tab.win_ring]
+    seg, pos = expand(cnt, rstart[tab.win_ring])
+    last = np.floor_divide(t[tab.win_pair], tab.win_width)  # the tile holding t
+    first = last - tab.win_tiles
+    end = last - tab.win_whole
+    idx = flat[pos, 0]
+    inside = (idx >= first[seg]) & (idx <= end[seg])
+    c = np.bincount(seg, weights=flat[pos, 1] * inside, minlength=m)
+    s = np.bincount(seg, weights=flat[pos, 2] * inside, minlength=m)
+    q = np.bincount(seg, weights=flat[pos, 3] * inside, minlength=m)
+    # The ring keeps the indexes above its top's minus its slots: one this read needs
+    # may have been dropped once the top reached that far past it.
+    top = np.full(len(counts), -np.inf)
+    some = counts > 0
+    if some.any():
+        top[some] = np.maximum.reduceat(
+            np.where(flat[:, 1] != 0, flat[:, 0], -np.inf), rstart[some]
+        )
+    covered = top[tab.win_ring] - tab.win_slots < first
+    lo = np.full(m, np.inf)
+    hi = np.full(m, -np.inf)
+    if doubles == 6 and len(pos):
+        some = cnt > 0
+        at = offsets(cnt)[some]
+        lo[some] = np.minimum.reduceat(np.where(inside, flat[pos, 4], np.inf), at)
+        hi[some] = np.maximum.reduceat(np.where(inside, flat[pos, 5], -np.inf), at)
+    return Windows(c, s, q, covered, lo, hi)
+
+
+def finish(
+    c: np.ndarray,
+    s: np.ndarray,
+    q: np.ndarray,
+    since: np.ndarray,
+    last: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    us: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """:func:`fraud_scoring.declared._finish_one` over window rows (the same IEEE
+    operations)."""
+    some = c > 0
+    safe = np.where(some, c, 1.0)
+    mean = np.where(some, s / safe, 0.0)
+    var = np.where(some, np.maximum(q / safe - mean * mean, 0.0), 0.0)
+    w = us / US
+    return {
+        "count": c,
+        "sum": s,
+        "mean": mean,
+        "std": np.sqrt(var),
+        "seconds_since_last": np.minimum(since, w),
+        "last": np.where(since <= w, last, 0.0),
+        "min": np.where(lo != np.inf, lo, 0.0),
+        "max": np.where(hi != -np.inf, hi, 0.0),
+    }
+
+
+def by_pair(
+    pair: np.ndarray, ts: np.ndarray, vs: np.ndarray, pairs: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Events (pair, time, value) as (pairs, most per pair) arrays (-inf: none)."""
+    order = np.argsort(pair, kind="stable")
+    pair, ts, vs = pair[order], ts[order], vs[order]
+    counts = np.bincount(pair, minlength=pairs)
+    width = int(counts.max())
+    out_ts = np.full((pairs, width), -np.inf)
+    out_vs = np.zeros((pairs, width))
+    dest = pair * width + (np.arange(len(pair)) - np.repeat(offsets(counts), counts))
+    out_ts.ravel()[dest] = ts
+    out_vs.ravel()[dest] = vs
+    return out_ts, out_vs
+
+
+def add_mates(
+    tab: Table,
+    mates: tuple[np.ndarray, np.ndarray, np.ndarray],
+    t: np.ndarray,
+    win: Windows,
+    c: np.ndarray,
+    s: np.ndarray,
+    q: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The window sums (and min, max in ``win``) with the micro-batch's own earlier
+    events of each key added where a window holds them."""
+    pair, ts, vs = mates
+    order = np.argsort(tab.win_pair, kind="stable")  # each pair's window rows
+    counts = np.bincount(tab.win_pair, minlength=len(t))
+    mate, at = expand(counts[pair], offsets(counts)[pair])
+    wr = order[at]
+    width = tab.win_width[wr]
+    tile = np.floor_divide(ts[mate], width)
+    here = np.floor_divide(t[tab.win_pair[wr]], width)
+    inc = (tile >= here - tab.win_tiles[wr]) & ~((tab.win_whole[wr] == 1.0) & (tile >= here))
+    wr, v = wr[inc], vs[mate][inc]
+    m = len(c)
+    c = c + np.bincount(wr, minlength=m)
+    s = s + np.bincount(wr, weights=v, minlength=m)
+    q = q + np.bincount(wr, weights=v * v, minlength=m)
+    np.minimum.at(win.lo, wr, v)
+    np.maximum.at(win.hi, wr, v)
+    return c, s, q
