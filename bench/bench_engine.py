@@ -92,7 +92,7 @@ def run_columnar(client: Any, decl: D.Declarations, rows: Any, ts: Any, rec: Any
     t1 = time.perf_counter()
     replies = pipe.execute(raise_on_error=False)
     t2 = time.perf_counter()
-    nreads = sum(map(len, plan.keys))
+    nreads = plan.read_commands
     C.parse_batch(plan, replies[:nreads], replies[nreads:], ts)
     return t2 - t1
 

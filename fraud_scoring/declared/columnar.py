@@ -41,6 +41,7 @@ from fraud_scoring.declared.redis_tiles import (
     BatchColumns,
     Event,
     Limits,
+    queue_reads,
     queue_record,
     queue_states,
 )
@@ -57,6 +58,13 @@ class Plan:
     cols: BatchColumns  # the whole batch
     writes: list[tuple[list[tuple[Spec, list[str]]], bool, BatchColumns]]
     recorded: list[bool]
+    scripted: bool = False  # the reads are one READ_LUA call (its reply: one per key)
+
+    @property
+    def read_commands(self) -> int:
+        """How many commands the reads queued (their replies come first)."""
+        keyed = sum(map(len, self.keys))
+        return (1 if keyed else 0) if self.scripted else keyed
 
 
 def queue_batch(
@@ -69,12 +77,15 @@ def queue_batch(
     writes_after: Callable[[], None] | None = None,
     per_key: bool = False,
 ) -> Plan:
-    """Queue a micro-batch's reads (one HMGET per state and row with a key), then (after
+    """Queue a micro-batch's reads (per state and row with a key its HMGET: all in one
+    :data:`~fraud_scoring.declared.redis_tiles.READ_LUA` call, or on a Redis Cluster one
+    command each), then (after
     ``writes_after``, which may queue other writes) the recording of the rows whose
     ``record`` is true, as :func:`fraud_scoring.declared.queue_batch` does."""
     comp = W.compiled(decl.specs)
     keyed: dict[tuple[str, ...], tuple[np.ndarray, list[str]]] = {}
-    plan = Plan(comp, [], [], cols, [], list(record))
+    plan = Plan(comp, [], [], cols, [], list(record), scripted=not per_key)
+    groups: list[tuple[Sequence[bytes], list[str]]] = []
     for spec, fields, head in zip(comp.specs, comp.fields, comp.heads, strict=True):
         got = keyed.get(spec.entity)
         if got is None:
@@ -83,10 +94,16 @@ def queue_batch(
             present: list[str] = [k for k in all_keys if k is not None]
             got = keyed[spec.entity] = (np.asarray(idx, dtype=np.intp), present)
         rows, keys = got
-        for key in keys:
-            pipe.execute_command("HMGET", head + key + "}:t", *fields)
+        names = [head + key + "}:t" for key in keys]
+        if per_key:  # a Redis Cluster: the keys lie in other slots
+            for name in names:
+                pipe.execute_command("HMGET", name, *fields)
+        elif names:
+            groups.append((fields, names))
         plan.rows.append(rows)
         plan.keys.append(keys)
+    if groups:
+        queue_reads(pipe, groups)
     if writes_after is not None:
         writes_after()
     kept = [i for i, r in enumerate(record) if r]
@@ -111,6 +128,8 @@ def parse_batch(
     its replies (``reads`` and ``writes`` in :func:`queue_batch`'s order; a failed write
     counts as not recorded), and how many reads were inexact. Equal to
     :func:`fraud_scoring.declared.parse_batch` row for row."""
+    if plan.scripted:  # one READ_LUA reply holding every key's
+        reads = reads[0] if reads else []
     with np.errstate(invalid="ignore"):  # floor_divide of -inf (no event) is NaN
         return _parse(plan, reads, writes, ts_us)
 
@@ -120,35 +139,43 @@ def _parse(
 ) -> tuple[dict[str, np.ndarray], int]:
     comp = plan.compiled
     n = len(ts_us)
-    ns = tuple(len(r) for r in plan.rows)
-    ix = W.index(comp, ns)
-    t_all = np.asarray(ts_us, dtype=np.int64)
-    pair_row = np.concatenate(plan.rows) if plan.rows else np.zeros(0, np.intp)
-    t = t_all[pair_row].astype(np.float64)
-    pairs = len(pair_row)
-    # The replies, per state: its rings (per width), its newest events, its kept values.
-    ring_blobs: tuple[list[bytes], list[bytes]] = ([], [])
-    newest: list[bytes] = []
-    kept: dict[int, list[bytes]] = {}
+    # Every (state, row) is a pair, a row without a key read as an empty key (its
+    # features are then their defaults, as the row-by-row definition's): the window
+    # table depends on the batch size alone, so it is built once per size.
+    ix = W.index(comp, (n,) * len(comp.specs))
+    t = np.tile(np.asarray(ts_us, dtype=np.float64), len(comp.specs))
+    pairs = len(t)
+    # The replies, per state and field: its rings (per width), newest events, kept values.
+    ring_blobs: tuple[list[Sequence[bytes]], list[Sequence[bytes]]] = ([], [])
+    newest: list[Sequence[bytes]] = []
+    kept: dict[int, Sequence[bytes]] = {}
     pos = 0
     for s, spec in enumerate(comp.specs):
-        chunk = reads[pos : pos + ns[s]]
-        pos += ns[s]
+        rows = plan.rows[s]
+        chunk: Sequence[Any] = reads[pos : pos + len(rows)]
+        pos += len(rows)
         nw = len(spec.widths)
-        out = ring_blobs[int(spec.keeps_extremes)]
-        for j in range(nw):
-            out += [r[j] or b"" for r in chunk]
-        newest += [r[nw] or b"" for r in chunk]
+        nf = nw + 1 + spec.keeps_values
+        if not plan.scripted:  # HMGET's own replies: None for an absent field
+            chunk = [[x or b"" for x in r] for r in chunk]
+        if len(rows) < n:  # rows without a key: nothing stored
+            full: list[Any] = [(b"",) * nf] * n
+            for at, i in enumerate(rows.tolist()):
+                full[i] = chunk[at]
+            chunk = full
+        fields = list(zip(*chunk, strict=True)) if n else [()] * nf
+        ring_blobs[int(spec.keeps_extremes)].extend(fields[:nw])
+        newest.append(fields[nw])
         if spec.keeps_values:
-            kept[s] = [r[nw + 1] or b"" for r in chunk]
-    ts_s, vs_s = W.newest_events(newest, pairs)  # stored
+            kept[s] = fields[nw + 1]
+    ts_s, vs_s = W.newest_events(_flat(newest), pairs)  # stored
     # Whole tiles end before the tile holding t: what lies ahead is never read.
     ahead = (ts_s >= t[:, None]) & ~ix.pair_whole[:, None]
     n_ahead = ahead.sum(axis=1)
     exact = n_ahead < NEWEST
     # The events this micro-batch recorded in the key before t (a burst): with the
     # stored ones for the newest event and the values, added to the windows below.
-    mates = _mates(plan, writes, ix, t)
+    mates = _mates(plan, writes, t[:n])
     ts_n, vs_n = ts_s, vs_s
     if mates is not None:
         m_ts, m_vs = W.by_pair(mates[0], mates[1], mates[2], pairs)
@@ -165,15 +192,13 @@ def _parse(
     for g, tab in enumerate(ix.tables):
         if tab is None:
             continue
-        win = W.sum_windows(tab, ring_blobs[g], 6 if g else 4, t)
+        win = W.sum_windows(tab, _flat(ring_blobs[g]), 6 if g else 4, t)
         wp = tab.win_pair
         exact &= np.bincount(wp, weights=(~win.covered).astype(np.float64), minlength=pairs) == 0
         c, s_, q = win.c, win.s, win.q
         if n_ahead.any():  # a replay: later events in t's tile are not before t
-            hit = ahead[wp] & (
-                np.floor_divide(ts_s[wp], tab.win_width[:, None])
-                == np.floor_divide(t[wp], tab.win_width)[:, None]
-            )
+            edge = (np.floor_divide(t[wp], tab.win_width) * tab.win_width)[:, None]
+            hit = ahead[wp] & (ts_s[wp] < edge + tab.win_width[:, None])  # in t's tile
             v = vs_s[wp]
             c = c - hit.sum(axis=1)
             s_ = s_ - (v * hit).sum(axis=1)
@@ -181,7 +206,7 @@ def _parse(
             if g:  # a min or max cannot be taken out: those rows row by row
                 held = np.bincount(wp, weights=hit.any(axis=1).astype(np.float64), minlength=pairs)
                 for pp in np.flatnonzero(held).tolist():
-                    fix.add((_state_of(ix.pair_start, pp), pp))
+                    fix.add((pp // n, pp % n))
         if mates is not None:
             c, s_, q = W.add_mates(tab, mates, t, win, c, s_, q)
         if not exact.all():  # a replay: some later events were counted; never below nothing
@@ -194,49 +219,47 @@ def _parse(
         for (s, j), at in tab.block.items():
             for f in comp.by_window.get((s, j), ()):
                 if f.agg in agg:
-                    cols[f.name] = _column(agg, f, at, plan.rows[s], n, c, sw, tab.win_us)
+                    cols[f.name] = _column(agg, f, at, n, c, sw, tab.win_us)
             if s in ix.values:
-                counts[(s, j)] = c[at : at + ns[s]]
+                counts[(s, j)] = c[at : at + n]
     if ix.values:
         _values(comp, ix, plan, kept, (ts_n, vs_n, t, since), counts, cols)
-    for st, p in sorted(fix):
-        exact[p] = _by_row(plan, writes, reads, ts_us, st, p, ix, cols)
+    for st, i in sorted(fix):
+        exact[st * n + i] = _by_row(plan, writes, reads, ts_us, st, i, cols)
     return cols, int(pairs - exact.sum())
+
+
+def _flat(fields: Sequence[Sequence[bytes]]) -> list[bytes]:
+    return list(itertools.chain.from_iterable(fields))
 
 
 def _column(
     agg: Mapping[str, np.ndarray],
     f: W.Feature,
     at: int,
-    rows: np.ndarray,
     n: int,
     c: np.ndarray,
     since: np.ndarray,
     us: np.ndarray,
 ) -> np.ndarray:
-    """One feature's column over the batch: its window rows, a declared default where
-    the window holds nothing, the fallback for rows without a key."""
-    k = len(rows)
-    v = agg[f.agg][at : at + k]
+    """One feature's column over the batch: its window rows, with a declared default
+    where the window holds nothing."""
+    v = agg[f.agg][at : at + n]
     if f.default is not None:
         none = (
-            since[at : at + k] > us[at : at + k] / US
+            since[at : at + n] > us[at : at + n] / US
             if f.agg in EXACT_WINDOW_AGGS
-            else c[at : at + k] <= 0
+            else c[at : at + n] <= 0
         )
         v = np.where(none, f.default, v)
-    if k == n:
-        return v
-    out = np.full(n, f.fallback)
-    out[rows] = v
-    return out
+    return v
 
 
 def _values(
     comp: W.Compiled,
     ix: W.Index,
     plan: Plan,
-    kept: Mapping[int, list[bytes]],
+    kept: Mapping[int, Sequence[bytes]],
     pairs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     counts: Mapping[tuple[int, int], np.ndarray],
     cols: dict[str, np.ndarray],
@@ -247,16 +270,17 @@ def _values(
     pushed out of them (``kept``)."""
     ts_n, vs_n, t, since_p = pairs
     n = len(plan.cols.ts_us)
-    codes_k, ts_k = W.kept_values([b for s in ix.values for b in kept[s]])
-    own = np.concatenate([_own(comp.specs[s], plan.cols, plan.rows[s]) for s in ix.values])
+    codes_k, ts_k = W.kept_values(_flat([kept[s] for s in ix.values]))
+    own = np.concatenate([_own(comp.specs[s], plan.cols) for s in ix.values])
     vp, vk = ix.val_pair, ix.val_kept
     tn, vn, tv = ts_n[vp], vs_n[vp], t[vp][:, None]
     tk, ck, mine = ts_k[vk], codes_k[vk], own[vk][:, None]
     width = ix.val_width[:, None]
-    first = np.floor_divide(tv, width) - ix.val_tiles[:, None]
+    # The window's first tile starts here (times are whole µs: exact as doubles).
+    start_tile = (np.floor_divide(tv, width) - ix.val_tiles[:, None]) * width
     before, before_k = tn < tv, tk < tv
-    sel_n = before & (np.floor_divide(tn, width) >= first)
-    sel_k = before_k & (np.floor_divide(tk, width) >= first)
+    sel_n = before & (tn >= start_tile)
+    sel_k = before_k & (tk >= start_tile)
     both = np.concatenate([np.where(sel_n, vn, np.nan), np.where(sel_k, ck, np.nan)], axis=1)
     both.sort(axis=1)
     new = ~np.isnan(both)
@@ -273,43 +297,29 @@ def _values(
     }
     since = since_p[vp]
     for (s, j), at in ix.val_block.items():
-        k = len(plan.rows[s])
         w = comp.specs[s].windows[j]
         for f in comp.by_window.get((s, j), ()):
             if f.agg not in values:
                 continue
-            v = values[f.agg][at : at + k]
+            v = values[f.agg][at : at + n]
             if f.default is not None:  # a declared default where the window is empty
                 exact_window = f.agg in EXACT_WINDOW_AGGS
-                none = since[at : at + k] > w.us / US if exact_window else counts[(s, j)] <= 0
+                none = since[at : at + n] > w.us / US if exact_window else counts[(s, j)] <= 0
                 v = np.where(none, f.default, v)
-            if k == n:
-                cols[f.name] = v
-            else:
-                cols[f.name] = np.full(n, f.fallback)
-                cols[f.name][plan.rows[s]] = v
+            cols[f.name] = v
 
 
-def _own(spec: Spec, cols: BatchColumns, rows: np.ndarray) -> np.ndarray:
-    """Each read row's own value code (NaN: none, or not a categorical state)."""
+def _own(spec: Spec, cols: BatchColumns) -> np.ndarray:
+    """Each row's own value code (NaN: none, or not a categorical state)."""
     if not spec.categorical:
-        return np.full(len(rows), np.nan)
-    values = cols.values(spec)
+        return np.full(len(cols.ts_us), np.nan)
     raw = cols.column(spec.value_column)  # type: ignore[arg-type]
-    return np.array(
-        [np.nan if _empty(raw[i]) else values[i] for i in rows.tolist()], dtype=np.float64
-    )
+    empty = np.fromiter(map(_empty, raw), dtype=bool, count=len(raw))
+    return np.where(empty, np.nan, np.asarray(cols.values(spec), dtype=np.float64))
 
 
 def _empty(v: Any) -> bool:
     return v is None or v != v or v == ""
-
-
-def _state_of(starts: Sequence[int], p: int) -> int:
-    s = 0
-    while s + 1 < len(starts) and starts[s + 1] <= p:
-        s += 1
-    return s
 
 
 def _results(plan: Plan, writes: Sequence[Any]) -> dict[str, np.ndarray]:
@@ -339,50 +349,64 @@ def _results(plan: Plan, writes: Sequence[Any]) -> dict[str, np.ndarray]:
 
 
 def _mates(
-    plan: Plan, writes: Sequence[Any], ix: W.Index, t: np.ndarray
+    plan: Plan, writes: Sequence[Any], t: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The events this micro-batch recorded, new to the store, in each read's key before
+    """The events this micro-batch recorded, new to the store, in each row's key before
     its time and not its own transaction: (pair, time, value) arrays; None: there are
-    none (no key read by a row is recorded by another row: the common case)."""
+    none (no key read by a row is recorded by another row: the common case). ``t``:
+    each row's time."""
     if not plan.writes:
         return None
+    n = len(t)
     rec = plan.writes[0][2]  # every write call records the same rows
     results: dict[str, np.ndarray] | None = None
-    tid: tuple[np.ndarray, np.ndarray] | None = None
+    tid: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.intp), np.zeros(0, np.intp))
+    # Per key grouping (shared by the states of one entity and filter): each recorded
+    # event's row in ``rec``, and the (row, event) pairs of one key, not one transaction.
+    matched: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    rec_ts: np.ndarray | None = None
+    rec_values: dict[str | None, np.ndarray] = {}
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for s, spec in enumerate(plan.compiled.specs):
         if spec.source != "transactions":
             continue
         groups = rec.groups(spec)
-        sizes = list(map(len, groups.values()))
-        if not groups or (rec is plan.cols and len(groups) == sum(sizes)):
+        if not groups or (rec is plan.cols and len(groups) == len(rec.ids)):
             continue  # every recorded row its own key, read by itself only
         if results is None:
             results = _results(plan, writes)
             code = {x: j for j, x in enumerate(plan.cols.ids)}
             tid = (
-                np.fromiter(map(code.__getitem__, plan.cols.ids), np.intp, len(plan.cols.ids)),
+                np.fromiter(map(code.__getitem__, plan.cols.ids), np.intp, n),
                 np.fromiter(map(code.__getitem__, rec.ids), np.intp, len(rec.ids)),
             )
         fresh = results.get(spec.id)
         if fresh is None or not fresh.any():
             continue
-        assert tid is not None
-        rows = np.fromiter(itertools.chain.from_iterable(groups.values()), np.intp, sum(sizes))
-        key = np.repeat(np.arange(len(groups)), sizes)[fresh]
-        rows = rows[fresh]
-        ev_tid = tid[1][rows]
-        ev_ts = np.asarray(rec.ts_us, dtype=np.float64)[rows] + spec.delay_us
-        ev_v = np.asarray(rec.values(spec), dtype=np.float64)[rows]
-        kid = dict(zip(groups, range(len(groups)), strict=True))
-        pk = np.fromiter((kid.get(k, -1) for k in plan.keys[s]), np.intp, len(plan.keys[s]))
-        lo = np.searchsorted(key, pk, "left")
-        hi = np.where(pk >= 0, np.searchsorted(key, pk, "right"), lo)
-        seg, at = W.expand(hi - lo, lo)
-        pair = ix.pair_start[s] + seg
-        ok = (ev_tid[at] != tid[0][plan.rows[s][seg]]) & (ev_ts[at] < t[pair])
-        parts.append((pair[ok], ev_ts[at][ok], ev_v[at][ok]))
-    if not parts or not sum(len(p[0]) for p in parts):
+        got = matched.get(id(groups))
+        if got is None:
+            sizes = list(map(len, groups.values()))
+            events = np.fromiter(itertools.chain.from_iterable(groups.values()), np.intp)
+            key = np.repeat(np.arange(len(groups)), sizes)
+            kid = dict(zip(groups, range(len(groups)), strict=True))
+            keys = plan.cols.keys(spec.entity)  # every row's (None: none)
+            pk = np.fromiter(map(kid.get, keys, itertools.repeat(-1)), np.intp, n)  # type: ignore[arg-type]
+            lo = np.searchsorted(key, pk, "left")
+            hi = np.where(pk >= 0, np.searchsorted(key, pk, "right"), lo)
+            row, at = W.expand(hi - lo, lo)
+            other = tid[0][row] != tid[1][events[at]]
+            got = matched[id(groups)] = (events, row[other], at[other])
+        events, row, at = got
+        if rec_ts is None:
+            rec_ts = np.asarray(rec.ts_us, dtype=np.float64)
+        ev_ts = rec_ts[events[at]] + spec.delay_us
+        ok = fresh[at] & (ev_ts < t[row])
+        values = rec_values.get(spec.value_column)
+        if values is None:
+            values = rec_values[spec.value_column] = np.asarray(rec.values(spec), np.float64)
+        ev_v = values[events[at[ok]]]
+        parts.append((s * n + row[ok], ev_ts[ok], ev_v))
+    if not sum(len(p[0]) for p in parts):
         return None
     return (
         np.concatenate([p[0] for p in parts]),
@@ -420,18 +444,17 @@ def _by_row(
     reads: Sequence[Any],
     ts_us: Sequence[int],
     s: int,
-    p: int,
-    ix: W.Index,
+    i: int,
     cols: dict[str, np.ndarray],
 ) -> bool:
-    """One (state, row) by the row-by-row definition, written into ``cols``; returns
-    whether it is exact."""
+    """Row ``i`` of state ``s`` by the row-by-row definition, written into ``cols``;
+    returns whether it is exact."""
     spec = plan.compiled.specs[s]
-    local = p - ix.pair_start[s]
-    i = int(plan.rows[s][local])
+    local = int(np.searchsorted(plan.rows[s], i))
     key = plan.keys[s][local]
     t = ts_us[i]
-    state = parse_reads(spec, [reads[p]], [t])[0]
+    reply = reads[sum(map(len, plan.rows[:s])) + local]
+    state = parse_reads(spec, [reply], [t])[0]
     row = plan.cols.rows[i]
     tid = str(row["transaction_id"])
     mates = [e for e in _fresh(plan, writes, spec, key) if e.transaction_id != tid]

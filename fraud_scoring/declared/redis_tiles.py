@@ -81,7 +81,22 @@ APPLY_LUA = _RECORD_FN + "\n" + _lua("apply.lua")
 APPLY_STATES_LUA = _RECORD_FN + "\n" + _lua("apply_states.lua")
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 APPLY_STATES_SHA = hashlib.sha1(APPLY_STATES_LUA.encode()).hexdigest()
-SCRIPTS = (APPLY_LUA, APPLY_STATES_LUA)
+# A micro-batch's reads of one server in one call (read.lua: per key the HMGET of
+# :func:`queue_read`), so the client packs and parses one command, not one per key.
+READ_LUA = _lua("read.lua")
+READ_SHA = hashlib.sha1(READ_LUA.encode()).hexdigest()
+SCRIPTS = (APPLY_LUA, APPLY_STATES_LUA, READ_LUA)
+
+
+def queue_reads(pipe: Any, groups: Sequence[tuple[Sequence[Any], Sequence[str]]]) -> None:
+    """Queue one :data:`READ_LUA` call reading ``groups``: per group its HMGET fields and
+    its hashes' names (one server only; its reply: per name HMGET's reply, in order)."""
+    names: list[str] = []
+    args: list[Any] = [len(groups)]
+    for fields, keys in groups:
+        args += (len(fields), *fields, len(keys))
+        names += keys
+    pipe.execute_command("EVALSHA", READ_SHA, len(names), *names, *args)
 
 
 @dataclass(frozen=True)

@@ -287,27 +287,28 @@ def sum_windows(tab: Table, blobs: list[bytes], doubles: int, t: np.ndarray) -> 
     last = np.floor_divide(t[tab.win_pair], tab.win_width)  # the tile holding t
     first = last - tab.win_tiles
     end = last - tab.win_whole
-    idx = flat[pos, 0]
-    inside = (idx >= first[seg]) & (idx <= end[seg])
-    c = np.bincount(seg, weights=flat[pos, 1] * inside, minlength=m)
-    s = np.bincount(seg, weights=flat[pos, 2] * inside, minlength=m)
-    q = np.bincount(seg, weights=flat[pos, 3] * inside, minlength=m)
+    rec = flat[pos]  # each window row's ring records, one after the other
+    inside = (rec[:, 0] >= first[seg]) & (rec[:, 0] <= end[seg])
+    some = cnt > 0
+    at = offsets(cnt)[some]
+    sums = np.zeros((m, 3))
+    if len(pos):
+        sums[some] = np.add.reduceat(rec[:, 1:4] * inside[:, None], at, axis=0)
+    c, s, q = sums[:, 0], sums[:, 1], sums[:, 2]
     # The ring keeps the indexes above its top's minus its slots: one this read needs
     # may have been dropped once the top reached that far past it.
     top = np.full(len(counts), -np.inf)
-    some = counts > 0
-    if some.any():
-        top[some] = np.maximum.reduceat(
-            np.where(flat[:, 1] != 0, flat[:, 0], -np.inf), rstart[some]
+    held = counts > 0
+    if held.any():
+        top[held] = np.maximum.reduceat(
+            np.where(flat[:, 1] != 0, flat[:, 0], -np.inf), rstart[held]
         )
     covered = top[tab.win_ring] - tab.win_slots < first
     lo = np.full(m, np.inf)
     hi = np.full(m, -np.inf)
     if doubles == 6 and len(pos):
-        some = cnt > 0
-        at = offsets(cnt)[some]
-        lo[some] = np.minimum.reduceat(np.where(inside, flat[pos, 4], np.inf), at)
-        hi[some] = np.maximum.reduceat(np.where(inside, flat[pos, 5], -np.inf), at)
+        lo[some] = np.minimum.reduceat(np.where(inside, rec[:, 4], np.inf), at)
+        hi[some] = np.maximum.reduceat(np.where(inside, rec[:, 5], -np.inf), at)
     return Windows(c, s, q, covered, lo, hi)
 
 
@@ -373,9 +374,10 @@ def add_mates(
     mate, at = expand(counts[pair], offsets(counts)[pair])
     wr = order[at]
     width = tab.win_width[wr]
-    tile = np.floor_divide(ts[mate], width)
-    here = np.floor_divide(t[tab.win_pair[wr]], width)
-    inc = (tile >= here - tab.win_tiles[wr]) & ~((tab.win_whole[wr] == 1.0) & (tile >= here))
+    at_ts = ts[mate]
+    here = np.floor_divide(t[tab.win_pair[wr]], width) * width  # t's tile starts here
+    first = here - tab.win_tiles[wr] * width
+    inc = (at_ts >= first) & ~((tab.win_whole[wr] == 1.0) & (at_ts >= here))
     wr, v = wr[inc], vs[mate][inc]
     m = len(c)
     c = c + np.bincount(wr, minlength=m)
