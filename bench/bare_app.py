@@ -1,8 +1,9 @@
-"""The ceiling for ``bench.bench_http``: a bare FastAPI endpoint on the same HTTP stack.
+"""A reference row for ``bench.bench_http``: a bare FastAPI endpoint on the same HTTP stack.
 
 ``POST /v1/score`` parses and validates the body as the scoring service does (the same
-pydantic ``Transaction``, straight from bytes) and answers a fixed decision: what any
-endpoint on FastAPI + uvicorn costs before it does any work of its own.
+pydantic ``Transaction``, straight from bytes) and answers fixed bytes: the floor of
+FastAPI + uvicorn. The goals' ceiling is ``bench.typical_app``, an endpoint written the
+way users write one (body parameter, ``response_model``).
 
     FRAUD_PORT=8001 python -m bench.bare_app
 """
