@@ -57,3 +57,27 @@ def test_the_same_id_for_another_transaction_is_refused_409(server: Server, worl
     assert "amount" in problem["message"] and "merchant_id" in problem["message"]
     assert client.zcard(f"{{card:card-{tid}}}:ev") == 1  # the burst recorded nothing
     assert "fraud_id_reused_total" in metrics
+
+
+def test_a_batch_call_with_one_reused_id_is_refused_whole(server: Server, world: World) -> None:
+    """A batch call whose one transaction reuses an id with other content is refused 409
+    and has no effect: none of its other transactions is recorded (the card's history
+    and the decision log do not grow); the same id twice with other content in one call
+    too."""
+    tid = f"idem-{time.monotonic_ns()}"
+    client = redis.Redis.from_url(world.redis_url)
+    others = [_txn(f"{tid}-other-{i}", card_id=f"card-{tid}-b") for i in range(3)]
+    with server.client() as c:
+        assert c.post("/v1/score", json=_txn(tid)).status_code == 200
+        logged = client.xlen("decisions")
+        call = c.post("/v1/score/batch", json={"transactions": [*others, _txn(tid, amount=2.0)]})
+        twice = c.post(
+            "/v1/score/batch",
+            json={"transactions": [_txn(f"{tid}-2"), _txn(f"{tid}-2", amount=3.0)]},
+        )
+    assert call.status_code == 409, call.text
+    assert call.json()["detail"][0]["code"] == "id_reused"
+    assert twice.status_code == 409, twice.text
+    assert client.zcard(f"{{card:card-{tid}-b}}:ev") == 0
+    assert not client.exists(f"fraud:txn:{{{tid}-other-0}}", f"fraud:txn:{{{tid}-2}}")
+    assert client.xlen("decisions") == logged

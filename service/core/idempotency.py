@@ -12,12 +12,14 @@ Requests that record nothing (``X-Fraud-Record: false``) claim nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fraud_scoring.events import Transaction
+from fraud_scoring.redis_clients import STORE_ERRORS
 from fraud_scoring.session import to_us
 
 SEP = "\x1e"  # between the content and the answer in one value
@@ -32,6 +34,9 @@ class IdReused(Exception):
             f"transaction_id {transaction_id!r} was already used for another transaction "
             f"(different {', '.join(self.fields)})"
         )
+
+
+_UNANSWERED: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
 
 
 def key(transaction_id: str) -> str:
@@ -94,6 +99,34 @@ def outcome(txn: Transaction, mine: str, reply: Any) -> Claim:
     now = json.loads(mine)
     fields = sorted(k for k in now if before.get(k) != now[k]) or ["content"]
     return Claim(new=False, reused=IdReused(txn.transaction_id, fields))
+
+
+async def reused_in(redis: Any, txns: Sequence[Transaction], timeout_s: float) -> IdReused | None:
+    """The first of ``txns`` whose id is already claimed for another transaction (or
+    used twice in ``txns`` with other content), read in one round trip before a batch
+    call scores anything: a call with one reused id is refused whole (409) and records
+    nothing. None when every id is new or a retry, or when the store does not answer
+    (the claims then decide per transaction, as for single calls). A claim made between
+    this read and the batch's own claims is still refused per transaction."""
+    contents = [encode(content(t)) for t in txns]
+    seen: dict[str, str] = {}
+    for t, c in zip(txns, contents, strict=True):
+        if seen.setdefault(t.transaction_id, c) != c:
+            return outcome(t, c, seen[t.transaction_id].encode()).reused
+    pipe = redis.pipeline(transaction=False)
+    for t in txns:
+        pipe.get(key(t.transaction_id))
+    try:
+        async with asyncio.timeout(timeout_s):
+            held = await pipe.execute(raise_on_error=False)
+    except _UNANSWERED:
+        return None
+    for t, c, reply in zip(txns, contents, held, strict=True):
+        if reply is None or isinstance(reply, Exception):
+            continue
+        if (reused := outcome(t, c, reply).reused) is not None:
+            return reused
+    return None
 
 
 def queue_answers(

@@ -34,6 +34,7 @@ from starlette import types as asgi
 from fraud_scoring.events import Transaction
 from fraud_scoring.model_repo import ModelError
 from service import telemetry
+from service.core import idempotency
 from service.core.batching import DeadlineExceeded
 from service.core.challenger import LineupChange
 from service.core.scoring import ScoreRequest, ScoreResult
@@ -368,6 +369,11 @@ async def score_many(request: Request) -> Response:
         for i, txn in enumerate(transactions):
             _check_clock(txn, res.settings, "transactions", i)
     deadline = request_deadline(request, res)
+    if record and res.settings.record_scored and res.settings.idempotency_ttl_s > 0:
+        # All or nothing: one reused id refuses the whole call before anything is scored.
+        reused = await idempotency.reused_in(res.redis, transactions, res.settings.redis_timeout_s)
+        if reused is not None:
+            raise reused
     gone = client_gone(request)
     # The call fails as a whole (e.g. 503 on a full queue): then cancel the rest, so no
     # work is done for answers nobody will receive.
