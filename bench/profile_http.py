@@ -28,8 +28,8 @@ from bench.world import bench_world
 # Stages of the request path, innermost first: a sample counts for the first of these
 # found walking its stack from the leaf up ("function (file" prefixes of py-spy frames).
 STAGES: tuple[tuple[str, str], ...] = (
-    ("declared reads: parse + features", "parse_batch (fraud_scoring/declared.py"),
-    ("declared reads + writes: queue", "queue_batch (fraud_scoring/declared.py"),
+    ("declared reads: parse + features", "parse_batch (fraud_scoring/declared/columnar.py"),
+    ("declared reads + writes: queue", "queue_batch (fraud_scoring/declared/columnar.py"),
     ("card history (EVALSHA) queue", "queue_apply_many (fraud_scoring/session.py"),
     (
         "feast replies: parse + defaults",
