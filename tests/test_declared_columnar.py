@@ -100,7 +100,8 @@ def _both(client: Any, decl: D.Declarations, seed: int, n: int, *, per_key: bool
     replies = pipe.execute(raise_on_error=False)
     nreads = plan.read_commands
     reads, writes = replies[:nreads], replies[nreads:]
-    got, inexact = C.parse_batch(plan, reads, writes, ts)
+    read = C.parse_batch(plan, reads, writes, ts)
+    got, inexact = read.columns, read.inexact_reads
     reference = D.BatchPlan(
         [(s, i, s.key_value(r)) for s in decl.specs for i, r in enumerate(rows)], plan.writes
     )
@@ -116,6 +117,10 @@ def _both(client: Any, decl: D.Declarations, seed: int, n: int, *, per_key: bool
             err_msg=f"{name} (seed {seed}, {n} rows)",
         )
     assert inexact == inexact_ref
+    flagged = sum(len(v) for v in read.inexact.values())
+    assert (flagged > 0) == (inexact > 0)
+    for i, names in read.inexact.items():  # a flagged row's features: its inexact states'
+        assert set(names) <= set(want) and 0 <= i < n
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64])
@@ -145,7 +150,8 @@ def test_a_batch_of_keys_the_store_never_saw(store: Any) -> None:
     decl = F.declarations()
     plan = C.queue_batch(pipe, decl, D.BatchColumns(rows, ts), [False] * 16, HORIZON_S)
     replies = pipe.execute(raise_on_error=False)
-    got, inexact = C.parse_batch(plan, replies, [], ts)
+    read = C.parse_batch(plan, replies, [], ts)
+    got, inexact = read.columns, read.inexact_reads
     assert inexact == 0
     for f in decl.specs[0].features:
         assert len(got[f.name]) == 16

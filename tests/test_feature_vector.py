@@ -463,6 +463,42 @@ def test_forward_dating_each_attempt_does_not_hide_a_burst(
     assert problem["field"] == "event_time" and "FRAUD_MAX_FUTURE_SKEW_S" in problem["message"]
 
 
+def test_a_replay_behind_a_busy_key_says_which_features_are_inexact(
+    world: World, tmp_path: Path
+) -> None:
+    """A card with 40 recorded attempts, then a replay (X-Fraud-Record: false) of a time
+    before 35 of them: the store cannot take them all out of the read, so the answer
+    lists the card's velocity features in features.inexact and says degraded; a live
+    answer lists none."""
+    url = private_db(world, 6)
+    srv = start_server(world, tmp_path, REDIS_URL=url)
+    start = datetime(2026, 1, 16, 12, 0, tzinfo=UTC)
+
+    def attempt(i: int) -> dict[str, Any]:
+        return _attempt(i) | {
+            "transaction_id": f"busy-{i}",
+            "card_id": "c-busy",
+            "event_time": (start + timedelta(seconds=i)).isoformat(),
+        }
+
+    try:
+        with srv.client() as c:
+            live = c.post("/v1/score/batch", json={"transactions": [attempt(i) for i in range(40)]})
+            replay = c.post(
+                "/v1/score",
+                json=attempt(100) | {"event_time": (start + timedelta(seconds=4.5)).isoformat()},
+                headers={"X-Fraud-Record": "false"},
+            )
+    finally:
+        stop_server(srv)
+    assert live.status_code == 200, live.text
+    assert all(not r["features"]["inexact"] and not r["degraded"] for r in live.json()["results"])
+    assert replay.status_code == 200, replay.text
+    body = replay.json()
+    assert "card_txn_count_1m" in body["features"]["inexact"], body
+    assert body["degraded"] is True and body["model_version"] != "rules-only"
+
+
 def test_the_daily_batch_leaves_the_label_states_training_computes(world: World) -> None:
     """The world's batch steps for the declared states (backfill up to the day before the
     held-out one, then each day's labels) leave label and delayed states that, read as of

@@ -121,13 +121,24 @@ def queue_batch(
     return plan
 
 
+@dataclass(frozen=True)
+class Read:
+    """A micro-batch's declared columns (float64, one per declared feature), how many
+    (state, row) reads were not exact, and per row with any the features they hold (a
+    replay behind its key's present: never served as if exact)."""
+
+    columns: dict[str, np.ndarray]
+    inexact_reads: int
+    inexact: dict[int, list[str]]
+
+
 def parse_batch(
     plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Sequence[int]
-) -> tuple[dict[str, np.ndarray], int]:
-    """The declared columns of the micro-batch (float64, one per declared feature) from
-    its replies (``reads`` and ``writes`` in :func:`queue_batch`'s order; a failed write
-    counts as not recorded), and how many reads were inexact. Equal to
-    :func:`fraud_scoring.declared.parse_batch` row for row."""
+) -> Read:
+    """The declared columns of the micro-batch from its replies (``reads`` and
+    ``writes`` in :func:`queue_batch`'s order; a failed write counts as not recorded).
+    Equal to :func:`fraud_scoring.declared.parse_batch` row for row, exactness
+    included."""
     if plan.scripted:  # one READ_LUA reply holding every key's
         reads = reads[0] if reads else []
     with np.errstate(invalid="ignore"):  # floor_divide of -inf (no event) is NaN
@@ -136,7 +147,7 @@ def parse_batch(
 
 def _parse(
     plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Sequence[int]
-) -> tuple[dict[str, np.ndarray], int]:
+) -> Read:
     comp = plan.compiled
     n = len(ts_us)
     # Every (state, row) is a pair, a row without a key read as an empty key (its
@@ -226,7 +237,11 @@ def _parse(
         _values(comp, ix, plan, kept, (ts_n, vs_n, t, since), counts, cols)
     for st, i in sorted(fix):
         exact[st * n + i] = _by_row(plan, writes, reads, ts_us, st, i, cols)
-    return cols, int(pairs - exact.sum())
+    inexact: dict[int, list[str]] = {}
+    if not exact.all():
+        for p in np.flatnonzero(~exact).tolist():
+            inexact.setdefault(p % n, []).extend(comp.specs[p // n].feature_names())
+    return Read(cols, int(pairs - exact.sum()), inexact)
 
 
 def _flat(fields: Sequence[Sequence[bytes]]) -> list[bytes]:

@@ -193,6 +193,9 @@ class ScoreResult:
     # a new decision: not logged), or the refusal (409) of an id used for another one.
     repeat: bool = False
     refused: Exception | None = None
+    # Declared features whose read was not exact (a replay behind its key's present):
+    # the decision is flagged degraded (the model decided on them).
+    inexact: list[str] = field(default_factory=list)
 
     @property
     def logged(self) -> bool:
@@ -209,6 +212,7 @@ class ScoreResult:
             "missing": self.missing,
             "stale": self.stale,
             "degraded": self.degraded,
+            "inexact": self.inexact,
         }
 
     @classmethod
@@ -222,6 +226,7 @@ class ScoreResult:
             missing=answer["missing"],
             stale=answer["stale"],
             degraded=answer["degraded"],
+            inexact=answer.get("inexact", []),
             timing_ms={"feature_read": 0.0, "inference": 0.0, "decision": 0.0, "batch_size": 1.0},
             repeat=True,
         )
@@ -378,8 +383,10 @@ class Scorer:
 
     async def read_features(
         self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
-    ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]]]:
-        """All feature columns (batch, declared, request and derived) for ``txns``,
+    ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]]:
+        """All feature columns (batch, declared, request and derived) for ``txns``, the
+        missing and stale batch features per row, and per row with any the declared
+        features whose read was not exact (a replay behind its key's present),
         assembled by :func:`fraud_scoring.features.build_features`,
         in one round trip that also records the transactions (``record[i]`` False: not
         that one; None: all)."""
@@ -411,14 +418,14 @@ class Scorer:
         if batch.by_card and not refused:
             await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
         rows = self.reader.parse(replies[lay.markers : lay.reader], txns)
-        aggs, inexact = C.parse_batch(
+        read = C.parse_batch(
             lay.plan,
             replies[lay.reader : lay.reads_end],
             lay.declared_writes(replies),
             batch.ts_us,
         )
-        if inexact:
-            _inexact_declared().inc(inexact)
+        if read.inexact_reads:
+            _inexact_declared().inc(read.inexact_reads)
         request = F.RequestColumns(
             amount=[t.amount for t in txns],
             event_us=batch.ts_us,
@@ -427,8 +434,8 @@ class Scorer:
             channel=[t.channel for t in txns],
             has_device=[t.device_id is not None for t in txns],
         )
-        cols = F.build_features(rows.columns, request, aggs)
-        return cols, rows.missing, rows.stale
+        cols = F.build_features(rows.columns, request, read.columns)
+        return cols, rows.missing, rows.stale, read.inexact
 
     def _declared_read(self) -> D.Declarations:
         """The declared states the serving models read (champion and challenger): only
@@ -632,7 +639,7 @@ class Scorer:
                 timed = session.effective_times(txns, self._to_record(txns, record), newest, within)
                 if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
                     _backdated().inc(moved)
-            cols, missing, stale = await self.read_features(timed, record)
+            cols, missing, stale, inexact = await self.read_features(timed, record)
         except FeatureStoreUnavailable:
             if refuse:
                 raise
@@ -656,6 +663,8 @@ class Scorer:
         route = await self._route(txns, model, x, cols)
         clock.mark("inference")
         out = self._decide(txns, model, scores, route, missing, stale, cols)
+        for i, names in inexact.items():  # a model input that is not exact: degraded
+            out[i].inexact = names
         clock.mark("decision")
         clock.stamp(out, len(txns))
         if claims is not None:

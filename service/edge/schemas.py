@@ -46,7 +46,7 @@ SCORE_EXAMPLE: dict[str, Any] = {
         {"code": "VELOCITY_1H", "message": "9 transactions on this card in the last hour."},
     ],
     "model_version": "3",
-    "features": {"missing": [], "stale": ["merchant_fraud_rate_90d"]},
+    "features": {"missing": [], "stale": ["merchant_fraud_rate_90d"], "inexact": []},
     "timing": {
         "queue_ms": 1.2,
         "feature_read_ms": 0.8,
@@ -176,6 +176,12 @@ class FeatureStatus(BaseModel):
         description="features older than their TTL (or newer than the "
         "transaction); defaults were used"
     )
+    inexact: list[str] = Field(
+        default_factory=list,
+        description="declared features the store could not compute exactly as of the "
+        "transaction's time (a replay far behind its key's present, docs/features.md); "
+        "the decision is then marked degraded",
+    )
 
 
 class Timing(BaseModel):
@@ -202,7 +208,9 @@ class ScoreOut(BaseModel):
     degraded: bool = Field(
         default=False,
         description="true: the online store had no batch features or did not answer, and "
-        "FRAUD_DEGRADED_POLICY=rules decided on request and session features by rules only",
+        "FRAUD_DEGRADED_POLICY=rules decided on request and session features by rules only "
+        "(model_version 'rules-only'); or the model decided on features that are not exact "
+        "(features.inexact)",
     )
 
     @staticmethod
@@ -220,7 +228,7 @@ class ScoreOut(BaseModel):
             "score": res.score,
             "reasons": [{"code": r.code, "message": r.message} for r in res.reasons],
             "model_version": res.model_version,
-            "features": {"missing": res.missing, "stale": res.stale},
+            "features": {"missing": res.missing, "stale": res.stale, "inexact": res.inexact},
             "timing": {
                 "queue_ms": queue_ms,
                 "feature_read_ms": tm["feature_read"],
@@ -229,7 +237,7 @@ class ScoreOut(BaseModel):
                 "total_ms": total_ms,
                 "batch_size": int(tm["batch_size"]),
             },
-            "degraded": res.degraded is not None,
+            "degraded": res.degraded is not None or bool(res.inexact),
         }
 
     @classmethod

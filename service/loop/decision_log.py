@@ -32,7 +32,7 @@ challenger ran), ``routed_to`` (``champion`` | ``challenger``: which model decid
 one ``model_version`` and ``score`` are of, and whose vector ``features`` is),
 ``champion_version`` and ``champion_score``, ``degraded`` (null, or why rules decided:
 such an entry has ``score`` null, ``model_version`` "rules-only" and the rules' inputs as
-``features``).
+``features``), ``inexact`` (declared features whose read was not exact: a replay).
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def encode(p: _Pending) -> LogRecord:
         "reasons": [x.code for x in r.reasons],
         "timing_ms": r.timing_ms,
         "degraded": r.degraded,
+        "inexact": r.inexact,
         "challenger_version": r.challenger_version,
         "challenger_score": r.challenger_score,
         "routed_to": r.routed_to,
