@@ -145,9 +145,7 @@ def parse_batch(
         return _parse(plan, reads, writes, ts_us)
 
 
-def _parse(
-    plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Sequence[int]
-) -> Read:
+def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Sequence[int]) -> Read:
     comp = plan.compiled
     n = len(ts_us)
     # Every (state, row) is a pair, a row without a key read as an empty key (its
