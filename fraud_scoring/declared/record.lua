@@ -51,7 +51,11 @@ local function record(kt, kid, c, nev, ev)
       end
       local at = #recent + 1  -- keep `recent` in time order: insert after any <= ts
       while at > 1 and struct.unpack('<d', recent, at - 16) > ts do at = at - 16 end
-      recent = recent:sub(1, at - 1) .. struct.pack('<dd', ts, x) .. recent:sub(at)
+      if at > #recent then  -- the newest (live): appended, no copy of the rest
+        recent = recent .. struct.pack('<dd', ts, x)
+      else
+        recent = recent:sub(1, at - 1) .. struct.pack('<dd', ts, x) .. recent:sub(at)
+      end
       if not newest or ts > newest then newest = ts end
       if backfill then
         if not back or ts > back then back = ts end
@@ -69,9 +73,13 @@ local function record(kt, kid, c, nev, ev)
       local grew = false
       for idx, t in pairs(tiles[w]) do
         local needle, at = struct.pack('<d', idx), 0
-        repeat  -- the record of this tile, if held (a match must start a record)
-          at = string.find(ring, needle, at + 1, true)
-        until at == nil or at % rs == 1
+        if #ring >= rs and ring:sub(#ring - rs + 1, #ring - rs + 8) == needle then
+          at = #ring - rs + 1  -- the newest tile (live): the ring's last record
+        else
+          repeat  -- the record of this tile, if held (a match must start a record)
+            at = string.find(ring, needle, at + 1, true)
+          until at == nil or at % rs == 1
+        end
         local rec
         if at and rs == 48 then
           local _, hc, hs, hq, lo, hi = struct.unpack('<dddddd', ring, at)
@@ -85,7 +93,9 @@ local function record(kt, kid, c, nev, ev)
         else
           rec = struct.pack('<dddd', idx, t[2], t[3], t[4])
         end
-        if at then
+        if at and at + rs > #ring then
+          ring = ring:sub(1, at - 1) .. rec
+        elseif at then
           ring = ring:sub(1, at - 1) .. rec .. ring:sub(at + rs)
         else
           ring = ring .. rec
