@@ -152,7 +152,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     # features are then their defaults, as the row-by-row definition's): the window
     # table depends on the batch size alone, so it is built once per size.
     ix = W.index(comp, (n,) * len(comp.specs))
-    t = np.tile(np.asarray(ts_us, dtype=np.float64), len(comp.specs))
+    t = np.broadcast_to(np.asarray(ts_us, dtype=np.float64), (len(comp.specs), n)).ravel()
     pairs = len(t)
     # The replies, per state and field: its rings (per width), newest events, kept values.
     ring_blobs: tuple[list[Sequence[bytes]], list[Sequence[bytes]]] = ([], [])
@@ -284,7 +284,12 @@ def _values(
     ts_n, vs_n, t, since_p = pairs
     n = len(plan.cols.ts_us)
     codes_k, ts_k = W.kept_values(_flat([kept[s] for s in ix.values]))
-    own = np.concatenate([_own(comp.specs[s], plan.cols) for s in ix.values])
+    mine_by: dict[str | None, np.ndarray] = {}
+    for s in ix.values:  # each value column's codes once
+        vc = comp.specs[s].value_column
+        if vc not in mine_by:
+            mine_by[vc] = _own(comp.specs[s], plan.cols)
+    own = np.concatenate([mine_by[comp.specs[s].value_column] for s in ix.values])
     vp, vk = ix.val_pair, ix.val_kept
     tn, vn, tv = ts_n[vp], vs_n[vp], t[vp][:, None]
     tk, ck, mine = ts_k[vk], codes_k[vk], own[vk][:, None]
@@ -368,9 +373,9 @@ def _mates(
     its time and not its own transaction: (pair, time, value) arrays; None: there are
     none (no key read by a row is recorded by another row: the common case). ``t``:
     each row's time."""
-    if not plan.writes:
-        return None
     n = len(t)
+    if not plan.writes or n < 2:  # a row is never its own mate
+        return None
     rec = plan.writes[0][2]  # every write call records the same rows
     results: dict[str, np.ndarray] | None = None
     tid: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.intp), np.zeros(0, np.intp))

@@ -237,18 +237,13 @@ def expand(counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 def newest_events(blobs: list[bytes], pairs: int) -> tuple[np.ndarray, np.ndarray]:
     """The newest events of each pair as (pairs, NEWEST) arrays of times (µs; -inf:
-    none) and values, left-aligned in time order."""
-    flat, counts = records(blobs, 2)
-    counts = np.minimum(counts, NEWEST)
-    ts = np.full((pairs, NEWEST), -np.inf)
-    vs = np.zeros((pairs, NEWEST))
-    if len(flat):
-        lens = np.fromiter(map(len, blobs), dtype=np.intp, count=len(blobs)) // 16
-        seg, pos = expand(counts, offsets(lens))
-        dest = seg * NEWEST + (pos - np.repeat(offsets(lens), counts))
-        ts.ravel()[dest] = flat[pos, 0]
-        vs.ravel()[dest] = flat[pos, 1]
-    return ts, vs
+    none) and values, left-aligned in time order (a blob holds at most NEWEST)."""
+    size = 16 * NEWEST
+    raw = b"".join(b[:size].ljust(size, b"\0") for b in blobs)
+    held = np.frombuffer(raw, dtype="<f8").reshape(pairs, NEWEST, 2)
+    counts = np.fromiter(map(len, blobs), dtype=np.intp, count=len(blobs)) // 16
+    valid = np.arange(NEWEST) < counts[:, None]
+    return np.where(valid, held[:, :, 0], -np.inf), np.where(valid, held[:, :, 1], 0.0)
 
 
 def kept_values(blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
