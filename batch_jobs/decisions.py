@@ -7,18 +7,22 @@ the row), and writes:
 * ``raw/decisions/date=D/part-0.parquet``: that day's decisions, one row per
   ``transaction_id`` (the first logged one; a retry the log let through is dropped, also
   across midnight: an id the day before's partition holds is not written again);
-* the labels sent to ``POST /v1/feedback`` that day, merged into
+* the labels sent to ``POST /v1/feedback`` (and the review page) that day, merged into
   ``raw/labels/date=<arrival day>/part-0.parquet`` beside the chargebacks, in their
   columns (``card_id``, ``merchant_id``, ``event_time`` are null: a label carries only
-  its id), one per (``transaction_id``, source).
+  its id), one per (``transaction_id``, source), an analyst's per key too (the service's
+  idempotence key); and their sources and key ids into
+  ``raw/label_sources/date=<arrival day>/part-0.parquet`` (``batch_jobs.labels``), which
+  training's label precedence reads (analyst > chargeback > other).
 
 Idempotent: a re-run rewrites the same rows (each partition replaced atomically, merged
 with what it held: a re-run after the log dropped the day keeps the day's decisions; the
 labels merge keeps the distinct rows). The stream keeps entries for
 FRAUD_DECISION_LOG_RETENTION_S, so a day must be compacted within it.
 
-:func:`decisions_with_labels` is the labelled view, with training's point-in-time rule:
-a label counts only if it had arrived strictly before ``as_of``.
+:func:`decisions_with_labels` is the labelled view, with training's rules: a label counts
+only if it had arrived strictly before ``as_of``, and of several the one that stands by
+source (``batch_jobs.labels.standing_labels``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from batch_jobs.labels import SOURCES_SCHEMA, SOURCES_TABLE, known_labels
 from fraud_scoring import contract as C
 from fraud_scoring.storage import (
     DataError,
@@ -132,47 +137,72 @@ def decision_rows(payloads: Iterable[bytes]) -> tuple[list[dict], int]:
 
 
 def feedback_labels(payloads: Iterable[bytes]) -> pa.Table:
-    """Feedback entries as label rows (LABEL_SCHEMA), the first per (transaction_id,
-    source). Raises DataError naming a malformed entry."""
-    seen: set[tuple[str, str]] = set()
+    """Feedback entries as rows of ``batch_jobs.labels.SOURCES_SCHEMA`` (the label's
+    columns, its ``source`` and ``key_id``), the first per (transaction_id, source), for
+    ``analyst`` per (transaction_id, source, key_id): the service's idempotence key
+    (``service.edge.feedback.feedback_key``), so the compaction keeps what the Redis log
+    keeps and drops what Kafka let through. Raises DataError naming a malformed entry."""
+    seen: set[tuple[str, str, str | None]] = set()
     rows = []
     for raw in payloads:
         try:
             e = json.loads(raw)
-            key = (e["transaction_id"], e["source"])
+            source, key_id = str(e["source"]), e.get("key_id")
+            key = (e["transaction_id"], source, key_id if source == "analyst" else None)
             row = {
                 "transaction_id": e["transaction_id"],
                 "label_time": _time(e["label_time"]),
                 "is_fraud": bool(e["is_fraud"]),
+                "source": source,
+                "key_id": key_id,
             }
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(f"malformed feedback entry ({exc!r}): {raw[:200]!r}") from exc
         if key not in seen:
             seen.add(key)
             rows.append(row)
-    return pa.Table.from_pylist(rows, schema=LABEL_SCHEMA)
+    return pa.Table.from_pylist(rows, schema=SOURCES_SCHEMA)
 
 
-def merge_labels(raw: Path, day: date, new: pa.Table) -> int:
-    """Add ``new`` label rows to ``day``'s label partition (rows already there are kept
+def _merge(raw: Path, table: str, schema: pa.Schema, day: date, new: pa.Table) -> int:
+    """Add ``new`` rows to ``day``'s partition of ``table`` (rows already there are kept
     once: a re-run adds nothing); returns the partition's row count."""
     if new.num_rows == 0:
         return 0
     old = (
-        read_partition(raw, "labels", day).select(LABEL_SCHEMA.names).cast(LABEL_SCHEMA)
-        if partition_file(raw, "labels", day).exists()
-        else LABEL_SCHEMA.empty_table()
+        read_partition(raw, table, day).select(schema.names).cast(schema)
+        if partition_file(raw, table, day).exists()
+        else schema.empty_table()
     )
     con = duckdb.connect()
     try:
-        con.register("labels", pa.concat_tables([old, new]))
+        con.register("rows", pa.concat_tables([old, new.select(schema.names).cast(schema)]))
         merged = con.sql(
-            "SELECT DISTINCT * FROM labels ORDER BY label_time, transaction_id"
+            "SELECT DISTINCT * FROM rows ORDER BY label_time, transaction_id"
         ).to_arrow_table()
     finally:
         con.close()
-    write_partition(raw, "labels", day, merged.cast(LABEL_SCHEMA))
+    write_partition(raw, table, day, merged.cast(schema))
     return merged.num_rows
+
+
+def merge_labels(raw: Path, day: date, new: pa.Table) -> int:
+    """Add ``new`` label rows (:func:`feedback_labels`) to ``day``'s label partition, in
+    the contract's columns, and their sources to its ``label_sources`` partition (rows
+    already there are kept once: a re-run adds nothing); returns the label partition's
+    row count."""
+    if new.num_rows == 0:
+        return 0
+    labels = pa.table(
+        {
+            f.name: new.column(f.name) if f.name in new.column_names else pa.nulls(len(new))
+            for f in LABEL_SCHEMA
+        }
+    )
+    n = _merge(raw, "labels", LABEL_SCHEMA, day, labels)
+    if "source" in new.column_names:
+        _merge(raw, SOURCES_TABLE, SOURCES_SCHEMA, day, new)
+    return n
 
 
 def compact_day(
@@ -196,7 +226,7 @@ def compact_day(
         dropped += len(rows) - len(new)
         rows = sorted([*old, *new], key=lambda r: (r["decided_at"], r["transaction_id"]))
     write_partition(raw, "decisions", day, pa.Table.from_pylist(rows, schema=DECISION_SCHEMA))
-    labels = feedback_labels(feedback)
+    labels = feedback_labels(feedback)  # with their sources
     # A label belongs to its arrival day's partition (the log stores it a moment later,
     # so around midnight the two days can differ).
     arrival = [t.date() for t in labels.column("label_time").to_pylist()]
@@ -207,36 +237,27 @@ def compact_day(
 
 def decisions_with_labels(raw: Path, first: date, last: date, as_of: datetime) -> pa.Table:
     """The decisions made on days ``first``..``last`` with the label known at ``as_of``
-    (timezone-aware): ``is_fraud`` and its ``label_time`` from the latest label that had
-    arrived strictly before ``as_of``, both null when none had. One row per
-    ``transaction_id`` (its first decision), whatever the partitions hold. Raises DataError when no
-    decision partition is in the range."""
+    (timezone-aware): ``is_fraud``, its ``label_time`` and ``label_source`` from the label
+    that stands among those that had arrived strictly before ``as_of``
+    (``batch_jobs.labels.known_labels``: analyst > chargeback > other, the newest within
+    a source), all null when none had. One row per ``transaction_id`` (its first
+    decision), whatever the partitions hold. Raises DataError when no decision partition
+    is in the range."""
     days = [d for d in partition_days(raw, "decisions") if first <= d <= last]
     if not days:
         raise DataError(f"no decision partitions under {raw / 'decisions'} for {first}..{last}")
     dfiles = [str(partition_file(raw, "decisions", d)) for d in days]
-    lfiles = [str(partition_file(raw, "labels", d)) for d in partition_days(raw, "labels")]
+    known = known_labels(raw, as_of)
     con = duckdb.connect()
     try:
-        labels = (
-            "SELECT transaction_id, label_time, is_fraud FROM read_parquet($l)"
-            if lfiles
-            else "SELECT NULL::VARCHAR AS transaction_id, NULL::TIMESTAMPTZ AS label_time,"
-            " NULL::BOOLEAN AS is_fraud WHERE false"
-        )
-        sql = f"""
-        WITH known AS (
-          SELECT transaction_id, arg_max(is_fraud, label_time) AS is_fraud,
-                 max(label_time) AS label_time
-          FROM ({labels}) WHERE label_time < $as_of GROUP BY transaction_id
-        )
-        SELECT d.*, known.is_fraud, known.label_time
+        con.register("known", known)
+        sql = """
+        SELECT d.*, known.is_fraud, known.label_time, known.source AS label_source
         FROM read_parquet($d, union_by_name = true) d LEFT JOIN known USING (transaction_id)
         QUALIFY row_number() OVER (PARTITION BY d.transaction_id ORDER BY d.decided_at) = 1
         ORDER BY d.decided_at, d.transaction_id
         """
-        params = {"d": dfiles, "as_of": as_of, **({"l": lfiles} if lfiles else {})}
-        return con.sql(sql, params=params).to_arrow_table()
+        return con.sql(sql, params={"d": dfiles}).to_arrow_table()
     except duckdb.Error as exc:
         raise DataError(f"joining decisions with labels under {raw}: {exc}") from exc
     finally:

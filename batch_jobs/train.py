@@ -3,8 +3,9 @@
 The training set joins each transaction with the batch snapshots that existed at its
 own event time (Feast ``get_historical_features``: snapshot ``event_timestamp <= t``
 and within the view's TTL), then computes request features with the same function the
-scoring service uses. Labels are the chargebacks that have arrived by ``labels_as_of``
-(a transaction without one is taken as legitimate).
+scoring service uses. Labels are those that have arrived by ``labels_as_of``, one per
+transaction by ``batch_jobs.labels``' precedence (analyst > chargeback > any other
+source, the newest within a source; a transaction without one is taken as legitimate).
 
 Days are split by time, never shuffled: warm-up (skipped: no batch history yet) |
 training | validation | holdout. The calibration is fitted on a pool of the
@@ -249,9 +250,11 @@ def plan_split(
 def load_transactions(
     raw: Path, first: date, last: date, labels_as_of: datetime | None = None
 ) -> pd.DataFrame:
-    """Raw transactions of ``first..last`` with ``label`` = 1 for every fraud chargeback
-    that had arrived before ``labels_as_of`` (default: now), and ``fraud_pattern`` when
-    the raw history has it (the simulator's ground truth; else None)."""
+    """Raw transactions of ``first..last`` with ``label`` = 1 for every transaction whose
+    standing label among those that had arrived before ``labels_as_of`` (default: now)
+    is fraud (``batch_jobs.labels.known_frauds``: analyst > chargeback > other), and
+    ``fraud_pattern`` when the raw history has it (the simulator's ground truth; else
+    None)."""
     days = [d for d in partition_days(raw, "transactions") if first <= d <= last]
     if not days:
         raise DataError(f"no raw transactions under {raw / 'transactions'} in {first}..{last}")

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -285,6 +286,95 @@ def test_feedback_needs_the_label_scope(reviewing: Reviewing) -> None:
     for key in (r.feed, r.analyst):  # label, and admin (which implies it)
         with r.client(key) as c:
             assert c.post("/v1/feedback", json=fb).status_code == 200
+
+
+def test_only_the_review_page_or_an_admin_key_labels_as_analyst(
+    reviewing: Reviewing, world: World
+) -> None:
+    """A label key (a chargeback feed) cannot send ``source: analyst``: 403 naming the
+    field, nothing stored, the item still queued; an admin key can."""
+    r = reviewing
+    txns = card_txns(world, "rv-src", [LIMIT + 300])
+    tid = txns[0]["transaction_id"]
+    assert score(r, txns) == ["review"]
+    wait_until(lambda: tid in queued_ids(r), what="the review decision queued")
+    pre = label_body(tid, txns[0]["event_time"], label="legitimate", source="analyst")
+    with r.client(r.feed) as c:
+        spec = c.get("/openapi.json").json()
+        a = c.post("/v1/feedback", json=pre)
+    assert a.status_code == 403, a.text
+    check_against_openapi(spec, "POST", "/v1/feedback", a)
+    [problem] = a.json()["detail"]
+    assert (problem["field"], problem["code"]) == ("source", "forbidden"), problem
+    assert "'feed'" in problem["message"] and "'admin'" in problem["message"]
+    assert labels(r, tid) == [] and tid in queued_ids(r)
+    with r.client(r.analyst) as c:  # admin: an analyst's tool may send it
+        a = c.post("/v1/feedback", json={**pre, "label": "fraud"})
+    assert a.status_code == 200 and a.json()["duplicate"] is False, a.text
+    assert [(e["source"], e["key_id"]) for e in labels(r, tid)] == [("analyst", "analyst")]
+
+
+def feedback_payloads(r: Reviewing, ids: set[str]) -> list[bytes]:
+    """The feedback log's entries of ``ids``, as the compaction reads them."""
+    client: Any = sync_client(r.log_url)
+    try:
+        found = [f[b"d"] for _, f in client.xrange("feedback")]
+    finally:
+        client.close()
+    return [d for d in found if json.loads(d)["transaction_id"] in ids]
+
+
+def test_a_pre_label_never_makes_the_analysts_mark_a_duplicate_and_training_takes_it(
+    reviewing: Reviewing, world: World, tmp_path: Path
+) -> None:
+    """Issue 38 item 5: a label key pre-labels an item, then the analyst marks it on the
+    page: the mark is a new label, and the training label is the analyst's, whatever the
+    pre-label said and whenever the chargeback came."""
+    from batch_jobs.decisions import compact_day
+    from batch_jobs.labels import known_frauds, known_labels
+
+    r = reviewing
+    txns = card_txns(world, "rv-prec", [LIMIT + 100, LIMIT + 200, LIMIT + 300])
+    ids = [t["transaction_id"] for t in txns]
+    assert score(r, txns) == ["review"] * 3
+    wait_until(lambda: set(ids) <= set(queued_ids(r)), what="the review decisions queued")
+    pre = [("legitimate", "customer"), ("fraud", "chargeback")]
+    with r.client(r.feed) as c:
+        for (label, source), t in zip(pre, txns, strict=False):
+            body = label_body(t["transaction_id"], t["event_time"], label=label, source=source)
+            a = c.post("/v1/feedback", json=body)
+            assert a.status_code == 200 and a.json()["matched"] is True, a.text
+        # The feed's key marks the third through the page itself (source analyst).
+        a = c.post("/v1/review/label", json={"transaction_id": ids[2], "label": "legitimate"})
+        assert a.status_code == 200 and a.json()["duplicate"] is False, a.text
+    assert not set(ids) & set(queued_ids(r))  # each closed by the pre-label
+    marks = ["fraud", "legitimate", "fraud"]
+    with r.client(r.analyst) as c:
+        for tid, mark in zip(ids, marks, strict=True):
+            a = c.post("/v1/review/label", json={"transaction_id": tid, "label": mark})
+            assert a.status_code == 200, a.text
+            out = a.json()
+            assert (out["source"], out["duplicate"], out["matched"]) == ("analyst", False, True)
+            # A retry of the same key's mark is the duplicate.
+            again = c.post("/v1/review/label", json={"transaction_id": tid, "label": mark})
+            assert again.json()["duplicate"] is True, again.text
+    for tid, mark in zip(ids, marks, strict=True):
+        stored = [(e["source"], e["is_fraud"], e["key_id"]) for e in labels(r, tid)]
+        assert stored[-1] == ("analyst", mark == "fraud", "analyst"), stored
+        assert len(stored) == 2, stored
+
+    # The labels into the offline store as the daily compaction writes them, then
+    # training's label of each transaction: the analyst's.
+    raw = tmp_path / "raw"
+    today = datetime.now(UTC).date()
+    compact_day(raw, today, [], feedback_payloads(r, set(ids)))
+    as_of = datetime.now(UTC) + timedelta(seconds=1)
+    standing = {
+        row["transaction_id"]: (row["is_fraud"], row["source"])
+        for row in known_labels(raw, as_of).to_pylist()
+    }
+    assert standing == {tid: (m == "fraud", "analyst") for tid, m in zip(ids, marks, strict=True)}
+    assert known_frauds(raw, as_of) == {ids[0], ids[2]}
 
 
 def test_a_label_for_an_unscored_id_is_unmatched_and_hides_nothing(

@@ -2,12 +2,16 @@
 verdict, a customer's report), so training and the served-traffic figures learn from it.
 
 The label is appended to the event log's feedback stream/topic (FRAUD_FEEDBACK_STREAM),
-idempotent on (``transaction_id``, ``source``): a retry, or a second label from the same
-source, is one entry and the first one stands. The daily batch job (``fraud-scoring
-decisions compact``) writes the labels into ``raw/labels/date=<arrival day>`` beside the
-chargebacks, in their format, so training picks them up. Through the log rather than
-straight into the files so that any number of service replicas can take feedback
-without sharing a volume or a lock.
+idempotent on (``transaction_id``, ``source``), and for ``analyst`` on the sending key too
+(:func:`feedback_key`): a retry, or a second label from the same source (the same key's
+for an analyst), is one entry and the first one stands. An analyst's mark is therefore
+never a duplicate of another key's label. The daily batch job (``fraud-scoring decisions
+compact``) writes the labels into ``raw/labels/date=<arrival day>`` beside the
+chargebacks, in their format, and their sources into ``raw/label_sources``, so training
+picks them up and takes one per transaction by source (``batch_jobs.labels``: analyst,
+then chargeback, then any other; the newest first within a source). Through the log
+rather than straight into the files so that any number of service replicas can take
+feedback without sharing a volume or a lock.
 
 **Arrival time.** ``label_time`` is when the service received the label, not the
 ``time`` the caller reports (kept as ``reported_time``): a label counts only from its
@@ -15,7 +19,12 @@ arrival, so a back-dated label cannot leak into features or training sets of the
 
 **Who may label.** The ``label`` scope (or ``admin``, which implies it): analysts and
 chargeback feeds, not a payment system's ``score`` key. Each stored label carries the
-caller's key id (``key_id``).
+caller's key id (``key_id``). **Who may say ``analyst``.** An analyst's verdict outranks
+every other source in training, so ``source: analyst`` is checked against the key
+(:func:`check_source`): the review page's mark (``POST /v1/review/label``, the analysts'
+own route, which always stores ``analyst``), or this route with a key holding
+:data:`ANALYST_SCOPE` (``admin``). A ``label`` key (a chargeback feed) sending it gets 403
+naming ``source``, and nothing is stored.
 
 **Matched or not.** A label is *matched* when the service still holds the decision of
 its ``transaction_id`` (:func:`scored_event_time`): its review-queue item (every
@@ -62,7 +71,7 @@ from service.core import idempotency
 from service.edge import auth
 from service.edge.routes import json_model
 from service.edge.schemas import wire_ids
-from service.errors import Invalid, Rejected, RejectReason, error_responses
+from service.errors import Forbidden, Invalid, Rejected, RejectReason, error_responses
 from service.resources import Resources, resources
 
 log = logging.getLogger(__name__)
@@ -73,6 +82,10 @@ Source = Literal["chargeback", "analyst", "customer"]
 LABEL_SKEW_S = 300.0  # a label's time may run this far ahead of the server clock
 # An unmatched label's time may be this old at most (no card scheme takes disputes older).
 UNMATCHED_MAX_AGE_S = 2 * 365 * 86_400.0
+# The scope a key needs to send ``source: analyst`` here (the review page's mark needs only
+# ``label``: it is the analysts' own route). ``admin``: the keys that ran the review queue
+# before ``label`` existed, and never a chargeback feed's.
+ANALYST_SCOPE = auth.Scope.ADMIN
 
 
 class FeedbackIn(BaseModel):
@@ -98,15 +111,23 @@ class FeedbackIn(BaseModel):
 class FeedbackOut(BaseModel):
     transaction_id: str
     source: Source
-    duplicate: bool  # True: this (transaction_id, source) was already stored; nothing changed
+    # True: this (transaction_id, source) was already stored (for an analyst: by this key);
+    # nothing changed.
+    duplicate: bool
     # False: the service holds no decision for the id (never scored, or too long ago):
     # stored all the same, but it closes no review item.
     matched: bool
     label_time: float  # arrival, epoch seconds (UTC); for a duplicate, this call's arrival
 
 
-def feedback_key(transaction_id: str, source: str) -> str:
-    """The idempotence key of a label (``\\x1f`` cannot occur in an id)."""
+def feedback_key(transaction_id: str, source: str, key_id: str) -> str:
+    """The idempotence key of a label (``\\x1f`` cannot occur in an id): one label per
+    (``transaction_id``, ``source``), and an analyst's per sending key too, so that no
+    other key's label (one stored as ``analyst`` before sources were checked, or a mark
+    through the page by another key) can make an analyst's mark a duplicate.
+    ``batch_jobs.decisions.feedback_labels`` keeps one per the same key."""
+    if source == "analyst":
+        return f"{transaction_id}\x1f{source}\x1f{key_id}"
     return f"{transaction_id}\x1f{source}"
 
 
@@ -144,11 +165,26 @@ def zero_counters() -> None:
 )
 async def feedback(request: Request) -> FeedbackOut:
     """Store one label. 200 with ``duplicate`` telling a retry from a new label and
-    ``matched`` whether the service holds the transaction's decision; 415 for a body
-    that is not JSON; 422 naming the field for a bad body or ``time``; 503 (Retry-After)
-    when the log cannot take it, or is off (FRAUD_DECISION_LOG=off)."""
+    ``matched`` whether the service holds the transaction's decision; 403 naming
+    ``source`` for ``analyst`` from a key without ``admin`` (:func:`check_source`); 415
+    for a body that is not JSON; 422 naming the field for a bad body or ``time``; 503
+    (Retry-After) when the log cannot take it, or is off (FRAUD_DECISION_LOG=off)."""
     body = await json_model(request, FeedbackIn)
-    return await store_label(resources(request), body, auth.principal(request).key_id)
+    who = auth.principal(request)
+    check_source(body, who)
+    return await store_label(resources(request), body, who.key_id)
+
+
+def check_source(body: FeedbackIn, who: auth.Principal) -> None:
+    """``source: analyst`` only from a key holding :data:`ANALYST_SCOPE`, else
+    :class:`~service.errors.Forbidden` (403) naming ``source``: an analyst's label
+    outranks a chargeback in training, so a chargeback feed's key cannot claim one."""
+    if body.source == "analyst" and ANALYST_SCOPE not in who.scopes:
+        raise Forbidden(
+            f"key {who.key_id!r} lacks scope {ANALYST_SCOPE.value!r} needed for source "
+            "'analyst' (analysts mark through the review page, POST /v1/review/label)",
+            "source",
+        )
 
 
 async def scored_event_time(res: Resources, transaction_id: str) -> float | None:
@@ -231,7 +267,7 @@ async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> Feedback
     payload = json.dumps(record, separators=(",", ":")).encode()
     try:
         new = await res.feedback.send(
-            [LogRecord(feedback_key(body.transaction_id, body.source), payload)]
+            [LogRecord(feedback_key(body.transaction_id, body.source, key_id), payload)]
         )
     except LogUnavailable as exc:
         raise _unavailable(exc) from None

@@ -12,7 +12,11 @@
 * ``POST /v1/review/label`` ``{"transaction_id", "label": "fraud" | "legitimate"}``:
   the analyst's mark, stored through the feedback path (``service.edge.feedback.store_label``:
   the feedback log, source ``analyst``, arrival time the service's clock, the key's id),
-  which also takes the item out of the queue.
+  which also takes the item out of the queue. This route is the analysts' own: the one
+  place a ``label`` key stores source ``analyst`` (``POST /v1/feedback`` refuses it from a
+  key without ``admin``). A mark is a duplicate only of the same key's earlier mark, never
+  of a label another key sent (``feedback.feedback_key``), and training ranks it above
+  every other source.
 
 The id travels in a query parameter or the body, never in the path: an id may hold any
 printable character, and ``/``, ``..`` or ``%2F`` in a path are split, normalised away
@@ -296,8 +300,9 @@ async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDet
 async def label_item(request: Request) -> FeedbackOut:
     """The analyst's mark: stored as ``POST /v1/feedback`` stores a label (source
     ``analyst``, ``time`` now, or the event time if that is later), and the item leaves
-    the queue. 404 for an id that is not a review item; ``duplicate`` as in feedback (an
-    analyst's first mark stands)."""
+    the queue. 404 for an id that is not a review item; ``duplicate`` as in feedback
+    (this key's first mark stands; another key's label, of any source, never makes it
+    one)."""
     body = await json_model(request, LabelIn)
     res = resources(request)
     found = await _item(res, body.transaction_id)
