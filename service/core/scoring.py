@@ -681,12 +681,15 @@ class Scorer:
         in one round trip."""
         ttl = self.settings.idempotency_ttl_s
         recorded = self._to_record(txns, record)
-        if not any(recorded):
-            return None, {}
+        # The cards' newest recorded times move backdated attempts (effective_times),
+        # which only a live event-time bound turns on.
+        bounded = self.settings.max_event_skew_s > 0
+        if not any(recorded) or (ttl <= 0 and not bounded):
+            return None, {}  # nothing to claim or read: no round trip
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
         asked = [t for t, r in zip(txns, recorded, strict=True) if r]
-        cards = list(dict.fromkeys(t.card_id for t in asked))
+        cards = list(dict.fromkeys(t.card_id for t in asked)) if bounded else []
         pipe = self._pipeline()
         for card in cards:
             pipe.execute_command("ZREVRANGE", session.events_key(card), 0, 0, "WITHSCORES")
