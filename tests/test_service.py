@@ -48,7 +48,7 @@ def test_score_answers_with_decision_reasons_timing(server: Server) -> None:
     assert body["decision"] in ("approve", "review", "decline")
     assert 0 <= body["score"] <= 1
     assert body["model_version"] == "1"
-    assert set(body["features"]) == {"missing", "stale"}
+    assert set(body["features"]) == {"missing", "stale", "inexact"}
     for k in ("feature_read_ms", "inference_ms", "total_ms", "queue_ms"):
         assert body["timing"][k] >= 0
     assert isinstance(body["reasons"], list)
