@@ -90,8 +90,9 @@ def served_report(
         "from": first.isoformat(),
         "to": last.isoformat(),
         "labels_as_of": as_of.isoformat(),
-        "label_rule": "fraud when a fraud label had arrived before labels_as_of, else "
-        "legitimate (training's rule)",
+        "label_rule": "the standing label among those arrived before labels_as_of "
+        "(analyst > chargeback > other, newest first within a source: training's rule), "
+        "else legitimate",
         "rows": table.num_rows,
         "labels": {
             "fraud": int(y_all.sum()),
