@@ -1,5 +1,5 @@
 """The batch subcommands: ``simulate``, ``ingest``, ``batch``, ``train``, ``evaluate``,
-``decisions``.
+``decisions``, ``replay``.
 
 ``batch`` and ``train`` check the raw partitions they read against the input contract
 (``fraud_scoring/contract.py``) before they write anything.
@@ -516,6 +516,50 @@ def run_features(args: argparse.Namespace, settings: JobsSettings) -> None:
     print(f"applied: {feature_plan.applied_path(settings.data_dir)}")
 
 
+def configure_replay(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--day", type=iso_date, required=True, help="the UTC day to replay (YYYY-MM-DD)")
+    p.add_argument(
+        "--model-version",
+        help="model version to score with (default: FRAUD_MODEL_VERSION, 'latest': the "
+        "version a service with the same settings serves)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the parquet file to write (default: "
+        "FRAUD_DATA_DIR/replay/<model>/v<version>/day=YYYY-MM-DD.parquet)",
+    )
+
+
+def run_replay(args: argparse.Namespace, settings: JobsSettings) -> None:
+    from batch_jobs.replay import replay_day, replay_model, require_day
+    from fraud_scoring.settings import ScoringSettings, read_settings
+
+    raw = settings.data_dir / "raw"
+    version = args.model_version or settings.model_version
+    # Bad input is refused before any work (exit 2): the day, the version.
+    require_day(raw, args.day)
+    replay_model(settings.model_repo, settings.model_name, version)
+    check_raw(raw, until=args.day)
+    policy = read_settings(ScoringSettings)  # the service's threshold overrides, amount rule
+    with redis_url(settings.redis_url) as url:
+        r = replay_day(
+            settings.data_dir,
+            url,
+            settings.model_repo,
+            settings.model_name,
+            args.day,
+            version=version,
+            review_amount_limit=policy.review_amount_limit,
+            review_threshold=policy.review_threshold,
+            decline_threshold=policy.decline_threshold,
+            batch_available_after_s=settings.batch_available_after_s,
+            feature_store_yaml=settings.feature_store_yaml,
+            out=args.out,
+        )
+    print(r.text())
+
+
 COMMANDS: list[Command[Any]] = [
     Command(
         "simulate",
@@ -565,6 +609,14 @@ COMMANDS: list[Command[Any]] = [
         "the decision log: compact a day into the offline store (with feedback labels)",
         run_decisions,
         configure_decisions,
+        settings=JobsSettings,
+    ),
+    Command(
+        "replay",
+        "exact feature vectors, scores and decisions of a past day's transactions through "
+        "the training join (parquet)",
+        run_replay,
+        configure_replay,
         settings=JobsSettings,
     ),
 ]
