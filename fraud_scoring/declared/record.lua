@@ -122,26 +122,35 @@ local function record(kt, kid, c, nev, ev)
     if #recent > 16 * keep then
       local cut = #recent - 16 * keep
       if dcap > 0 then  -- the values pushed out: their newest time per value
-        local seen, d = {}, held[nw + 4] or ''
-        for at = 1, #d, 16 do
-          local c, ts = struct.unpack('<dd', d, at)
-          seen[c] = ts
-        end
+        -- d is kept newest first, then by code (the same bytes however the values
+        -- arrived): each pushed-out value replaces its older record, at its place.
+        local d = held[nw + 4] or ''
         for at = 1, cut, 16 do
           local ts, c = struct.unpack('<dd', recent, at)
-          if not seen[c] or seen[c] < ts then seen[c] = ts end
+          local needle, pos = struct.pack('<d', c), 0
+          repeat  -- the value's record, if held (a match must start a record)
+            pos = string.find(d, needle, pos + 1, true)
+          until pos == nil or pos % 16 == 1
+          if pos and struct.unpack('<d', d, pos + 8) >= ts then
+            pos = -1  -- held with a newer (or the same) time: unchanged
+          elseif pos then
+            d = d:sub(1, pos - 1) .. d:sub(pos + 16)
+          end
+          if pos ~= -1 then
+            local ins = 1  -- before the first record that sorts after (ts, c)
+            while ins <= #d do
+              local c2, t2 = struct.unpack('<dd', d, ins)
+              if t2 < ts or (t2 == ts and c2 > c) then break end
+              ins = ins + 16
+            end
+            d = d:sub(1, ins - 1) .. struct.pack('<dd', c, ts) .. d:sub(ins)
+          end
         end
-        local recs = {}
-        for c, ts in pairs(seen) do
-          if ts >= newest - dback then recs[#recs + 1] = {ts, c} end
-        end
-        -- newest first, then by code: the same bytes however the values arrived
-        table.sort(recs, function(x, y) return x[1] > y[1] or (x[1] == y[1] and x[2] < y[2]) end)
-        for i = #recs, dcap + 1, -1 do recs[i] = nil end
-        local out_d = {}
-        for i, r in ipairs(recs) do out_d[i] = struct.pack('<dd', r[2], r[1]) end
+        -- the dcap newest, none older than dback behind the key's newest (at the end)
+        local n = math.min(#d / 16, dcap)
+        while n > 0 and struct.unpack('<d', d, 16 * n - 7) < newest - dback do n = n - 1 end
         set[#set + 1] = 'd'
-        set[#set + 1] = table.concat(out_d)
+        set[#set + 1] = d:sub(1, 16 * n)
       end
       recent = recent:sub(cut + 1)
     end
