@@ -318,3 +318,125 @@ def test_oip_unknown_routes_and_methods_answer_the_protocol_shape(server: Server
         for r, status in cases:
             assert r.status_code == status, r.request.url
             assert set(r.json()) == {"error"} and r.json()["error"], r.text
+
+
+def _tensor(world: World, rows: int = 2) -> tuple[dict[str, Any], np.ndarray]:
+    """A JSON inference request for ``rows`` rows, and its rows as FP32."""
+    meta = load_metadata(resolve(world.model_repo, "fraud"))
+    n = len(meta.features)
+    x = np.random.default_rng(11).uniform(0, 50, size=(rows, n)).astype(np.float32)
+    tensor = {"name": meta.input_name, "shape": [rows, n], "datatype": "FP32"}
+    return {"inputs": [{**tensor, "data": x.reshape(-1).tolist()}]}, x
+
+
+def test_oip_infer_refuses_a_body_that_is_not_json_with_415(server: Server, world: World) -> None:
+    """As every /v1 POST: a form, multipart or text/plain body (what a page on another
+    site can post without a preflight) is a 415 in the protocol's shape, documented. JSON,
+    application/octet-stream (the binary form; tritonclient.http.aio sends every body so)
+    and no Content-Type (tritonclient.http sends none) are read."""
+    request, x = _tensor(world)
+    text = json.dumps(request).encode()
+    url = "/v2/models/fraud/infer"
+    with server.client() as c:
+        spec = c.get("/openapi.json").json()
+        refused = [
+            c.post(url, content=text, headers={"content-type": "text/plain"}),
+            c.post(url, content=text, headers={"content-type": "text/plain; charset=utf-8"}),
+            c.post(url, data={"inputs": text.decode()}),  # application/x-www-form-urlencoded
+            c.post(url, files={"inputs": ("r.json", text, "application/json")}),  # multipart
+            c.post(url, content=text, headers={"content-type": "application/xml"}),
+        ]
+        for r in refused:
+            assert r.status_code == 415, (r.request.headers["content-type"], r.text)
+            assert set(r.json()) == {"error"} and "Content-Type" in r.json()["error"], r.text
+            check_against_openapi(spec, "POST", "/v2/models/{name}/infer", r)
+        version = load_metadata(resolve(world.model_repo, "fraud")).version
+        r = c.post(
+            f"/v2/models/fraud/versions/{version}/infer",
+            content=text,
+            headers={"content-type": "text/plain"},
+        )
+        assert r.status_code == 415 and set(r.json()) == {"error"}, r.text
+
+        head = {"inputs": [{**request["inputs"][0], "parameters": {}}]}
+        del head["inputs"][0]["data"]
+        head["inputs"][0]["parameters"]["binary_data_size"] = x.nbytes
+        head_bytes = json.dumps(head).encode()
+        binary = {"Inference-Header-Content-Length": str(len(head_bytes))}
+        accepted = [
+            c.post(url, json=request),
+            c.post(url, content=text, headers={"content-type": "application/json; charset=utf-8"}),
+            c.post(url, content=text),  # no Content-Type
+            c.post(url, content=text, headers={"content-type": "application/octet-stream"}),
+            c.post(url, content=head_bytes + x.astype("<f4").tobytes(), headers=binary),
+            c.post(
+                url,
+                content=head_bytes + x.astype("<f4").tobytes(),
+                headers={**binary, "content-type": "application/octet-stream"},
+            ),
+        ]
+    scores = [r.json()["outputs"][0]["data"] for r in accepted if r.status_code == 200]
+    assert len(scores) == len(accepted), [(r.status_code, r.text) for r in accepted]
+    assert all(s == scores[0] for s in scores), scores
+
+
+def test_oip_aio_client_reaches_the_model(server: Server, world: World) -> None:
+    """tritonclient.http.aio (aiohttp: every body application/octet-stream), JSON and
+    binary tensors: the same scores as the synchronous client's path."""
+    import asyncio
+
+    import tritonclient.http.aio as aio_triton
+
+    meta = load_metadata(resolve(world.model_repo, "fraud"))
+    request, x = _tensor(world)
+
+    async def infer(binary: bool) -> np.ndarray:
+        client = aio_triton.InferenceServerClient(url=server.url.removeprefix("http://"))
+        try:
+            inp = aio_triton.InferInput(meta.input_name, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary)
+            out = aio_triton.InferRequestedOutput(meta.output_name, binary_data=binary)
+            result = await client.infer("fraud", [inp], outputs=[out])
+            got: np.ndarray = result.as_numpy(meta.output_name)
+            return got
+        finally:
+            await client.close()
+
+    with server.client() as c:
+        want = c.post("/v2/models/fraud/infer", json=request).json()["outputs"][0]["data"]
+    for binary in (False, True):
+        np.testing.assert_allclose(asyncio.run(infer(binary)), want, rtol=1e-6)
+
+
+def test_oip_documents_the_binary_form_its_headers_and_extensions(server: Server) -> None:
+    """/openapi.json declares infer's binary tensor form (Inference-Header-Content-Length,
+    an application/octet-stream body), the deadline header it honours and its 415; the
+    server metadata lists the binary tensor data extension (Triton's and KServe's name),
+    as tritonclient reads it."""
+    with server.client() as c:
+        spec = c.get("/openapi.json").json()
+        meta = c.get("/v2")
+    for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):
+        op = spec["paths"][path]["post"]
+        headers = {p["name"]: p for p in op["parameters"] if p["in"] == "header"}
+        assert headers["Inference-Header-Content-Length"]["schema"] == {
+            "type": "integer",
+            "minimum": 0,
+        }
+        assert headers["X-Request-Timeout-Ms"]["schema"]["maximum"] == 60_000
+        assert not any(h["required"] for h in headers.values())
+        body = op["requestBody"]["content"]
+        assert set(body) == {"application/json", "application/octet-stream"}, path
+        assert body["application/octet-stream"]["schema"]["format"] == "binary"
+        assert "415" in op["responses"], path
+    assert meta.status_code == 200
+    assert meta.json()["extensions"] == ["binary_tensor_data"]
+    check_against_openapi(spec, "GET", "/v2", meta)
+    assert spec["paths"]["/v2"]["get"]["responses"]["200"]["content"]["application/json"][
+        "schema"
+    ] == {"$ref": "#/components/schemas/ServerMetaOut"}
+    client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
+    try:
+        assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    finally:
+        client.close()

@@ -8,27 +8,36 @@ feature read, no decision policy, no session state, no decision log: that is
 ``/v1/score``.
 
 Tensor data comes as JSON (``data``, flat or nested row-major) or, with the binary
-tensor extension (what ``tritonclient.http`` sends by default), as raw bytes after a JSON
-header: the body's first ``Inference-Header-Content-Length`` bytes are the JSON, the rest
-the input's elements (little-endian FP32, row-major), ``binary_data_size`` of them in the
-input's ``parameters``. The output goes back the same way when asked for
+tensor data extension (what ``tritonclient.http`` sends by default; the server metadata
+lists it, ``binary_tensor_data``), as raw bytes after a JSON header: the body's first
+``Inference-Header-Content-Length`` bytes are the JSON, the rest the input's elements
+(little-endian FP32, row-major), ``binary_data_size`` of them in the input's
+``parameters``. The output goes back the same way when asked for
 (``parameters.binary_data`` on a requested output, or the request's
 ``binary_data_output``): an ``application/octet-stream`` answer with its own
 ``Inference-Header-Content-Length``. Every element must be a finite number: ``null``,
 ``NaN`` and infinities are refused (400) naming the element.
 
+The body is read as JSON when its ``Content-Type`` is JSON, ``application/octet-stream``
+(aiohttp's default for bytes: ``tritonclient.http.aio`` sends every body so) or absent
+(``tritonclient.http`` sends none); any other (a form, ``multipart/*``, ``text/plain``:
+what a page on another site may post without a CORS preflight) is refused with 415, as
+every ``POST`` of ``/v1`` refuses it.
+
 The life of an inference request: admission (``service.edge.admission``: body bounds and
-the in-flight bound, shared with ``/v1``) → the ``score`` scope → decode and check the
-tensor (``service.edge.oip_model``, shared with the gRPC server, ``service.edge.oip_grpc``)
-→ the model, on the scoring thread pool (never on the event loop) under the request's
-deadline (``X-Request-Timeout-Ms`` as on ``/v1``) → encode. The micro-batcher is not
-used: its items are transactions, and a tensor request is already a batch.
+the in-flight bound, shared with ``/v1``) → the ``score`` scope → the Content-Type →
+decode and check the tensor (``service.edge.oip_model``, shared with the gRPC server,
+``service.edge.oip_grpc``) → the model, on the scoring thread pool (never on the event
+loop) under the request's deadline (``X-Request-Timeout-Ms`` as on ``/v1``) → encode.
+The micro-batcher is not used: its items are transactions, and a tensor request is
+already a batch.
 
 Errors are raised as ``service.errors``' types, as on ``/v1``, and answered in the
 protocol's shape, ``{"error": "..."}`` (``service.edge.errors_http``, by path, also for a
 ``/v2`` route that does not exist, 404, or a method a route does not take, 405): 400 bad
 request (:class:`~service.errors.BadRequest`), 401/403 auth, 404 unknown model or
-version, 503 (Retry-After) when the model cannot serve now (counted under its reason in
+version, 415 a body that is not JSON (:class:`~service.errors.UnsupportedMediaType`), 503
+(Retry-After) when the model cannot serve now (counted under its reason in
 ``fraud_rejections_total``). Model readiness answers 200 ``{"name", "ready": true}`` or,
 with no model loaded, 400 ``{"error", "ready": false}`` (the protocol's "not ready" is a
 4xx), 404 for another model or version. The server's health endpoints are open, like
@@ -59,8 +68,8 @@ from service.edge.oip_model import (
     predict,
     served,
 )
-from service.edge.routes import TIMEOUT_HEADER, header
-from service.errors import BadRequest, Rejected
+from service.edge.routes import MAX_TIMEOUT_MS, TIMEOUT_HEADER, header
+from service.errors import BadRequest, Rejected, UnsupportedMediaType
 from service.resources import Resources, resources
 from service.settings import ServiceSettings
 
@@ -69,6 +78,9 @@ router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
+# The protocol extensions served, as Triton and KServe name them in the server metadata.
+EXTENSIONS = ("binary_tensor_data",)
+OCTET_STREAM = "application/octet-stream"
 
 
 class TensorIn(BaseModel):
@@ -121,6 +133,15 @@ class ModelMetaOut(BaseModel):
     parameters: dict[str, Any] = Field(description="feature_names: the input's columns")
 
 
+class ServerMetaOut(BaseModel):
+    name: str
+    version: str
+    extensions: list[str] = Field(
+        description="binary_tensor_data: the binary tensor data extension "
+        "(Inference-Header-Content-Length)"
+    )
+
+
 class OipErrorOut(BaseModel):
     error: str
 
@@ -153,6 +174,8 @@ _SERVE_ERRORS = _KEYED | _errors(
         400: "The request, its tensor or X-Request-Timeout-Ms is not acceptable.",
         408: "The body did not arrive within FRAUD_BODY_TIMEOUT_S.",
         413: "The body is over FRAUD_MAX_BODY_BYTES.",
+        415: "The Content-Type is not JSON or application/octet-stream (a form, multipart or "
+        "text/plain body).",
         503: "No model, overloaded or past the deadline (Retry-After), or " + _DRAINING,
     }
 )
@@ -175,21 +198,49 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
     return inlined
 
 
-# The JSON request (the binary extension's body starts with it: see ``infer``).
+# The JSON request, and the binary tensor extension's form: the same JSON as the body's
+# first Inference-Header-Content-Length bytes, the input's raw FP32 data after it (see
+# ``infer``). A body with no Content-Type is read as JSON too (tritonclient.http's).
 _INFER_IN = {
+    "parameters": [
+        {
+            "name": TIMEOUT_HEADER,
+            "in": "header",
+            "required": False,
+            "description": "This request's deadline in milliseconds, in (0, 60000]; default: "
+            "FRAUD_REQUEST_TIMEOUT_MS. Past it the answer is 503; another value is a 400.",
+            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_MS},
+        },
+        {
+            "name": HEADER_LENGTH,
+            "in": "header",
+            "required": False,
+            "description": "The binary tensor data extension: the body's first this many "
+            "bytes are the JSON request, the rest the input's raw data (little-endian FP32, "
+            "row-major), as many bytes as the input's parameters.binary_data_size. Without "
+            "it the whole body is the JSON request.",
+            "schema": {"type": "integer", "minimum": 0},
+        },
+    ],
     "requestBody": {
         "required": True,
         "description": "One FP32 input of shape [n, n_features] (GET /v2/models/{name} lists "
-        "the features). With Inference-Header-Content-Length, this JSON is the body's first "
-        "bytes and the input's raw FP32 data follows.",
-        "content": {"application/json": {"schema": _inlined(InferIn.model_json_schema())}},
-    }
+        "the features), as JSON; or, with Inference-Header-Content-Length, this JSON as the "
+        "body's first bytes and the input's raw FP32 data after it (application/octet-stream, "
+        "or no Content-Type as tritonclient.http sends it).",
+        "content": {
+            "application/json": {"schema": _inlined(InferIn.model_json_schema())},
+            OCTET_STREAM: {
+                "schema": {"type": "string", "format": "binary"},
+            },
+        },
+    },
 }
 # A binary output (the binary tensor extension) comes back as application/octet-stream.
 _INFER_OK: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {
-            "application/octet-stream": {
+            OCTET_STREAM: {
                 "schema": {"type": "string", "format": "binary"},
             }
         },
@@ -230,10 +281,14 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": True})
 
 
-@router.get("", responses=_OPEN_ERRORS)
-async def server_metadata(request: Request) -> dict[str, Any]:
-    """The server's name, version and protocol extensions (none)."""
-    return {"name": "fraud-scoring", "version": request.app.version, "extensions": []}
+@router.get("", response_model=ServerMetaOut, responses=_OPEN_ERRORS)
+async def server_metadata(request: Request) -> JSONResponse:
+    """The server's name, version and protocol extensions: ``binary_tensor_data`` (the
+    binary tensor data extension, as Triton and KServe name it)."""
+    body = ServerMetaOut(
+        name="fraud-scoring", version=request.app.version, extensions=list(EXTENSIONS)
+    )
+    return JSONResponse(body.model_dump())
 
 
 def _metadata(request: Request, name: str, version: str | None) -> JSONResponse:
@@ -333,6 +388,7 @@ async def infer_version(request: Request, name: str, version: str) -> Response:
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     res, model = _model(request, name, version)
+    _check_media(request)
     until = deadline(header(request, _TIMEOUT_KEY), res)
     x, req, binary_out = _decode(await request.body(), request, model, res.settings)
     scores = await predict(res, model, x, until)
@@ -411,11 +467,28 @@ def _decode(
     return from_bytes(model, tensor.name, binary, shape), req, binary_out
 
 
+def _check_media(request: Request) -> None:
+    """:class:`~service.errors.UnsupportedMediaType` (415) unless the body's Content-Type
+    is JSON, ``application/octet-stream`` or absent (module docstring)."""
+    ctype = header(request, b"content-type")
+    if not ctype:
+        return
+    media = ctype.partition(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json") or media == OCTET_STREAM:
+        return
+    raise UnsupportedMediaType(
+        f"Content-Type must be application/json (or {OCTET_STREAM}, the binary tensor "
+        f"extension's), got {ctype!r}",
+        "header.Content-Type",
+    )
+
+
 def _split(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The body's JSON header and its binary data (none without the length header)."""
     if header_length is None:
         return raw, b""
-    if not header_length.isdigit() or int(header_length) > len(raw):
+    digits = header_length.isascii() and header_length.isdigit()  # not "+1" nor " 1"
+    if not digits or int(header_length) > len(raw):
         raise BadRequest(
             f"{HEADER_LENGTH}: must be the JSON header's length in bytes, at most the body's "
             f"{len(raw)}, got {header_length!r}"
