@@ -78,9 +78,16 @@ function features(list) {
   return td;
 }
 
+// A value kept to one short line: cut with an ellipsis, the whole of it on hover.
+function clipped(tag, text) {
+  const e = el(tag, text, "clip");
+  e.title = String(text);
+  return e;
+}
+
 function cardAndMerchant(it) {
-  const td = el("td", it.card_id, "id");
-  td.append(el("br"), el("small", it.merchant_id));
+  const td = el("td", null, "id");
+  td.append(clipped("span", it.card_id), clipped("small", it.merchant_id));
   return td;
 }
 
