@@ -294,6 +294,11 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
         {"redis": {"cluster": True, "db": 2}},
         "redis.cluster needs redis.db: 0",
     ),
+    # The gRPC server runs only with a port: a TLS Secret without one was ignored.
+    "gRPC TLS without a gRPC port": (
+        {"scoring": {"service": {"grpcTlsSecret": "scoring-grpc-tls"}}},
+        "scoring.service.grpcTlsSecret needs scoring.service.grpcPort",
+    ),
 }
 
 
