@@ -3,14 +3,21 @@
 simulate → daily features (+ Feast materialization) → train → serve → score a handful of
 held-out transactions (some fraudulent) over HTTP and print the decisions with reasons.
 The last simulated day is held out: its features are computed offline but the online
-store holds snapshots only up to the day before, as it would in production.
+store holds snapshots only up to the day before, as it would in production. The API
+listens on 127.0.0.1, on ``--port`` (default 0: a free port, printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -20,6 +27,11 @@ from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.storage import read_partition
+
+if TYPE_CHECKING:
+    from service.edge.server import ServiceProcess
+
+HOST = "127.0.0.1"
 
 
 def _step(msg: str) -> None:
@@ -44,13 +56,13 @@ def run_demo(
     keep_serving: bool = False,
     live_seconds: float | None = None,
     live_share: float = 0.5,
+    port: int = 0,
 ) -> None:
     # Imported here: they take seconds, and every other subcommand (and --help) would
     # pay for them when the entry point imports this module.
     from batch_jobs.batch import day_range, run_batch
     from batch_jobs.simulate import SimConfig, simulate
     from batch_jobs.train import TrainConfig, train
-    from service.edge.server import spawn
     from streaming.state import SessionWriter, card_event
 
     cfg = SimConfig(cards=cards, merchants=max(cards // 10, 20), days=days)
@@ -96,16 +108,18 @@ def run_demo(
         print(f"evaluation report (PR curve, reliability, per-pattern recall): {report}")
 
         _step("serve and score held-out transactions")
-        service = spawn(
+        service = serve_on(
             {
                 "REDIS_URL": url,
                 "FRAUD_DATA_DIR": str(settings.data_dir),
                 "FRAUD_MODEL_REPO": str(settings.model_repo),
                 # The demo replays simulated history: no bound on event time vs the clock.
                 "FRAUD_MAX_EVENT_SKEW_S": "0",
-            }
+            },
+            port,
         )
         base = service.url
+        print(f"serving at {base}")
         try:
             # The streaming updater's job, done inline: before each scored transaction,
             # every earlier event of the last two days is applied to the session state.
@@ -156,10 +170,62 @@ def run_demo(
             service.stop()
 
 
+def check_port(port: int) -> None:
+    """:class:`UsageError` (exit 2, before minutes of simulating and training) when
+    ``port`` is outside 0-65535 or taken on 127.0.0.1."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0-65535 (0: a free port), got {port}")
+    if port == 0:
+        return
+    with socket.socket() as probe:
+        # As uvicorn binds: a port left in TIME_WAIT by an earlier run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((HOST, port))
+        except OSError as exc:
+            why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise UsageError(f"--port {port}: {HOST}:{port} is {why}") from None
+
+
+def serve_on(env: dict[str, str], port: int, timeout_s: float = 60.0) -> ServiceProcess:
+    """``fraud-scoring serve`` with ``env`` on ``HOST:port``, once ``/readyz`` answers
+    200 (``port`` 0: a free one, :func:`service.edge.server.spawn`'s way)."""
+    from service.edge.server import ServiceProcess, ServiceStartError, spawn
+
+    if port == 0:
+        return spawn(env, timeout_s=timeout_s)
+    # As spawn does, but on the asked port (spawn always picks one).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "serve"],
+        env={**inherited, **env, "FRAUD_HOST": HOST, "FRAUD_PORT": str(port)},
+    )
+    service = ServiceProcess(proc, f"http://{HOST}:{port}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServiceStartError(f"the scoring service exited with {proc.returncode}")
+        try:
+            if httpx.get(service.url + "/readyz", timeout=1).status_code == 200:
+                return service
+        except httpx.TransportError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            service.stop()
+            raise ServiceStartError(f"/readyz did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cards", type=int, default=3000, help="cards to simulate")
     p.add_argument("--days", type=int, default=21, help="days to simulate (at least 12)")
     p.add_argument("--keep-serving", action="store_true", help="leave the API running")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="the API's port on 127.0.0.1 (default 0: a free port, printed)",
+    )
     p.add_argument(
         "--live",
         action="store_true",
@@ -185,6 +251,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> None:
         raise UsageError(f"--live-seconds must be positive, got {args.live_seconds:g}")
     if not 0 < args.live_share <= 1:
         raise UsageError(f"--live-share must be in (0, 1], got {args.live_share:g}")
+    check_port(args.port)
     run_demo(
         settings,
         cards=args.cards,
@@ -192,6 +259,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> None:
         keep_serving=args.keep_serving,
         live_seconds=args.live_seconds if args.live else None,
         live_share=args.live_share,
+        port=args.port,
     )
 
 

@@ -19,6 +19,7 @@ import argparse
 import importlib.metadata
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -66,6 +67,33 @@ COMMANDS: list[Command[Any]] = [
 ]
 
 
+# Inline code in the texts --help shows (docstrings are reST, ``code``; some help strings
+# Markdown, `code`): a terminal shows the marks as they are.
+_RST_LITERAL = re.compile(r"``(.+?)``")
+_MD_CODE = re.compile(r"`([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """``text`` as --help shows it: reST's double backticks taken out, Markdown's single
+    ones made quotes."""
+    return _MD_CODE.sub(r"'\1'", _RST_LITERAL.sub(r"\1", text))
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Every text of ``parser`` and its subcommands' parsers through :func:`plain`."""
+    if parser.description:
+        parser.description = plain(parser.description)
+    for action in parser._actions:
+        if action.help and action.help != argparse.SUPPRESS:
+            action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for listed in action._choices_actions:  # the subcommand list's lines
+                if listed.help:
+                    listed.help = plain(listed.help)
+            for sub in set(action.choices.values()):
+                _plain_help(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fraud-scoring", description=__doc__.split("\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -81,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.configure(cp)
         # main() finds the chosen command and the settings class it reads in the parsed args
         cp.set_defaults(run=c.run, settings_class=c.settings)
+    _plain_help(p)
     return p
 
 

@@ -25,7 +25,7 @@ from fraud_scoring.redis_server import free_port
 from fraud_scoring.settings import read_settings
 from service.edge.proto import grpc_predict_v2_pb2 as pb
 from service.settings import get_settings
-from tests.conftest import wait_until
+from tests.conftest import World, wait_until
 
 
 def _cli(args: list[str], tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess[str]:
@@ -323,3 +323,64 @@ def test_job_commands_without_the_training_stack_say_so_in_one_line(
     (line,) = [x for x in r.stderr.splitlines() if "ERROR" in x]
     assert f"fraud-scoring {argv[0]} needs '" in line
     assert "serves only" in line and "`train` extra" in line and "jobs image" in line
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_help_texts_show_no_markup() -> None:
+    """--help of the command and of every subcommand, as a terminal shows it: no reST
+    ``literal`` marks (the top-level description comes from the module's docstring) and
+    no Markdown backticks."""
+    seen = 0
+    for prog, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        assert "`" not in text, (prog, [line for line in text.splitlines() if "`" in line])
+        seen += 1
+    assert seen > 10
+    top = build_parser().format_help()
+    assert "The fraud-scoring command: one subcommand per job." in top
+
+
+def test_demo_port_is_checked_before_the_demo_runs(tmp_path: Path) -> None:
+    """``demo --port``: outside 0-65535, or taken, is exit 2 in one line naming --port,
+    at once (not after minutes of simulating and training)."""
+    assert "--port" in _cli(["demo", "--help"], tmp_path).stdout
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _cli(["demo", "--port", str(port)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert f"--port {port}: 127.0.0.1:{port} is in use" in r.stderr, r.stderr
+    assert "simulate" not in r.stdout, r.stdout
+    r = _cli(["demo", "--port", "70000"], tmp_path)
+    assert r.returncode == 2 and "--port must be in 0-65535" in r.stderr, r.stderr
+
+
+def test_demo_serves_on_the_port_asked(world: World, tmp_path: Path) -> None:
+    """The demo's service listens on ``--port`` (and on a free port with 0)."""
+    from cli.demo import check_port, serve_on
+
+    env = {
+        "REDIS_URL": world.redis_url,
+        "FRAUD_DATA_DIR": str(world.data_dir),
+        "FRAUD_MODEL_REPO": str(world.model_repo),
+        "FRAUD_MAX_EVENT_SKEW_S": "0",
+        "FRAUD_DECISION_SPOOL_DIR": str(tmp_path / "spool"),
+    }
+    port = free_port()
+    check_port(port)
+    for asked in (port, 0):
+        service = serve_on(env, asked)
+        try:
+            if asked:
+                assert service.url == f"http://127.0.0.1:{port}"
+            assert httpx.get(f"{service.url}/readyz", timeout=5).status_code == 200
+        finally:
+            service.stop()
