@@ -348,6 +348,18 @@ class EdgeSettings(_Group):
     request_timeout_ms: float = Field(
         default=100.0, gt=0, description="Default deadline when X-Request-Timeout-Ms is absent."
     )
+    admission_deadline_fraction: float = Field(
+        default=0.8,
+        ge=0,
+        le=1,
+        description="Admission by cost: a call is admitted only while the work already "
+        "admitted plus its own (its transactions x its key's measured time per "
+        "transaction) ends within this fraction of its deadline, and each key's fair "
+        "share is a share of this fraction of the default deadline, so one key's large "
+        "calls cannot push the others past their deadlines (refused 503 at once instead). "
+        "The rest of the deadline is left for what the measure does not see. 0: "
+        "admission counts transactions only (max_inflight).",
+    )
     max_event_skew_s: float = Field(
         default=600.0,
         ge=0,
