@@ -143,8 +143,13 @@ class Pool:
             c.writer.close()
 
 
-async def closed_loop(url: str, stream: Stream, conns: int, seconds: float) -> Phase:
-    """``conns`` callers each sending the next call when the last one is answered."""
+async def closed_loop(
+    url: str, stream: Stream, conns: int, seconds: float, backoff_s: float = 0.005
+) -> Phase:
+    """``conns`` callers each sending the next call when the last one is answered, or
+    ``backoff_s`` after a 503: admission by cost may hold fewer calls than ``conns``
+    (those that fit the deadline), and callers retrying a refusal at once would spend the
+    service's core on refusals, not keep it full."""
     host, port = url.removeprefix("http://").split(":")
     pool = Pool(host, int(port))
     lat: list[float] = []
@@ -158,6 +163,8 @@ async def closed_loop(url: str, stream: Stream, conns: int, seconds: float) -> P
             status.append(await pool.post(stream.requests[i % len(stream.requests)]))
             lat.append((time.perf_counter() - t) * 1e3)
             i += conns
+            if status[-1] == 503:
+                await asyncio.sleep(backoff_s)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(caller(k) for k in range(conns)))
@@ -234,7 +241,8 @@ async def open_loop(
         r.gen_lag_p99 = float(np.quantile(lag[m], 0.99))
         results.append(r)
     times = np.array([e[0] for e in sched])
-    return results, {"at": times, "phase": phase_of, "status": status, "lat": lat}
+    raw = {"at": times, "phase": phase_of, "status": status, "lat": lat, "light": light}
+    return results, raw
 
 
 def recovery_s(raw: dict[str, np.ndarray], after: int, start_s: float, deadline_ms: float) -> float:
