@@ -426,7 +426,7 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     assert out["model_version"] == meta.version and out["score"] is not None
     # Every batch feature of a known customer and terminal came from the store: none
     # defaulted as missing or stale.
-    assert out["features"] == {"missing": [], "stale": []}, out
+    assert out["features"] == {"missing": [], "stale": [], "inexact": []}, out
     assert len(answers) == len(bodies) and not any(a["degraded"] for a in answers)
     fraud_scores = [a["score"] for a in answers if a["transaction_id"] in frauds]
     legit_scores = [a["score"] for a in answers if a["transaction_id"] not in frauds]
