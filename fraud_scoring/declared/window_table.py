@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 
 from fraud_scoring.declared.language import NEWEST, US
-from fraud_scoring.declared.plan import TILE, TILE_EXTREMES, Spec
-
-GROUPS = (TILE, TILE_EXTREMES)  # tile records of 4 or 6 doubles
+from fraud_scoring.declared.plan import Spec
 
 
 @dataclass(frozen=True)
@@ -94,8 +92,6 @@ class Table:
     """Per record size: the rings (state, width, row) and the window rows (state,
     window, row) of a batch whose states read ``ns`` rows each: static index arrays."""
 
-    ring_pair: np.ndarray  # per ring: its (state, row) pair
-    ring_at: list[tuple[int, int, int, int]]  # per (state, field): pair start, n, field, ring start
     win_ring: np.ndarray
     win_pair: np.ndarray
     win_width: np.ndarray  # float64: tile width (µs)
@@ -108,7 +104,6 @@ class Table:
 
 @dataclass(frozen=True)
 class Index:
-    pair_start: tuple[int, ...]  # per state: its first pair
     pair_whole: np.ndarray  # per pair: bool, the state reads whole tiles
     tables: tuple[Table | None, Table | None]
     values: tuple[int, ...]  # the states that keep values
@@ -132,8 +127,6 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
         whole[starts[s] : starts[s] + ns[s]] = spec.whole_tiles
     tables: list[Table | None] = []
     for g in (0, 1):
-        ring_pair: list[np.ndarray] = []
-        ring_at: list[tuple[int, int, int, int]] = []
         cols: dict[str, list[np.ndarray]] = {
             k: [] for k in ("ring", "pair", "width", "tiles", "whole", "us", "slots")
         }
@@ -144,10 +137,8 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
                 continue
             n, p0 = ns[s], starts[s]
             first: dict[int, int] = {}
-            for j, (u, _) in enumerate(spec.widths.items()):
+            for u in spec.widths:
                 first[u] = rings
-                ring_at.append((p0, n, j, rings))
-                ring_pair.append(np.arange(p0, p0 + n))
                 rings += n
             for k, w in enumerate(spec.windows):
                 block[(s, k)] = wins
@@ -162,7 +153,7 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
                     ("slots", spec.widths[w.width_us]),
                 ):
                     cols[name].append(np.full(n, v, dtype=np.float64))
-        if not ring_at:
+        if not block:
             tables.append(None)
             continue
 
@@ -171,8 +162,6 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
 
         tables.append(
             Table(
-                cat(ring_pair, np.intp),
-                ring_at,
                 cat(cols["ring"], np.intp),
                 cat(cols["pair"], np.intp),
                 cat(cols["width"], np.float64),
@@ -199,7 +188,6 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
             vcols["us"] += [w.us] * n
         kept_at += n
     return Index(
-        tuple(starts),
         whole,
         (tables[0], tables[1]),
         values,
