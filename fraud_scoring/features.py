@@ -40,11 +40,20 @@ from fraud_scoring import declared, session, snapshots
 from fraud_scoring.feature_specs import BatchView, Feature, Kind
 
 _R: Kind = "request"
+# A card with a narrow 30-day spread gives huge z-scores for an ordinary amount: clipped.
+ZSCORE_CLIP = 50.0
 REQUEST_FEATURES: tuple[Feature, ...] = (
     Feature("amount", _R, "float32", 0.0, "transaction amount (as sent, no FX conversion)"),
     Feature("amount_log", _R, "float32", 0.0, "log1p(amount)"),
     Feature("amount_to_card_mean_30d", _R, "float32", 1.0, "amount / card 30d mean amount"),
-    Feature("amount_zscore_30d", _R, "float32", 0.0, "(amount - mean) / std, 30d"),
+    Feature(
+        "amount_zscore_30d",
+        _R,
+        "float32",
+        0.0,
+        "(amount - mean) / std over the card's 30-day snapshot, clipped to [-50, 50] "
+        "(0 without a spread)",
+    ),
     Feature(
         "hour_of_day_local",
         _R,
@@ -192,7 +201,7 @@ def request_features(
         "amount": amt,
         "amount_log": np.log1p(amt),
         "amount_to_card_mean_30d": ratio,
-        "amount_zscore_30d": np.clip(z, -50, 50),
+        "amount_zscore_30d": np.clip(z, -ZSCORE_CLIP, ZSCORE_CLIP),  # as declared above
         "hour_of_day_local": np.floor((local % 86400) / 3600),
         "is_foreign_country": ((top != "") & (top != ctry)).astype(np.float64),
         "channel_ecom": (chan == "ecom").astype(np.float64),
