@@ -35,15 +35,12 @@ import numpy as np
 
 from fraud_scoring.declared import window_table as W
 from fraud_scoring.declared.language import DISTINCT_CAP, EXACT_WINDOW_AGGS, NEWEST, US
-from fraud_scoring.declared.microbatch import online_row, parse_reads
+from fraud_scoring.declared.microbatch import online_row, parse_reads, queue_recording
 from fraud_scoring.declared.plan import Declarations, Spec
 from fraud_scoring.declared.redis_tiles import (
     BatchColumns,
     Event,
-    Limits,
     queue_reads,
-    queue_record,
-    queue_states,
 )
 
 
@@ -110,14 +107,7 @@ def queue_batch(
     rec = cols
     if len(kept) < len(record):
         rec = BatchColumns([cols.rows[i] for i in kept], [cols.ts_us[i] for i in kept])
-    if not per_key:
-        states = queue_states(pipe, decl.specs, rec, horizon_s)
-        if states:
-            plan.writes.append((states, True, rec))
-        return plan
-    for spec in decl.specs:
-        keys = queue_record(pipe, spec, rec, Limits.for_spec(spec, horizon_s), per_key=True)
-        plan.writes += [([(spec, [k])], False, rec) for k in keys]
+    plan.writes = queue_recording(pipe, decl.specs, rec, horizon_s, per_key=per_key)
     return plan
 
 

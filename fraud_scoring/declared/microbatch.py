@@ -372,15 +372,28 @@ def queue_batch(
         cols = BatchColumns([rows[i] for i in kept], [ts_us[i] for i in kept])
     else:
         cols = BatchColumns(rows, ts_us)
-    if not per_key:
-        states = queue_states(pipe, decl.specs, cols, horizon_s)
-        if states:
-            plan.writes.append((states, True, cols))
-        return plan
-    for spec in decl.specs:
-        keys = queue_record(pipe, spec, cols, Limits.for_spec(spec, horizon_s), per_key=True)
-        plan.writes += [([(spec, [k])], False, cols) for k in keys]
+    plan.writes = queue_recording(pipe, decl.specs, cols, horizon_s, per_key=per_key)
     return plan
+
+
+Writes = list[tuple[list[tuple[Spec, list[str]]], bool, BatchColumns]]
+
+
+def queue_recording(
+    pipe: Any, specs: Sequence[Spec], cols: BatchColumns, horizon_s: float, *, per_key: bool
+) -> Writes:
+    """Queue the recording of ``cols``' rows in ``specs``: one :data:`APPLY_STATES_LUA`
+    call, or with ``per_key`` (a Redis Cluster) one APPLY call per key. Returns per write
+    call the states it records with their keys in reply order, whether it is one
+    APPLY_STATES call, and ``cols`` (:attr:`BatchPlan.writes`)."""
+    if not per_key:
+        states = queue_states(pipe, specs, cols, horizon_s)
+        return [(states, True, cols)] if states else []
+    writes: Writes = []
+    for spec in specs:
+        keys = queue_record(pipe, spec, cols, Limits.for_spec(spec, horizon_s), per_key=True)
+        writes += [([(spec, [k])], False, cols) for k in keys]
+    return writes
 
 
 def parse_batch(
