@@ -9,8 +9,8 @@ server for their own duration when ``REDIS_URL`` is unset; the long-running ``se
 
 Exit status: 0 done (``serve``: also stopped by SIGTERM after a clean drain), 1 the job
 failed (missing data, bad model, Redis or service would not start), 2 bad input or
-configuration (or a job subcommand where the training stack is not installed: the
-serving image), 130 interrupted.
+configuration (``serve``: also a port taken or a TLS file unreadable; or a job subcommand
+where the training stack is not installed: the serving image), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from fraud_scoring.model_repo import ModelError
 from fraud_scoring.redis_server import RedisNotConfigured, RedisStartError
 from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import DataError
-from service.edge.server import ServiceStartError
+from service.edge.server import ServiceConfigError, ServiceStartError
 
 log = logging.getLogger("fraud_scoring")
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         log.error("invalid configuration: %s", _settings_errors(exc))
         return 2
-    except (UsageError, RedisNotConfigured, ValueError) as exc:
+    except (UsageError, RedisNotConfigured, ServiceConfigError, ValueError) as exc:
         log.error("%s", exc)
         return 2
     except (DataError, ModelError, RedisStartError, ServiceStartError, FileNotFoundError) as exc:

@@ -326,6 +326,12 @@ class ServiceStartError(RuntimeError):
     become ready in time."""
 
 
+class ServiceConfigError(ValueError):
+    """The service cannot start as configured: its HTTP or gRPC port is taken, its host is
+    not a local address, a TLS file cannot be read. The message names the setting (exit
+    status 2, one line)."""
+
+
 # 503 codes a caller can meet (``disconnected`` has no reader, ``not_ready`` is /readyz).
 SERVING_REASONS = tuple(r for r in RejectReason if r not in ("disconnected", "not_ready"))
 

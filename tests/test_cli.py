@@ -177,6 +177,40 @@ def test_grpc_port_must_not_be_the_http_port(
     assert "--grpc-port (FRAUD_GRPC_PORT) 8200 is the HTTP port" in caplog.text
 
 
+@pytest.mark.parametrize("taken", ["http", "grpc", "tls"])
+def test_serve_refuses_a_taken_port_or_a_missing_tls_file_in_one_line(
+    taken: str, tmp_path: Path
+) -> None:
+    """A real ``serve``: its HTTP or gRPC port held by another socket, or a TLS file that
+    is not there, is exit status 2 and one line naming the setting, before uvicorn starts
+    (uvicorn's own failure is status 3, the gRPC server's with a traceback)."""
+    port, grpc_port = free_port(), free_port()
+    env = _serve_env(tmp_path, FRAUD_HOST="127.0.0.1", FRAUD_PORT=str(port))
+    env["FRAUD_GRPC_PORT"] = str(grpc_port)
+    if taken == "tls":
+        env["FRAUD_GRPC_TLS_CERT"] = str(tmp_path / "absent-cert.pem")
+        env["FRAUD_GRPC_TLS_KEY"] = str(tmp_path / "absent-key.pem")
+    with socket.socket() as holder:
+        if taken != "tls":
+            holder.bind(("127.0.0.1", port if taken == "http" else grpc_port))
+            holder.listen()
+        r = subprocess.run(
+            [sys.executable, "-m", "cli", "serve", "--embedded-redis"],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    expected = {
+        "http": f"cannot listen on 127.0.0.1:{port}: FRAUD_PORT (--port) {port} is taken",
+        "grpc": f"FRAUD_GRPC_PORT (--grpc-port) {grpc_port} is taken",
+        "tls": "cannot read FRAUD_GRPC_TLS_CERT",
+    }[taken]
+    assert expected in r.stderr, r.stderr
+
+
 def _serve_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """This process's environment without the project's settings, a data dir and an empty
     model repository (no model: live, not ready), and ``extra``."""

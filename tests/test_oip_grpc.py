@@ -846,6 +846,7 @@ def test_tls_settings_name_the_variable_at_fault(tmp_path: Path) -> None:
 
     from cli.settings import Settings
     from service.edge.oip_grpc import tls_credentials
+    from service.errors import ServiceConfigError
 
     cert, key = _self_signed(tmp_path)
     with pytest.raises(ValidationError, match="FRAUD_GRPC_TLS_CERT is set but FRAUD_GRPC_TLS_KEY"):
@@ -855,9 +856,9 @@ def test_tls_settings_name_the_variable_at_fault(tmp_path: Path) -> None:
     assert tls_credentials(Settings()) is None
     assert tls_credentials(Settings(grpc_tls_cert=cert, grpc_tls_key=key)) is not None
     missing = tmp_path / "nope.pem"
-    with pytest.raises(RuntimeError, match=r"cannot read FRAUD_GRPC_TLS_KEY '.*nope.pem'"):
+    with pytest.raises(ServiceConfigError, match=r"cannot read FRAUD_GRPC_TLS_KEY '.*nope.pem'"):
         tls_credentials(Settings(grpc_tls_cert=cert, grpc_tls_key=missing))
-    with pytest.raises(RuntimeError, match=r"FRAUD_GRPC_TLS_CERT '.*key.pem' holds no PEM cert"):
+    with pytest.raises(ServiceConfigError, match=r"FRAUD_GRPC_TLS_CERT '.*key.pem' holds no PEM"):
         tls_credentials(Settings(grpc_tls_cert=key, grpc_tls_key=key))
 
 

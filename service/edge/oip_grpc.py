@@ -79,6 +79,7 @@ from service.errors import (
     NotFound,
     Rejected,
     RejectReason,
+    ServiceConfigError,
     Unauthenticated,
 )
 from service.resources import Resources
@@ -397,8 +398,8 @@ def generic_handler(service: InferenceService) -> grpc.GenericRpcHandler:
 
 def tls_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
     """The server's TLS credentials from ``FRAUD_GRPC_TLS_CERT``/``FRAUD_GRPC_TLS_KEY``
-    (PEM; the settings hold both or neither), None for plaintext. Raises RuntimeError
-    naming the variable whose file cannot be read or is not PEM."""
+    (PEM; the settings hold both or neither), None for plaintext. Raises
+    ServiceConfigError naming the variable whose file cannot be read or is not PEM."""
     if settings.grpc_tls_cert is None or settings.grpc_tls_key is None:
         return None
     pem: dict[str, bytes] = {}
@@ -409,12 +410,12 @@ def tls_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise RuntimeError(
+            raise ServiceConfigError(
                 f"gRPC server: cannot read {variable} {str(path)!r}: {exc.strerror}"
             ) from None
         if marker not in data:
             what = "certificate" if variable.endswith("CERT") else "private key"
-            raise RuntimeError(f"gRPC server: {variable} {str(path)!r} holds no PEM {what}")
+            raise ServiceConfigError(f"gRPC server: {variable} {str(path)!r} holds no PEM {what}")
         pem[variable] = data
     return grpc.ssl_server_credentials([(pem["FRAUD_GRPC_TLS_KEY"], pem["FRAUD_GRPC_TLS_CERT"])])
 
@@ -432,7 +433,8 @@ async def serving(
     ``FRAUD_GRPC_TLS_CERT``/``_KEY`` are set (:func:`tls_credentials`), admitting its calls
     against ``shares`` (REST's admission state, so both transports are bounded
     together); stopped on exit, giving in-flight calls ``drain_seconds``. Raises
-    RuntimeError when the port cannot be bound."""
+    ServiceConfigError when the port cannot be bound (``serve`` checks it first:
+    ``service.edge.server.check_listening``)."""
     if settings.grpc_port is None:
         yield None
         return
@@ -454,11 +456,11 @@ async def serving(
         else:
             bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
-        raise RuntimeError(
+        raise ServiceConfigError(
             f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT): {exc}"
         ) from None
     if not bound:
-        raise RuntimeError(f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT)")
+        raise ServiceConfigError(f"gRPC server: cannot listen on {address} (FRAUD_GRPC_PORT)")
     await server.start()
     log.info(
         "Open Inference Protocol gRPC server listening on %s (%s)",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,19 +20,29 @@ import httpx
 import uvicorn
 
 from fraud_scoring.redis_server import free_port, require_redis
-from service.errors import ServiceStartError
+from service.errors import ServiceConfigError, ServiceStartError
 from service.settings import ServiceSettings
 from service.telemetry import MULTIPROC_ENV
 
-__all__ = ["ServiceProcess", "ServiceStartError", "app_factory", "serve", "spawn"]
+__all__ = [
+    "ServiceConfigError",
+    "ServiceProcess",
+    "ServiceStartError",
+    "app_factory",
+    "check_listening",
+    "serve",
+    "spawn",
+]
 
 
 def serve(settings: ServiceSettings) -> None:
     """Run until SIGTERM/SIGINT; in-flight requests get ``drain_seconds`` to finish.
 
     Raises ``RedisNotConfigured`` before anything starts when REDIS_URL is unset and
-    ``embedded_redis`` is not (the lifespan checks the same, for other ways in)."""
+    ``embedded_redis`` is not (the lifespan checks the same, for other ways in), and
+    ServiceConfigError when a port is taken or a TLS file unusable (:func:`check_listening`)."""
     require_redis(settings.redis_url, settings.embedded_redis)
+    check_listening(settings)
     if settings.workers > 1:
         _share_metrics()
     uvicorn.run(
@@ -53,6 +65,45 @@ def serve(settings: ServiceSettings) -> None:
         log_level="info",
         access_log=False,
     )
+
+
+def check_listening(settings: ServiceSettings) -> None:
+    """Raise ServiceConfigError, naming the setting, when the HTTP port (or the gRPC port,
+    when set) cannot be bound on ``settings.host`` or the gRPC TLS files cannot be read.
+
+    Checked before uvicorn starts: uvicorn ends a failed bind, and a lifespan that raises
+    (the gRPC server's), with exit status 3 and a traceback; this is one line and status 2.
+    A port taken in the moment between this check and the bind still fails uvicorn's way."""
+    _check_port(settings.host, settings.port, "FRAUD_PORT (--port)")
+    if settings.grpc_port is None:
+        return
+    _check_port(settings.host, settings.grpc_port, "FRAUD_GRPC_PORT (--grpc-port)")
+    from service.edge.oip_grpc import tls_credentials  # grpc: only when a port is set
+
+    tls_credentials(settings)
+
+
+def _check_port(host: str, port: int, setting: str) -> None:
+    # Bound as uvicorn binds (its Config.bind_socket): the family by the host's form,
+    # SO_REUSEADDR, so a port held only by closed connections (TIME_WAIT) passes.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except socket.gaierror as exc:
+        raise ServiceConfigError(
+            f"cannot listen on {host}:{port}: FRAUD_HOST (--host) {host!r} is not an "
+            f"address here ({exc.strerror})"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            at_fault = f"FRAUD_HOST (--host) {host!r} is not an address of this machine"
+        elif exc.errno == errno.EADDRINUSE:
+            at_fault = f"{setting} {port} is taken by another process"
+        else:
+            at_fault = f"{setting} {port}: {exc.strerror}"
+        raise ServiceConfigError(f"cannot listen on {host}:{port}: {at_fault}") from None
 
 
 def _share_metrics() -> None:
