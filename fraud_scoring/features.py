@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -37,6 +37,7 @@ import numpy.typing as npt
 import pandas as pd
 
 from fraud_scoring import declared, session, snapshots
+from fraud_scoring.declared.file_errors import field_lines, load_every_error
 from fraud_scoring.feature_specs import BatchView, Feature, Kind
 
 _R: Kind = "request"
@@ -102,26 +103,39 @@ REQUEST_READS = ("card_amount_mean_30d", "card_amount_std_30d", "card_top_countr
 def load_declarations(path: Path) -> declared.Declarations:
     """Every declaration in ``path``: the snapshot views, the aggregations and the
     derived features. Names must be unique across them and the hand-written ones, and
-    the snapshots must hold what the request features read
-    (:class:`declared.DeclarationError` names the problem)."""
+    the snapshots must hold what the request features read. One
+    :class:`declared.DeclarationError` lists every problem of the file, with its line."""
     raw = declared.read(path)
-    views = snapshots.parse(raw, str(path))
-    taken = hand_written_names()
+    lines = field_lines(path.read_text())
+    return load_every_error(
+        raw,
+        str(path),
+        lines,
+        lambda doc, known: _declarations(doc, str(path), known),
+        hand_written_names(),
+    )
+
+
+def _declarations(raw: object, source: str, known: Sequence[str]) -> declared.Declarations:
+    """The declarations of the document ``raw``; ``known``: names declared elsewhere
+    (raises :class:`declared.DeclarationError` at the first problem)."""
+    views = snapshots.parse(raw, source)
+    taken = [*hand_written_names(), *known]
     for f in (f for v in views for f in v.features):
         if f.name in taken:
-            raise declared.DeclarationError(f"{path}: feature {f.name!r} is declared twice")
+            raise declared.DeclarationError(f"{source}: feature {f.name!r} is declared twice")
         taken.append(f.name)
-    missing = [n for n in REQUEST_READS if n not in taken]
-    if missing:
-        raise declared.DeclarationError(
-            f"{path}: snapshots: the request features read {', '.join(missing)}; declare "
-            "them (docs/features.md)"
-        )
-    decl = dataclasses.replace(declared.parse(raw, str(path), taken), views=views)
+    decl = dataclasses.replace(declared.parse(raw, source, taken), views=views)
     strings = {f.name for v in views for f in v.features if f.dtype == "string"}
     strings |= {f.name for f in REQUEST_FEATURES if f.dtype == "string"}
     numbers = {*taken, *decl.names(), *declared.REQUEST_FIELDS} - strings
-    declared.check_reasons(decl.reasons, numbers, str(path))
+    declared.check_reasons(decl.reasons, numbers, source)
+    missing = [n for n in REQUEST_READS if n not in taken]
+    if missing:
+        raise declared.DeclarationError(
+            f"{source}: snapshots: the request features read {', '.join(missing)}; declare "
+            "them (docs/features.md)"
+        )
     return decl
 
 

@@ -8,6 +8,7 @@ exactly alike in every engine: online from tiles in Redis, offline in DuckDB
 features, and each ``transaction_id`` counts once. Bottom up: :mod:`.expressions` (the
 expression checker and compiler), :mod:`.language` (the checked schema), :mod:`.plan`
 (the compiled states: :func:`load`; the math every engine shares: :func:`finish`),
+:mod:`.file_errors` (a file's errors all at once, with their lines),
 :mod:`.redis_tiles` (the Redis layout and recording scripts) and :mod:`.microbatch` (a
 micro-batch's reads and features). Their names are imported from here.
 """
