@@ -184,8 +184,24 @@ def record_day_labels(
         n = declared_sql.record_labels(client, decl, labels, allowed_lateness_s + D.HORIZON_S)
     finally:
         client.close()
-    log.info("declared labels: %d of %d labels recorded", n, len(labels))
+    log.info("%s", labels_line(len(labels), n, min(days), max(days)))
     return n
+
+
+def labels_line(arrived: int, recorded: int, first: date, last: date) -> str:
+    """The batch's line on the arrivals (labels, decisions) of ``first..last`` that it
+    recorded in the declared states: ``recorded`` new records (one per arrival and state
+    of its source; an arrival already recorded, by this run's backfill or an earlier run,
+    is not recorded again)."""
+    span = f"{first}" if first == last else f"{first}..{last}"
+    if not arrived:
+        return f"declared labels: no label or decision arrived on {span}"
+    if not recorded:
+        return (
+            f"declared labels: the {arrived:,} arrival(s) of {span} were recorded already "
+            "(by the backfill or an earlier run): nothing new to record"
+        )
+    return f"declared labels: {arrived:,} arrival(s) of {span}, {recorded:,} new record(s)"
 
 
 def run_batch(

@@ -119,19 +119,30 @@ class TransactionFiles(Files):
 
 class LabelFiles(Files):
     arrival_delay_days: float | None = Field(None, gt=0)  # label_time = event_time + N days
+    # Labels from the transaction files' is_fraud column (no files) map no column.
+    columns: dict[str, Source] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _fields(self) -> LabelFiles:
         unknown = sorted(set(self.columns) - set(LABEL_FIELDS))
         if unknown:
             raise ValueError(f"columns: not label fields: {unknown} (known: {list(LABEL_FIELDS)})")
-        for f in ("transaction_id", "is_fraud"):
-            if f not in self.columns and self.files:
-                raise ValueError(f"columns: {f} not mapped")
+        missing = [f for f in ("transaction_id", "is_fraud") if f not in self.columns]
+        if missing and self.files:
+            raise ValueError(
+                f"columns: {' and '.join(missing)} not mapped: a labels file maps both, e.g. "
+                "`columns: {transaction_id: TX_ID, is_fraud: FRAUD}` (labels from an is_fraud "
+                "column of the transaction files take no files and no columns)"
+            )
         if ("label_time" in self.columns) == (self.arrival_delay_days is not None):
             raise ValueError(
                 "give exactly one of columns.label_time (when each label arrived) or "
                 "arrival_delay_days (label_time = event_time + N days)"
+                + (
+                    ""
+                    if self.files
+                    else "; labels from an is_fraud column (no files) need `arrival_delay_days: N`"
+                )
             )
         return self
 

@@ -28,11 +28,12 @@ columns, so every label partition has the same columns whoever wrote it.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from fraud_scoring.storage import DataError, partition_days, partition_file
 
@@ -127,6 +128,14 @@ def known_labels(raw: Path, as_of: datetime) -> pa.Table:
     labels = _read(raw, "labels", cols, "WHERE label_time < $as_of", as_of)
     sources = _read(raw, SOURCES_TABLE, [*cols, "source"], "", as_of)
     return standing_labels(labels, sources, as_of)
+
+
+def newest_label_time(raw: Path, as_of: datetime) -> datetime | None:
+    """The newest ``label_time`` under ``raw`` strictly before ``as_of`` (timezone-aware,
+    UTC), any label, fraud or not; None when none had arrived: where a label feed stops."""
+    t = _read(raw, "labels", ["label_time"], "WHERE label_time < $as_of", as_of)
+    newest = pc.max(t.column("label_time")).as_py() if t.num_rows else None
+    return newest.astimezone(UTC) if newest is not None else None
 
 
 def known_frauds(raw: Path, as_of: datetime) -> set[str]:

@@ -63,7 +63,7 @@ from batch_jobs.evaluate import (
     served_scores,
 )
 from batch_jobs.feature_plan import history_days
-from batch_jobs.labels import known_frauds
+from batch_jobs.labels import known_frauds, newest_label_time
 from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
@@ -417,7 +417,7 @@ def training_set(
             + "; ".join(coverage.incomplete)
             + " (force overrides this)"
         )
-    _check_positives(txns["label"].to_numpy(), part, split, cfg)
+    _check_positives(txns["label"].to_numpy(), part, split, cfg, raw, labels_as_of)
     sample = _sample(txns.assign(part=part), cfg).rename(columns={"event_time": "event_timestamp"})
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
@@ -673,8 +673,16 @@ def _surely_below(label: np.ndarray, rate: float) -> bool:
     return n > 0 and float(chi2.ppf(0.95, 2 * (k + 1))) / 2 / n < rate
 
 
-def _check_positives(label: np.ndarray, part: np.ndarray, split: Split, cfg: TrainConfig) -> None:
-    """PublishRefused when a slice has too few frauds to fit or measure anything."""
+def _check_positives(
+    label: np.ndarray,
+    part: np.ndarray,
+    split: Split,
+    cfg: TrainConfig,
+    raw: Path,
+    labels_as_of: datetime,
+) -> None:
+    """PublishRefused when a slice has too few frauds to fit or measure anything; the
+    message says when the newest label under ``raw`` arrived (a stopped feed shows)."""
     bounds = (split.first, split.valid_start, split.holdout_start, split.holdout_last)
     short = []
     for k, name in enumerate(_SLICES):
@@ -690,9 +698,17 @@ def _check_positives(label: np.ndarray, part: np.ndarray, split: Split, cfg: Tra
                 cfg.warn_holdout_positives,
             )
     if short:
+        newest = newest_label_time(raw, labels_as_of)
+        arrived = (
+            f"the newest label arrived {newest:%Y-%m-%d %H:%M} UTC (label_time), "
+            f"{(labels_as_of - newest).total_seconds() / 86_400:.1f} days before labels as of "
+            f"{labels_as_of:%Y-%m-%d %H:%M}"
+            if newest is not None
+            else f"no label arrived before {labels_as_of:%Y-%m-%d %H:%M} (labels as of)"
+        )
         raise PublishRefused(
             f"model not published: {'; '.join(short)} (at least {cfg.min_positives} "
-            "needed in each; are the labels in?)"
+            f"needed in each; {arrived}: are the labels in?)"
         )
 
 

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from batch_jobs.batch import run_batch
+from batch_jobs.batch import labels_line, run_batch
 from batch_jobs.daily_features import compute_day, expected_columns, snapshot_time
 from batch_jobs.simulate import SimConfig, generate, simulate
 from fraud_scoring.feast_store import open_store
@@ -23,6 +23,21 @@ from fraud_scoring.features import default_model_features, view_features, views
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.storage import DataError, partition_dir
 from tests.conftest import World
+
+
+def test_the_labels_line_says_what_was_recorded_and_why_nothing() -> None:
+    """Nothing recorded because the backfill already did is not a failure: it says so."""
+    d1, d2 = date(2026, 1, 1), date(2026, 1, 30)
+    assert labels_line(434, 0, d1, d2) == (
+        "declared labels: the 434 arrival(s) of 2026-01-01..2026-01-30 were recorded already "
+        "(by the backfill or an earlier run): nothing new to record"
+    )
+    assert (
+        labels_line(0, 0, d1, d1) == "declared labels: no label or decision arrived on 2026-01-01"
+    )
+    assert labels_line(1200, 2400, d1, d2).endswith(
+        "1,200 arrival(s) of 2026-01-01..2026-01-30, 2,400 new record(s)"
+    )
 
 
 def test_simulator_is_deterministic_and_has_fraud_patterns() -> None:

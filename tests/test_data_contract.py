@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -291,6 +292,31 @@ def test_ingest_refuses_a_mapping_that_names_a_missing_column(
     assert "required fields not mapped: ['country']" in caplog.text
 
 
+def test_a_label_mapping_that_maps_too_little_says_what_to_write(tmp_path: Path) -> None:
+    """Labels from an is_fraud column map no label column; a labels file maps two, and
+    the message shows how."""
+    from batch_jobs.ingest import load_mapping
+
+    head = MAPPING[: MAPPING.index("labels:")]
+    path = tmp_path / "m.yaml"
+    path.write_text(head.replace("    country:", "    is_fraud: FRAUD\n    country:"))
+    for labels, words in [
+        ("labels: {arrival_delay_days: 30}\n", None),
+        ("labels: {}\n", "labels from an is_fraud column (no files) need `arrival_delay_days: N`"),
+        (
+            "labels: {files: [f.csv], arrival_delay_days: 3}\n",
+            "transaction_id and is_fraud not mapped: a labels file maps both, e.g. "
+            "`columns: {transaction_id: TX_ID, is_fraud: FRAUD}`",
+        ),
+    ]:
+        path.write_text(path.read_text().split("labels:")[0] + labels)
+        if words is None:
+            assert load_mapping(path).labels is not None
+        else:
+            with pytest.raises(ValueError, match=re.escape(words)):
+                load_mapping(path)
+
+
 def test_ingest_reads_aware_times_with_their_own_offset(cli_env: Path, tmp_path: Path) -> None:
     mapping = _small_export(tmp_path / "in", time_col="2025-03-25T10:00:00+05:30")
     mapping.write_text(MAPPING.replace('format: "%Y-%m-%d %H:%M:%S"', "format: null"))
@@ -546,7 +572,6 @@ transactions:
     is_fraud: fraud
 labels:
   arrival_delay_days: 10
-  columns: {}
 """
     )
     assert main(["ingest", str(src / "m.yaml")]) == 0

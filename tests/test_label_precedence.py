@@ -25,6 +25,7 @@ from batch_jobs.labels import (
     SOURCES_TABLE,
     known_frauds,
     known_labels,
+    newest_label_time,
     standing_labels,
 )
 from fraud_scoring.contract import check_raw
@@ -204,11 +205,15 @@ def test_compaction_keeps_sources_and_every_reader_takes_the_standing_label(
     }
     # Before the analyst's mark arrived, the chargeback file's fraud stood for t-pre.
     assert "t-pre" in known_frauds(raw, at(2.5))
+    # Where the feed stops (training's refusal for too few frauds names it).
+    assert newest_label_time(raw, as_of) == at(4)
+    assert newest_label_time(raw, at(2.5)) == at(2)
 
 
 def test_no_label_files_no_labels(tmp_path: Path) -> None:
     assert known_frauds(tmp_path / "raw", T0) == set()
     assert known_labels(tmp_path / "raw", T0).num_rows == 0
+    assert newest_label_time(tmp_path / "raw", T0) is None
     assert not partition_file(tmp_path / "raw", SOURCES_TABLE, date(2026, 3, 1)).exists()
 
 

@@ -169,8 +169,9 @@ def test_a_fraud_free_window_publishes_nothing(world: World, tmp_path: Path) -> 
     shutil.copytree(world.model_repo, repo)
     before = versions(repo, "fraud")
     cfg = TrainConfig(holdout_days=4, warmup_days=5, force=True)  # force cannot override it
-    with pytest.raises(PublishRefused, match=r"training window .* holds 0 known frauds"):
+    with pytest.raises(PublishRefused, match=r"training window .* holds 0 known frauds") as err:
         train(data, world.redis_url, repo, cfg)
+    assert "no label arrived before" in str(err.value)  # where the feed stops
     assert versions(repo, "fraud") == before
     assert not [p for p in (repo / "fraud").iterdir() if p.name.startswith(".tmp")]
 
