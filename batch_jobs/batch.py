@@ -27,6 +27,7 @@ from batch_jobs import declared_sql
 from batch_jobs.daily_features import compute_day, snapshot_time, write_day
 from batch_jobs.feature_plan import history_days, record_backfilled
 from batch_jobs.materialize import materialize_days
+from batch_jobs.progress import phase
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import declared as D
 from fraud_scoring.feast_store import batch_marker_key, online_key, open_store, stored_time
@@ -49,7 +50,9 @@ class BatchReport:
     rows_written: int
     compute_s: float
     materialized_rows: int
-    materialize_s: float
+    materialize_s: float  # the writer's own time: Feast's rows into the online store
+    # Recording the declared states after it (the backfill of new states, the day's labels).
+    declared_s: float = 0.0
 
     @property
     def materialize_rows_per_s(self) -> float:
@@ -239,25 +242,31 @@ def run_batch(
 
     store = open_store(data_dir, redis_url, feature_store_yaml)
     apply_definitions(store, data_dir)
-    t1 = time.perf_counter()
     recomputed = {int(snapshot_time(d).timestamp()) for d in days}
     # Materialize exactly the snapshots of these days: [first snapshot, last snapshot].
     start, end = snapshot_time(min(days)), snapshot_time(max(days)) + timedelta(seconds=1)
-    if materializer == "feast":
-        forget_recomputed(store, redis_url, entities, recomputed)
-        store.materialize(start_date=start, end_date=end)
-    else:  # one read of the stored times serves both rules
-        materialize_days(store, redis_url, feats, days, start, end, recomputed)
-    mark_materialized(redis_url, store.project)
-    backfill_declared(raw, max(days), redis_url, allowed_lateness_s, label_available_after_s)
-    record_day_labels(raw, days, redis_url, allowed_lateness_s, label_available_after_s)
-    record_backfilled(data_dir, declarations(), present_states(redis_url))
-    mat_s = time.perf_counter() - t1
-    report = BatchReport(len(days), rows, compute_s, len(entities), mat_s)
+    with phase(f"materialize {len(entities):,} entity rows ({materializer})", log):
+        t1 = time.perf_counter()
+        if materializer == "feast":
+            forget_recomputed(store, redis_url, entities, recomputed)
+            store.materialize(start_date=start, end_date=end)
+        else:  # one read of the stored times serves both rules
+            materialize_days(store, redis_url, feats, days, start, end, recomputed)
+        mark_materialized(redis_url, store.project)
+        mat_s = time.perf_counter() - t1
+    with phase("declared states: backfill of new states, the days' labels", log):
+        t2 = time.perf_counter()
+        backfill_declared(raw, max(days), redis_url, allowed_lateness_s, label_available_after_s)
+        record_day_labels(raw, days, redis_url, allowed_lateness_s, label_available_after_s)
+        record_backfilled(data_dir, declarations(), present_states(redis_url))
+        declared_s = time.perf_counter() - t2
+    report = BatchReport(len(days), rows, compute_s, len(entities), mat_s, declared_s)
     log.info(
-        "materialized %d entity rows in %.2fs (%.0f rows/s)",
+        "materialized %d entity rows in %.2fs (%.0f rows/s, the writer alone); declared "
+        "states recorded in %.2fs",
         report.materialized_rows,
         mat_s,
         report.materialize_rows_per_s,
+        declared_s,
     )
     return report

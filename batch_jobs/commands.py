@@ -123,7 +123,7 @@ def run_batch(args: argparse.Namespace, settings: JobsSettings) -> None:
     print(
         f"batch: {r.days} day(s), {r.rows_written:,} feature rows in {r.compute_s:.1f}s; "
         f"materialized {r.materialized_rows:,} rows in {r.materialize_s:.1f}s "
-        f"({r.materialize_rows_per_s:,.0f} rows/s)"
+        f"({r.materialize_rows_per_s:,.0f} rows/s); declared states in {r.declared_s:.1f}s"
     )
     # The decision loop's step: only where a log exists to read (a configured server).
     if settings.decision_log == "kafka" or (

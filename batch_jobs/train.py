@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -46,6 +45,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
+from tqdm import tqdm
 
 from batch_jobs import declared_sql
 from batch_jobs.daily_features import snapshot_time
@@ -64,6 +64,7 @@ from batch_jobs.evaluate import (
 )
 from batch_jobs.feature_plan import history_days
 from batch_jobs.labels import known_frauds, newest_label_time
+from batch_jobs.progress import phase
 from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
 from fraud_scoring import features as F
@@ -420,8 +421,9 @@ def training_set(
     _check_positives(txns["label"].to_numpy(), part, split, cfg, raw, labels_as_of)
     sample = _sample(txns.assign(part=part), cfg).rename(columns={"event_time": "event_timestamp"})
 
-    store = open_store(data_dir, redis_url, feature_store_yaml)
-    apply_definitions(store, data_dir)
+    with _phase("Feast registry"):
+        store = open_store(data_dir, redis_url, feature_store_yaml)
+        apply_definitions(store, data_dir)
     with _phase(f"point-in-time join of {len(sample):,} transactions"):
         joined = _available_join(sample, cfg.batch_available_after_s, store, pit_join)
     joined = joined.sort_values(["event_timestamp", "transaction_id"]).reset_index(drop=True)
@@ -478,8 +480,8 @@ def train(
     tr, va, ho = (ts.part == k for k in range(3))
     hold = ts.rows(ho)
 
-    with _phase(f"LightGBM on {int(tr.sum()):,} rows"):
-        model = fit_lightgbm(cfg, X[tr], y[tr])
+    with _phase(f"LightGBM on {int(tr.sum()):,} rows") as bar:
+        model = fit_lightgbm(cfg, X[tr], y[tr], bar)
     # The tensor-op variant: every node runs on a GPU (tree ensembles run only on CPU).
     with _phase("tensor-op MLP"):
         mlp = train_tensor_model(X[tr], y[tr], cfg.seed)
@@ -492,11 +494,12 @@ def train(
     calibration: dict[str, Calibration] = {}
     scores: dict[str, np.ndarray] = {}  # on the holdout
     val_scores: dict[str, np.ndarray] = {}  # on the validation slice
-    for variant, fname in (("default", "model.onnx"), ("tensor", TENSOR_FILE)):
-        calibration[variant] = cal = fit_calibration(pools[variant], cfg)
-        files[fname] = with_calibration(graphs[variant], cal)
-        scores[variant] = served_scores(files[fname], hold.x)
-        val_scores[variant] = served_scores(files[fname], X[va])
+    with _phase("calibration, and the served models' scores"):
+        for variant, fname in (("default", "model.onnx"), ("tensor", TENSOR_FILE)):
+            calibration[variant] = cal = fit_calibration(pools[variant], cfg)
+            files[fname] = with_calibration(graphs[variant], cal)
+            scores[variant] = served_scores(files[fname], hold.x)
+            val_scores[variant] = served_scores(files[fname], X[va])
     # Thresholds are chosen on the validation slice and measured on the holdout, which
     # the choice never saw (the figures serving can expect); their figures on the
     # validation slice are kept beside them (in-sample).
@@ -517,9 +520,9 @@ def train(
         )
         metrics.update({f"{prefix}validation_{k}": v for k, v in m.items()})
 
-    failed = coverage.incomplete + publishing_gates(
-        metrics, champion_metrics(model_repo, cfg, hold, split), cfg
-    )
+    with _phase("publishing gates (the latest version on this holdout)"):
+        champion = champion_metrics(model_repo, cfg, hold, split)
+    failed = coverage.incomplete + publishing_gates(metrics, champion, cfg)
     if failed and not cfg.force:
         raise PublishRefused(
             "model not published: " + "; ".join(failed) + " (force overrides these gates)"
@@ -549,11 +552,12 @@ def train(
         label_coverage=coverage,
         thresholds_chosen_on=(split.at(split.valid_start), split.at(split.holdout_start)),
     )
-    files[HOLDOUT_FILE] = hold.to_parquet()
-    files[REFERENCE_FILE] = reference_json(X[va | ho], w[va | ho], names, files, split)
-    report = report_files(report_data(meta, hold, scores["default"], labels_as_of))
-    files.update({f"{REPORT_DIR}/{k}": v for k, v in report.items()})
-    meta = publish(model_repo, cfg.model_name, files, meta)
+    with _phase("drift reference, evaluation report, publish"):
+        files[HOLDOUT_FILE] = hold.to_parquet()
+        files[REFERENCE_FILE] = reference_json(X[va | ho], w[va | ho], names, files, split)
+        report = report_files(report_data(meta, hold, scores["default"], labels_as_of))
+        files.update({f"{REPORT_DIR}/{k}": v for k, v in report.items()})
+        meta = publish(model_repo, cfg.model_name, files, meta)
     log.info("published %s", model_repo / cfg.model_name / meta.version)
     return meta
 
@@ -779,13 +783,10 @@ def publishing_gates(
     return failed
 
 
-@contextmanager
-def _phase(what: str) -> Iterator[None]:
-    """Log the start and the duration of one step: training runs for minutes at scale."""
-    log.info("%s ...", what)
-    t0 = time.perf_counter()
-    yield
-    log.info("%s: done in %.1fs", what, time.perf_counter() - t0)
+def _phase(what: str) -> AbstractContextManager[tqdm]:
+    """One step's start and duration in the log, and on a terminal a live line
+    (:func:`batch_jobs.progress.phase`): training runs for minutes at scale."""
+    return phase(what, log)
 
 
 def importance(model: lgb.LGBMClassifier, names: list[str]) -> dict[str, float]:
@@ -829,18 +830,31 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def fit_lightgbm(cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> lgb.LGBMClassifier:
+def fit_lightgbm(
+    cfg: TrainConfig, x: np.ndarray, y: np.ndarray, bar: tqdm | None = None
+) -> lgb.LGBMClassifier:
+    """The boosted trees on rows ``x, y``; each round is shown on ``bar`` (a phase's
+    live line) when given."""
     params = cfg.lightgbm.model_dump()
     params["n_jobs"] = params["n_jobs"] or usable_cpus()
     model = lgb.LGBMClassifier(**params, random_state=cfg.seed, verbose=-1)
-    return model.fit(x, y)
+    if bar is None:
+        return model.fit(x, y)
+
+    def shown(env: Any) -> None:
+        bar.set_postfix_str(f"round {env.iteration + 1}/{env.end_iteration}")
+
+    return model.fit(x, y, callbacks=[shown])
 
 
-def margin_graph(variant: str, cfg: TrainConfig, x: np.ndarray, y: np.ndarray) -> onnx.ModelProto:
+def margin_graph(
+    variant: str, cfg: TrainConfig, x: np.ndarray, y: np.ndarray, bar: tqdm | None = None
+) -> onnx.ModelProto:
     """Fit ``variant`` (``default``: LightGBM, ``tensor``: the MLP) on rows ``x, y``;
-    its ONNX graph up to the ``margin`` (before calibration)."""
+    its ONNX graph up to the ``margin`` (before calibration); LightGBM's rounds on
+    ``bar``."""
     if variant == "default":
-        return lightgbm_margin_onnx(fit_lightgbm(cfg, x, y), x.shape[1])
+        return lightgbm_margin_onnx(fit_lightgbm(cfg, x, y, bar), x.shape[1])
     return tensor_margin_onnx(train_tensor_model(x, y, cfg.seed), x.shape[1])
 
 
@@ -893,8 +907,8 @@ def calibration_pool(
     for start, end in blocks:
         blk = ((t >= split.at(start)) & (t < split.at(end))).to_numpy() & (ts.part == 0)
         fold = ((ts.part == 0) & ~blk) | (va & keep)
-        with _phase(f"{variant} model without {start}..{end - timedelta(days=1)}"):
-            g = margin_graph(variant, cfg, ts.x[fold], ts.label[fold])
+        with _phase(f"{variant} model without {start}..{end - timedelta(days=1)}") as bar:
+            g = margin_graph(variant, cfg, ts.x[fold], ts.label[fold], bar)
         margins.append(onnx_margins(g, ts.x[blk]))
         labels.append(ts.label[blk])
         weights.append(ts.weight[blk])
