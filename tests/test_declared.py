@@ -778,3 +778,35 @@ def test_the_documented_example_declares_what_it_says() -> None:
     own += [d["name"] for d in doc.get("derived", [])]
     decl = D.parse(doc, "docs/features.md", taken=sorted(set(F.all_features()) - set(own)))
     assert {s.source for s in decl.specs} == {"transactions", "labels", "decisions"}
+
+
+def test_the_shipped_declarations_say_what_their_names_do_not() -> None:
+    """What an analyst would not read from a name is said where the feature is declared
+    (docs/features.md, "What the names do not say"), with figures the plan gives."""
+    decl = F.load_declarations(D.DEFAULT_PATH)
+    spec_of = {f.name: s for s in decl.specs for f in s.features}
+    window_of = {f.name: f.window for s in decl.specs for f in s.features}
+    hour, day = 3600 * D.US, 86_400 * D.US
+
+    # A window's start snaps back a tile: a _24h count reaches back up to 25 h.
+    w = window_of["card_txn_count_24h"]
+    assert w.us + w.width_us == 25 * hour
+    assert "24 to 25 h" in spec_of["card_txn_count_24h"].description
+
+    # A label on 1-day tiles shows up to 48 h after it arrived: it counts from the
+    # midnight after its arrival and a whole-tile window reads its tile once it has ended.
+    arrived = 10 * day + 1  # just after a midnight
+    for name in ("card_fraud_count_30d", "merchant_fraud_count_lag7d_30d"):
+        spec, w = spec_of[name], window_of[name]
+        assert spec.whole_tiles and w.width_us == day
+        shown = (D.label_available_us(arrived, 0.0) // w.width_us + 1) * w.width_us
+        assert 47 * hour < shown - arrived <= 48 * hour
+        assert "48 h" in spec.description, name
+
+    # "30d" is three windows, each said.
+    assert "newest snapshot" in decl.views[0].description  # card_30d's _30d features
+    assert "30 to 31 days" in spec_of["merchant_amount_mean_30d"].description
+    assert "ended 7 days ago" in spec_of["merchant_txn_count_lag7d_30d"].description
+
+    # changed reads 0 after a quiet day, as it does without a change.
+    assert "quiet day" in spec_of["card_country_changed_24h"].description
