@@ -28,7 +28,7 @@ from pydantic import AliasChoices, ValidationError
 import batch_jobs.commands
 import service.commands
 import streaming.commands
-from cli import demo, emit, feast_tools
+from cli import demo, emit, feast_tools, score_stream
 from cli.settings import Settings
 from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.model_repo import ModelError
@@ -61,6 +61,7 @@ COMMANDS: list[Command[Any]] = [
     *batch_jobs.commands.COMMANDS,
     *service.commands.COMMANDS,
     *streaming.commands.COMMANDS,
+    score_stream.COMMAND,
     demo.COMMAND,
     emit.COMMAND,
     feast_tools.COMMAND,

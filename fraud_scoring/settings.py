@@ -569,6 +569,66 @@ class UpdaterSettings(_Group):
         return v
 
 
+class StreamScoringSettings(_Group):
+    """``fraud-scoring score-stream``: decisions for every transaction on the event log
+    (docs/stream-scoring.md). Its three numbers are separate knobs: the model boundary's
+    latency budget, the commit interval, and (measured, not set) the event-time lag."""
+
+    score_stream_group: str = Field(
+        default="score-stream",
+        description="Consumer group of the stream scorers (not the updaters' group: each "
+        "group reads every event).",
+    )
+    score_stream_output: str = Field(
+        default="transaction-decisions",
+        description="Redis stream / Kafka topic the decisions are written to, one per "
+        "transaction, keyed by transaction_id (the Kafka topic is created with one "
+        "partition when missing: create it yourself for more).",
+    )
+    score_stream_output_url: str | None = Field(
+        default=None,
+        description="Redis source: the server the decisions stream lives on (default: REDIS_URL).",
+    )
+    score_stream_max_batch: int = Field(
+        default=256, ge=1, description="Most transactions in one micro-batch at the model."
+    )
+    score_stream_max_wait_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description="Longest the oldest transaction waits for its micro-batch to fill.",
+    )
+    score_stream_latency_budget_ms: float = Field(
+        default=250.0,
+        gt=0,
+        description="The model boundary's target per transaction (the wait for a batch + "
+        "its feature read + inference), above score_stream_max_wait_ms: measured and "
+        "alerted on, never a reason to drop or re-order a transaction.",
+    )
+    score_stream_commit_interval_ms: float = Field(
+        default=1000.0,
+        gt=0,
+        description="How often offsets are committed (entries acknowledged), only up to "
+        "the first transaction whose decision is not yet in the output log; committed "
+        "earlier when the in-flight bound is reached.",
+    )
+    score_stream_max_in_flight: int = Field(
+        default=4096,
+        ge=1,
+        description="Most events read and not yet committed; at the bound the consumer "
+        "pauses its partitions (Kafka) or stops reading (Redis). Size it above the rate "
+        "times (commit interval + latency budget).",
+    )
+    score_stream_poll_batch: int = Field(
+        default=500, ge=1, description="Most events read from the log in one poll."
+    )
+    score_stream_metrics_port: int = Field(
+        default=9109,
+        ge=0,
+        le=65535,
+        description="score-stream's Prometheus /metrics and /readyz port (0: off).",
+    )
+
+
 class DecisionLogSettings(_Group):
     """The decision log and feedback (docs/decision-loop.md), and the drift gauges on
     served traffic."""

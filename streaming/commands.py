@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 from fraud_scoring.commands import Command, add_embedded_redis
 from fraud_scoring.redis_clients import drop_connections, sync_client
 from fraud_scoring.redis_server import redis_url
+from fraud_scoring.settings import UpdaterSettings
 from streaming.settings import StreamSettings
+from streaming.sources import KafkaSource, RedisStreamSource, Source
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,20 +39,23 @@ T = TypeVar("T")
 @contextmanager
 def _redis_client(settings: StreamSettings) -> Iterator[Any]:
     with redis_url(settings.redis_url, allow_embedded=settings.embedded_redis) as url:
-        # socket_timeout must exceed the XREADGROUP block time. One Redis or a cluster.
-        client = sync_client(
-            url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30
-        )
+        client = source_client(url)
         try:
             yield client
         finally:
             client.close()
 
 
+def source_client(url: str) -> Any:
+    """The event log's Redis client (one Redis or a cluster): its socket timeout exceeds
+    the XREADGROUP block time."""
+    return sync_client(url, socket_timeout=10, socket_connect_timeout=5, health_check_interval=30)
+
+
 def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
     from fraud_scoring.features import declarations
     from streaming.metrics import UpdaterMetrics, serve_http
-    from streaming.sources import KafkaSource, RedisStreamSource, Source, SourceFatal
+    from streaming.sources import SourceFatal
     from streaming.state import SessionWriter
     from streaming.updater import Updater
 
@@ -65,33 +70,18 @@ def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
     with _redis_client(settings) as client:  # first: refuses when REDIS_URL is missing
         if metrics_port:  # /metrics and /readyz ("consuming")
             serve_http(metrics, metrics_port, client.ping)
-        source: Source
-        if source_kind == "kafka":
-            source = KafkaSource(
-                args.kafka_bootstrap or settings.kafka_bootstrap,
-                stream,
-                group,
-                client_id=args.consumer,
-                extra={
-                    "session.timeout.ms": session_timeout_ms,
-                    "heartbeat.interval.ms": max(100, session_timeout_ms // 5),
-                },
-                dead_letter_max_bytes=settings.dead_letter_max_bytes,
-                dead_letter_replication=settings.kafka_dead_letter_replication,
-            )
-        else:  # "redis": the settings and --source admit no other value
-            source = RedisStreamSource(
-                client,
-                stream,
-                group,
-                args.consumer,
-                claim_idle_ms=_or(args.claim_idle_ms, settings.claim_idle_ms),
-                dead_letter_max_bytes=settings.dead_letter_max_bytes,
-                # Entries are trimmed past the retention the session state keeps.
-                keep_s=settings.stream_retention_s + lateness
-                if settings.stream_retention_s
-                else None,
-            )
+        source = open_source(
+            settings,
+            client,
+            kind=source_kind,
+            stream=stream,
+            group=group,
+            consumer=args.consumer,
+            kafka_bootstrap=args.kafka_bootstrap or settings.kafka_bootstrap,
+            session_timeout_ms=session_timeout_ms,
+            claim_idle_ms=_or(args.claim_idle_ms, settings.claim_idle_ms),
+            lateness_s=lateness,
+        )
         updater = Updater(
             source,
             SessionWriter(client, lateness, wait_replicas=settings.redis_wait_replicas),
@@ -118,6 +108,50 @@ def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
             raise SystemExit(1) from exc
         finally:
             source.close()
+
+
+def open_source(
+    settings: UpdaterSettings,
+    client: Any,
+    *,
+    kind: str,
+    stream: str,
+    group: str,
+    consumer: str,
+    kafka_bootstrap: str,
+    session_timeout_ms: int,
+    claim_idle_ms: int,
+    lateness_s: float,
+    dead_letter_name: str | None = None,
+) -> Source:
+    """The event log consumer of ``kind`` ('kafka' or 'redis', on ``client``) in
+    ``group``, as the updater and ``score-stream`` read it; ``dead_letter_name``: the
+    dead letter's stream/topic (default ``<stream>:dead-letter`` / ``<topic>.dead-letter``)."""
+    if kind == "kafka":
+        return KafkaSource(
+            kafka_bootstrap,
+            stream,
+            group,
+            client_id=consumer,
+            extra={
+                "session.timeout.ms": session_timeout_ms,
+                "heartbeat.interval.ms": max(100, session_timeout_ms // 5),
+            },
+            dead_letter_max_bytes=settings.dead_letter_max_bytes,
+            dead_letter_replication=settings.kafka_dead_letter_replication,
+            dead_letter_name=dead_letter_name,
+        )
+    return RedisStreamSource(  # "redis": the settings and --source admit no other value
+        client,
+        stream,
+        group,
+        consumer,
+        claim_idle_ms=claim_idle_ms,
+        dead_letter_max_bytes=settings.dead_letter_max_bytes,
+        # Entries are trimmed past the retention the session state keeps.
+        keep_s=settings.stream_retention_s + lateness_s if settings.stream_retention_s else None,
+        dead_letter_name=dead_letter_name,
+    )
 
 
 def _or(flag: T | None, setting: T) -> T:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -126,8 +126,154 @@ class UpdaterMetrics:
         return metrics
 
 
+# score-stream (streaming/score_stream.py): outcomes and retried steps, each exported at 0.
+SCORE_OUTCOMES = ("decided", "dead_letter", "id_reused")
+SCORE_RETRY_STEPS = ("poll", "dead_letter", "score", "write", "commit")
+EVENT_LAG_BUCKETS = (*LAG_BUCKETS, 120.0, 300.0, 900.0, 3600.0)
+
+
+@dataclass
+class ScoreStreamMetrics:
+    """The stream scorer's metrics; its three numbers each on their own:
+
+    * ``fraud_score_stream_event_time_lag_seconds`` (histogram): now minus the event
+      time of each decided transaction, when its decision is in the output log;
+      ``fraud_score_stream_newest_event_time_seconds``: the newest event time decided.
+    * ``fraud_score_stream_queueing_delay_seconds`` (histogram): the time a transaction
+      waited at the model boundary for its micro-batch (the budget's share not spent on
+      the model); ``fraud_score_stream_boundary_seconds``: queueing plus the batch's
+      feature read and inference, against the latency budget (``..._over_budget_total``);
+      ``fraud_score_stream_batch_size``.
+    * ``fraud_score_stream_commit_interval_seconds`` (histogram): between two commits;
+      ``fraud_score_stream_oldest_uncommitted_age_seconds``: how long ago the oldest
+      event not yet committed was read (0: none); ``..._last_commit_time_seconds``.
+
+    Besides: ``..._events_total{outcome}``, ``..._in_flight`` and ``..._in_flight_limit``,
+    ``..._paused`` (1 while the partitions are paused at the bound), ``..._pauses_total``,
+    ``..._retries_total{step}``, ``..._consumer_lag``, ``..._last_step_time_seconds``.
+    """
+
+    registry: CollectorRegistry
+    events: Counter
+    event_lag: Histogram
+    newest_event_time: Gauge
+    queueing: Histogram
+    boundary: Histogram
+    over_budget: Counter
+    batch_size: Histogram
+    commit_interval: Histogram
+    oldest_uncommitted: Gauge
+    last_commit: Gauge
+    in_flight: Gauge
+    in_flight_limit: Gauge
+    paused: Gauge
+    pauses: Counter
+    retries: Counter
+    consumer_lag: Gauge
+    last_step: Gauge
+    last_step_s: float = 0.0
+
+    def mark_step(self) -> None:
+        """The loop went round just now (what /readyz reads)."""
+        self.last_step_s = time.time()
+        self.last_step.set(self.last_step_s)
+
+    def observe_boundary(self, spent_s: float, budget_s: float) -> None:
+        """One transaction's time at the model boundary (queueing, feature read,
+        inference), against the latency budget."""
+        self.boundary.observe(spent_s)
+        if spent_s > budget_s:
+            self.over_budget.inc()
+
+    def on_batch(self, size: int, _compute_s: float, waits: list[float]) -> None:
+        """A micro-batch ran at the model (``BatchStats.on_batch``)."""
+        self.batch_size.observe(size)
+        for w in waits:
+            self.queueing.observe(w)
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> ScoreStreamMetrics:
+        reg = registry if registry is not None else CollectorRegistry()
+        p = "fraud_score_stream_"
+        m = cls(
+            registry=reg,
+            events=Counter(p + "events", "Events by outcome", ["outcome"], registry=reg),
+            event_lag=Histogram(
+                p + "event_time_lag_seconds",
+                "Now minus the event time of a decided transaction, at its decision's write",
+                buckets=EVENT_LAG_BUCKETS,
+                registry=reg,
+            ),
+            newest_event_time=Gauge(
+                p + "newest_event_time_seconds", "Newest event time decided", registry=reg
+            ),
+            queueing=Histogram(
+                p + "queueing_delay_seconds",
+                "Time a transaction waited at the model boundary for its micro-batch",
+                buckets=LAG_BUCKETS,
+                registry=reg,
+            ),
+            boundary=Histogram(
+                p + "boundary_seconds",
+                "A transaction's time at the model boundary: queueing, feature read, inference",
+                buckets=LAG_BUCKETS,
+                registry=reg,
+            ),
+            over_budget=Counter(
+                p + "over_budget",
+                "Transactions whose time at the model boundary exceeded the latency budget",
+                registry=reg,
+            ),
+            batch_size=Histogram(
+                p + "batch_size",
+                "Transactions per micro-batch at the model",
+                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                registry=reg,
+            ),
+            commit_interval=Histogram(
+                p + "commit_interval_seconds",
+                "Seconds between two commits",
+                buckets=LAG_BUCKETS,
+                registry=reg,
+            ),
+            oldest_uncommitted=Gauge(
+                p + "oldest_uncommitted_age_seconds",
+                "Seconds since the oldest event not yet committed was read (0: none)",
+                registry=reg,
+            ),
+            last_commit=Gauge(
+                p + "last_commit_time_seconds", "When offsets were last committed", registry=reg
+            ),
+            in_flight=Gauge(p + "in_flight", "Events read and not yet committed", registry=reg),
+            in_flight_limit=Gauge(
+                p + "in_flight_limit", "The in-flight bound (max_in_flight)", registry=reg
+            ),
+            paused=Gauge(p + "paused", "1 while reading is paused at the bound", registry=reg),
+            pauses=Counter(p + "pauses", "Times reading paused at the bound", registry=reg),
+            retries=Counter(p + "retries", "Retried steps", ["step"], registry=reg),
+            consumer_lag=Gauge(
+                p + "consumer_lag", "Events in the log not yet committed", registry=reg
+            ),
+            last_step=Gauge(
+                p + "last_step_time_seconds", "When the loop last went round", registry=reg
+            ),
+        )
+        for outcome in SCORE_OUTCOMES:
+            m.events.labels(outcome)
+        for step in SCORE_RETRY_STEPS:
+            m.retries.labels(step)
+        return m
+
+
+class Stepping(Protocol):
+    """What /readyz and /metrics read of a consumer's metrics."""
+
+    registry: CollectorRegistry
+    last_step_s: float
+
+
 def readiness(
-    metrics: UpdaterMetrics, ping: Callable[[], Any], max_age_s: float = READY_MAX_AGE_S
+    metrics: Stepping, ping: Callable[[], Any], max_age_s: float = READY_MAX_AGE_S
 ) -> str | None:
     """Why the updater is not consuming, or None when it is: its loop completed a step
     within ``max_age_s`` (so the event log answered and, for a batch, Redis took it) and
@@ -154,7 +300,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve_http(
-    metrics: UpdaterMetrics,
+    metrics: Stepping,
     port: int,
     ping: Callable[[], Any],
     addr: str = "0.0.0.0",

@@ -106,9 +106,10 @@ class RedisStreamSource:
         dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
         keep_s: float | None = None,
         trim_interval_s: float = 60.0,
+        dead_letter_name: str | None = None,
     ) -> None:
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
-        self.dead_stream = stream + DEAD_LETTER_SUFFIX
+        self.dead_stream = dead_letter_name or stream + DEAD_LETTER_SUFFIX
         self.claim_idle_ms = claim_idle_ms
         self.claim_interval_s = claim_interval_s
         self.dead_letter_maxlen = dead_letter_maxlen
@@ -282,11 +283,12 @@ class KafkaSource:
         extra: dict[str, Any] | None = None,
         dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES,
         dead_letter_replication: int = -1,
+        dead_letter_name: str | None = None,
     ) -> None:
         from confluent_kafka import Consumer, Producer
 
         self.topic = topic
-        self.dead_topic = topic + KAFKA_DEAD_LETTER_SUFFIX
+        self.dead_topic = dead_letter_name or topic + KAFKA_DEAD_LETTER_SUFFIX
         self.dead_letter_max_bytes = dead_letter_max_bytes
         conf = {
             "bootstrap.servers": bootstrap,
@@ -415,6 +417,16 @@ class KafkaSource:
             reasons = [str(e) for e in failed] or [f"{unsent} not delivered in 10 s"]
             raise SourceUnavailable(f"dead-letter produce failed: {reasons}")
         return too_large
+
+    def pause(self) -> None:
+        """Stop fetching from the assigned partitions (backpressure); :meth:`poll` must
+        still be called now and then, to stay in the group. Partitions assigned later
+        (a rebalance) are not paused until this is called again."""
+        self.consumer.pause(self.consumer.assignment())
+
+    def resume(self) -> None:
+        """Fetch from the assigned partitions again, from where fetching stopped."""
+        self.consumer.resume(self.consumer.assignment())
 
     def lag(self) -> int | None:
         """Messages behind the high watermark over the assigned partitions."""

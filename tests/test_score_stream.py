@@ -1,0 +1,327 @@
+"""``fraud-scoring score-stream`` on real parts: the world's model and features, a real
+Redis-protocol server (stream in, decisions out) and a real Kafka-protocol broker, the
+command in a subprocess. End to end against the API, a poison event and a reused id, and
+SIGKILL x3 with restarts (nothing lost, nothing counted twice)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from fraud_scoring.redis_server import free_port
+from streaming.score_stream import InFlight
+from streaming.sources import Message
+from tests.conftest import World, private_db, start_server, stop_server, wait_until
+from tests.conftest_streaming import kafka_bootstrap, sigkill
+from tests.test_service import held_out_day
+
+__all__ = ["kafka_bootstrap"]  # a fixture
+
+STREAM, OUTPUT = "txns", "txn-decisions"
+DEAD = STREAM + ":scoring-dead-letter"
+
+
+def events(world: World, n: int) -> list[dict[str, Any]]:
+    """The held-out day's first ``n`` transactions in event-time order, labels dropped."""
+    rows = sorted(held_out_day(world), key=lambda r: datetime.fromisoformat(r["event_time"]))[:n]
+    return [{k: v for k, v in r.items() if k not in ("is_fraud", "fraud_pattern")} for r in rows]
+
+
+def stream_env(world: World, url: str, tmp: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "REDIS_URL": url,
+        "FRAUD_DATA_DIR": str(world.data_dir),
+        "FRAUD_MODEL_REPO": str(world.model_repo),
+        "FRAUD_MAX_EVENT_SKEW_S": "0",  # the simulated world lies in the past
+        "FRAUD_DECISION_SPOOL_DIR": str(tmp / "spool"),
+        "FRAUD_SCORE_STREAM_OUTPUT": OUTPUT,
+        "FRAUD_STREAM_NAME": STREAM,
+        **extra,
+    }
+
+
+def score_stream(
+    env: dict[str, str], log: Path, *args: str, wait: bool = True
+) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "score-stream", "--metrics-port", "0", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    if wait:
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+    return proc
+
+
+def xadd(url: str, payloads: Sequence[bytes | str]) -> None:
+    client = redis.Redis.from_url(url)
+    pipe = client.pipeline(transaction=False)
+    for p in payloads:
+        pipe.xadd(STREAM, {"data": p})
+    pipe.execute()
+
+
+def decisions(url: str) -> dict[str, dict[str, Any]]:
+    """The output stream as a consumer keeping the last value per key sees it."""
+    out: dict[str, dict[str, Any]] = {}
+    for _, fields in redis.Redis.from_url(url).xrange(OUTPUT):
+        out[fields[b"k"].decode()] = json.loads(fields[b"d"])
+    return out
+
+
+def recorded_state(url: str) -> dict[bytes, Any]:
+    """Every session and declared key with its content (TTLs left out): what velocity
+    and the declared windows read."""
+    client = redis.Redis.from_url(url)
+    out: dict[bytes, Any] = {}
+    for key in client.scan_iter(match="{*", count=1000):
+        if not key.startswith((b"{card:", b"{agg:")):
+            continue
+        kind = client.type(key)
+        if kind == b"hash":
+            out[key] = sorted(client.hgetall(key).items())
+        elif kind == b"zset":
+            out[key] = client.zrange(key, 0, -1, withscores=True)
+        elif kind == b"string":
+            out[key] = client.get(key)
+        elif kind == b"list":
+            out[key] = client.lrange(key, 0, -1)
+        else:
+            out[key] = kind
+    return out
+
+
+def same_state(a: dict[bytes, Any], b: dict[bytes, Any]) -> None:
+    """The same keys and contents; packed float tiles (counts, sums, squares) hold the
+    same values up to the rounding of summing in another order (a micro-batch or one at
+    a time) and the order of their ring slots: a transaction counted twice moves a count
+    by one."""
+    assert sorted(a) == sorted(b)
+    for key in a:
+        if a[key] == b[key]:
+            continue
+        fields_a, fields_b = dict(a[key]), dict(b[key])
+        assert sorted(fields_a) == sorted(fields_b), key
+        for f, va in fields_a.items():
+            vb = fields_b[f]
+            if va != vb:
+                assert len(va) == len(vb) and len(va) % 8 == 0, (key, f)
+                np.testing.assert_allclose(  # ring slots may lie in another order
+                    np.sort(np.frombuffer(va, "<f8")),
+                    np.sort(np.frombuffer(vb, "<f8")),
+                    rtol=1e-9,
+                    err_msg=str(key),
+                )
+
+
+def same_decision(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["transaction_id"] == b["transaction_id"]
+    assert a["decision"] == b["decision"], (a, b)
+    assert [r["code"] for r in a["reasons"]] == [r["code"] for r in b["reasons"]], (a, b)
+    assert a["model_version"] == b["model_version"]
+    assert a["features"] == b["features"]
+    assert a["degraded"] == b["degraded"]
+    assert a["score"] == pytest.approx(b["score"], rel=1e-5, abs=1e-7)
+
+
+# -- the offsets tracker (no world) -----------------------------------------------------
+
+
+def test_in_flight_commits_only_the_done_head_of_each_partition() -> None:
+    flight = InFlight()
+    msgs = [Message(b"", 0.0, ("t", p, o)) for p in (0, 1) for o in range(3)]
+    for m in msgs:
+        assert flight.add(m, now=1.0)
+    assert not flight.add(msgs[0], now=2.0)  # already in flight: read twice, tracked once
+    flight.done(msgs[1])  # partition 0, offset 1: behind offset 0, not committable
+    flight.done(msgs[3])  # partition 1, offset 0
+    assert flight.committable() == [msgs[3]]
+    flight.done(msgs[0])
+    assert flight.committable() == [msgs[0], msgs[1]]
+    assert len(flight) == 3 and flight.oldest_age(now=4.0) == 3.0
+    for m in (msgs[2], msgs[4], msgs[5]):
+        flight.done(m)
+    assert len(flight.committable()) == 3 and len(flight) == 0 and flight.oldest_age(5.0) == 0
+
+
+# -- Redis Streams ----------------------------------------------------------------------
+
+
+def test_redis_end_to_end_equals_the_api(world: World, tmp_path: Path) -> None:
+    """N events in, N distinct decisions out, equal to what POST /v1/score answers for
+    the same transactions sent in the same order to a copy of the same world; a poison
+    event and a reused id with other content dead-lettered with the reason; every entry
+    acknowledged; the recorded state (velocity, declared windows) equal to the API's."""
+    txns = events(world, 240)
+    url = private_db(world, 12)
+    reused = {**txns[10], "amount": txns[10]["amount"] + 1.0}
+    payloads = [json.dumps(t) for t in txns]
+    payloads[50:50] = [b"{not json"]
+    payloads.append(json.dumps(reused))
+    xadd(url, payloads)
+    log = tmp_path / "score-stream.log"
+    score_stream(
+        stream_env(world, url, tmp_path),
+        log,
+        "--consumer",
+        "c1",
+        "--max-batch",
+        "32",
+        "--commit-interval-ms",
+        "100",
+        "--idle-exit-s",
+        "2",
+    )
+    got = decisions(url)
+    assert sorted(got) == sorted(t["transaction_id"] for t in txns)
+    assert redis.Redis.from_url(url).xlen(OUTPUT) == len(txns)  # one entry per key
+    ids = {f[b"data"]: f for _, f in redis.Redis.from_url(url).xrange(STREAM)}
+    assert {d["source"] for d in got.values()} <= {
+        i.decode() for i, _ in redis.Redis.from_url(url).xrange(STREAM)
+    }
+    assert len(ids) == len(payloads)
+    dead = [f for _, f in redis.Redis.from_url(url).xrange(DEAD)]
+    assert len(dead) == 2
+    assert dead[0][b"data"] == b"{not json" and b"invalid JSON" in dead[0][b"reason"]
+    assert dead[1][b"reason"].startswith(b"id_reused") and b"amount" in dead[1][b"reason"]
+    pending = redis.Redis.from_url(url).xpending(STREAM, "score-stream")
+    assert pending["pending"] == 0
+    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln]
+    assert summary and f"{len(txns)} decided" in summary[-1] and "event-time lag" in summary[-1]
+
+    api_url = private_db(world, 13)
+    srv = start_server(world, tmp_path, REDIS_URL=api_url)
+    try:
+        with srv.client() as c:
+            for t in txns:
+                r = c.post("/v1/score", json=t)
+                assert r.status_code == 200, r.text
+                same_decision(got[t["transaction_id"]], r.json())
+    finally:
+        stop_server(srv)
+    same_state(recorded_state(url), recorded_state(api_url))
+
+
+def test_redis_sigkill_three_times_loses_nothing_counts_nothing_twice(
+    world: World, tmp_path: Path
+) -> None:
+    """Killed three times mid-run and restarted under the same consumer name: every
+    transaction has one decision, the same as a clean run's, and the recorded state is
+    the clean run's (no transaction counted twice in velocity or a declared window)."""
+    txns = events(world, 600)
+    payloads = [json.dumps(t) for t in txns]
+    clean = private_db(world, 14)
+    xadd(clean, payloads)
+    args = ("--consumer", "c1", "--max-batch", "16", "--commit-interval-ms", "200")
+    score_stream(
+        stream_env(world, clean, tmp_path), tmp_path / "clean.log", *args, "--idle-exit-s", "2"
+    )
+
+    url = private_db(world, 15)
+    xadd(url, payloads)
+    env = stream_env(world, url, tmp_path)
+    log = tmp_path / "killed.log"
+    client = redis.Redis.from_url(url)
+    for k in (1, 2, 3):
+        proc = score_stream(env, log, *args, wait=False)
+        wait_until(
+            lambda k=k: client.exists(OUTPUT) and client.xlen(OUTPUT) >= k * len(txns) // 4,
+            timeout=90,
+            what=f"{k}/4 of the decisions",
+            proc=proc,
+        )
+        sigkill(proc)
+    assert client.xpending(STREAM, "score-stream")["pending"] > 0  # killed mid-flight
+    score_stream(env, log, *args, "--idle-exit-s", "2")
+
+    got, want = decisions(url), decisions(clean)
+    assert sorted(got) == sorted(want) == sorted(t["transaction_id"] for t in txns)
+    for tid, d in got.items():
+        same_decision(d, want[tid])
+    assert client.xpending(STREAM, "score-stream")["pending"] == 0
+    same_state(recorded_state(url), recorded_state(clean))
+
+
+# -- Kafka ------------------------------------------------------------------------------
+
+
+def kafka_decisions(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The topic read from the start, keeping the last value per key."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{free_port()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
+    consumer.subscribe([topic])
+    out: dict[str, Any] = {}
+    eof = 0
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and eof == 0:
+        for m in consumer.consume(500, 1.0):
+            if m.error() is not None:
+                eof += 1
+                continue
+            out[m.key().decode()] = json.loads(m.value())
+    consumer.close()
+    return out
+
+
+def test_kafka_end_to_end_with_a_poison_event(
+    world: World, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """Three partitions keyed by card: every valid transaction decided once (last value
+    per key), the poison event in the dead letter with its reason, every offset committed."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from streaming.sources import ensure_topic
+
+    topic, out_topic = "k-txns", "k-decisions"
+    ensure_topic(kafka_bootstrap, topic, 3)
+    txns = events(world, 200)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i, t in enumerate(txns):
+        producer.produce(topic, key=t["card_id"].encode(), value=json.dumps(t).encode())
+        if i == 30:
+            producer.produce(topic, key=b"x", value=b"\x00poison")
+    assert producer.flush(10) == 0
+    url = private_db(world, 12)
+    env = stream_env(
+        world,
+        url,
+        tmp_path,
+        FRAUD_STREAM_SOURCE="kafka",
+        FRAUD_KAFKA_BOOTSTRAP=kafka_bootstrap,
+        FRAUD_STREAM_NAME=topic,
+        FRAUD_SCORE_STREAM_OUTPUT=out_topic,
+    )
+    log = tmp_path / "kafka.log"
+    score_stream(env, log, "--consumer", "k1", "--max-batch", "32", "--idle-exit-s", "3")
+    got = kafka_decisions(kafka_bootstrap, out_topic)
+    assert sorted(got) == sorted(t["transaction_id"] for t in txns)
+    assert all(d["source"].startswith(topic + "/") for d in got.values())
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "score-stream"})
+    committed = consumer.committed([TopicPartition(topic, p) for p in range(3)], timeout=10)
+    highs = [consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in committed]
+    consumer.close()
+    assert [tp.offset for tp in committed] == highs
+    assert "dead-lettered" in log.read_text() and "invalid JSON" in log.read_text()
