@@ -9,6 +9,12 @@ directory; ``REDIS_URL`` and ``FRAUD_REDIS_CA_FILE``), adds ``-c <feature_repo>`
 ``-f`` when ``FRAUD_FEATURE_STORE_YAML`` is set), and runs Feast's CLI in this process,
 so ``fraud-scoring feast plan`` is ``feast -c feature_repo plan`` with nothing to set up.
 
+It reads the declarations the product applied to the registry (the feature service's
+tag, written by ``batch`` and ``train``): with ``FRAUD_FEATURES_FILE`` unset it uses that
+file, and it refuses (exit 2) when the file is not here or ``FRAUD_FEATURES_FILE`` names
+another, since Feast's ``plan``/``apply`` would then delete or change the views the
+product declared (and ``apply`` their online data).
+
 With ``REDIS_URL`` unset, like the other short commands, a private Redis-protocol server
 lives for the command's duration. On a Redis Cluster (``FRAUD_REDIS_CLUSTER``) Feast is
 given a copy of the yaml with ``redis_type: redis_cluster``. The exit status is Feast's.
@@ -17,6 +23,7 @@ given a copy of the yaml with ``redis_type: redis_cluster``. The exit status is 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -24,9 +31,11 @@ from pathlib import Path
 import yaml
 
 from cli.settings import Settings
-from fraud_scoring.commands import Command
+from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.redis_clients import is_cluster
 from fraud_scoring.redis_server import feast_connection_string, redis_url
+
+log = logging.getLogger(__name__)
 
 
 def feast_environment(settings: Settings, url: str) -> dict[str, str]:
@@ -61,6 +70,7 @@ def run_feast(args: argparse.Namespace, settings: Settings) -> None:
         # Through the environment: Feast expands the yaml's ${...} and imports
         # definitions.py itself; this process runs nothing else afterwards.
         os.environ.update(feast_environment(settings, url))
+        use_product_declarations(settings, url)
         yaml_path = cluster_yaml(settings, Path(tmp)) if is_cluster(url) else None
         # standalone_mode: Feast's own error messages and exit status (SystemExit).
         try:
@@ -70,6 +80,46 @@ def run_feast(args: argparse.Namespace, settings: Settings) -> None:
             if done.code in (0, None) and _materializes(args.feast_args):
                 _mark(settings, url)
             raise
+
+
+def use_product_declarations(settings: Settings, url: str) -> None:
+    """Make this process read the declarations the registry was applied from (see the
+    module docstring); UsageError when it cannot. Nothing to check without a registry."""
+    from feast.errors import FeatureServiceNotFoundException
+
+    from feature_repo.definitions import DECLARATIONS_TAG, SERVICE_NAME
+    from fraud_scoring import features as F
+    from fraud_scoring.feast_store import open_store
+
+    store = open_store(settings.data_dir, url, settings.feature_store_yaml)
+    try:
+        applied = store.get_feature_service(SERVICE_NAME).tags.get(DECLARATIONS_TAG)
+    except FeatureServiceNotFoundException:
+        return
+    here = F.declarations_source()
+    if applied is None or applied == here:
+        return
+    named = os.environ.get("FRAUD_FEATURES_FILE")
+    if not named and applied != F.SHIPPED_DECLARATIONS and Path(applied).is_file():
+        os.environ["FRAUD_FEATURES_FILE"] = applied
+        F.declarations.cache_clear()
+        log.info("reading the declarations the registry was applied from: %s", applied)
+        return
+    shipped = "the shipped feature_repo/features.yaml"
+    ours = applied == F.SHIPPED_DECLARATIONS
+    missing = "" if ours or Path(applied).is_file() else " (not found here)"
+    fix = (
+        "Unset FRAUD_FEATURES_FILE"
+        if ours
+        else f"Set FRAUD_FEATURES_FILE to {applied} (or a copy of it)"
+    )
+    raise UsageError(
+        f"the Feast registry was applied from {shipped if ours else applied}{missing}, and "
+        f"this command would read {f'FRAUD_FEATURES_FILE {named}' if named else shipped}: "
+        "Feast's plan and apply would delete or change the views the product declared. "
+        f"{fix}, or run `fraud-scoring batch` with the new file first (it applies its "
+        "views and deletes none)"
+    )
 
 
 def cluster_yaml(settings: Settings, workdir: Path) -> Path:

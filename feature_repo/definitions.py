@@ -19,9 +19,12 @@ from typing import Any
 from feast import Entity, FeatureService, FeatureStore, FeatureView, Field, FileSource, ValueType
 from feast.types import Float32, Int64, String
 
-from fraud_scoring.features import BatchView, view_features, views
+from fraud_scoring.features import BatchView, declarations_source, view_features, views
 
 _TYPES = {"float32": Float32, "int64": Int64, "string": String}
+# The feature service's tag naming the declarations file the views come from.
+DECLARATIONS_TAG = "fraud_scoring.declarations"
+SERVICE_NAME = "fraud_model"
 _ENTITY_TEXT = {"card": "A payment card (PAN token).", "merchant": "A merchant account."}
 
 
@@ -79,9 +82,11 @@ def build(data_dir: Path) -> Definitions:
     }
     feature_views = tuple(_view(v, entities[v.entity], features_dir) for v in declared)
     service = FeatureService(
-        name="fraud_model",
+        name=SERVICE_NAME,
         features=list(feature_views),
         description="Batch features read by the scoring service and the training job.",
+        # Which declarations file made these views: `fraud-scoring feast` reads the same.
+        tags={DECLARATIONS_TAG: declarations_source()},
     )
     return Definitions(tuple(entities.values()), feature_views, service)
 

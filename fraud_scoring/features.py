@@ -143,8 +143,26 @@ def _declarations(raw: object, source: str, known: Sequence[str]) -> declared.De
 def declarations() -> declared.Declarations:
     """The declarations (``feature_repo/features.yaml``, or the file
     ``FRAUD_FEATURES_FILE`` names), loaded once per process."""
+    return load_declarations(declarations_path())
+
+
+def declarations_path() -> Path:
+    """The declarations file this process reads: ``FRAUD_FEATURES_FILE``, or the shipped
+    ``feature_repo/features.yaml``."""
     path = os.environ.get("FRAUD_FEATURES_FILE")
-    return load_declarations(Path(path) if path else declared.DEFAULT_PATH)
+    return Path(path) if path else declared.DEFAULT_PATH
+
+
+# How the Feast registry names the shipped file (its path differs between installations).
+SHIPPED_DECLARATIONS = "shipped"
+
+
+def declarations_source() -> str:
+    """Which declarations this process reads, as the Feast registry records it (the
+    feature service's tag, ``feature_repo/definitions.py``): the file's absolute path,
+    or :data:`SHIPPED_DECLARATIONS` for ``feature_repo/features.yaml``."""
+    path = declarations_path().resolve()
+    return SHIPPED_DECLARATIONS if path == declared.DEFAULT_PATH.resolve() else str(path)
 
 
 def declared_features() -> dict[str, Feature]:

@@ -89,3 +89,70 @@ def test_feast_cli_materializes_what_the_batch_job_does(tmp_path: Path, redis_ba
     assert len(marks) == 2, marks
     # The registry the CLI wrote is the one under the relative data dir.
     assert (tmp_path / "data" / "feast" / "registry.db").is_file()
+
+
+def _feast_plan(cwd: Path, redis_url: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAUD_", "REDIS_"))}
+    env.update(FRAUD_DATA_DIR="data", REDIS_URL=redis_url, **extra)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", "feast", "plan"],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        env=env,
+        timeout=240,
+    )
+
+
+def test_feast_reads_the_declarations_the_product_applied(tmp_path: Path, redis_base: str) -> None:
+    """The registry was applied from the team's own file (a device view besides the
+    shipped ones): without FRAUD_FEATURES_FILE the wrapper reads that file, so Feast's plan
+    deletes nothing; with the file gone, or another one named, it refuses (exit 2)."""
+    import yaml
+
+    from fraud_scoring import declared as D
+
+    cfg = SimConfig(cards=80, merchants=10, days=2, seed=5)
+    simulate(cfg, tmp_path / "data" / "raw")
+    doc = yaml.safe_load(D.DEFAULT_PATH.read_text())
+    doc["snapshots"].append(
+        {
+            "view": "device_7d",
+            "entity": "device_id",
+            "window": "7d",
+            "features": [{"name": "device_amount_max_7d", "agg": "max", "value": "amount"}],
+        }
+    )
+    ours = tmp_path / "ours.yaml"
+    ours.write_text(yaml.safe_dump(doc))
+    url = f"{redis_base}/2"
+    day = cfg.start.isoformat()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAUD_", "REDIS_"))}
+    env.update(FRAUD_DATA_DIR="data", REDIS_URL=url, FRAUD_FEATURES_FILE=str(ours))
+    batch = subprocess.run(
+        [sys.executable, "-m", "cli", "batch", "--from", day, "--to", day],
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        env=env,
+        timeout=240,
+    )
+    assert batch.returncode == 0, batch.stderr
+
+    plan = _feast_plan(tmp_path, url)
+    assert plan.returncode == 0, plan.stderr
+    assert f"reading the declarations the registry was applied from: {ours}" in plan.stderr
+    assert "device_7d" in plan.stdout and "Deleted" not in plan.stdout, plan.stdout
+
+    other = tmp_path / "other.yaml"
+    other.write_text(D.DEFAULT_PATH.read_text())
+    refused = _feast_plan(tmp_path, url, FRAUD_FEATURES_FILE=str(other))
+    assert refused.returncode == 2, refused.stderr
+    assert f"the Feast registry was applied from {ours}, and this command would read " in (
+        refused.stderr
+    )
+    ours.rename(tmp_path / "moved.yaml")
+    refused = _feast_plan(tmp_path, url)
+    assert refused.returncode == 2, refused.stderr
+    assert f"applied from {ours} (not found here)" in refused.stderr
+    assert "Deleted" not in refused.stdout
