@@ -192,3 +192,22 @@ async def test_a_failed_version_is_tried_again_when_its_files_change(
     finally:
         task.cancel()
     assert failures() == 1  # refused once, never retried while its files were unchanged
+
+
+def test_a_model_trained_for_another_snapshot_schedule_is_named_at_load(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The world's model was trained with snapshots available at midnight (0 s, the
+    batch before serving); a service whose batch lands 7,200 s later (the chart's
+    CronJob) says so at load, naming the setting to train with."""
+    from cli.settings import Settings
+    from service.core.model import load_configured, snapshot_schedule_skew
+
+    meta = load_model(world.model_repo, "fraud", "latest", producible_features()).meta
+    assert meta.training_config["batch_available_after_s"] == 0
+    assert snapshot_schedule_skew(meta, 0.0) is None
+    settings = Settings(model_repo=world.model_repo, batch_available_after_s=7200)
+    with caplog.at_level("WARNING", logger="service.core.model"):
+        load_configured(settings)
+    assert "from 0 to 7200 s after every midnight" in caplog.text
+    assert "FRAUD_BATCH_AVAILABLE_AFTER_S=7200" in caplog.text

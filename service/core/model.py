@@ -174,8 +174,10 @@ def load_model(
 
 def load_configured(settings: ServiceSettings) -> LoadedModel:
     """:func:`load_model` for the version the settings name (e.g. 'latest'), refusing a
-    model that needs a feature this service cannot produce; raises ModelError."""
-    return load_model(
+    model that needs a feature this service cannot produce; raises ModelError. A model
+    trained for another snapshot schedule is loaded with a warning
+    (:func:`snapshot_schedule_skew`)."""
+    model = load_model(
         settings.model_repo,
         settings.model_name,
         settings.model_version,
@@ -183,6 +185,32 @@ def load_configured(settings: ServiceSettings) -> LoadedModel:
         provider_setting=settings.execution_provider,
         instances=settings.model_instances,
         intra_op_threads=settings.intra_op_threads,
+    )
+    skew = snapshot_schedule_skew(model.meta, settings.batch_available_after_s)
+    if skew:
+        log.warning("%s", skew)
+    return model
+
+
+def snapshot_schedule_skew(meta: ModelMetadata, available_after_s: float) -> str | None:
+    """Why ``meta``'s model is skewed where day snapshots reach the online store
+    ``available_after_s`` after midnight UTC (``FRAUD_BATCH_AVAILABLE_AFTER_S``: the
+    deployment's batch schedule), or None. Training joins each transaction to the snapshot
+    available at its time by its own value of the setting (kept in its training config);
+    with another one, part of every day is served with older or newer snapshots than the
+    model learned from. None also for a model that did not record it."""
+    trained = meta.training_config.get("batch_available_after_s")
+    if trained is None or float(trained) == available_after_s:
+        return None
+    return (
+        f"model {meta.name} v{meta.version} was trained with day snapshots available "
+        f"{float(trained):.0f} s after midnight UTC, this service's "
+        f"FRAUD_BATCH_AVAILABLE_AFTER_S is {available_after_s:.0f} s: from "
+        f"{min(float(trained), available_after_s):.0f} to "
+        f"{max(float(trained), available_after_s):.0f} s after every midnight it is served "
+        "other snapshots than it was trained on; train with the deployment's value "
+        f"(FRAUD_BATCH_AVAILABLE_AFTER_S={available_after_s:.0f}; the chart: "
+        "batchAvailableAfterSeconds)"
     )
 
 
