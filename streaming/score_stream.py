@@ -19,8 +19,8 @@ overlap: while one micro-batch is at the model the next events are read.
 * **Backpressure.** At most ``max_in_flight`` events are read and not yet committed; at
   the bound a Kafka consumer pauses its partitions (``pause``/``resume``, still polling
   to stay in the group) and a Redis consumer stops reading.
-* **Failures.** ``decide`` raising :class:`ScoreLater` (store down, no model
-) is retried with backoff, forever; any other exception ``max_attempts``
+* **Failures.** ``decide`` raising :class:`ScoreLater` (store down, no model) is
+  retried with backoff, forever; any other exception ``max_attempts``
   times, then the event is dead-lettered with the error. An output log, dead letter or
   commit that fails is retried with backoff; nothing is committed meanwhile.
 * A :class:`~streaming.sources.SourceFatal` error leaves :meth:`ScoreStream.run` (the
