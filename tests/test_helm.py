@@ -995,7 +995,9 @@ GOOD_ANSWER = {
     ],
     ids=["valid", "bad-decision", "bad-score", "no-model-version"],
 )
-def test_helm_test_hook_checks_the_scoring_answer(answer: dict[str, Any], passes: bool) -> None:
+def test_helm_test_hook_checks_the_scoring_answer(
+    answer: dict[str, Any], passes: bool, tmp_path: Path
+) -> None:
     docs = rendered_case("default")
     pod = one(docs, "Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
@@ -1007,10 +1009,13 @@ def test_helm_test_hook_checks_the_scoring_answer(answer: dict[str, Any], passes
         f"http://{service['metadata']['name']}.{NAMESPACE}.svc:"
         f"{service['spec']['ports'][0]['port']}"
     )
+    # The key as the pod has it: a file from the mounted Secret.
+    key_file = tmp_path / Path(rendered_env["SCORING_API_KEY_FILE"]).name
+    key_file.write_text("k.1\n")
     with stub_scoring(copy.deepcopy(answer), key="k.1") as url:
         proc = subprocess.run(
             [sys.executable, "-c", *c["args"]],
-            env={**rendered_env, "SCORING_URL": url, "SCORING_API_KEY": "k.1"}
+            env={**rendered_env, "SCORING_URL": url, "SCORING_API_KEY_FILE": str(key_file)}
             | {"PATH": os.environ["PATH"]},
             capture_output=True,
             text=True,
@@ -1037,9 +1042,18 @@ def test_auth_is_required_by_default_with_hashed_keys_mounted_read_only() -> Non
     assert secret["data"] == {"api-keys.jsonl": ""}
     for other in ("streaming",):
         assert "FRAUD_API_KEYS_FILE" not in env_of(containers(pod_spec(component(docs, other)))[0])
-    (test_c,) = one(docs, "Pod")["spec"]["containers"]
-    ref = env_of(test_c)["SCORING_API_KEY"]["valueFrom"]["secretKeyRef"]
-    assert ref == {"name": f"{RELEASE}-fraud-scoring-test-key", "key": "api-key", "optional": True}
+    test_pod = one(docs, "Pod")["spec"]
+    (test_c,) = test_pod["containers"]
+    # The test's key as a file from an optional Secret, not in the environment.
+    assert "SCORING_API_KEY" not in env_of(test_c)
+    key_file = Path(env_of(test_c)["SCORING_API_KEY_FILE"]["value"])
+    (mount,) = [m for m in test_c["volumeMounts"] if m["mountPath"] == str(key_file.parent)]
+    volume = next(v for v in test_pod["volumes"] if v["name"] == mount["name"])["secret"]
+    assert volume == {
+        "secretName": f"{RELEASE}-fraud-scoring-test-key",
+        "optional": True,
+        "items": [{"key": "api-key", "path": key_file.name}],
+    }
     (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
     assert (
         endpoint["authorization"]["credentials"]["name"] == f"{RELEASE}-fraud-scoring-metrics-key"
@@ -1073,7 +1087,8 @@ def test_auth_keys_from_values_or_an_existing_secret_and_off() -> None:
     env = env_of(containers(pod_spec(component(docs, "scoring")))[0])
     assert env["FRAUD_AUTH"]["value"] == "off" and "FRAUD_API_KEYS_FILE" not in env
     assert "authorization" not in one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
-    assert "SCORING_API_KEY" not in env_of(one(docs, "Pod")["spec"]["containers"][0])
+    test_c = one(docs, "Pod")["spec"]["containers"][0]
+    assert "SCORING_API_KEY_FILE" not in env_of(test_c) and "volumeMounts" not in test_c
 
 
 def test_helm_test_hook_names_the_key_secret_on_401() -> None:
@@ -1237,3 +1252,15 @@ def _default_envs() -> list[dict[str, Any]]:
         if d["kind"] == "Deployment"
         for c in d["spec"]["template"]["spec"]["containers"]
     ]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_object_carries_the_release_namespace(case: str) -> None:
+    """A rendered manifest applied with `kubectl apply -f` lands in the release's
+    namespace, as `helm install -n` puts it (checkov CKV_K8S_21: helm/fraud-scoring/README.md,
+    "Security scan")."""
+    docs = rendered_case(case)
+    assert docs
+    assert {d["kind"]: d["metadata"].get("namespace") for d in docs} == {
+        d["kind"]: NAMESPACE for d in docs
+    }

@@ -3,8 +3,9 @@
 Standard library only, so it runs in the application image unchanged. Waits for
 /readyz (a fresh install may still be loading its first model) up to
 SMOKE_TIMEOUT_S, then exits 0 when the response carries a valid decision, 1 otherwise.
-With auth required, sends SCORING_API_KEY (a key with the score scope, from the Secret
-named in SCORING_API_KEY_SECRET, which the installer creates).
+With auth required, sends the key in the file SCORING_API_KEY_FILE names (a key with the
+score scope, mounted from the Secret named in SCORING_API_KEY_SECRET, which the installer
+creates), or SCORING_API_KEY when set (a run outside the cluster).
 """
 
 import json
@@ -17,7 +18,24 @@ from datetime import UTC, datetime
 
 BASE = os.environ["SCORING_URL"].rstrip("/")
 TIMEOUT_S = float(os.environ.get("SMOKE_TIMEOUT_S", "120"))
-API_KEY = os.environ.get("SCORING_API_KEY", "")
+KEY_FILE = os.environ.get("SCORING_API_KEY_FILE", "")
+
+
+def _key() -> str:
+    """The API key: SCORING_API_KEY, else the file's content ("" without a file, or when
+    the optional Secret is missing: the 401 then names it)."""
+    if os.environ.get("SCORING_API_KEY"):
+        return os.environ["SCORING_API_KEY"]
+    if not KEY_FILE:
+        return ""
+    try:
+        with open(KEY_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+API_KEY = _key()
 KEY_SECRET = os.environ.get("SCORING_API_KEY_SECRET", "")
 
 

@@ -6,6 +6,7 @@
 apiVersion: batch/v1
 kind: CronJob
 metadata:
+  namespace: {{ $.Release.Namespace }}
   name: {{ include "fraud-scoring.fullname" $ }}-{{ .component }}
   labels:
     {{- include "fraud-scoring.componentLabels" (dict "ctx" $ "component" .component) | nindent 4 }}

@@ -151,6 +151,8 @@ environment variable. */}}
 
 {{- define "fraud-scoring.redisAuthMountPath" -}}/etc/fraud-scoring-redis-auth{{- end }}
 
+{{- define "fraud-scoring.testKeyMountPath" -}}/etc/fraud-scoring-test-key{{- end }}
+
 {{/* Shared pod pieces ------------------------------------------------------- */}}
 
 {{- define "fraud-scoring.configMountPath" -}}/etc/fraud-scoring{{- end }}
