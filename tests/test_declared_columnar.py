@@ -105,8 +105,7 @@ def _both(client: Any, decl: D.Declarations, seed: int, n: int, *, per_key: bool
     reference = D.BatchPlan(
         [(s, i, s.key_value(r)) for s in decl.specs for i, r in enumerate(rows)], plan.writes
     )
-    per_key_reads = reads[0] if plan.scripted and reads else reads  # one READ_LUA reply
-    want, inexact_ref = D.parse_batch(reference, per_key_reads, writes, rows, ts)
+    want, inexact_ref = D.parse_batch(reference, reads, writes, rows, ts)
     assert set(got) == set(want)
     for name in want:
         np.testing.assert_allclose(

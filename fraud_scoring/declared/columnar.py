@@ -37,11 +37,7 @@ from fraud_scoring.declared import window_table as W
 from fraud_scoring.declared.language import DISTINCT_CAP, EXACT_WINDOW_AGGS, NEWEST, US
 from fraud_scoring.declared.microbatch import online_row, parse_reads, queue_recording
 from fraud_scoring.declared.plan import Declarations, Spec
-from fraud_scoring.declared.redis_tiles import (
-    BatchColumns,
-    Event,
-    queue_reads,
-)
+from fraud_scoring.declared.redis_tiles import BatchColumns, Event
 
 
 @dataclass
@@ -55,13 +51,11 @@ class Plan:
     cols: BatchColumns  # the whole batch
     writes: list[tuple[list[tuple[Spec, list[str]]], bool, BatchColumns]]
     recorded: list[bool]
-    scripted: bool = False  # the reads are one READ_LUA call (its reply: one per key)
 
     @property
     def read_commands(self) -> int:
-        """How many commands the reads queued (their replies come first)."""
-        keyed = sum(map(len, self.keys))
-        return (1 if keyed else 0) if self.scripted else keyed
+        """How many commands the reads queued (their replies come first): one per key."""
+        return sum(map(len, self.keys))
 
 
 def queue_batch(
@@ -74,15 +68,16 @@ def queue_batch(
     writes_after: Callable[[], None] | None = None,
     per_key: bool = False,
 ) -> Plan:
-    """Queue a micro-batch's reads (per state and row with a key its HMGET: all in one
-    :data:`~fraud_scoring.declared.redis_tiles.READ_LUA` call, or on a Redis Cluster one
-    command each), then (after
+    """Queue a micro-batch's reads (per state and row with a key its HMGET), then (after
     ``writes_after``, which may queue other writes) the recording of the rows whose
-    ``record`` is true, as :func:`fraud_scoring.declared.queue_batch` does."""
+    ``record`` is true, as :func:`fraud_scoring.declared.queue_batch` does.
+
+    The reads are plain ``HMGET``s, on one server as on a Cluster: one script returning
+    them all cost the server ~4x their time (each ring copied into Lua and back) for one
+    reply less to parse per key (docs/storage-layout.md)."""
     comp = W.compiled(decl.specs)
     keyed: dict[tuple[str, ...], tuple[np.ndarray, list[str]]] = {}
-    plan = Plan(comp, [], [], cols, [], list(record), scripted=not per_key)
-    groups: list[tuple[Sequence[bytes], list[str]]] = []
+    plan = Plan(comp, [], [], cols, [], list(record))
     for spec, fields, head in zip(comp.specs, comp.fields, comp.heads, strict=True):
         got = keyed.get(spec.entity)
         if got is None:
@@ -91,16 +86,10 @@ def queue_batch(
             present: list[str] = [k for k in all_keys if k is not None]
             got = keyed[spec.entity] = (np.asarray(idx, dtype=np.intp), present)
         rows, keys = got
-        names = [head + key + "}:t" for key in keys]
-        if per_key:  # a Redis Cluster: the keys lie in other slots
-            for name in names:
-                pipe.execute_command("HMGET", name, *fields)
-        elif names:
-            groups.append((fields, names))
+        for key in keys:
+            pipe.execute_command("HMGET", head + key + "}:t", *fields)
         plan.rows.append(rows)
         plan.keys.append(keys)
-    if groups:
-        queue_reads(pipe, groups)
     if writes_after is not None:
         writes_after()
     kept = [i for i, r in enumerate(record) if r]
@@ -129,8 +118,6 @@ def parse_batch(
     ``writes`` in :func:`queue_batch`'s order; a failed write counts as not recorded).
     Equal to :func:`fraud_scoring.declared.parse_batch` row for row, exactness
     included."""
-    if plan.scripted:  # one READ_LUA reply holding every key's
-        reads = reads[0] if reads else []
     with np.errstate(invalid="ignore"):  # floor_divide of -inf (no event) is NaN
         return _parse(plan, reads, writes, ts_us)
 
@@ -155,8 +142,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
         pos += len(rows)
         nw = len(spec.widths)
         nf = nw + 1 + spec.keeps_values
-        if not plan.scripted:  # HMGET's own replies: None for an absent field
-            chunk = [[x or b"" for x in r] for r in chunk]
+        chunk = [[x or b"" for x in r] for r in chunk]  # HMGET: None for an absent field
         if len(rows) < n:  # rows without a key: nothing stored
             full: list[Any] = [(b"",) * nf] * n
             for at, i in enumerate(rows.tolist()):

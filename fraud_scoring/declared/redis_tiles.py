@@ -81,22 +81,7 @@ APPLY_LUA = _RECORD_FN + "\n" + _lua("apply.lua")
 APPLY_STATES_LUA = _RECORD_FN + "\n" + _lua("apply_states.lua")
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 APPLY_STATES_SHA = hashlib.sha1(APPLY_STATES_LUA.encode()).hexdigest()
-# A micro-batch's reads of one server in one call (read.lua: per key the HMGET of
-# :func:`queue_read`), so the client packs and parses one command, not one per key.
-READ_LUA = _lua("read.lua")
-READ_SHA = hashlib.sha1(READ_LUA.encode()).hexdigest()
-SCRIPTS = (APPLY_LUA, APPLY_STATES_LUA, READ_LUA)
-
-
-def queue_reads(pipe: Any, groups: Sequence[tuple[Sequence[Any], Sequence[str]]]) -> None:
-    """Queue one :data:`READ_LUA` call reading ``groups``: per group its HMGET fields and
-    its hashes' names (one server only; its reply: per name HMGET's reply, in order)."""
-    names: list[str] = []
-    args: list[Any] = [len(groups)]
-    for fields, keys in groups:
-        args += (len(fields), *fields, len(keys))
-        names += keys
-    pipe.execute_command("EVALSHA", READ_SHA, len(names), *names, *args)
+SCRIPTS = (APPLY_LUA, APPLY_STATES_LUA)
 
 
 @dataclass(frozen=True)
@@ -349,6 +334,20 @@ def _apply_head(spec: Spec, limits: Limits) -> list[Any]:
     return head
 
 
+_HEADS: dict[tuple[str, float], tuple[tuple[Any, ...], str]] = {}
+
+
+def _state_head(spec: Spec, horizon_s: float) -> tuple[tuple[Any, ...], str]:
+    """A state's part of an :data:`APPLY_STATES_LUA` call that does not depend on the
+    batch (its settings, then its delay) and the start of its key names: the same for
+    every micro-batch, derived once (a state's id names its whole shape)."""
+    got = _HEADS.get((spec.id, horizon_s))
+    if got is None:
+        head = (*_apply_head(spec, Limits.for_spec(spec, horizon_s)), spec.delay_us)
+        got = _HEADS[(spec.id, horizon_s)] = (head, spec.prefix("")[:-1])
+    return got
+
+
 def _queue_call(pipe: Any, spec: Spec, keys: Sequence[str], args: list[Any]) -> None:
     """One APPLY call for ``keys`` (``args``: its whole ARGV)."""
     names = [n for k in keys for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
@@ -437,13 +436,16 @@ def queue_states(
     names: list[str] = []
     at = cols.positions
     for spec, groups in states:
-        args += _apply_head(spec, Limits.for_spec(spec, horizon_s))
+        head, start = _state_head(spec, horizon_s)
         places = [
             at[idx[0]] if len(idx) == 1 else ",".join(map(at.__getitem__, idx))
             for idx in groups.values()
         ]
-        args += (spec.delay_us, columns[spec.value_column], ";".join(places) + ";")
-        names += [n for k in groups for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
+        args += head
+        args += (columns[spec.value_column], ";".join(places) + ";")
+        for k in groups:  # the key's hash and id set, as Spec.prefix names them
+            p = start + k + "}"
+            names += (p + ":t", p + ":ids")
     pipe.execute_command("EVALSHA", APPLY_STATES_SHA, len(names), *names, *args)
     return [(spec, list(groups)) for spec, groups in states]
 
