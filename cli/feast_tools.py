@@ -72,14 +72,29 @@ def run_feast(args: argparse.Namespace, settings: Settings) -> None:
         os.environ.update(feast_environment(settings, url))
         use_product_declarations(settings, url)
         yaml_path = cluster_yaml(settings, Path(tmp)) if is_cluster(url) else None
-        # standalone_mode: Feast's own error messages and exit status (SystemExit).
-        try:
-            argv = feast_argv(settings, args.feast_args, yaml_path)
+        argv = feast_argv(settings, args.feast_args, yaml_path)
+        if not _materializes(args.feast_args):
+            # standalone_mode: Feast's own error messages and exit status (SystemExit).
             feast_cli.main(args=argv, prog_name="feast")
-        except SystemExit as done:
-            if done.code in (0, None) and _materializes(args.feast_args):
-                _mark(settings, url)
-            raise
+            return
+        from batch_jobs.progress import phase  # the jobs' stack, as _mark's
+
+        # Feast prints each view's name and nothing while it writes: a live line on a
+        # terminal, and the duration in the log.
+        done = SystemExit(0)  # click's standalone mode ends in SystemExit in any case
+        # Feast's CLI sets the level of every logger with "feast" in its name (--log-level,
+        # default warning): this module's too.
+        level = log.level
+        with phase("feast materialize", log):
+            try:
+                feast_cli.main(args=argv, prog_name="feast")
+            except SystemExit as exc:
+                done = exc
+            finally:
+                log.setLevel(level)
+        if done.code in (0, None):
+            _mark(settings, url)
+        raise done
 
 
 def use_product_declarations(settings: Settings, url: str) -> None:

@@ -76,7 +76,8 @@ def test_feast_cli_materializes_what_the_batch_job_does(tmp_path: Path, redis_ba
     # The batch job's window: [first day's snapshot, last day's snapshot].
     start = snapshot_time(first).isoformat()
     end = (snapshot_time(last) + timedelta(seconds=1)).isoformat()
-    _cli(tmp_path, feast_db, "feast", "--", "materialize", start, end)
+    done = _cli(tmp_path, feast_db, "feast", "--", "materialize", start, end)
+    assert "feast materialize: done in" in done.stderr  # the wrapper's phase, timed
 
     by_batch, by_feast = _dump(batch_db), _dump(feast_db)
     assert by_batch, "the batch job materialized nothing"
