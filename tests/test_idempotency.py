@@ -81,3 +81,28 @@ def test_a_batch_call_with_one_reused_id_is_refused_whole(server: Server, world:
     assert client.zcard(f"{{card:card-{tid}-b}}:ev") == 0
     assert not client.exists(f"fraud:txn:{{{tid}-other-0}}", f"fraud:txn:{{{tid}-2}}")
     assert client.xlen("decisions") == logged
+
+
+def test_a_retry_after_a_death_between_claim_and_recording_records_it(
+    server: Server, world: World
+) -> None:
+    """A first attempt that died after claiming its id and before recording (the claim
+    holds the content, no answer): the retry records the transaction (idempotent on the
+    id), so the card's next attempt counts it; a second retry still changes nothing."""
+    from fraud_scoring.events import Transaction
+    from fraud_scoring.features import declarations
+    from service.core import idempotency
+
+    tid = f"idem-{time.monotonic_ns()}"
+    client = redis.Redis.from_url(world.redis_url)
+    body = _txn(tid)
+    content = idempotency.encode(idempotency.content(Transaction.model_validate(body)))
+    client.set(idempotency.key(tid), content, nx=True, ex=3600)  # the dead attempt's claim
+    with server.client() as c:
+        retry = c.post("/v1/score", json=body)
+        again = c.post("/v1/score", json=body)
+    assert retry.status_code == 200 and again.status_code == 200, (retry.text, again.text)
+    assert client.zcard(f"{{card:card-{tid}}}:ev") == 1  # recorded once, not twice
+    for spec in declarations().specs:  # and in every declared state keyed by the card
+        if spec.entity == ("card_id",) and spec.source == "transactions" and not spec.filter:
+            assert client.zscore(spec.prefix(f"card-{tid}") + ":ids", tid) is not None, spec.id

@@ -631,8 +631,16 @@ class Scorer:
         refuse = self.settings.degraded_policy == "refuse"
         try:
             claims, newest = await self._claim(txns, record)
-            if claims is not None:  # a retry or a reused id records nothing
-                record = [c is not None and c.claim.new for c in claims]
+            if claims is not None:
+                # A reused id records nothing, nor does a retry of an answered one. A retry
+                # whose answer is not kept yet records again (idempotent on the id): its
+                # first attempt may have died between the claim and the recording.
+                record = [
+                    c is not None
+                    and c.claim.reused is None
+                    and (c.claim.new or c.claim.answer is None)
+                    for c in claims
+                ]
             timed = list(txns)
             if (skew := self.settings.max_event_skew_s) > 0:  # off: replays, any order
                 within = session.to_us(2 * skew)
