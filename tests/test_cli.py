@@ -58,7 +58,9 @@ def test_long_running_commands_refuse_a_bad_declarations_file_at_start(
     bad.write_text(yaml.safe_dump(doc))
     r = _cli([command, "--embedded-redis"], tmp_path, FRAUD_FEATURES_FILE=str(bad))
     assert r.returncode == 2, r.stderr
-    assert f"{bad}: reasons.6.when: unknown name 'no_such_feature'" in r.stderr
+    # file:line: field: message (the line of the reason's `when`).
+    line = bad.read_text().splitlines().index("  when: no_such_feature > 1") + 1
+    assert f"{bad}:{line}: reasons.6.when: unknown name 'no_such_feature'" in r.stderr
 
 
 def test_every_app_folder_contributes_its_subcommands(tmp_path: Path) -> None:
