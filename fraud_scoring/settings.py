@@ -426,6 +426,14 @@ class BatchingSettings(_Group):
     max_queue_size: int = Field(
         default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
     )
+    batches_in_flight: int = Field(
+        default=2,
+        ge=1,
+        description="Micro-batches scored at once (at least FRAUD_MODEL_INSTANCES): while one "
+        "waits on the online store the next is parsed and scored. Their store round trips "
+        "go out one after another in the order the batches formed, so a burst split across "
+        "two batches still sees its earlier attempts. 1: one batch at a time.",
+    )
 
 
 class ScoringSettings(_Group):

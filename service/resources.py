@@ -385,7 +385,7 @@ def _open_batcher(
         max_queue_delay_s=settings.max_queue_delay_ms / 1e3,
         max_queue_size=settings.max_queue_size,
         preferred_batch_sizes=settings.preferred_batch_sizes,
-        concurrency=settings.model_instances,
+        concurrency=max(settings.batches_in_flight, settings.model_instances),
         stats=BatchStats(on_batch=path.on_batch, on_answered=path.on_answered),
     )
     batcher.start()

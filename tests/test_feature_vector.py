@@ -546,3 +546,72 @@ def test_the_daily_batch_leaves_the_label_states_training_computes(world: World)
         client.close()
     assert (trained["merchant_fraud_count_lag7d_30d"] > 0).sum() > 20
     assert (trained["card_fraud_count_30d"] > 0).sum() >= 0  # a card's own labels: rare
+
+
+def test_a_burst_split_across_batches_in_flight_sees_its_earlier_attempts(
+    world: World, online_store: Callable[[int], str]
+) -> None:
+    """Micro-batches in flight at once (FRAUD_BATCHES_IN_FLIGHT) send their store round
+    trips in the order they formed: eight attempts of one card, one batch each, started
+    together behind a batch of 60 other transactions, count 0, 1, ..., 7 earlier ones,
+    as one batch at a time does; each is recorded once."""
+    url = online_store(8)
+    others = [
+        Transaction.model_validate(
+            _attempt(0)
+            | {"transaction_id": f"other-{i}", "card_id": f"c-other-{i}", "device_id": None}
+        )
+        for i in range(60)
+    ]
+    attempts = [Transaction.model_validate(_attempt(i)) for i in range(8)]
+    settings = Settings(redis_url=url, data_dir=world.data_dir, model_repo=world.model_repo)
+
+    async def run() -> list[float]:
+        client = async_client(url)
+        with ThreadPoolExecutor(1) as pool:
+            project = open_store(world.data_dir, url).project
+            scorer = Scorer(client, OnlineFeatureReader(project), ModelHolder(), settings, pool)
+            try:
+                got = await asyncio.gather(
+                    scorer.read_features([*others, attempts[0]]),
+                    *(scorer.read_features([a]) for a in attempts[1:]),
+                )
+            finally:
+                await client.aclose()
+        return [float(got[0][0]["card_txn_count_10m"][-1])] + [
+            float(g[0]["card_txn_count_10m"][0]) for g in got[1:]
+        ]
+
+    assert asyncio.run(run()) == [float(i) for i in range(8)]
+    assert connect(url).zcard("{card:c-burst}:ev") == 8
+
+
+def test_turns_pass_in_the_order_taken() -> None:
+    """A later batch's round trip waits for the earlier one's even when it is ready
+    first; a failed or cancelled batch passes its turn on."""
+    from service.core.scoring import _Turns
+
+    async def run() -> list[str]:
+        turns, done = _Turns(), []
+
+        async def batch(name: str, ready_after: float, fail: bool = False) -> None:
+            turn = turns.take()
+            try:
+                await asyncio.sleep(ready_after)  # e.g. its id claims
+                if fail:
+                    raise RuntimeError(name)
+                await _Turns.wait(turn[0])
+                done.append(name)
+            finally:
+                _Turns.done(turn)
+
+        await asyncio.gather(
+            batch("a", 0.05),
+            batch("b", 0.0, fail=True),
+            batch("c", 0.0),
+            batch("d", 0.01),
+            return_exceptions=True,
+        )
+        return done
+
+    assert asyncio.run(run()) == ["a", "c", "d"]

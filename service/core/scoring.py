@@ -267,6 +267,40 @@ class _StageClock:
             r.timing_ms, r.spans_ns = timing, self.spans
 
 
+class _Turns:
+    """The order of the micro-batches' store round trips. Batches in flight at once
+    (``FRAUD_BATCHES_IN_FLIGHT``) send their round trips one after another in the order
+    they formed: a batch's reads see every earlier batch's recording, so a burst split
+    across two batches counts its earlier attempts, as with one batch at a time. A
+    batch waits only for the previous batch's round trip, not for its parse and model."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[None] | None = None
+
+    def take(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """This batch's turn: (the previous batch's, to wait for; its own, to pass on)."""
+        prev, mine = self._last, asyncio.get_running_loop().create_future()
+        self._last = mine
+        return prev, mine
+
+    @staticmethod
+    async def wait(prev: asyncio.Future[None] | None) -> None:
+        if prev is not None and not prev.done():
+            await asyncio.shield(prev)  # our cancellation must not end theirs
+
+    @staticmethod
+    def done(turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]) -> None:
+        """Pass the turn on: now, or (a batch that failed or was cancelled before its
+        round trip) once the previous batch's has passed it on."""
+        prev, mine = turn
+        if mine.done():
+            return
+        if prev is None or prev.done():
+            mine.set_result(None)
+        else:
+            prev.add_done_callback(lambda _: None if mine.done() else mine.set_result(None))
+
+
 @dataclass(frozen=True, slots=True)
 class ScoreRequest:
     """One transaction as the micro-batcher carries it. ``record``: join the card's
@@ -363,6 +397,7 @@ class Scorer:
         for what in ("claim", "record"):
             _writes_refused().labels(what=what)
         self._keeping: set[asyncio.Task[None]] = set()
+        self._turns = _Turns()
         self._declared_for: tuple[LoadedModel | None, LoadedModel | None, D.Declarations] = (
             None,
             None,
@@ -382,26 +417,35 @@ class Scorer:
         ]
 
     async def read_features(
-        self, txns: Sequence[Transaction], record: Sequence[bool] | None = None
+        self,
+        txns: Sequence[Transaction],
+        record: Sequence[bool] | None = None,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None = None,
     ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]]:
         """All feature columns (batch, declared, request and derived) for ``txns``, the
         missing and stale batch features per row, and per row with any the declared
         features whose read was not exact (a replay behind its key's present),
         assembled by :func:`fraud_scoring.features.build_features`,
         in one round trip that also records the transactions (``record[i]`` False: not
-        that one; None: all)."""
+        that one; None: all). ``turn`` (:class:`_Turns`): the round trip waits for the
+        previous batch's and passes the turn on once its replies are in."""
         batch = _Batch.of(txns, self._to_record(txns, record))
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
-        replies, lay = await self._round_trip(batch)
-        if any(
-            isinstance(r, NoScriptError)
-            for r in replies[lay.markers : lay.reads_end] + lay.declared_writes(replies)
-        ):
-            # The server lost the scripts (restart, flush): load them and run the batch
-            # again (its writes are idempotent).
-            await self._load_scripts()
+        turn = turn if turn is not None else self._turns.take()
+        try:
+            await _Turns.wait(turn[0])
             replies, lay = await self._round_trip(batch)
+            if any(
+                isinstance(r, NoScriptError)
+                for r in replies[lay.markers : lay.reads_end] + lay.declared_writes(replies)
+            ):
+                # The server lost the scripts (restart, flush): load them and run the batch
+                # again (its writes are idempotent).
+                await self._load_scripts()
+                replies, lay = await self._round_trip(batch)
+        finally:
+            _Turns.done(turn)
         if self.health is not None:
             self.health.succeeded()
         for r in replies[: lay.reads_end]:
@@ -629,6 +673,7 @@ class Scorer:
         The steps, one call each: read → assemble → predict → route → decide → observe."""
         clock = _StageClock()
         refuse = self.settings.degraded_policy == "refuse"
+        turn = self._turns.take()  # before any await: turns go in the order batches form
         try:
             claims, newest = await self._claim(txns, record)
             if claims is not None:
@@ -647,11 +692,13 @@ class Scorer:
                 timed = session.effective_times(txns, self._to_record(txns, record), newest, within)
                 if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
                     _backdated().inc(moved)
-            cols, missing, stale, inexact = await self.read_features(timed, record)
+            cols, missing, stale, inexact = await self.read_features(timed, record, turn)
         except FeatureStoreUnavailable:
             if refuse:
                 raise
             return self._rules_only(txns, None, "feature_store", clock.t0)
+        finally:
+            _Turns.done(turn)  # a claim that failed or was cancelled passes it on too
         # The markers this read carried: an emptied or un-backfilled store is refused
         # (or decided by rules) from its first read, and served again from the first
         # read after the batch job.
