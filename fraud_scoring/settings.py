@@ -427,12 +427,14 @@ class BatchingSettings(_Group):
         default=1024, ge=1, description="Queued requests beyond this are answered 503 at once."
     )
     batches_in_flight: int = Field(
-        default=2,
+        default=1,
         ge=1,
         description="Micro-batches scored at once (at least FRAUD_MODEL_INSTANCES): while one "
         "waits on the online store the next is parsed and scored. Their store round trips "
         "go out one after another in the order the batches formed, so a burst split across "
-        "two batches still sees its earlier attempts. 1: one batch at a time.",
+        "two batches still sees its earlier attempts. Worth 2 where the store's round trip "
+        "is long (a remote Redis); on loopback the second batch only made batches smaller "
+        "(each costs ~1 ms of fixed work) and latency worse (bench/README.md).",
     )
 
 
