@@ -502,6 +502,25 @@ class ScoringSettings(_Group):
     )
 
 
+class RulesSettings(_Group):
+    """Decision rules and lists an analyst owns (docs/rules.md)."""
+
+    rules_file: Path | None = Field(
+        default=None,
+        description="The rules file (YAML: lists and rules); unset: the shipped "
+        "feature_repo/rules.yaml. A changed file is loaded without a restart; one that "
+        "fails its checks is refused (logged, shown on /readyz) and the old rules stay.",
+    )
+    rules_poll_s: float = Field(
+        default=2.0, gt=0, description="Look for a changed rules file this often."
+    )
+    list_max_items: int = Field(
+        default=100_000,
+        ge=1,
+        description="Most items a list holds; an addition beyond it is refused whole.",
+    )
+
+
 class EventLogSettings(_Group):
     """The transaction event log (Redis Streams or Kafka): the updater reads it, ``emit``
     writes it; Kafka's address is the decision log's too."""

@@ -35,6 +35,7 @@ from service.core.batching import Batcher, BatchStats
 from service.core.challenger import Challenger
 from service.core.model import ModelHolder, load_configured, watch_models
 from service.core.online_features import OnlineFeatureReader
+from service.core.rules import RulesHolder, watch_rules
 from service.core.scoring import Scorer, ScoreRequest, ScoreResult
 from service.core.store_health import StoreHealth
 from service.errors import RejectReason
@@ -112,6 +113,7 @@ async def open_resources(settings: ServiceSettings) -> AsyncIterator[Resources]:
         )
         store = open_store(settings.data_dir, url, settings.feature_store_yaml)
         models = _open_models(stack, settings)
+        rules = _open_rules(stack, settings)
         client, scoring_client = _open_store_clients(stack, url, settings)
         pool = _open_pool(stack, settings)
         health = _open_store_health(stack, client, store.project, settings, instruments)
@@ -129,6 +131,7 @@ async def open_resources(settings: ServiceSettings) -> AsyncIterator[Resources]:
             on_shadow=sinks.on_shadow,
             health=health,
             challenger=challenger,
+            rules=rules,
         )
         path = ScoringPath(scorer, instruments, models, event_log.decisions, settings.batching)
         batcher = _open_batcher(stack, path, settings, instruments)
@@ -272,6 +275,15 @@ def _open_models(stack: contextlib.AsyncExitStack, settings: ServiceSettings) ->
         log.error("no model can serve: %s; not ready, trying again", exc)
     stack.callback(watch_models(models, settings).cancel)
     return models
+
+
+def _open_rules(stack: contextlib.AsyncExitStack, settings: ServiceSettings) -> RulesHolder:
+    """The rules (a file that fails its checks stops the start, naming the field) and
+    their watcher."""
+    rules = RulesHolder.of(settings)
+    log.info("rules %s from %s", rules.current.version, rules.path)
+    stack.callback(watch_rules(rules, settings).cancel)
+    return rules
 
 
 def _open_store_clients(

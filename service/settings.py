@@ -11,6 +11,7 @@ from fraud_scoring.settings import (
     EdgeSettings,
     EventLogSettings,
     ModelSettings,
+    RulesSettings,
     ScoringSettings,
     StoreSettings,
     TimeSettings,
@@ -25,6 +26,7 @@ class ServiceSettings(
     EdgeSettings,
     BatchingSettings,
     ScoringSettings,
+    RulesSettings,
     EventLogSettings,
     DecisionLogSettings,
 ):

@@ -12,7 +12,7 @@ import yaml
 
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
-from service.core.decision import Indicator, Policy
+from service.core.decision import Indicator, Policy, declared_reasons
 
 CARD_TESTING = {
     "code": "CARD_TESTING_AT_MERCHANT",
@@ -73,8 +73,7 @@ def test_a_declared_reason_fires_with_its_values_and_ranks_by_importance(
 
     fired = [Indicator(velocity, rules=True, reads=velocity.reads()), ind]
     policy = Policy(0.5, 0.9, 1000.0, importance={"merchant_distinct_cards_10m": 0.3})
-    decision, reasons = policy.decide(0.1, row, True, fired)
-    assert decision == "approve"
+    reasons = declared_reasons(fired, row, policy)
     assert [r.code for r in reasons] == ["CARD_TESTING_AT_MERCHANT", "VELOCITY_10M"]
     assert reasons[1].message == "4 transactions on this card in the last 10 minutes."
 

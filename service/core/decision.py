@@ -1,10 +1,13 @@
-"""Decision policy: model thresholds, then hard rules, with reasons that explain it.
+"""Decision policy: the rules (:mod:`fraud_scoring.rules`) and the model's thresholds, in
+one documented order, with reasons that explain it (docs/rules.md).
 
-Thresholds come from the model metadata (chosen on the holdout by the training job) and
-can be overridden in settings. Hard rules apply after the model and can only make a
-decision stricter. Reason codes are the declared reasons (``reasons`` in
-feature_repo/features.yaml) that fire on the features the model saw, ordered by the
-model's feature importance when the metadata has it.
+:class:`Verdicts` decides a micro-batch at once: allow rules, then decline rules, then the
+model's decline threshold, then review rules, then the model's review threshold, else
+approve; the first matching active rule of the first stage that matches decides, shadow
+rules never do. Thresholds come from the model metadata (chosen on the holdout by the
+training job) and can be overridden in settings. The declared reasons (``reasons`` in
+feature_repo/features.yaml) explain a decision and never make one; they fire on the
+features the model saw, ordered by the model's feature importance when the metadata has it.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
+from fraud_scoring import rules as R
 
 DECISIONS = ("approve", "review", "decline")
 
@@ -86,89 +91,166 @@ def fired(cols: Mapping[str, npt.ArrayLike], n: int, rules: bool = False) -> lis
 
 @dataclass(frozen=True)
 class Policy:
+    """The model's thresholds (``review_threshold`` <= ``decline_threshold``), the value
+    of the rules' ``review_amount_limit`` and the model's feature importance (the
+    declared reasons' order)."""
+
     review_threshold: float
     decline_threshold: float
     review_amount_limit: float
     importance: Mapping[str, float]
 
-    def decide(
+
+# A decision as a number per row, in the order of strictness.
+APPROVE, REVIEW, DECLINE = 0, 1, 2
+_NAMES = ("approve", "review", "decline")
+_CODE = {"allow": APPROVE, "review": REVIEW, "decline": DECLINE}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One row's decision and its explanation."""
+
+    decision: str
+    decided_by: str  # "rule" | "list" (a rule that looks up a list) | "model"
+    reasons: list[Reason]
+    fired: list[str]  # the active rules that matched (codes), the decider first
+    shadow: list[Reason]  # the shadow rules that matched
+
+
+class Verdicts:
+    """A micro-batch's decisions by the documented order, vectorized: allow rules, then
+    decline rules, then the model's decline threshold, then review rules, then the
+    model's review threshold, else approve. Within a stage the first matching active rule
+    (in file order) decides. Shadow rules never decide. ``scores`` None: no model
+    (rules-only mode), its stages are skipped. ``rules`` may be a subset of the rule set
+    (rules-only mode: those whose inputs are available); ``masks`` is theirs."""
+
+    def __init__(
         self,
-        score: float,
-        features: Mapping[str, float],
-        card_known: bool,
-        fired: Sequence[Indicator] = (),
-    ) -> tuple[str, list[Reason]]:
-        """Decision and reasons for one transaction (``features`` as the model saw them,
-        ``fired``: the declared reasons that fire on it)."""
-        reasons: list[Reason] = []
-        if score >= self.decline_threshold:
-            decision = "decline"
-            reasons.append(
-                Reason(
-                    "MODEL_SCORE_DECLINE",
-                    f"Model score {score:.3g} is at or "
-                    f"above the decline threshold {self.decline_threshold:.3g}.",
-                )
-            )
-        elif score >= self.review_threshold:
-            decision = "review"
-            reasons.append(
-                Reason(
-                    "MODEL_SCORE_REVIEW",
-                    f"Model score {score:.3g} is at or "
-                    f"above the review threshold {self.review_threshold:.3g}.",
-                )
-            )
-        else:
-            decision = "approve"
-        if features["amount"] > self.review_amount_limit:
-            reasons.append(
-                Reason(
-                    "RULE_AMOUNT_OVER_LIMIT",
-                    f"Amount {features['amount']:.2f} "
-                    f"is over the review limit {self.review_amount_limit:.2f}.",
-                )
-            )
-            if decision == "approve":
-                decision = "review"
-        if not card_known:
-            reasons.append(
-                Reason(
-                    "NO_CARD_HISTORY", "No recent batch history for this card; defaults were used."
-                )
-            )
-        ranked = sorted(fired, key=lambda i: -self.importance.get(i.feature, 0.0))
-        reasons.extend(i.reason(features) for i in ranked)
-        return decision, reasons
+        rules: Sequence[R.Rule],
+        masks: np.ndarray,
+        n: int,
+        scores: np.ndarray | None = None,
+        review_th: npt.ArrayLike = 1.0,
+        decline_th: npt.ArrayLike = 1.0,
+    ) -> None:
+        self.rules, self.masks, self.scores = tuple(rules), masks, scores
+        self.review_th = np.broadcast_to(np.asarray(review_th, dtype=np.float64), (n,))
+        self.decline_th = np.broadcast_to(np.asarray(decline_th, dtype=np.float64), (n,))
+        self.code = np.full(n, APPROVE, dtype=np.int8)
+        self.decider = np.full(n, -1, dtype=np.int64)  # the deciding rule; -1: the model
+        self._open = np.ones(n, dtype=bool)
+        self._by_rules("allow")
+        self._by_rules("decline")
+        self._by_model(self.decline_th, DECLINE)
+        self._by_rules("review")
+        self._by_model(self.review_th, REVIEW)
+        self.hit = np.zeros(n, dtype=bool)
+        if len(self.rules):
+            self.hit = np.asarray(masks.any(axis=0), dtype=bool)
+
+    def _by_rules(self, action: str) -> None:
+        idx = np.array([i for i, r in enumerate(self.rules) if r.active and r.action == action])
+        if idx.size == 0:
+            return
+        m = self.masks[idx]
+        won = m.any(axis=0) & self._open
+        self.decider[won] = idx[m.argmax(axis=0)][won]
+        self.code[won] = _CODE[action]
+        self._open &= ~won
+
+    def _by_model(self, threshold: np.ndarray, code: int) -> None:
+        if self.scores is None:
+            return
+        won = (self.scores >= threshold) & self._open
+        self.code[won] = code
+        self._open &= ~won
+
+    def row(
+        self,
+        i: int,
+        values: Mapping[str, Any],
+        head: Sequence[Reason] = (),
+        tail: Sequence[Reason] = (),
+    ) -> Verdict:
+        """Row ``i``'s verdict: the deciding rule's reason first (``RULE_<CODE>``), then
+        ``head`` (e.g. the model's threshold reason), the other active rules that
+        matched, then ``tail`` (the declared reasons). ``values``: what messages name."""
+        decision = _NAMES[self.code[i]]
+        if not self.hit[i]:
+            return Verdict(decision, "model", [*head, *tail], [], [])
+        matched = np.flatnonzero(self.masks[:, i]).tolist()
+        d = int(self.decider[i])
+        reasons, fired, shadow = [], [], []
+        if d >= 0:
+            rule = self.rules[d]
+            reasons.append(Reason(rule.reason_code, rule.message(values)))
+            fired.append(rule.code)
+        reasons.extend(head)
+        for j in matched:
+            rule = self.rules[j]
+            if j == d:
+                continue
+            if rule.active:
+                reasons.append(Reason(rule.reason_code, rule.message(values)))
+                fired.append(rule.code)
+            else:
+                shadow.append(Reason(rule.reason_code, rule.message(values)))
+        by = "model" if d < 0 else ("list" if self.rules[d].reads_list else "rule")
+        return Verdict(decision, by, [*reasons, *tail], fired, shadow)
 
 
-def rules_only(
-    amount: float,
-    session: Mapping[str, float],
-    review_amount_limit: float,
-    fired: Sequence[Indicator] = (),
-) -> tuple[str, list[Reason]]:
-    """The degraded-mode decision without a model score: 'review' when the amount is over
-    the limit or a declared reason over streaming features fires (``fired``, with the
-    values it reads in ``session``), else 'approve'; never 'decline' (no model has
-    judged it). ``session`` may be empty (store unreachable)."""
-    reasons = [
-        Reason(
-            "DEGRADED_RULES_ONLY",
-            "No batch features available; decided by rules on the request"
-            + (" and session features." if session else " only."),
-        )
-    ]
-    decision = "approve"
-    if amount > review_amount_limit:
-        decision = "review"
-        reasons.append(
+def model_reason(score: float, policy: Policy) -> list[Reason]:
+    """The model's threshold reason for ``score`` (none under the review threshold)."""
+    if score >= policy.decline_threshold:
+        return [
             Reason(
-                "RULE_AMOUNT_OVER_LIMIT",
-                f"Amount {amount:.2f} is over the review limit {review_amount_limit:.2f}.",
+                "MODEL_SCORE_DECLINE",
+                f"Model score {score:.3g} is at or "
+                f"above the decline threshold {policy.decline_threshold:.3g}.",
             )
-        )
-    for i in fired:
-        decision = "review"
-        reasons.append(i.reason({**session, "amount": amount}))
-    return decision, reasons
+        ]
+    if score >= policy.review_threshold:
+        return [
+            Reason(
+                "MODEL_SCORE_REVIEW",
+                f"Model score {score:.3g} is at or "
+                f"above the review threshold {policy.review_threshold:.3g}.",
+            )
+        ]
+    return []
+
+
+NO_CARD_HISTORY = Reason(
+    "NO_CARD_HISTORY", "No recent batch history for this card; defaults were used."
+)
+
+
+def declared_reasons(
+    fired: Sequence[Indicator], values: Mapping[str, float], policy: Policy
+) -> list[Reason]:
+    """The declared reasons that fired, by the model's feature importance."""
+    if not fired:
+        return []
+    ranked = sorted(fired, key=lambda i: -policy.importance.get(i.feature, 0.0))
+    return [i.reason(values) for i in ranked]
+
+
+def degraded_reason(session: bool) -> Reason:
+    return Reason(
+        "DEGRADED_RULES_ONLY",
+        "No batch features available; decided by rules on the request"
+        + (" and session features." if session else " only."),
+    )
+
+
+def rules_only_rules(ruleset: R.RuleSet, available: set[str]) -> list[R.Rule]:
+    """The rules that apply without a model and without the store's lists (rules-only
+    mode): those reading neither ``score`` nor a list, and only ``available`` numbers."""
+    have = available | {"amount", *R.SETTINGS_NAMES}
+    return [
+        r
+        for r in ruleset.rules
+        if not r.reads_score and not r.reads_list and set(r.numbers) <= have
+    ]

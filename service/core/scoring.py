@@ -45,15 +45,29 @@ from redis.exceptions import NoScriptError
 
 from fraud_scoring import declared as D
 from fraud_scoring import features as F
+from fraud_scoring import rules as R
 from fraud_scoring import session
 from fraud_scoring.declared import columnar as C
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
-from service.core import idempotency
+from service.core import idempotency, lists
 from service.core.challenger import Challenger
-from service.core.decision import Policy, Reason, features_read, fired, indicators, rules_only
+from service.core.decision import (
+    NO_CARD_HISTORY,
+    Policy,
+    Reason,
+    Verdicts,
+    declared_reasons,
+    degraded_reason,
+    features_read,
+    fired,
+    indicators,
+    model_reason,
+    rules_only_rules,
+)
 from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
+from service.core.rules import RulesHolder
 from service.core.store_health import (
     FeatureStoreUnavailable,
     NoBatchFeatures,
@@ -155,6 +169,11 @@ class _Layout:
     session_end: int
     plan: C.Plan  # what the declared reads and writes were queued for
     states: list[tuple[str, str]]  # the declared states' markers read (StoreHealth)
+    list_reads: lists.ListReads = lists.NO_READS  # the rules' list lookups, after the reader's
+
+    @property
+    def declared_start(self) -> int:
+        return self.reader + len(self.list_reads)
 
     def declared_writes(self, replies: list[Any]) -> list[Any]:
         return replies[self.session_end :]
@@ -196,6 +215,13 @@ class ScoreResult:
     # Declared features whose read was not exact (a replay behind its key's present):
     # the decision is flagged degraded (the model decided on them).
     inexact: list[str] = field(default_factory=list)
+    # The rules (service/core/decision.py): what decided ("rule" | "list" | "model"), the
+    # rules file's version, the active rules that matched (the decider first) and the
+    # shadow rules that matched (never deciding).
+    decided_by: str = "model"
+    rules_version: str | None = None
+    fired_rules: list[str] = field(default_factory=list)
+    shadow_rules: list[Reason] = field(default_factory=list)
 
     @property
     def logged(self) -> bool:
@@ -213,6 +239,10 @@ class ScoreResult:
             "stale": self.stale,
             "degraded": self.degraded,
             "inexact": self.inexact,
+            "decided_by": self.decided_by,
+            "rules_version": self.rules_version,
+            "fired_rules": self.fired_rules,
+            "shadow_rules": [[r.code, r.message] for r in self.shadow_rules],
         }
 
     @classmethod
@@ -227,6 +257,10 @@ class ScoreResult:
             stale=answer["stale"],
             degraded=answer["degraded"],
             inexact=answer.get("inexact", []),
+            decided_by=answer.get("decided_by", "model"),
+            rules_version=answer.get("rules_version"),
+            fired_rules=answer.get("fired_rules", []),
+            shadow_rules=[Reason(c, m) for c, m in answer.get("shadow_rules", [])],
             timing_ms={"feature_read": 0.0, "inference": 0.0, "decision": 0.0, "batch_size": 1.0},
             repeat=True,
         )
@@ -380,8 +414,11 @@ class Scorer:
         health: StoreHealth | None = None,
         challenger: Challenger | None = None,
         on_shadow: OnShadow | None = None,
+        rules: RulesHolder | None = None,
     ) -> None:
         self.redis = redis
+        # The decision rules (service/core/rules.py); without a holder, the configured file.
+        self.rules = rules if rules is not None else RulesHolder.of(settings)
         self.challenger = challenger
         self.health = health
         self.on_scored = on_scored
@@ -398,11 +435,9 @@ class Scorer:
             _writes_refused().labels(what=what)
         self._keeping: set[asyncio.Task[None]] = set()
         self._turns = _Turns()
-        self._declared_for: tuple[LoadedModel | None, LoadedModel | None, D.Declarations] = (
-            None,
-            None,
-            D.EMPTY,
-        )
+        self._declared_for: tuple[
+            LoadedModel | None, LoadedModel | None, D.Declarations, R.RuleSet | None
+        ] = (None, None, D.EMPTY, None)
 
     def _to_record(self, txns: Sequence[Transaction], record: Sequence[bool] | None) -> list[bool]:
         """Per transaction, whether it joins the session and declared state: asked to be
@@ -464,7 +499,7 @@ class Scorer:
         rows = self.reader.parse(replies[lay.markers : lay.reader], txns)
         read = C.parse_batch(
             lay.plan,
-            replies[lay.reader : lay.reads_end],
+            replies[lay.declared_start : lay.reads_end],
             lay.declared_writes(replies),
             batch.ts_us,
         )
@@ -479,6 +514,7 @@ class Scorer:
             has_device=[t.device_id is not None for t in txns],
         )
         cols = F.build_features(rows.columns, request, read.columns)
+        cols.update(lists.members(lay.list_reads, replies[lay.reader : lay.declared_start]))
         return cols, rows.missing, rows.stale, read.inexact
 
     def _declared_read(self) -> D.Declarations:
@@ -490,13 +526,19 @@ class Scorer:
         if champion is None:
             return decl
         challenger = self.challenger.current if self.challenger is not None else None
-        held = self._declared_for  # the models change seldom: decide once per pair
-        if held[0] is not champion or held[1] is not challenger:
+        held = self._declared_for  # the models and rules change seldom: decide once each
+        ruleset = self.rules.current
+        if held[0] is not champion or held[1] is not challenger or held[3] is not ruleset:
             names = set(champion.meta.feature_names)
             if challenger is not None:
                 names.update(challenger.meta.feature_names)
-            specs, required = declared_reads(decl, names, features_read())
-            self._declared_for = (champion, challenger, dataclasses.replace(decl, specs=specs))
+            specs, required = declared_reads(decl, names, features_read() | ruleset.features)
+            self._declared_for = (
+                champion,
+                challenger,
+                dataclasses.replace(decl, specs=specs),
+                ruleset,
+            )
             if self.health is not None:  # their markers are checked with the views'
                 self.health.states = [
                     (f"declared state {s.id} ({', '.join(s.feature_names())})", s.backfilled_key())
@@ -519,6 +561,7 @@ class Scorer:
             pipe.execute_command("GET", m)
         self.reader.queue(pipe, batch.txns)
         n_reader = len(pipe)
+        list_reads = lists.queue_reads(pipe, self.rules.current, batch.txns)
         marks: list[int] = []
 
         def session_writes() -> None:
@@ -538,7 +581,7 @@ class Scorer:
             per_key=is_cluster_pipeline(pipe),
         )
         states = list(self.health.states) if self.health is not None else []
-        lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, states)
+        lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, states, list_reads)
         return await self._bounded(pipe, "feature read"), lay
 
     async def _bounded(self, pipe: Any, what: str) -> list[Any]:
@@ -614,35 +657,56 @@ class Scorer:
         cause: str,
         t0: float,
     ) -> list[ScoreResult]:
-        """Degraded decisions: rules on the request and, when read (``cols``), the
-        card's velocity counts. Handed to ``on_scored`` like every decision, with the
-        rules' inputs as the vector (the decision log records them; drift skips them)."""
+        """Degraded decisions: the active rules whose inputs are available (the request's
+        fields and, when read (``cols``), the session features; never the score nor a
+        list) and the declared reasons over streaming features. Handed to ``on_scored``
+        like every decision, with the rules' inputs as the vector (the decision log
+        records them; drift skips them)."""
+        ruleset = self.rules.current
+        limit = self.settings.review_amount_limit
+        inds = [i for i in indicators() if i.rules]
+        have = set(cols) if cols is not None else set()
+        applied = rules_only_rules(ruleset, have)
         # The rules' inputs that were read: one matrix, the rules' and the log's.
-        rules = [i for i in indicators() if i.rules]
-        wanted = dict.fromkeys(f for i in rules for f in i.reads if f != "amount")
-        names = [n for n in wanted if cols is not None and n in cols]
+        wanted = dict.fromkeys(
+            [*(f for i in inds for f in i.reads), *(f for r in applied for f in r.numbers)]
+        )
+        names = [n for n in wanted if n in have and n not in ("amount", "review_amount_limit")]
         x = np.zeros((len(txns), len(names)))
         for j, n in enumerate(names):
             x[:, j] = cols[n]  # type: ignore[index]  # names is empty without cols
-        given = {n: x[:, j] for j, n in enumerate(names)}
+        given: dict[str, Any] = {n: x[:, j] for j, n in enumerate(names)}
         given["amount"] = np.array([t.amount for t in txns], dtype=np.float64)
         fires = fired(given, len(txns), rules=True)
+        strings = R.string_columns(txns, ruleset.string_fields)
+        inputs = {**given, "review_amount_limit": limit}
+        masks = ruleset.masks(inputs, strings, {}, len(txns), applied)
+        verdicts = Verdicts(applied, masks, len(txns))
         out = []
         for i, t in enumerate(txns):
             sess = dict(zip(names, x[i].tolist(), strict=True))
-            decision, reasons = rules_only(
-                t.amount, sess, self.settings.review_amount_limit, fires[i]
-            )
+            values = {**sess, "amount": t.amount, "review_amount_limit": limit}
+            values |= {f: v[i] for f, v in strings.items()}
+            head = [degraded_reason(bool(sess))]
+            tail = [ind.reason(values) for ind in fires[i]]
+            v = verdicts.row(i, values, (), tail)
+            decision = v.decision
+            if decision == "approve" and tail and v.decided_by == "model":
+                decision = "review"  # a declared reason over streaming features: review
             out.append(
                 ScoreResult(
                     transaction_id=t.transaction_id,
                     decision=decision,
                     score=None,
-                    reasons=reasons,
+                    reasons=[*head, *v.reasons],
                     model_version="rules-only",
                     missing=[],
                     stale=[],
                     degraded=cause,
+                    decided_by="rule" if v.decided_by == "model" else v.decided_by,
+                    rules_version=ruleset.version,
+                    fired_rules=v.fired,
+                    shadow_rules=v.shadow,
                 )
             )
         elapsed_ms = (time.perf_counter() - t0) * 1e3
@@ -863,7 +927,9 @@ class Scorer:
         stale: list[list[str]],
         cols: dict[str, np.ndarray],
     ) -> list[ScoreResult]:
-        """The decision policy of the model that decides each row, and its result."""
+        """The decision of each row by the rules and the thresholds of the model that
+        decides it (:class:`service.core.decision.Verdicts`, one pass over the batch), and
+        its result."""
         ch, canary = route.challenger, route.canary
         policy = policy_for(model, self.settings)
         ch_policy = (
@@ -871,39 +937,64 @@ class Scorer:
             if ch is not None and canary is not None
             else policy
         )
-        # Python scalars, converted once per batch: the policy reads a few features.
-        read = {n: cols[n].tolist() for n in features_read() if n in cols}
-        fires = fired(cols, len(txns))
-        probe = card_snapshot_probe()
+        n = len(txns)
         champion = scores.tolist()
         challenger = route.scores.tolist() if route.scores is not None else None
+        routed = (
+            np.asarray(canary, dtype=bool)
+            if canary is not None and challenger is not None
+            else np.zeros(n, dtype=bool)
+        )
+        decider = np.where(routed, route.scores, scores) if route.scores is not None else scores
+        ruleset = self.rules.current
+        strings = R.string_columns(txns, ruleset.string_fields)
+        numbers: dict[str, Any] = {**cols, "score": decider}
+        numbers["review_amount_limit"] = policy.review_amount_limit
+        verdicts = Verdicts(
+            ruleset.rules,
+            ruleset.masks(numbers, strings, cols, n),
+            n,
+            decider,
+            np.where(routed, ch_policy.review_threshold, policy.review_threshold),
+            np.where(routed, ch_policy.decline_threshold, policy.decline_threshold),
+        )
+        # Python scalars, converted once per batch: the messages read a few features.
+        wanted = features_read() | ruleset.features
+        read = {n: cols[n].tolist() for n in wanted if n in cols}
+        fires = fired(cols, n)
+        probe = card_snapshot_probe()
         out = []
         for i, t in enumerate(txns):
             row = {n: v[i] for n, v in read.items()}
-            routed = canary is not None and bool(canary[i])
-            score = challenger[i] if routed and challenger is not None else champion[i]
-            decision, reasons = (ch_policy if routed else policy).decide(
-                score,
-                row,
-                card_known=probe is None or not (probe in missing[i] or probe in stale[i]),
-                fired=fires[i],
-            )
+            r = bool(routed[i])
+            score = challenger[i] if r and challenger is not None else champion[i]
+            p = ch_policy if r else policy
+            known = probe is None or not (probe in missing[i] or probe in stale[i])
+            tail = ([] if known else [NO_CARD_HISTORY]) + declared_reasons(fires[i], row, p)
+            if verdicts.hit[i]:
+                row |= {"score": score, "review_amount_limit": p.review_amount_limit}
+                row |= {f: v[i] for f, v in strings.items()}
+            v = verdicts.row(i, row, model_reason(score, p), tail)
             out.append(
                 ScoreResult(
                     transaction_id=t.transaction_id,
-                    decision=decision,
+                    decision=v.decision,
                     score=score,
-                    reasons=reasons,
-                    model_version=ch.version if routed and ch is not None else model.version,
+                    reasons=v.reasons,
+                    model_version=ch.version if r and ch is not None else model.version,
                     missing=missing[i],
                     stale=stale[i],
-                    routed_to="challenger" if routed else "champion",
+                    routed_to="challenger" if r else "champion",
                     champion_version=model.version,
                     champion_score=champion[i],
                     challenger_version=ch.version
                     if ch is not None and challenger is not None
                     else None,
                     challenger_score=challenger[i] if challenger is not None else None,
+                    decided_by=v.decided_by,
+                    rules_version=ruleset.version,
+                    fired_rules=v.fired,
+                    shadow_rules=v.shadow,
                 )
             )
         return out

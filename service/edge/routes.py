@@ -575,7 +575,10 @@ async def readyz(request: Request) -> JSONResponse:
         "status": "ready",
         "model_version": model.version,
         "providers": model.providers,
+        "rules_version": res.scorer.rules.current.version,
     }
+    if (why := res.scorer.rules.problem) is not None:
+        body["rules"] = why  # information only: the rules before the refused file serve
     # Information only: scoring goes on (decisions buffered, then dropped and counted).
     if res.decision_log is not None and (why := res.decision_log.readiness()) is not None:
         body["decision_log"] = why

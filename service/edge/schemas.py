@@ -46,6 +46,9 @@ SCORE_EXAMPLE: dict[str, Any] = {
         {"code": "VELOCITY_1H", "message": "9 transactions on this card in the last hour."},
     ],
     "model_version": "3",
+    "decided_by": "model",
+    "rules_version": "bd85ca5deba1",
+    "shadow_rules": [],
     "features": {"missing": [], "stale": ["merchant_fraud_rate_90d"], "inexact": []},
     "timing": {
         "queue_ms": 1.2,
@@ -146,6 +149,13 @@ class ReadyzOut(BaseModel):
         description="FRAUD_DEGRADED_POLICY=rules: the store's problems (keys as in the 503), "
         "deciding by rules only while they last",
     )
+    rules_version: str = Field(
+        description="the serving rules file's version (its SHA-256's first 12 hex digits)"
+    )
+    rules: str | None = Field(
+        default=None,
+        description="the rules file as it is now was refused (why); the rules before it serve",
+    )
 
 
 class ReadyzProblemsOut(BaseModel):
@@ -203,6 +213,18 @@ class ScoreOut(BaseModel):
     )
     reasons: list[ReasonOut]
     model_version: str = Field(description='"rules-only" for a degraded decision')
+    decided_by: Literal["rule", "list", "model"] = Field(
+        default="model",
+        description="what decided: a rule (its reason, RULE_<CODE>, is the first), a rule "
+        "that looks up a list, or the model's thresholds (docs/rules.md)",
+    )
+    rules_version: str | None = Field(
+        default=None, description="the version of the rules file that decided"
+    )
+    shadow_rules: list[ReasonOut] = Field(
+        default_factory=list,
+        description="shadow rules that matched: logged, never deciding",
+    )
     features: FeatureStatus
     timing: Timing
     degraded: bool = Field(
@@ -228,6 +250,9 @@ class ScoreOut(BaseModel):
             "score": res.score,
             "reasons": [{"code": r.code, "message": r.message} for r in res.reasons],
             "model_version": res.model_version,
+            "decided_by": res.decided_by,
+            "rules_version": res.rules_version,
+            "shadow_rules": [{"code": r.code, "message": r.message} for r in res.shadow_rules],
             "features": {"missing": res.missing, "stale": res.stale, "inexact": res.inexact},
             "timing": {
                 "queue_ms": queue_ms,

@@ -32,7 +32,9 @@ challenger ran), ``routed_to`` (``champion`` | ``challenger``: which model decid
 one ``model_version`` and ``score`` are of, and whose vector ``features`` is),
 ``champion_version`` and ``champion_score``, ``degraded`` (null, or why rules decided:
 such an entry has ``score`` null, ``model_version`` "rules-only" and the rules' inputs as
-``features``), ``inexact`` (declared features whose read was not exact: a replay).
+``features``), ``inexact`` (declared features whose read was not exact: a replay),
+``decided_by`` (``rule`` | ``list`` | ``model``), ``rules_version``, ``fired_rules`` (the
+active rules that matched, the decider first) and ``shadow_rules`` (codes; docs/rules.md).
 """
 
 from __future__ import annotations
@@ -142,6 +144,10 @@ def encode(p: _Pending) -> LogRecord:
         "routed_to": r.routed_to,
         "champion_version": r.champion_version,
         "champion_score": r.champion_score,
+        "decided_by": r.decided_by,
+        "rules_version": r.rules_version,
+        "fired_rules": r.fired_rules,
+        "shadow_rules": [x.code for x in r.shadow_rules],
     }
     # pydantic-core's encoder: one pass in Rust, ~5x json.dumps of a model_dump here;
     # NaN/inf written as json.dumps writes them.
