@@ -27,6 +27,7 @@ The result equals :func:`fraud_scoring.declared.parse_batch` (the reference) row
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +130,9 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     # features are then their defaults, as the row-by-row definition's): the window
     # table depends on the batch size alone, so it is built once per size.
     ix = W.index(comp, (n,) * len(comp.specs))
-    t = np.broadcast_to(np.asarray(ts_us, dtype=np.float64), (len(comp.specs), n)).ravel()
+    t = np.empty((len(comp.specs), n))  # each pair's t: the row's, once per state
+    t[:] = np.asarray(ts_us, dtype=np.float64)
+    t = t.ravel()
     pairs = len(t)
     # The replies, per state and field: its rings (per width), newest events, kept values.
     ring_blobs: tuple[list[Sequence[bytes]], list[Sequence[bytes]]] = ([], [])
@@ -308,8 +311,10 @@ def _own(spec: Spec, cols: BatchColumns) -> np.ndarray:
     if not spec.categorical:
         return np.full(len(cols.ts_us), np.nan)
     raw = cols.column(spec.value_column)  # type: ignore[arg-type]
-    empty = np.fromiter(map(_empty, raw), dtype=bool, count=len(raw))
-    return np.where(empty, np.nan, np.asarray(cols.values(spec), dtype=np.float64))
+    codes = cols.values(spec)
+    return np.array(
+        [math.nan if _empty(v) else c for v, c in zip(raw, codes, strict=True)], dtype=np.float64
+    )
 
 
 def _empty(v: Any) -> bool:
