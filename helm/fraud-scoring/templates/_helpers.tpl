@@ -387,6 +387,10 @@ namespace="{{ .Release.Namespace }}",job="{{ include "fraud-scoring.fullname" . 
 namespace="{{ .Release.Namespace }}",job="{{ .Release.Namespace }}/{{ include "fraud-scoring.fullname" . }}-streaming"
 {{- end }}
 
+{{- define "fraud-scoring.promScoreStream" -}}
+namespace="{{ .Release.Namespace }}",job="{{ .Release.Namespace }}/{{ include "fraud-scoring.fullname" . }}-score-stream"
+{{- end }}
+
 {{- /* A stopped updater's series go stale (its pod gone, or not scraped): max() over the
 last hour still sees when it last stepped, and absent() covers the rest (only where the
 chart's PodMonitor scrapes it, else it would always fire). Both sides carry no labels, so
