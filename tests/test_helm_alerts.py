@@ -3,8 +3,9 @@
 Each rule has a test file ``tests/helm_alerts/<alert>.yaml`` (promtool's format): input
 series, and evaluation times at which the alert must fire (with its labels and rendered
 description) or stay silent. The rules come from the chart rendered with default
-values; summary and runbook annotations are left out of what promtool compares (they
-are fixed text), the description is kept because it renders ``$value`` and ``$labels``.
+values plus score-stream (``scoreStream.enabled``, off by default); summary and runbook
+annotations are left out of what promtool compares (they are fixed text), the
+description is kept because it renders ``$value`` and ``$labels``.
 
 promtool comes from Debian's ``prometheus`` package (``scripts/install-promtool.sh``, run
 by ``scripts/test.sh``): without it these tests skip, and fail under ``CI=true``.
@@ -27,6 +28,8 @@ RULE_TESTS = ROOT / "tests" / "helm_alerts"
 OPERATOR = ("monitoring.coreos.com/v1",)
 # Fixed text that promtool would otherwise have to be told verbatim.
 UNCOMPARED_ANNOTATIONS = ("summary", "runbook", "runbook_url")
+# The default values with every optional component that has alerts turned on.
+RULES_VALUES = {"scoreStream": {"enabled": True}}
 
 
 def rule_groups(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -35,8 +38,13 @@ def rule_groups(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
+def rule_groups_under_test() -> list[dict[str, Any]]:
+    """The rule groups under test (a fresh render: the caller may change them)."""
+    return rule_groups(render(RULES_VALUES, api_versions=OPERATOR))
+
+
 def alert_names() -> list[str]:
-    return [r["alert"] for g in rule_groups(rendered_case("default")) for r in g["rules"]]
+    return [r["alert"] for g in rule_groups_under_test() for r in g["rules"]]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +62,7 @@ def promtool() -> str:
 def rules_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding the rendered rules as a Prometheus rule file (``rules.yaml``, the
     name every test file loads)."""
-    groups = rule_groups(rendered_case("default"))
+    groups = rule_groups_under_test()
     for group in groups:
         for r in group["rules"]:
             for name in UNCOMPARED_ANNOTATIONS:
@@ -114,3 +122,40 @@ def test_updater_absence_is_an_alert_only_where_the_chart_scrapes_the_updater() 
 
     assert "absent(" in stalled(None)
     assert "absent(" not in stalled({"metrics": {"serviceMonitor": {"enabled": False}}})
+
+
+def test_score_stream_alerts_only_with_score_stream() -> None:
+    """Off by default: no rule over series nothing exports."""
+    default = [r["alert"] for g in rule_groups(rendered_case("default")) for r in g["rules"]]
+    stream = [a for a in alert_names() if a.startswith("FraudScoreStream")]
+    assert sorted(stream) == [
+        "FraudScoreStreamEventTimeLagHigh",
+        "FraudScoreStreamOverBudget",
+        "FraudScoreStreamPaused",
+        "FraudScoreStreamStalled",
+        "FraudScoreStreamUncommitted",
+    ]
+    assert not set(stream) & set(default)
+    assert sorted(default + stream) == sorted(alert_names())
+
+
+def test_score_stream_alerts_read_its_thresholds_and_budget() -> None:
+    values = RULES_VALUES | {
+        "scoreStream": {"enabled": True, "latencyBudgetMs": 80, "maxWaitMs": 2},
+        "metrics": {
+            "prometheusRule": {
+                "scoreStreamEventTimeLagSeconds": 0.5,
+                "scoreStreamOverBudgetRatio": 0.05,
+                "scoreStreamUncommittedAgeSeconds": 30,
+            }
+        },
+    }
+    rules = {
+        r["alert"]: r
+        for g in rule_groups(render(values, api_versions=OPERATOR))
+        for r in g["rules"]
+    }
+    assert rules["FraudScoreStreamEventTimeLagHigh"]["expr"].endswith("> 0.5")
+    assert rules["FraudScoreStreamOverBudget"]["expr"].endswith("> 0.05")
+    assert "(80ms)" in rules["FraudScoreStreamOverBudget"]["annotations"]["description"]
+    assert rules["FraudScoreStreamUncommitted"]["expr"].endswith("> 30")
