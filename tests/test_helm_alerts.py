@@ -159,3 +159,21 @@ def test_score_stream_alerts_read_its_thresholds_and_budget() -> None:
     assert rules["FraudScoreStreamOverBudget"]["expr"].endswith("> 0.05")
     assert "(80ms)" in rules["FraudScoreStreamOverBudget"]["annotations"]["description"]
     assert rules["FraudScoreStreamUncommitted"]["expr"].endswith("> 30")
+
+
+def test_score_stream_alerts_query_what_score_stream_exports() -> None:
+    """Every series the score-stream rules read is a family of ``ScoreStreamMetrics``."""
+    from prometheus_client import generate_latest
+
+    from streaming.metrics import ScoreStreamMetrics
+    from tests.test_helm_monitoring import exported, metric_names
+
+    text = generate_latest(ScoreStreamMetrics.create().registry).decode()
+    queried = {
+        name
+        for g in rule_groups_under_test()
+        for r in g["rules"]
+        if r["alert"].startswith("FraudScoreStream")
+        for name in metric_names(r["expr"])
+    }
+    assert queried and queried <= exported(text), queried - exported(text)
