@@ -225,6 +225,7 @@ def test_prometheus_rule_only_when_enabled_and_the_operator_api_exists() -> None
 
 def test_every_alert_parses_and_explains_itself() -> None:
     values = {
+        "scoreStream": {"enabled": True},  # off by default, with alerts of its own
         "metrics": {
             "prometheusRule": {
                 "runbookBaseUrl": "https://docs.example/decision-loop/",
