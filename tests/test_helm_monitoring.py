@@ -233,7 +233,7 @@ def test_every_alert_parses_and_explains_itself() -> None:
                 "latencyP99Seconds": 0.08,
                 "driftPsi": 0.25,
             }
-        }
+        },
     }
     docs = render(values, api_versions=OPERATOR)
     anchors = doc_anchors()
