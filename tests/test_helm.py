@@ -26,6 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -254,6 +255,10 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "schedule minute out of range": {"batch": {"schedule": "61 1 * * *"}},
     "schedule with a TZ prefix": {"batch": {"schedule": "TZ=Europe/Paris 30 1 * * *"}},
     "unknown schedule macro": {"training": {"schedule": "@fortnightly"}},
+    "unknown score-stream key": {"scoreStream": {"maxBatchSize": 64}},
+    "string for the in-flight bound": {"scoreStream": {"maxInFlight": "lots"}},
+    "zero latency budget": {"scoreStream": {"latencyBudgetMs": 0}},
+    "fractional lag target": {"scoreStream": {"autoscaling": {"targetLagPerPod": 0.5}}},
 }
 
 GOOD_SCHEDULES = ["*/15 * * * *", "0 0 1,15 * MON-FRI", "5 4 * JAN,JUL SUN", "@daily", "@every 6h"]
@@ -298,6 +303,16 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
     "gRPC TLS without a gRPC port": (
         {"scoring": {"service": {"grpcTlsSecret": "scoring-grpc-tls"}}},
         "scoring.service.grpcTlsSecret needs scoring.service.grpcPort",
+    ),
+    # score-stream reads the event log named by streaming.*, with or without the updater.
+    "score-stream on kafka without brokers": (
+        {"streaming": {"enabled": False, "source": "kafka"}, "scoreStream": {"enabled": True}},
+        "streaming.kafka.bootstrapServers is required",
+    ),
+    # As `fraud-scoring score-stream` refuses: the budget holds the wait and the model.
+    "score-stream wait at its budget": (
+        {"scoreStream": {"enabled": True, "maxWaitMs": 250, "latencyBudgetMs": 250}},
+        "scoreStream.maxWaitMs (250) must be below scoreStream.latencyBudgetMs (250)",
     ),
 }
 
@@ -400,6 +415,106 @@ def test_streaming_replicas_share_one_consumer_group() -> None:
     assert env["FRAUD_CONSUMER_GROUP"]["value"] == "session-updater"
     assert env["FRAUD_KAFKA_BOOTSTRAP"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
     assert env["FRAUD_STREAM_NAME"]["value"] == "card-transactions"
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """``["cmd", "--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
+    return dict(zip(args[1::2], args[2::2], strict=True))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_score_stream_is_off_unless_enabled(case: str) -> None:
+    docs = rendered_case(case)
+    ours = [d for d in docs if d["metadata"]["name"].endswith("-score-stream")]
+    if (CASES[case] or {}).get("scoreStream", {}).get("enabled"):
+        assert {d["kind"] for d in ours} == {
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "NetworkPolicy",
+            "PodMonitor",
+        }
+    else:
+        assert ours == []
+        assert not any(
+            d["metadata"]["labels"].get("app.kubernetes.io/component") == "score-stream"
+            for d in docs
+        )
+
+
+def test_score_stream_values_become_its_flags_probes_and_lag_autoscaling() -> None:
+    docs = rendered_case("score-stream")
+    values = CASES["score-stream"]
+    assert values is not None
+    s = values["scoreStream"]
+    deploy = component(docs, "score-stream")
+    assert deploy["kind"] == "Deployment"
+    assert "replicas" not in deploy["spec"], "the HPA owns the replica count"
+    spec = pod_spec(deploy)
+    (c,) = spec["containers"]
+    assert c["args"][0] == "score-stream"
+    assert flag_values(c["args"]) == {
+        "--source": "kafka",
+        "--stream": "card-transactions",
+        "--group": "fraud-score-stream",
+        "--output": "card-transaction-decisions",
+        "--max-batch": "128",
+        "--max-wait-ms": "2.5",
+        "--latency-budget-ms": "100",
+        "--commit-interval-ms": "500",
+        "--max-in-flight": "8192",
+        "--metrics-port": "9109",
+    }
+    env = env_of(c)
+    assert env["FRAUD_KAFKA_BOOTSTRAP"]["value"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
+    assert env["FRAUD_MODEL_INSTANCES"]["value"] == "2"
+    assert env["FRAUD_STREAM_NAME"]["value"] == "card-transactions"
+    assert c["resources"] == s["resources"]
+    # The updater's probes on the metrics port, and a startup probe for the model load.
+    assert {"name": "metrics", "containerPort": 9109, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    # Its grace period covers the drain of what is in flight (FRAUD_DRAIN_SECONDS, 10 s).
+    assert spec["terminationGracePeriodSeconds"] > 10
+
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    hpa = one(docs, "HorizontalPodAutoscaler", deploy["metadata"]["name"])
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deploy["metadata"]["name"],
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 12)
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "fraud_score_stream_consumer_lag"},
+                "target": {"type": "AverageValue", "averageValue": "2000"},
+            },
+        }
+    ]
+    pm = one(docs, "PodMonitor", deploy["metadata"]["name"])
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint == endpoint | {"port": "metrics", "path": "/metrics"}
+    policy = one(docs, "NetworkPolicy", deploy["metadata"]["name"])
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]}]
+    assert "Egress" in policy["spec"]["policyTypes"]
+    assert {"port": 9092, "protocol": "TCP"} in [
+        p for rule in policy["spec"]["egress"] for p in rule.get("ports", [])
+    ]
+
+    # Default values, turned on: the updater's stream, fixed replicas, its own group.
+    plain = render({"scoreStream": {"enabled": True}})
+    deploy = component(plain, "score-stream")
+    assert deploy["spec"]["replicas"] == 1
+    assert not find(plain, "HorizontalPodAutoscaler", deploy["metadata"]["name"])
+    flags = flag_values(pod_spec(deploy)["containers"][0]["args"])
+    assert (flags["--source"], flags["--stream"]) == ("redis", "transactions")
+    updater = pod_spec(component(plain, "streaming"))["containers"][0]
+    assert flags["--group"] != env_of(updater)["FRAUD_CONSUMER_GROUP"]["value"]
 
 
 def _strip_mirror_note(text: str, first_line: str) -> str:
@@ -1133,6 +1248,7 @@ def demo_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
     key, entry = new_key("helm-test", ["score"])
     values = copy.deepcopy(CASES["in-chart-redis"]) or {}
     values.setdefault("scoring", {})["auth"] = {"keys": [entry]}
+    values["scoreStream"] = {"enabled": True}
     docs = render(values)
     secret = one(docs, "Secret", f"{RELEASE}-fraud-scoring-redis-auth")
     import base64
@@ -1264,3 +1380,68 @@ def test_every_object_carries_the_release_namespace(case: str) -> None:
     assert {d["kind"]: d["metadata"].get("namespace") for d in docs} == {
         d["kind"]: NAMESPACE for d in docs
     }
+
+
+def test_rendered_score_stream_decides_a_transaction_and_stops_on_sigterm(
+    demo_release: tuple[Any, int, Path, str],
+) -> None:
+    """The rendered score-stream container, with its rendered environment, on the demo
+    release's Redis and model: its probes answer, a transaction on the rendered input
+    stream gets its decision on the rendered output stream, SIGTERM stops it."""
+    import redis
+
+    docs, redis_port, workdir, _ = demo_release
+    deploy = component(docs, "score-stream")
+    spec = pod_spec(deploy)
+    (c,) = spec["containers"]
+    env = localize(
+        container_env(c, docs, f"{RELEASE}-fraud-scoring-score-stream-7d9f-a1b2c", spec, workdir),
+        redis_port,
+        workdir,
+        workdir / "feature_store.yaml",
+    )
+    flags = flag_values(c["args"])
+    client = redis.Redis.from_url(
+        env["REDIS_URL"], password=Path(env["FRAUD_REDIS_PASSWORD_FILE"]).read_text()
+    )
+    port = free_port()  # the rendered port may be taken here; the flag's last value wins
+    proc = subprocess.Popen(
+        cli_argv([*c["args"], "--metrics-port", str(port)]),
+        env=_env_for_cli() | env,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["httpGet"]["port"] == "metrics"
+            path = c[probe]["httpGet"]["path"]
+            wait_until(
+                lambda p=path: http_get(f"http://127.0.0.1:{port}{p}") == 200, 90, path, proc
+            )
+        txn = {
+            "transaction_id": "helm-score-stream-1",
+            "card_id": "helm-test-card",
+            "merchant_id": "helm-test-merchant",
+            "amount": 42.5,
+            "currency": "USD",
+            "event_time": datetime.now(UTC).isoformat(),
+            "country": "US",
+            "channel": "pos",
+            "mcc": "5411",
+        }
+        client.xadd(flags["--stream"], {"data": json.dumps(txn)})
+        wait_until(lambda: client.xlen(flags["--output"]) >= 1, 60, "a decision", proc)
+        ((_, fields),) = client.xrange(flags["--output"])
+        decision = json.loads(fields[b"d"])
+        assert fields[b"k"].decode() == decision["transaction_id"] == txn["transaction_id"]
+        assert decision["decision"] in {"approve", "review", "decline"}
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=spec["terminationGracePeriodSeconds"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate(timeout=10)[0]
+        client.close()
+    assert proc.returncode in (0, -signal.SIGTERM), output[-3000:]
