@@ -31,7 +31,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
 
 from service import telemetry
-from service.edge import auth, feedback, oip, oip_grpc, review
+from service.edge import auth, feedback, lists_api, oip, oip_grpc, review
 from service.edge.admission import AdmissionLimit, WorkShares
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
@@ -94,6 +94,10 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     feedback.zero_counters()
     app.include_router(review.router, dependencies=labelling)
     app.include_router(review.page_router)
+    # Block and allow lists decide: their own `lists` scope (admin implies it).
+    app.include_router(
+        lists_api.router, dependencies=[Depends(auth.require_scope(auth.Scope.LISTS))]
+    )
     admission = functools.partial(
         AdmissionLimit,
         capacity=settings.admission_capacity,

@@ -57,7 +57,7 @@ RELOAD_CHECK_S = 1.0
 
 class Scope(StrEnum):
     """What a key may do. A key lists each scope it needs; the one implication is
-    ``admin`` → ``label`` (:data:`IMPLIED`)."""
+    ``admin`` → ``label`` and ``lists`` (:data:`IMPLIED`)."""
 
     SCORE = "score"  # POST /v1/score, /v1/score/batch, /v2 metadata and inference
     # POST /v1/feedback and /v1/review/* (the analysts' page, chargeback feeds): labels
@@ -66,10 +66,14 @@ class Scope(StrEnum):
     # POST /v1/models/reload, replay-mode scoring (X-Fraud-Record: false)
     ADMIN = "admin"
     METRICS = "metrics"  # GET /metrics (the Prometheus scraper's key)
+    # GET/PUT/DELETE /v1/lists/*: block and allow lists decide, so neither a score key
+    # nor a label key can change them (docs/rules.md).
+    LISTS = "lists"
 
 
-# The review queue needed ``admin`` before ``label`` existed: admin keys keep their reach.
-IMPLIED: dict[Scope, frozenset[Scope]] = {Scope.ADMIN: frozenset({Scope.LABEL})}
+# The review queue needed ``admin`` before ``label`` existed, the lists came after: admin
+# keys keep their reach.
+IMPLIED: dict[Scope, frozenset[Scope]] = {Scope.ADMIN: frozenset({Scope.LABEL, Scope.LISTS})}
 
 
 def held_scopes(listed: frozenset[Scope]) -> frozenset[Scope]:

@@ -12,6 +12,7 @@ ASGI layers that answer before the app (admission, the connection's drain) call
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -72,9 +73,21 @@ def as_api_error(exc: Exception, request: Request) -> ApiError:
         return TransactionIdReused(str(exc), "transaction_id")
     if isinstance(exc, StarletteHTTPException):  # Starlette's: no such route, or method
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        kind = MethodNotAllowed if exc.status_code == 405 else NotFound
-        return kind(message, headers=exc.headers)
+        if exc.status_code == 405:
+            return MethodNotAllowed(message, headers={**(exc.headers or {}), **_allow(request)})
+        return NotFound(message, headers=exc.headers)
     raise TypeError(f"no failure type for {type(exc).__name__}")
+
+
+def _allow(request: Request) -> dict[str, str]:
+    """``Allow`` naming every method the document lists for the path: Starlette's 405
+    names only the first route's, and a path may have one route per method
+    (``/v1/lists/{name}/items``)."""
+    path = request.url.path
+    for template, ops in request.app.openapi().get("paths", {}).items():
+        if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), path):
+            return {"Allow": ", ".join(m.upper() for m in ops if m != "parameters")}
+    return {}
 
 
 async def _answer(request: Request, exc: Exception) -> Response:
