@@ -148,6 +148,7 @@ def test_unknown_card_and_merchant_are_not_errors(server: Server) -> None:
     assert "card_txn_count_30d" in body["features"]["missing"]
     assert "merchant_fraud_rate_90d" in body["features"]["missing"]
     assert any(x["code"] == "NO_CARD_HISTORY" for x in body["reasons"])
+    assert not any(x["code"] == "STALE_CARD_HISTORY" for x in body["reasons"])
 
 
 def test_stale_snapshot_is_flagged_not_used(server: Server, world: World) -> None:
@@ -159,6 +160,8 @@ def test_stale_snapshot_is_flagged_not_used(server: Server, world: World) -> Non
             r = c.post("/v1/score", json={**TXN, "card_id": card, "event_time": when})
             assert r.status_code == 200
             assert "card_txn_count_30d" in r.json()["features"]["stale"], when
+            codes = {x["code"] for x in r.json()["reasons"]}  # stale is not absent
+            assert "STALE_CARD_HISTORY" in codes and "NO_CARD_HISTORY" not in codes, when
         fresh = held_out_day(world)[0]
         r = c.post("/v1/score", json=fresh)
         assert r.json()["features"]["stale"] == []

@@ -130,9 +130,9 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     # features are then their defaults, as the row-by-row definition's): the window
     # table depends on the batch size alone, so it is built once per size.
     ix = W.index(comp, (n,) * len(comp.specs))
-    t = np.empty((len(comp.specs), n))  # each pair's t: the row's, once per state
-    t[:] = np.asarray(ts_us, dtype=np.float64)
-    t = t.ravel()
+    per_state = np.empty((len(comp.specs), n))  # each pair's t: the row's, once per state
+    per_state[:] = np.asarray(ts_us, dtype=np.float64)
+    t = per_state.ravel()
     pairs = len(t)
     # The replies, per state and field: its rings (per width), newest events, kept values.
     ring_blobs: tuple[list[Sequence[bytes]], list[Sequence[bytes]]] = ([], [])

@@ -225,6 +225,14 @@ def model_reason(score: float, policy: Policy) -> list[Reason]:
 NO_CARD_HISTORY = Reason(
     "NO_CARD_HISTORY", "No recent batch history for this card; defaults were used."
 )
+# The card's snapshot exists but is not usable as of this transaction: older than its
+# view's TTL (the daily batch has not run since), or newer than the transaction (a replay
+# of a day the batch has already run through). A different cause from a card without any.
+STALE_CARD_HISTORY = Reason(
+    "STALE_CARD_HISTORY",
+    "The card's batch history is older than its time to live or newer than the "
+    "transaction (a replay); defaults were used.",
+)
 
 
 def declared_reasons(

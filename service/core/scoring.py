@@ -54,6 +54,7 @@ from service.core import idempotency, lists
 from service.core.challenger import Challenger
 from service.core.decision import (
     NO_CARD_HISTORY,
+    STALE_CARD_HISTORY,
     Policy,
     Reason,
     Verdicts,
@@ -969,8 +970,14 @@ class Scorer:
             r = bool(routed[i])
             score = challenger[i] if r and challenger is not None else champion[i]
             p = ch_policy if r else policy
-            known = probe is None or not (probe in missing[i] or probe in stale[i])
-            tail = ([] if known else [NO_CARD_HISTORY]) + declared_reasons(fires[i], row, p)
+            card = (
+                [NO_CARD_HISTORY]
+                if probe is not None and probe in missing[i]
+                else [STALE_CARD_HISTORY]
+                if probe is not None and probe in stale[i]
+                else []
+            )
+            tail = card + declared_reasons(fires[i], row, p)
             if verdicts.hit[i]:
                 row |= {"score": score, "review_amount_limit": p.review_amount_limit}
                 row |= {f: v[i] for f, v in strings.items()}
