@@ -22,7 +22,7 @@ from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from fraud_scoring.events import Transaction
 
@@ -35,6 +35,7 @@ class ReasonOut(BaseModel):
 class FeatureStatus(BaseModel):
     missing: list[str]
     stale: list[str]
+    inexact: list[str] = Field(default_factory=list)
 
 
 class Timing(BaseModel):
@@ -52,6 +53,9 @@ class ScoreOut(BaseModel):
     score: float | None
     reasons: list[ReasonOut]
     model_version: str
+    decided_by: Literal["rule", "list", "model"] = "model"
+    rules_version: str | None = None
+    shadow_rules: list[ReasonOut] = Field(default_factory=list)
     features: FeatureStatus
     timing: Timing
     degraded: bool = False
@@ -68,7 +72,10 @@ async def score(txn: Transaction) -> ScoreOut:
         score=0.0,
         reasons=[],
         model_version="typical",
-        features=FeatureStatus(missing=[], stale=[]),
+        decided_by="model",
+        rules_version="typical",
+        shadow_rules=[],
+        features=FeatureStatus(missing=[], stale=[], inexact=[]),
         timing=Timing(
             queue_ms=0.0,
             feature_read_ms=0.0,
