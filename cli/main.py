@@ -28,7 +28,7 @@ from pydantic import AliasChoices, ValidationError
 import batch_jobs.commands
 import service.commands
 import streaming.commands
-from cli import demo, emit, feast_tools, lists, score_stream
+from cli import demo, emit, feast_tools, lists, rules, score_stream
 from cli.settings import Settings
 from fraud_scoring.commands import Command, UsageError
 from fraud_scoring.model_repo import ModelError
@@ -66,6 +66,7 @@ COMMANDS: list[Command[Any]] = [
     emit.COMMAND,
     feast_tools.COMMAND,
     lists.COMMAND,
+    rules.COMMAND,
 ]
 
 
