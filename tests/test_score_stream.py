@@ -5,20 +5,24 @@ SIGKILL x3 with restarts (nothing lost, nothing counted twice)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import redis
 
+from fraud_scoring.redis_server import embedded_redis, free_port
 from streaming.score_stream import InFlight
 from streaming.sources import Message
 from tests.conftest import World, private_db, start_server, stop_server, wait_until
@@ -325,3 +329,170 @@ def test_kafka_end_to_end_with_a_poison_event(
     # A fresh topic's offsets start at 0: every event read is committed.
     assert sum(tp.offset for tp in committed) == len(txns) + 1
     assert "dead-lettered" in log.read_text() and "invalid JSON" in log.read_text()
+
+
+# -- an output log that refuses writes; backpressure ---------------------------------------
+
+
+def in_flight_gauge(port: int) -> float | None:
+    """``fraud_score_stream_in_flight`` from the command's /metrics (None: not up yet)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+    except httpx.TransportError:
+        return None
+    for ln in text.splitlines():
+        if ln.startswith("fraud_score_stream_in_flight "):
+            return float(ln.split()[1])
+    return None
+
+
+def acknowledged_ids(url: str) -> set[str]:
+    """The transaction ids of the entries the group has acknowledged: delivered (up to
+    its last-delivered-id) and no longer pending."""
+    client: Any = redis.Redis.from_url(url)
+    last = next(g for g in client.xinfo_groups(STREAM) if g["name"] == b"score-stream")[
+        "last-delivered-id"
+    ]
+    pending = {
+        p["message_id"] for p in client.xpending_range(STREAM, "score-stream", "-", "+", 10**6)
+    }
+    out = set()
+    for eid, fields in client.xrange(STREAM, max=last):
+        if eid not in pending:
+            out.add(json.loads(fields[b"data"])["transaction_id"])
+    return out
+
+
+def test_redis_output_refusing_writes_acknowledges_nothing_then_resumes(
+    world: World, tmp_path: Path
+) -> None:
+    """The decisions stream on a server of its own that refuses every write (maxmemory 1
+    byte, noeviction: each write answered OOM): nothing is acknowledged, reading stops at
+    the in-flight bound; once the server takes writes again every transaction gets its
+    decision and every entry is acknowledged."""
+    txns = events(world, 200)
+    url = private_db(world, 12)
+    xadd(url, [json.dumps(t) for t in txns])
+    bound = 48
+    with embedded_redis() as out_url:
+        out: Any = redis.Redis.from_url(out_url)
+        out.config_set("maxmemory-policy", "noeviction")
+        out.config_set("maxmemory", 1)
+        log = tmp_path / "refused.log"
+        env = stream_env(world, url, tmp_path, FRAUD_SCORE_STREAM_OUTPUT_URL=out_url)
+        proc = score_stream(
+            env,
+            log,
+            "--consumer",
+            "c1",
+            "--max-batch",
+            "16",
+            "--commit-interval-ms",
+            "100",
+            "--max-in-flight",
+            str(bound),
+            "--idle-exit-s",
+            "2",
+            wait=False,
+        )
+        try:
+            wait_until(
+                lambda: (
+                    "reading paused" in log.read_text() and "decisions failed" in log.read_text()
+                ),
+                timeout=90,
+                what="the writes refused and reading paused",
+                proc=proc,
+            )
+            time.sleep(1.0)  # several commit intervals while refused
+            client: Any = redis.Redis.from_url(url)
+            assert not out.exists(OUTPUT)
+            assert acknowledged_ids(url) == set()  # nothing acknowledged without a decision
+            assert client.xpending(STREAM, "score-stream")["pending"] == bound  # stopped reading
+            out.config_set("maxmemory", 0)  # the output log takes writes again
+            assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        got = {f[b"k"].decode() for _, f in out.xrange(OUTPUT)}
+    assert got == {t["transaction_id"] for t in txns}
+    assert client.xpending(STREAM, "score-stream")["pending"] == 0
+    assert acknowledged_ids(url) == got
+    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
+    assert f"{len(txns)} decided" in summary and f"in flight at most {bound};" in summary
+    assert "used memory > 'maxmemory'" in log.read_text()  # the refusal, retried
+
+
+@contextlib.contextmanager
+def store_slowed(url: str, pause_ms: int, every_s: float) -> Iterator[list[int]]:
+    """The store's writes (scripts included: the scorer's feature read and record, the
+    decisions, the acknowledgements) paused for ``pause_ms`` every ``every_s`` with
+    CLIENT PAUSE WRITE, from a thread, until the block ends; yields the count of pauses."""
+    client: Any = redis.Redis.from_url(url)
+    count = [0]
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            client.execute_command("CLIENT", "PAUSE", pause_ms, "WRITE")
+            count[0] += 1
+            stop.wait(every_s)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield count
+    finally:
+        stop.set()
+        thread.join()
+        client.execute_command("CLIENT", "UNPAUSE")
+
+
+def test_redis_backpressure_in_flight_bound_holds_while_the_store_is_slowed(
+    world: World, tmp_path: Path
+) -> None:
+    """A backlog of 400 behind an in-flight bound of 24 while the store pauses its
+    writes 150 ms in every 250 (the scorer's reads and records, the decisions' writes
+    and the acknowledgements all wait): the in-flight gauge scraped from /metrics and
+    the summary's high-water mark never pass the bound, reading paused at it, and every
+    transaction is decided once and acknowledged."""
+    txns = events(world, 400)
+    url = private_db(world, 12)
+    xadd(url, [json.dumps(t) for t in txns])
+    bound, port = 24, free_port()
+    log = tmp_path / "backpressure.log"
+    env = stream_env(world, url, tmp_path)
+    seen: list[float] = []
+    with store_slowed(url, pause_ms=150, every_s=0.25) as pauses:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "cli", "score-stream", "--metrics-port", str(port)),
+                *("--consumer", "c1", "--max-batch", "8", "--commit-interval-ms", "200"),
+                *("--max-in-flight", str(bound), "--idle-exit-s", "2"),
+            ],
+            env=env,
+            stdout=open(log, "wb"),  # noqa: SIM115  # closed with the process
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            end = time.monotonic() + 180
+            while proc.poll() is None and time.monotonic() < end:
+                g = in_flight_gauge(port)
+                if g is not None:
+                    seen.append(g)
+                time.sleep(0.02)
+            assert proc.wait(timeout=5) == 0, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert pauses[0] >= 4  # the store was slowed throughout
+    assert seen and max(seen) <= bound and max(seen) > 0, seen[-20:]
+    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
+    high = int(summary.split("in flight at most ")[1].split(";")[0])
+    assert 0 < high <= bound, summary
+    assert int(summary.split("paused ")[1].split(" times")[0]) > 0, summary
+    got = decisions(url)
+    assert sorted(got) == sorted(t["transaction_id"] for t in txns)
+    client: Any = redis.Redis.from_url(url)
+    assert client.xlen(OUTPUT) == len(txns)
+    assert client.xpending(STREAM, "score-stream")["pending"] == 0
