@@ -23,7 +23,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batch_jobs.decisions import decisions_with_labels
 from cli.settings import Settings
 from fraud_scoring import rules as R
 from fraud_scoring.commands import Command, UsageError, iso_date
@@ -247,6 +246,10 @@ def rules_report(args: argparse.Namespace, settings: Settings) -> tuple[FileImpa
     raw = settings.data_dir / "raw"
     days = day_range(raw, args.since, args.until, args.days)
     as_of = args.as_of or datetime.now(UTC)
+    # The compacted log is read with DuckDB (the training stack): imported here, so the
+    # serving image's CLI starts and `rules test` alone answers its one-line pointer.
+    from batch_jobs.decisions import decisions_with_labels
+
     table = decisions_with_labels(raw, days[0], days[-1], as_of)
     if table.num_rows == 0:
         files = ", ".join(str(partition_file(raw, "decisions", d)) for d in days)
