@@ -218,6 +218,8 @@ def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
     )
     stop = threading.Event()
 
+    sent = [0]  # calls answered (or failed) so far, all threads
+
     def load() -> None:
         with srv.client() as c:
             i = 0
@@ -225,6 +227,7 @@ def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
                 i += 1
                 with contextlib.suppress(httpx.HTTPError):
                     c.post("/v1/score", json=txn(1000 + i))
+                sent[0] += 1
 
     threads = [threading.Thread(target=load) for _ in range(4)]
     try:
@@ -237,7 +240,9 @@ def test_breaker_closes_after_a_hang_even_when_request_deadlines_are_shorter(
                     lambda: c.get("/readyz").json().get("redis", "").endswith("(circuit open)"),
                     what="breaker open",
                 )
-                time.sleep(3)  # the outage goes on under load (this is the thing tested)
+                # The outage goes on under load (this is the thing tested): 200 more calls.
+                during = sent[0]
+                wait_until(lambda: sent[0] - during >= 200, what="200 calls during the outage")
             resumed = time.monotonic()
             wait_until(
                 lambda: c.post("/v1/score", json=txn(1)).status_code == 200,

@@ -588,16 +588,17 @@ def test_a_burst_split_across_batches_in_flight_sees_its_earlier_attempts(
 
 def test_turns_pass_in_the_order_taken() -> None:
     """A later batch's round trip waits for the earlier one's even when it is ready
-    first; a failed or cancelled batch passes its turn on."""
+    first; a failed or cancelled batch passes its turn on (once the earlier has)."""
     from service.core.scoring import _Turns
 
     async def run() -> list[str]:
-        turns, done = _Turns(), []
+        turns, done, claimed = _Turns(), [], asyncio.Event()
 
-        async def batch(name: str, ready_after: float, fail: bool = False) -> None:
+        async def batch(name: str, ready: asyncio.Event | None, fail: bool = False) -> None:
             turn = turns.take()
             try:
-                await asyncio.sleep(ready_after)  # e.g. its id claims
+                if ready is not None:
+                    await ready.wait()  # e.g. its id claims, still out
                 if fail:
                     raise RuntimeError(name)
                 await _Turns.wait(turn[0])
@@ -605,11 +606,20 @@ def test_turns_pass_in_the_order_taken() -> None:
             finally:
                 _Turns.done(turn)
 
+        async def late_claims() -> None:
+            # "a"'s claims come back only after every other batch had its turn to run (and
+            # "c" and "d" wait on theirs): a few passes of the event loop, no clock.
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert done == []  # nobody passed "a"
+            claimed.set()
+
         await asyncio.gather(
-            batch("a", 0.05),
-            batch("b", 0.0, fail=True),
-            batch("c", 0.0),
-            batch("d", 0.01),
+            batch("a", claimed),
+            batch("b", None, fail=True),
+            batch("c", None),
+            batch("d", None),
+            late_claims(),
             return_exceptions=True,
         )
         return done

@@ -404,7 +404,13 @@ def test_redis_output_refusing_writes_acknowledges_nothing_then_resumes(
                 what="the writes refused and reading paused",
                 proc=proc,
             )
-            time.sleep(1.0)  # several commit intervals while refused
+            # Several refused writes (and commit intervals) while the log refuses.
+            wait_until(
+                lambda: log.read_text().count("decisions failed") >= 3,
+                timeout=60,
+                what="three refused writes",
+                proc=proc,
+            )
             client: Any = redis.Redis.from_url(url)
             assert not out.exists(OUTPUT)
             assert acknowledged_ids(url) == set()  # nothing acknowledged without a decision
