@@ -11,26 +11,15 @@ import csv
 import getpass
 import json
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from cli.settings import Settings
-from fraud_scoring.commands import Command, UsageError
+from fraud_scoring.commands import Command, UsageError, aware_time
 from fraud_scoring.redis_clients import async_client
 from fraud_scoring.redis_server import redis_url
 from service.core import lists
 from service.core.rules import RulesHolder
-
-
-def _when(text: str) -> datetime:
-    try:
-        t = datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}") from None
-    if t.tzinfo is None:
-        raise argparse.ArgumentTypeError(f"{text!r} has no UTC offset")
-    return t
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -41,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     add.add_argument("name")
     add.add_argument("values", nargs="+")
     add.add_argument("--reason", required=True, help="why they are on the list")
-    add.add_argument("--expires-at", type=_when, help="RFC 3339 with offset; default never")
+    add.add_argument("--expires-at", type=aware_time, help="RFC 3339 with offset; default never")
     add.add_argument("--by", default=me, help=by_help)
     rm = sub.add_parser("remove", help="remove values")
     rm.add_argument("name")
@@ -79,7 +68,7 @@ def read_csv(path: Path, reason: str | None) -> list[lists.Item]:
         until = None
         if text := (row.get("expires_at") or "").strip():
             try:
-                until = _when(text)
+                until = aware_time(text)
             except argparse.ArgumentTypeError as exc:
                 raise UsageError(f"{path}:{n}: expires_at: {exc}") from None
         items.append(lists.Item(value, why, until))

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from cli.settings import Settings
 from fraud_scoring import rules as R
-from fraud_scoring.commands import Command, UsageError, iso_date
+from fraud_scoring.commands import Command, UsageError, aware_time, iso_date
 from fraud_scoring.model_repo import ModelNotFound, load_metadata, resolve
 from fraud_scoring.redis_clients import sync_client
 from fraud_scoring.storage import partition_days, partition_file
@@ -35,16 +35,6 @@ from service.core.rules import known_features, rules_path
 
 DEFAULT_DAYS = 7
 RULES_ONLY = "rules-only"  # the model_version of a degraded (rules-only) decision
-
-
-def _aware(text: str) -> datetime:
-    try:
-        t = datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}") from None
-    if t.tzinfo is None:
-        raise argparse.ArgumentTypeError(f"{text!r} has no UTC offset")
-    return t
 
 
 def _positive(text: str) -> int:
@@ -75,7 +65,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         help=f"the N days ending --until (default {DEFAULT_DAYS}; not with --since)",
     )
     t.add_argument(
-        "--as-of", type=_aware, help="labels that had arrived before (RFC 3339; default now)"
+        "--as-of", type=aware_time, help="labels that had arrived before (RFC 3339; default now)"
     )
     t.add_argument("--json", action="store_true", help="the report as one JSON document")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import date, datetime
 from typing import Generic, TypeVar
 
 from pydantic_settings import BaseSettings
@@ -51,6 +51,17 @@ def iso_date(s: str) -> date:
         return date.fromisoformat(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a date (YYYY-MM-DD): {s!r}") from None
+
+
+def aware_time(text: str) -> datetime:
+    """argparse type for an RFC 3339 time with its UTC offset."""
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an RFC 3339 time: {text!r}") from None
+    if t.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no UTC offset")
+    return t
 
 
 def add_embedded_redis(parser: argparse.ArgumentParser) -> None:
