@@ -20,6 +20,7 @@ per command.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -209,6 +210,7 @@ class HeldConnections:
         # the pool while it works, so the pool's own wait would never end; here a call
         # past the bound waits for a free connection (bounded by the caller's timeout).
         self._slots = asyncio.Semaphore(self.pool.max_connections)
+        self._dropping: set[asyncio.Future[None]] = set()  # closing after a failed rest
 
     async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` at once and return their replies in order, a Redis error
@@ -227,25 +229,80 @@ class HeldConnections:
                     pass  # gone while idle: once more on a connection the pool checks
             return await self._exchange(await self.pool.get_connection(), commands)
 
-    async def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def round_trip_split(
+        self, commands: list[tuple[Any, ...]], first: int
+    ) -> tuple[list[Any], asyncio.Task[list[Any]]]:
+        """:meth:`round_trip` in two parts on one connection: the first ``first``
+        commands, and once their replies are in, the rest. Returns those replies and a
+        task that reads the rest's (the connection is busy until it ends; its failure or
+        cancellation drops the connection, as a round trip's does). A server answers a
+        pipeline only once it has run all of it: the scorer sends a micro-batch's writes
+        after its reads' replies, and parses the reads while the server runs the writes."""
+        head_commands, rest = commands[:first], commands[first:]
+        await self._slots.acquire()
         try:
-            await conn.send_packed_command(_pack(commands), check_health=False)
-            parser = conn._parser
-            if isinstance(parser, _AsyncHiredisParser):
-                replies = await _replies(parser, len(commands))
-            else:  # redis-py's pure-Python parser: one reply at a time through it
-                replies = []
-                for _ in commands:
-                    try:
-                        replies.append(await conn.read_response())
-                    except redis.exceptions.ResponseError as exc:
-                        replies.append(exc)
+            conn, head = None, None
+            if self._idle:
+                conn = self._idle.pop()
+                try:
+                    head = await self._send(conn, head_commands, first)
+                except redis.exceptions.ConnectionError:
+                    conn = None  # gone while idle: once more on a connection the pool checks
+            if conn is None:
+                conn = await self.pool.get_connection()
+                head = await self._send(conn, head_commands, first)
+            if rest:
+                await self._send(conn, rest, 0)
         except BaseException:
-            await conn.disconnect(nowait=True)
-            await self.pool.release(conn)
+            self._slots.release()
             raise
+        assert head is not None
+        task = asyncio.ensure_future(_read(conn, len(rest)))
+        task.add_done_callback(functools.partial(self._rest_read, conn))
+        return head, task
+
+    def _rest_read(self, conn: Any, task: asyncio.Future[list[Any]]) -> None:
+        """The rest's replies are in (the connection is held again), or it failed or was
+        cancelled, even before it started (the connection is dropped)."""
+        if task.cancelled() or task.exception() is not None:
+            self._dropping.add(drop := asyncio.ensure_future(self._drop(conn)))
+            drop.add_done_callback(self._dropping.discard)
+        else:
+            self._idle.append(conn)
+        self._slots.release()
+
+    async def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        replies = await self._send(conn, commands, len(commands))
         self._idle.append(conn)
         return replies
+
+    async def _send(self, conn: Any, commands: list[tuple[Any, ...]], n: int) -> list[Any]:
+        """Send ``commands`` on ``conn`` and read the first ``n`` replies; any failure
+        drops the connection."""
+        try:
+            await conn.send_packed_command(_pack(commands), check_health=False)
+            return await _read(conn, n)
+        except BaseException:
+            await self._drop(conn)
+            raise
+
+    async def _drop(self, conn: Any) -> None:
+        await conn.disconnect(nowait=True)
+        await self.pool.release(conn)
+
+
+async def _read(conn: Any, n: int) -> list[Any]:
+    """``n`` replies from ``conn``, a Redis error reply in place as its exception."""
+    parser = conn._parser
+    if isinstance(parser, _AsyncHiredisParser):
+        return await _replies(parser, n)
+    replies: list[Any] = []  # redis-py's pure-Python parser: one reply at a time
+    for _ in range(n):
+        try:
+            replies.append(await conn.read_response())
+        except redis.exceptions.ResponseError as exc:
+            replies.append(exc)
+    return replies
 
 
 def _pack(commands: list[tuple[Any, ...]]) -> list[bytes]:

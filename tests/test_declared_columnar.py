@@ -120,6 +120,40 @@ def _both(client: Any, decl: D.Declarations, seed: int, n: int, *, per_key: bool
     assert (flagged > 0) == (inexact > 0)
     for i, names in read.inexact.items():  # a flagged row's features: its inexact states'
         assert set(names) <= set(want) and 0 <= i < n
+    if not C.needs_writes(plan):  # the reads alone give the same columns (the scorer
+        early = C.parse_batch(plan, reads, None, ts)  # parses them before the writes end)
+        assert set(early.columns) == set(got)
+        for name, col in got.items():
+            np.testing.assert_array_equal(early.columns[name], col, err_msg=name)
+        assert (early.inexact_reads, early.inexact) == (inexact, read.inexact)
+
+
+def test_the_reads_alone_unless_a_key_repeats(store: Any) -> None:
+    """A batch whose recorded rows all have keys of their own parses from its reads alone,
+    as with its writes' replies; a key recorded twice (a burst) needs the writes."""
+    client, decl = store, F.declarations()
+    rows, ts, _ = _batch(11, 4)
+    for i, r in enumerate(rows):  # every key its own
+        r.update(card_id=f"solo-c{i}", merchant_id=f"solo-m{i}", device_id=f"solo-d{i}")
+        r.update(country=["US", "GB", "FR", "DE"][i], channel=["pos", "ecom", "atm", "moto"][i])
+        r["mcc"] = str(5000 + i)
+        ts[i] = int(T0.value // 1000) + (i + 1) * US
+    pipe = client.pipeline(transaction=False)
+    plan = C.queue_batch(pipe, decl, D.BatchColumns(rows, ts), [True] * 4, HORIZON_S)
+    replies = pipe.execute(raise_on_error=False)
+    reads, writes = replies[: plan.read_commands], replies[plan.read_commands :]
+    assert not C.needs_writes(plan)
+    early, late = C.parse_batch(plan, reads, None, ts), C.parse_batch(plan, reads, writes, ts)
+    for name, col in late.columns.items():
+        np.testing.assert_array_equal(early.columns[name], col, err_msg=name)
+
+    rows[1]["card_id"] = rows[0]["card_id"]  # a burst: the second attempt counts the first
+    pipe = client.pipeline(transaction=False)
+    plan = C.queue_batch(pipe, decl, D.BatchColumns(rows, ts), [True] * 4, HORIZON_S)
+    replies = pipe.execute(raise_on_error=False)
+    assert C.needs_writes(plan)
+    with pytest.raises(ValueError, match="writes"):
+        C.parse_batch(plan, replies[: plan.read_commands], None, ts)
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64])

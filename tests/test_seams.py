@@ -125,6 +125,22 @@ def test_held_connections_keep_replies_in_order_and_never_reuse_a_broken_one(
         admin.lpush("nothing", "late")
         assert await held.round_trip([("GET", "k")]) == [b"v"]
         assert await held.round_trip([("LPOP", "nothing")]) == [b"late"]
+
+        # In two parts: the first replies, then the rest's, sent once the first are in.
+        cmds = [("SET", "k2", "a"), ("GET", "k2"), ("APPEND", "k2", "b"), ("GET", "k2")]
+        head, rest = await held.round_trip_split(cmds, 2)
+        assert head == [b"OK", b"a"] and await rest == [2, b"ab"]
+        # A rest cancelled (its deadline passed) drops its connection too.
+        head, rest = await held.round_trip_split([("GET", "k"), ("BLPOP", "nothing", 1)], 1)
+        assert head == [b"v"]
+        await eventually(blocked, timeout=10)
+        rest.cancel()  # started or not, its connection is dropped
+        with pytest.raises(asyncio.CancelledError):
+            await rest
+        await eventually(lambda: not blocked(), timeout=10)
+        admin.lpush("nothing", "late")
+        assert await held.round_trip([("GET", "k")]) == [b"v"]
+        assert await held.round_trip([("LPOP", "nothing")]) == [b"late"]
         await client.aclose()
 
     with redis.Redis.from_url(stream_redis) as admin:

@@ -112,13 +112,38 @@ class Read:
     inexact: dict[int, list[str]]
 
 
+def needs_writes(plan: Plan) -> bool:
+    """Whether :func:`parse_batch` needs the writes' replies: some key of the batch is
+    recorded by one row and read by another (a burst, a busy merchant: the mates), or
+    not every row is recorded. Otherwise the reads alone give the columns, and a caller
+    may parse them while the server still runs the writes."""
+    if not plan.writes or len(plan.cols.ts_us) < 2:  # a row is never its own mate
+        return False
+    rec = plan.writes[0][2]  # every write call records the same rows
+    if rec is not plan.cols:
+        return True
+    return any(
+        len(rows) > 1
+        for spec in plan.compiled.specs
+        if spec.source == "transactions"
+        for rows in rec.groups(spec).values()
+    )
+
+
+_UNREAD = RuntimeError("the writes' replies were not needed")
+
+
 def parse_batch(
-    plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Sequence[int]
+    plan: Plan, reads: Sequence[Any], writes: Sequence[Any] | None, ts_us: Sequence[int]
 ) -> Read:
     """The declared columns of the micro-batch from its replies (``reads`` and
-    ``writes`` in :func:`queue_batch`'s order; a failed write counts as not recorded).
-    Equal to :func:`fraud_scoring.declared.parse_batch` row for row, exactness
-    included."""
+    ``writes`` in :func:`queue_batch`'s order; a failed write counts as not recorded;
+    ``writes`` None: not read yet, allowed when not :func:`needs_writes`). Equal to
+    :func:`fraud_scoring.declared.parse_batch` row for row, exactness included."""
+    if writes is None:
+        if needs_writes(plan):
+            raise ValueError("this micro-batch's features need its writes' replies")
+        writes = [_UNREAD] * len(plan.writes)  # skipped as failed writes: no mates
     with np.errstate(invalid="ignore"):  # floor_divide of -inf (no event) is NaN
         return _parse(plan, reads, writes, ts_us)
 

@@ -1,14 +1,16 @@
 """Scoring one micro-batch of transactions, top to bottom:
 
-read (features, and the transactions recorded, in one pipelined round trip bounded by
-``FRAUD_REDIS_TIMEOUT_S``; on a Redis Cluster one pipeline per node, sent at once) →
+read (features in one pipelined round trip bounded by ``FRAUD_REDIS_TIMEOUT_S``; on a
+Redis Cluster one pipeline per node, sent at once; the transactions' recording follows on
+the same connection once the reads' replies are in, and runs on the server while the
+steps below run here: a server answers a pipeline only after running all of it) →
 assemble (every feature column, then the vector in the model's order) → predict (ONNX
 Runtime, off the event loop) → route (the challenger's canary) → decide (the policy) →
 observe (drift, decision log); one method each in :meth:`Scorer.score_batch`.
 
 **Read-your-writes.** The scoring request is the first place a transaction is seen, so
 each scored transaction joins its card's history and every declared state as part of
-scoring: after the batch's reads, the same pipeline carries the updater's own scripts
+scoring: after the batch's reads, the same connection carries the updater's own scripts
 (:data:`fraud_scoring.session.APPLY_LUA` for the card's history,
 :data:`fraud_scoring.declared.APPLY_LUA` for the declared keys; idempotent on
 ``transaction_id``), so the next attempt of a burst counts it even while the event log
@@ -186,6 +188,34 @@ class _Layout:
         return replies[self.session_end :]
 
 
+@dataclass
+class _Pending:
+    """A micro-batch's round trip whose reads are in (``head``) and whose writes' replies
+    are still to come (``tail``); ``replies``: all of them, once checked. The turn passes
+    on when the writes are done (:meth:`release`), so the next batch's reads see them."""
+
+    lay: _Layout
+    head: list[Any]
+    tail: asyncio.Future[list[Any]]
+    deadline: float  # the event loop's time the whole round trip is bounded by
+    turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
+    batch: _Batch  # what the round trip read and recorded
+    replies: list[Any] | None = None
+    released: bool = False
+
+    def release(self) -> None:
+        """Pass the turn on once the writes' replies are in (now, if they are); a tail
+        nobody waits for (the batch failed first) ends unread at the deadline."""
+        if not self.released:
+            self.released = True
+            self.tail.add_done_callback(self._passed)
+
+    def _passed(self, tail: asyncio.Future[list[Any]]) -> None:
+        if not tail.cancelled():
+            tail.exception()  # read here when the batch failed before it: not logged twice
+        _Turns.done(self.turn)
+
+
 class _Commands(list[tuple[Any, ...]]):
     """A micro-batch's commands as the queueing helpers add them (``execute_command``,
     as on a pipeline), for :meth:`HeldConnections.round_trip`."""
@@ -339,45 +369,62 @@ class Scorer:
         in one round trip that also records the transactions (``record[i]`` False: not
         that one; None: all). ``turn`` (:class:`_Turns`): the round trip waits for the
         previous batch's and passes the turn on once its replies are in."""
+        got, pending = await self._read(txns, record, turn)
+        await self._written(pending)
+        return got
+
+    async def _read(
+        self,
+        txns: Sequence[Transaction],
+        record: Sequence[bool] | None,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
+    ) -> tuple[
+        tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]],
+        _Pending,
+    ]:
+        """:meth:`read_features`, returning once the reads' replies are in and parsed,
+        with the round trip's writes still running on the server (:class:`_Pending`:
+        :meth:`_written` waits for them and passes the turn on). A batch whose features
+        need the writes' replies (attempts of one key in it) waits for them first."""
         batch = _Batch.of(txns, self._to_record(txns, record))
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
         turn = turn if turn is not None else self._turns.take()
         try:
             await _Turns.wait(turn[0])
-            replies, lay = await self._round_trip(batch)
-            if any(
-                isinstance(r, NoScriptError)
-                for r in replies[lay.markers : lay.reads_end] + lay.declared_writes(replies)
-            ):
+            pending = await self._round_trip(batch, turn)
+            head = pending.head
+            lay = pending.lay
+            if any(isinstance(r, NoScriptError) for r in head[lay.markers : lay.reads_end]):
                 # The server lost the scripts (restart, flush): load them and run the batch
                 # again (its writes are idempotent).
+                await self._settled(pending)
                 await self._load_scripts()
-                replies, lay = await self._round_trip(batch)
-        finally:
+                pending = await self._round_trip(batch, turn)
+                head, lay = pending.head, pending.lay
+        except BaseException:
             _Turns.done(turn)
-        if self.health is not None:
-            self.health.succeeded()
-        for r in replies[: lay.reads_end]:
-            if isinstance(r, Exception):
-                log.warning("feature read failed: %s", r)
-                raise FeatureStoreUnavailable("feature store unavailable: a read failed")
-        if self.health is not None:
-            self.health.observed(replies[: lay.markers], lay.states)
-        writes = [*replies[lay.reads_end : lay.session_end], *lay.declared_writes(replies)]
-        if refused := [r for r in writes if write_refused(r)]:
-            self._refused("record", refused[0], len(refused))
-        elif writes and self.health is not None:
-            self.health.write_succeeded()
-        if batch.by_card and not refused:
-            await self._recorded(batch.by_card, replies[lay.reads_end : lay.session_end])
-        rows = self.reader.parse(replies[lay.markers : lay.reader], txns)
-        read = C.parse_batch(
-            lay.plan,
-            replies[lay.declared_start : lay.reads_end],
-            lay.declared_writes(replies),
-            batch.ts_us,
-        )
+            raise
+        try:
+            if self.health is not None:
+                self.health.succeeded()
+            for r in head[: lay.reads_end]:
+                if isinstance(r, Exception):
+                    log.warning("feature read failed: %s", r)
+                    raise FeatureStoreUnavailable("feature store unavailable: a read failed")
+            if self.health is not None:
+                self.health.observed(head[: lay.markers], lay.states)
+            writes = None
+            if C.needs_writes(lay.plan):  # attempts of one key see each other
+                writes = lay.declared_writes(await self._written(pending))
+            rows = self.reader.parse(head[lay.markers : lay.reader], txns)
+            read = C.parse_batch(
+                lay.plan, head[lay.declared_start : lay.reads_end], writes, batch.ts_us
+            )
+        except BaseException:
+            pending.release()
+            raise
+        pending.release()  # the next batch's round trip goes once these writes are done
         if read.inexact_reads:
             _inexact_declared().inc(read.inexact_reads)
         request = F.RequestColumns(
@@ -389,8 +436,55 @@ class Scorer:
             has_device=[t.device_id is not None for t in txns],
         )
         cols = F.build_features(rows.columns, request, read.columns)
-        cols.update(lists.members(lay.list_reads, replies[lay.reader : lay.declared_start]))
-        return cols, rows.missing, rows.stale, read.inexact
+        cols.update(lists.members(lay.list_reads, head[lay.reader : lay.declared_start]))
+        return (cols, rows.missing, rows.stale, read.inexact), pending
+
+    async def _written(self, pending: _Pending) -> list[Any]:
+        """Wait for a round trip's writes (bounded by what is left of its deadline), check
+        them and pass the turn on; returns all the round trip's replies. Their failure is
+        the round trip's (FeatureStoreUnavailable); a store that refuses writes (full)
+        still decides, not recorded; a server that lost the scripts gets them and the
+        writes again."""
+        if pending.replies is not None:
+            return pending.replies
+        try:
+            tail = await self._settled(pending)
+            lay = pending.lay
+            if any(isinstance(r, NoScriptError) for r in lay.declared_writes(pending.head + tail)):
+                # The server lost the scripts between the reads and the writes: load them
+                # and run the round trip again (its writes are idempotent; these reads
+                # are parsed already; a batch that went after these failed writes may
+                # have missed them: once, after a restart or a flush).
+                await self._load_scripts()
+                tail = await self._settled(await self._round_trip(pending.batch, pending.turn))
+            pending.replies = replies = pending.head + tail
+        finally:
+            pending.release()
+        writes = [*replies[lay.reads_end : lay.session_end], *lay.declared_writes(replies)]
+        if refused := [r for r in writes if write_refused(r)]:
+            self._refused("record", refused[0], len(refused))
+        elif writes and self.health is not None:
+            self.health.write_succeeded()
+        if pending.batch.by_card and not refused:
+            await self._recorded(pending.batch.by_card, replies[lay.reads_end : lay.session_end])
+        return replies
+
+    async def _settled(self, pending: _Pending) -> list[Any]:
+        """The writes' replies of ``pending``'s round trip; failed or late (past the
+        round trip's deadline), FeatureStoreUnavailable."""
+        try:
+            try:
+                return await pending.tail
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if pending.tail.cancelled() and task is not None and not task.cancelling():
+                    raise TimeoutError("the writes outlived the round trip's deadline") from None
+                raise
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("recording failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
 
     def _declared_read(self) -> D.Declarations:
         """The declared states the serving models read (champion and challenger): only
@@ -421,12 +515,14 @@ class Scorer:
                 ]
         return self._declared_for[2]
 
-    async def _round_trip(self, batch: _Batch) -> tuple[list[Any], _Layout]:
+    async def _round_trip(
+        self, batch: _Batch, turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
+    ) -> _Pending:
         """The batch's one pipelined round trip: the reads (batch features, declared keys),
         then the writes (the card's history, the declared keys; queued after them, so no
-        read sees its own transaction). Returns the replies (errors in place) and where each
-        part lies; a failed or late round trip is FeatureStoreUnavailable (and a failure for
-        the breaker)."""
+        read sees its own transaction). Returns once the reads' replies (errors in place)
+        are in, with where each part lies and the writes' replies to come; a failed or late
+        round trip is FeatureStoreUnavailable (and a failure for the breaker)."""
         pipe = self._pipeline()
         decl = self._declared_read()
         # The markers first: an emptied store is refused on this very read, not a
@@ -457,7 +553,20 @@ class Scorer:
         )
         states = list(self.health.states) if self.health is not None else []
         lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, states, list_reads)
-        return await self._bounded(pipe, "feature read"), lay
+        deadline = asyncio.get_running_loop().time() + self.settings.redis_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                head, tail = await self._execute_split(pipe, lay.reads_end)
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("feature read failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        # The writes end by the same deadline, waited for or not (a batch that fails after
+        # its reads leaves them to finish on their own).
+        timer = asyncio.get_running_loop().call_at(deadline, tail.cancel)
+        tail.add_done_callback(lambda _: timer.cancel())
+        return _Pending(lay, head, tail, deadline, turn, batch)
 
     async def _bounded(self, pipe: Any, what: str) -> list[Any]:
         """One round trip bounded by ``FRAUD_REDIS_TIMEOUT_S`` as a whole (the client has
@@ -483,6 +592,18 @@ class Scorer:
         if self._held is not None:
             return await self._held.round_trip(pipe)
         return list(await pipe.execute(raise_on_error=False))
+
+    async def _execute_split(
+        self, pipe: Any, first: int
+    ) -> tuple[list[Any], asyncio.Future[list[Any]]]:
+        """:meth:`_execute`, returning the first ``first`` replies as soon as they are in,
+        with the rest to come (a future)."""
+        if self._held is not None:
+            return await self._held.round_trip_split(pipe, first)
+        replies = list(await pipe.execute(raise_on_error=False))
+        rest = asyncio.get_running_loop().create_future()
+        rest.set_result(replies[first:])
+        return replies[:first], rest
 
     async def _load(self, scripts: Sequence[str]) -> None:
         if self._held is None:
@@ -609,10 +730,14 @@ class Scorer:
         (NoBatchFeatures), ``settings.degraded_policy`` 'refuse' raises, 'rules' returns
         rules-only decisions (:func:`service.core.decision.rules_only`, ``degraded`` set).
 
-        The steps, one call each: read → assemble → predict → route → decide → observe."""
+        The steps, one call each: read → assemble → predict → route → decide → observe.
+        The server runs the batch's writes while the model and the policy run here; the
+        decisions are given once the writes are confirmed (a failed write fails the
+        batch's round trip, as before it was split)."""
         clock = StageClock()
         refuse = self.settings.degraded_policy == "refuse"
         turn = self._turns.take()  # before any await: turns go in the order batches form
+        pending: _Pending | None = None
         try:
             claims, newest = await self._claim(txns, record)
             if claims is not None:
@@ -631,35 +756,52 @@ class Scorer:
                 timed = session.effective_times(txns, self._to_record(txns, record), newest, within)
                 if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
                     _backdated().inc(moved)
-            cols, missing, stale, inexact = await self.read_features(timed, record, turn)
+            (cols, missing, stale, inexact), pending = await self._read(timed, record, turn)
         except FeatureStoreUnavailable:
             if refuse:
                 raise
             return self._rules_only(txns, None, "feature_store", clock.t0)
         finally:
-            _Turns.done(turn)  # a claim that failed or was cancelled passes it on too
-        # The markers this read carried: an emptied or un-backfilled store is refused
-        # (or decided by rules) from its first read, and served again from the first
-        # read after the batch job.
-        absent = (
-            [*(self.health.absent_views or []), *self.health.absent_states]
-            if (self.health is not None)
-            else []
-        )
-        if absent and refuse:
-            raise NoBatchFeatures(absent)
-        if absent:
+            if pending is None:
+                _Turns.done(turn)  # a claim that failed or was cancelled passes it on too
+        try:
+            # The markers this read carried: an emptied or un-backfilled store is refused
+            # (or decided by rules) from its first read, and served again from the first
+            # read after the batch job.
+            absent = (
+                [*(self.health.absent_views or []), *self.health.absent_states]
+                if (self.health is not None)
+                else []
+            )
+            if absent and refuse:
+                raise NoBatchFeatures(absent)
+            clock.mark("feature_read")
+            if absent:
+                decided = None
+            else:
+                model = self.models.require()  # one model for the batch, even during a swap
+                x = F.assemble(model.meta.feature_names, cols)
+                scores = await self._predict(model, x)
+                route = await self._route(txns, model, x, cols)
+                clock.mark("inference")
+                out = self._decide(txns, model, scores, route, missing, stale, cols)
+                for i, names in inexact.items():  # a model input that is not exact: degraded
+                    out[i].inexact = names
+                clock.mark("decision")
+                decided = (model, x, route, out)
+            waited = time.perf_counter()
+            await self._written(pending)
+        except FeatureStoreUnavailable:  # the writes failed: the round trip did
+            if refuse:
+                raise
+            return self._rules_only(txns, None, "feature_store", clock.t0)
+        finally:
+            pending.release()  # a batch that failed here passes the turn on all the same
+        if decided is None:
             return self._rules_only(txns, cols, "no_batch_features", clock.t0)
-        clock.mark("feature_read")
-        model = self.models.require()  # one model for the whole batch, even during a swap
-        x = F.assemble(model.meta.feature_names, cols)
-        scores = await self._predict(model, x)
-        route = await self._route(txns, model, x, cols)
-        clock.mark("inference")
-        out = self._decide(txns, model, scores, route, missing, stale, cols)
-        for i, names in inexact.items():  # a model input that is not exact: degraded
-            out[i].inexact = names
-        clock.mark("decision")
+        model, x, route, out = decided
+        # Waiting for the writes is the store round trip's time (the feature_read stage).
+        clock.ms["feature_read"] += (time.perf_counter() - waited) * 1e3
         clock.stamp(out, len(txns))
         if claims is not None:
             out = self._settle(out, claims)
