@@ -8,33 +8,35 @@
 # builder builds every stage before the target, so `--target serve` skips the jobs ones.
 # GPU serving image: see Dockerfile.gpu.
 #
-# The build stages make a virtual environment from wheels only (scripts/image-venv.sh;
-# for `serve` it also drops what `serve` and `stream` never load);
-# the final stages are a slim Python with that environment and tini (jobs: libgomp,
-# LightGBM's OpenMP runtime) and nothing else: no compiler, no pip, non-root.
+# The build stages make a virtual environment from wheels only (scripts/image-venv.sh:
+# without what no subcommand loads, and for `serve` also without what `serve` and
+# `stream` never load); the final stages are a slim Python with that environment and
+# tini (jobs: libgomp, LightGBM's OpenMP runtime) and nothing else: no compiler, no pip,
+# non-root. apt's lists and package caches (/var/cache/apt/*.bin, ~80 MB) go in the
+# layer that made them: Debian's images never write the caches, other bases may.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INPUT=1
+# binutils (strip, readelf): image-venv.sh strips the libraries and finds what no
+# subcommand loads; the build stages only, not the final images.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends binutils \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 WORKDIR /src
 COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM build AS venv-serve
-# binutils (strip, readelf): image-venv.sh drops debug information and what serving
-# never loads; this stage only, not the final image.
-RUN apt-get update \
- && apt-get install --yes --no-install-recommends binutils \
- && rm -rf /var/lib/apt/lists/* \
- && scripts/image-venv.sh cpu
+RUN scripts/image-venv.sh cpu
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG APP_UID=10001
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends tini \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
  && python -m pip uninstall --yes pip setuptools wheel \
  && groupadd --gid ${APP_UID} app \
  && useradd --uid ${APP_UID} --gid ${APP_UID} --no-create-home --home-dir /tmp --shell /usr/sbin/nologin app \
@@ -74,7 +76,7 @@ FROM runtime AS jobs
 ARG APP_UID=10001
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends libgomp1 \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 COPY --from=venv-jobs /opt/venv /opt/venv
 USER ${APP_UID}:${APP_UID}
 CMD ["batch"]

@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+IMAGE_VENV = PYPROJECT.parent / "scripts" / "image-venv.sh"
 
 # Module -> distribution of everything only the batch job and training need.
 TRAINING_STACK = {
@@ -53,6 +54,14 @@ IMAGE_DROPS = re.compile(
     r"|(?:ast_serialize|librt|pathspec|greenlet-stubs)/|mypy_extensions\.py"
     r")|\.(?:pyx|pxd|pxi)$"
 )
+
+
+def test_the_serving_images_bytecode_is_for_the_serving_modules() -> None:
+    """scripts/image-venv.sh compiles bytecode in the serving images only for what
+    importing SERVING_MODULES (and what serving imports later) loads: the same list."""
+    block = re.search(r"^SERVING_MODULES = \[(.*?)^\]", IMAGE_VENV.read_text(), re.M | re.S)
+    assert block, "scripts/image-venv.sh has no SERVING_MODULES list"
+    assert re.findall(r'"([\w.]+)"', block.group(1)) == SERVING_MODULES
 
 
 def _names(requirements: list[str]) -> set[str]:
