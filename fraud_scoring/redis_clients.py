@@ -229,37 +229,30 @@ class HeldConnections:
                     pass  # gone while idle: once more on a connection the pool checks
             return await self._exchange(await self.pool.get_connection(), commands)
 
-    async def round_trip_split(
-        self, commands: list[tuple[Any, ...]], first: int
-    ) -> tuple[list[Any], asyncio.Task[list[Any]]]:
-        """:meth:`round_trip` in two parts on one connection: the first ``first``
-        commands, and once their replies are in, the rest. Returns those replies and a
-        task that reads the rest's (the connection is busy until it ends; its failure or
-        cancellation drops the connection, as a round trip's does). A server answers a
-        pipeline only once it has run all of it: the scorer sends a micro-batch's writes
-        after its reads' replies, and parses the reads while the server runs the writes."""
-        head_commands, rest = commands[:first], commands[first:]
+    async def round_trip_then(self, commands: list[tuple[Any, ...]]) -> tuple[list[Any], Then]:
+        """:meth:`round_trip`, keeping the connection for more: returns the replies and a
+        :class:`Then`, whose ``send`` (called once, on every path) sends more commands on
+        the same connection, after these, and gives back a task reading their replies.
+        A server answers a pipeline only once it has run all of it: the scorer sends a
+        micro-batch's writes after its reads' replies (and its claims') are in, and parses
+        the reads while the server runs the writes."""
         await self._slots.acquire()
         try:
-            conn, head = None, None
+            conn, replies = None, None
             if self._idle:
                 conn = self._idle.pop()
                 try:
-                    head = await self._send(conn, head_commands, first)
+                    replies = await self._send(conn, commands, len(commands))
                 except redis.exceptions.ConnectionError:
                     conn = None  # gone while idle: once more on a connection the pool checks
             if conn is None:
                 conn = await self.pool.get_connection()
-                head = await self._send(conn, head_commands, first)
-            if rest:
-                await self._send(conn, rest, 0)
+                replies = await self._send(conn, commands, len(commands))
         except BaseException:
             self._slots.release()
             raise
-        assert head is not None
-        task = asyncio.ensure_future(_read(conn, len(rest)))
-        task.add_done_callback(functools.partial(self._rest_read, conn))
-        return head, task
+        assert replies is not None
+        return replies, Then(self, conn)
 
     def _rest_read(self, conn: Any, task: asyncio.Future[list[Any]]) -> None:
         """The rest's replies are in (the connection is held again), or it failed or was
@@ -289,6 +282,33 @@ class HeldConnections:
     async def _drop(self, conn: Any) -> None:
         await conn.disconnect(nowait=True)
         await self.pool.release(conn)
+
+
+class Then:
+    """The rest of a :meth:`HeldConnections.round_trip_then` (see there)."""
+
+    def __init__(self, held: HeldConnections, conn: Any) -> None:
+        self._held, self._conn = held, conn
+
+    def send(self, commands: list[tuple[Any, ...]]) -> asyncio.Future[list[Any]]:
+        """Send ``commands`` (none: just give the connection back) and return a task
+        reading their replies; its failure or cancellation drops the connection."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("Then.send is called once")
+        if commands:
+            try:  # the transport takes the bytes now; a broken one fails the task
+                conn._writer.writelines(_pack(commands))
+            except BaseException as exc:
+                task: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+                task.set_exception(redis.exceptions.ConnectionError(str(exc)))
+            else:
+                task = asyncio.ensure_future(_read(conn, len(commands)))
+        else:
+            task = asyncio.get_running_loop().create_future()
+            task.set_result([])
+        task.add_done_callback(functools.partial(self._held._rest_read, conn))
+        return task
 
 
 async def _read(conn: Any, n: int) -> list[Any]:

@@ -205,9 +205,9 @@ async def test_list_lookups_ride_the_micro_batch_s_one_round_trip(world: World) 
             Counting.round_trips += 1
             return await super()._execute(pipe)
 
-        async def _execute_split(self, pipe: Any, first: int) -> tuple[list[Any], Any]:
-            Counting.round_trips += 1  # one round trip whose writes' replies come later
-            return await super()._execute_split(pipe, first)
+        async def _execute_then(self, pipe: Any) -> tuple[list[Any], Any]:
+            Counting.round_trips += 1  # the reads (and claims); the writes follow on it
+            return await super()._execute_then(pipe)
 
     settings = Settings(
         redis_url=world.redis_url,

@@ -71,14 +71,25 @@ def queue_batch(
 ) -> Plan:
     """Queue a micro-batch's reads (per state and row with a key its HMGET), then (after
     ``writes_after``, which may queue other writes) the recording of the rows whose
-    ``record`` is true, as :func:`fraud_scoring.declared.queue_batch` does.
+    ``record`` is true, as :func:`fraud_scoring.declared.queue_batch` does:
+    :func:`queue_reads` then :func:`queue_writes`.
 
     The reads are plain ``HMGET``s, on one server as on a Cluster: one script returning
     them all cost the server ~4x their time (each ring copied into Lua and back) for one
     reply less to parse per key (docs/storage-layout.md)."""
+    plan = queue_reads(pipe, decl, cols)
+    if writes_after is not None:
+        writes_after()
+    queue_writes(pipe, plan, decl, record, horizon_s, per_key=per_key)
+    return plan
+
+
+def queue_reads(pipe: Any, decl: Declarations, cols: BatchColumns) -> Plan:
+    """Queue a micro-batch's reads: per state and row with a key, one ``HMGET``. They do
+    not depend on the rows' times, nor on which rows are recorded."""
     comp = W.compiled(decl.specs)
     keyed: dict[tuple[str, ...], tuple[np.ndarray, list[str]]] = {}
-    plan = Plan(comp, [], [], cols, [], list(record))
+    plan = Plan(comp, [], [], cols, [], [])
     for spec, fields, head in zip(comp.specs, comp.fields, comp.heads, strict=True):
         got = keyed.get(spec.entity)
         if got is None:
@@ -91,14 +102,31 @@ def queue_batch(
             pipe.execute_command("HMGET", head + key + "}:t", *fields)
         plan.rows.append(rows)
         plan.keys.append(keys)
-    if writes_after is not None:
-        writes_after()
+    return plan
+
+
+def queue_writes(
+    pipe: Any,
+    plan: Plan,
+    decl: Declarations,
+    record: Sequence[bool],
+    horizon_s: float,
+    *,
+    cols: BatchColumns | None = None,
+    per_key: bool = False,
+) -> None:
+    """Queue the recording of the rows of ``plan``'s batch whose ``record`` is true;
+    ``cols``: the batch with the times it is recorded and parsed at, when they differ
+    from the reads' (the same rows and keys)."""
+    if cols is not None:
+        plan.cols = cols
+    cols = plan.cols
+    plan.recorded = list(record)
     kept = [i for i, r in enumerate(record) if r]
     rec = cols
     if len(kept) < len(record):
         rec = BatchColumns([cols.rows[i] for i in kept], [cols.ts_us[i] for i in kept])
     plan.writes = queue_recording(pipe, decl.specs, rec, horizon_s, per_key=per_key)
-    return plan
 
 
 @dataclass(frozen=True)

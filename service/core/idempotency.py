@@ -1,8 +1,9 @@
 """One id, one transaction (the idempotency-key contract payment APIs keep).
 
 Before a micro-batch records its transactions, each recorded ``transaction_id`` is
-claimed in Redis (``SET fraud:txn:{<id>} <content> NX GET EX ttl``, one pipelined round
-trip for the batch): the first claim wins. A later request with the same id and the
+claimed in Redis (``SET fraud:txn:{<id>} <content> NX GET EX ttl``, in the batch's
+round trip with its reads; its writes follow once the claims' replies are in): the first
+claim wins. A later request with the same id and the
 same content is a **retry**: it is answered with the original answer (kept in the same
 key once the first answer is out) and changes no state; with other content it is
 **refused** (409 ``id_reused``, naming the fields that differ) and changes nothing. The

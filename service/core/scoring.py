@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -140,30 +140,39 @@ class _Claimed:
 
 @dataclass(frozen=True)
 class _Batch:
-    """A micro-batch's transactions as the round trip reads and records them."""
+    """A micro-batch's transactions as the round trip reads and records them (their
+    times: effective, :func:`fraud_scoring.session.effective_times`)."""
 
     txns: Sequence[Transaction]
     recorded: list[bool]
     ts_us: list[int]
     by_card: dict[str, list[session.SessionEvent]]
-
-    @functools.cached_property
-    def rows(self) -> list[dict[str, Any]]:
-        """The fields declared features read (built only when some state is read)."""
-        return [D.transaction_row(t) for t in self.txns]
+    rows: list[dict[str, Any]]  # the fields declared features read ([]: none is read)
 
     @classmethod
-    def of(cls, txns: Sequence[Transaction], recorded: list[bool]) -> _Batch:
+    def of(
+        cls, txns: Sequence[Transaction], recorded: list[bool], rows: list[dict[str, Any]]
+    ) -> _Batch:
         by_card: dict[str, list[session.SessionEvent]] = {}
         for t, r in zip(txns, recorded, strict=True):
             if r:
                 by_card.setdefault(t.card_id, []).append(session.to_session_event(t))
-        return cls(
-            txns,
-            recorded,
-            [session.to_us(t.event_time) for t in txns],
-            by_card,
-        )
+        return cls(txns, recorded, [session.to_us(t.event_time) for t in txns], by_card, rows)
+
+
+@dataclass(frozen=True)
+class _Claiming:
+    """The claims a round trip carries (:meth:`Scorer._queue_claims`), after its reads."""
+
+    asked: list[Transaction]  # the transactions claimed, in batch order
+    cards: list[str]  # their cards, whose newest recorded time is read first
+    contents: list[str]  # each claim's content (idempotency.outcome)
+    claims: bool  # whether ids are claimed at all (FRAUD_IDEMPOTENCY_TTL_S > 0)
+
+
+# A micro-batch's features: the columns, per row the missing and stale batch features,
+# and per row with any the declared features not read exactly.
+_Features = tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]]
 
 
 @dataclass(frozen=True)
@@ -368,8 +377,8 @@ class Scorer:
         assembled by :func:`fraud_scoring.features.build_features`,
         in one round trip that also records the transactions (``record[i]`` False: not
         that one; None: all). ``turn`` (:class:`_Turns`): the round trip waits for the
-        previous batch's and passes the turn on once its replies are in."""
-        got, pending = await self._read(txns, record, turn)
+        previous batch's and passes the turn on once its writes are done."""
+        got, pending, _ = await self._read(txns, record, turn, claim=False)
         await self._written(pending)
         return got
 
@@ -378,33 +387,33 @@ class Scorer:
         txns: Sequence[Transaction],
         record: Sequence[bool] | None,
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
-    ) -> tuple[
-        tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]],
-        _Pending,
-    ]:
+        *,
+        claim: bool,
+    ) -> tuple[_Features, _Pending, list[_Claimed | None] | None]:
         """:meth:`read_features`, returning once the reads' replies are in and parsed,
-        with the round trip's writes still running on the server (:class:`_Pending`:
-        :meth:`_written` waits for them and passes the turn on). A batch whose features
+        with the batch's writes still running on the server (:class:`_Pending`:
+        :meth:`_written` waits for them and passes the turn on). ``claim``: the same round
+        trip claims the ids of the transactions it records (:meth:`_claimed`; returned,
+        None when nothing was claimed), and only those it records. A batch whose features
         need the writes' replies (attempts of one key in it) waits for them first."""
-        batch = _Batch.of(txns, self._to_record(txns, record))
         if self.health is not None:
             self.health.admit()  # an open breaker answers now, not after a timeout
         turn = turn if turn is not None else self._turns.take()
         try:
             await _Turns.wait(turn[0])
-            pending = await self._round_trip(batch, turn)
-            head = pending.head
-            lay = pending.lay
+            pending, claims = await self._round_trip(txns, record, turn, claim)
+            head, lay = pending.head, pending.lay
             if any(isinstance(r, NoScriptError) for r in head[lay.markers : lay.reads_end]):
                 # The server lost the scripts (restart, flush): load them and run the batch
-                # again (its writes are idempotent).
+                # again (its writes are idempotent; its claims are its own now).
                 await self._settled(pending)
                 await self._load_scripts()
-                pending = await self._round_trip(batch, turn)
+                pending, claims = await self._round_trip(txns, record, turn, claim, again=claims)
                 head, lay = pending.head, pending.lay
         except BaseException:
             _Turns.done(turn)
             raise
+        batch = pending.batch
         try:
             if self.health is not None:
                 self.health.succeeded()
@@ -417,7 +426,7 @@ class Scorer:
             writes = None
             if C.needs_writes(lay.plan):  # attempts of one key see each other
                 writes = lay.declared_writes(await self._written(pending))
-            rows = self.reader.parse(head[lay.markers : lay.reader], txns)
+            rows = self.reader.parse(head[lay.markers : lay.reader], batch.txns)
             read = C.parse_batch(
                 lay.plan, head[lay.declared_start : lay.reads_end], writes, batch.ts_us
             )
@@ -427,6 +436,7 @@ class Scorer:
         pending.release()  # the next batch's round trip goes once these writes are done
         if read.inexact_reads:
             _inexact_declared().inc(read.inexact_reads)
+        txns = batch.txns
         request = F.RequestColumns(
             amount=[t.amount for t in txns],
             event_us=batch.ts_us,
@@ -437,7 +447,7 @@ class Scorer:
         )
         cols = F.build_features(rows.columns, request, read.columns)
         cols.update(lists.members(lay.list_reads, head[lay.reader : lay.declared_start]))
-        return (cols, rows.missing, rows.stale, read.inexact), pending
+        return (cols, rows.missing, rows.stale, read.inexact), pending, claims
 
     async def _written(self, pending: _Pending) -> list[Any]:
         """Wait for a round trip's writes (bounded by what is left of its deadline), check
@@ -452,11 +462,11 @@ class Scorer:
             lay = pending.lay
             if any(isinstance(r, NoScriptError) for r in lay.declared_writes(pending.head + tail)):
                 # The server lost the scripts between the reads and the writes: load them
-                # and run the round trip again (its writes are idempotent; these reads
-                # are parsed already; a batch that went after these failed writes may
-                # have missed them: once, after a restart or a flush).
+                # and send the writes again (idempotent; a batch that went after the
+                # failed ones may have missed them: once, after a restart or a flush).
                 await self._load_scripts()
-                tail = await self._settled(await self._round_trip(pending.batch, pending.turn))
+                again, _ = self._queue_writes(pending.batch, lay.plan, self._declared_read())
+                tail = await self._bounded(again, "recording")
             pending.replies = replies = pending.head + tail
         finally:
             pending.release()
@@ -516,13 +526,23 @@ class Scorer:
         return self._declared_for[2]
 
     async def _round_trip(
-        self, batch: _Batch, turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
-    ) -> _Pending:
-        """The batch's one pipelined round trip: the reads (batch features, declared keys),
-        then the writes (the card's history, the declared keys; queued after them, so no
-        read sees its own transaction). Returns once the reads' replies (errors in place)
-        are in, with where each part lies and the writes' replies to come; a failed or late
-        round trip is FeatureStoreUnavailable (and a failure for the breaker)."""
+        self,
+        txns: Sequence[Transaction],
+        record: Sequence[bool] | None,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]],
+        claim: bool,
+        *,
+        again: list[_Claimed | None] | None = None,
+    ) -> tuple[_Pending, list[_Claimed | None] | None]:
+        """The batch's round trip: the reads (batch features, declared keys, lists) and
+        the claims, then, on the same connection once their replies are in, the writes
+        (the card's history, the declared keys) of the transactions it records: a retry
+        of an answered id or a reused one records nothing, and a backdated attempt
+        records at its effective time (:func:`fraud_scoring.session.effective_times`).
+        Returns once the reads' replies (errors in place) are in, with where each part
+        lies and the writes' replies to come, and the claims (``again``: this batch's own,
+        from a first try); a failed or late round trip is FeatureStoreUnavailable (and a
+        failure for the breaker)."""
         pipe = self._pipeline()
         decl = self._declared_read()
         # The markers first: an emptied store is refused on this very read, not a
@@ -530,43 +550,59 @@ class Scorer:
         markers = self.health.all_markers() if self.health is not None else []
         for m in markers:
             pipe.execute_command("GET", m)
-        self.reader.queue(pipe, batch.txns)
+        self.reader.queue(pipe, txns)
         n_reader = len(pipe)
-        list_reads = lists.queue_reads(pipe, self.rules.current, batch.txns)
-        marks: list[int] = []
-
-        def session_writes() -> None:
-            marks.append(len(pipe))
-            per_card = is_cluster_pipeline(pipe)
-            session.queue_apply_many(pipe, batch.by_card, self.limits, per_card=per_card)
-            marks.append(len(pipe))
-
-        cols = D.BatchColumns(batch.rows if decl.specs else [], batch.ts_us if decl.specs else [])
-        plan = C.queue_batch(
-            pipe,
-            decl,
-            cols,
-            batch.recorded if decl.specs else [],
-            self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
-            writes_after=session_writes,
-            per_key=is_cluster_pipeline(pipe),
-        )
-        states = list(self.health.states) if self.health is not None else []
-        lay = _Layout(len(markers), n_reader, marks[0], marks[1], plan, states, list_reads)
-        deadline = asyncio.get_running_loop().time() + self.settings.redis_timeout_s
+        list_reads = lists.queue_reads(pipe, self.rules.current, txns)
+        rows = [D.transaction_row(t) for t in txns] if decl.specs else []
+        ts_us = [session.to_us(t.event_time) for t in txns]
+        plan = C.queue_reads(pipe, decl, D.BatchColumns(rows, ts_us if decl.specs else []))
+        reads_end = len(pipe)
+        recorded = self._to_record(txns, record)
+        claiming = self._queue_claims(pipe, txns, recorded) if claim and again is None else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.redis_timeout_s
         try:
             async with asyncio.timeout_at(deadline):
-                head, tail = await self._execute_split(pipe, lay.reads_end)
+                head, then = await self._execute_then(pipe)
         except STORE_OR_TIMEOUT as exc:
             log.warning("feature read failed: %s", exc)
             if self.health is not None:
                 self.health.failed()
             raise FeatureStoreUnavailable("feature store unavailable") from exc
+        try:
+            claims, newest = again, dict[str, int]()
+            if claiming is not None:
+                claims, newest = self._claimed(claiming, head[reads_end:], recorded)
+            if claims is not None:
+                # A reused id records nothing, nor does a retry of an answered one. A retry
+                # whose answer is not kept yet records again (idempotent on the id): its
+                # first attempt may have died between the claim and the recording.
+                recorded = [
+                    c is not None
+                    and c.claim.reused is None
+                    and (c.claim.new or c.claim.answer is None)
+                    for c in claims
+                ]
+            timed = list(txns)
+            if claim and (skew := self.settings.max_event_skew_s) > 0:  # off: any order
+                timed = session.effective_times(txns, recorded, newest, session.to_us(2 * skew))
+                if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
+                    _backdated().inc(moved)
+            batch = _Batch.of(timed, recorded, rows)
+            writes, n_session = self._queue_writes(batch, plan, decl)
+        except BaseException:
+            then([])  # the connection goes back
+            raise
+        tail = then(writes)
         # The writes end by the same deadline, waited for or not (a batch that fails after
         # its reads leaves them to finish on their own).
-        timer = asyncio.get_running_loop().call_at(deadline, tail.cancel)
+        timer = loop.call_at(deadline, tail.cancel)
         tail.add_done_callback(lambda _: timer.cancel())
-        return _Pending(lay, head, tail, deadline, turn, batch)
+        states = list(self.health.states) if self.health is not None else []
+        lay = _Layout(
+            len(markers), n_reader, reads_end, reads_end + n_session, plan, states, list_reads
+        )
+        return _Pending(lay, head[:reads_end], tail, deadline, turn, batch), claims
 
     async def _bounded(self, pipe: Any, what: str) -> list[Any]:
         """One round trip bounded by ``FRAUD_REDIS_TIMEOUT_S`` as a whole (the client has
@@ -593,17 +629,43 @@ class Scorer:
             return await self._held.round_trip(pipe)
         return list(await pipe.execute(raise_on_error=False))
 
-    async def _execute_split(
-        self, pipe: Any, first: int
-    ) -> tuple[list[Any], asyncio.Future[list[Any]]]:
-        """:meth:`_execute`, returning the first ``first`` replies as soon as they are in,
-        with the rest to come (a future)."""
+    def _queue_writes(self, batch: _Batch, plan: C.Plan, decl: D.Declarations) -> tuple[Any, int]:
+        """A pipeline of the batch's writes: its cards' histories (how many commands:
+        returned), then the declared states (``plan``'s writes)."""
+        writes = self._pipeline()
+        per_key = is_cluster_pipeline(writes)
+        session.queue_apply_many(writes, batch.by_card, self.limits, per_card=per_key)
+        n_session = len(writes)
+        C.queue_writes(
+            writes,
+            plan,
+            decl,
+            batch.recorded if decl.specs else [],
+            self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
+            cols=D.BatchColumns(batch.rows, batch.ts_us if decl.specs else []),
+            per_key=per_key,
+        )
+        return writes, n_session
+
+    async def _execute_then(
+        self, pipe: Any
+    ) -> tuple[list[Any], Callable[[Any], asyncio.Future[list[Any]]]]:
+        """:meth:`_execute`, and a function that sends more commands after these (on the
+        same held connection; on a Cluster, a pipeline of its own) and returns a future of
+        their replies. It is called once on every path (with nothing: no more)."""
         if self._held is not None:
-            return await self._held.round_trip_split(pipe, first)
+            replies, then = await self._held.round_trip_then(pipe)
+            return replies, then.send
         replies = list(await pipe.execute(raise_on_error=False))
-        rest = asyncio.get_running_loop().create_future()
-        rest.set_result(replies[first:])
-        return replies[:first], rest
+
+        def send(more: Any) -> asyncio.Future[list[Any]]:
+            if len(more):
+                return asyncio.ensure_future(more.execute(raise_on_error=False))
+            done = asyncio.get_running_loop().create_future()
+            done.set_result([])
+            return done
+
+        return replies, send
 
     async def _load(self, scripts: Sequence[str]) -> None:
         if self._held is None:
@@ -739,31 +801,16 @@ class Scorer:
         turn = self._turns.take()  # before any await: turns go in the order batches form
         pending: _Pending | None = None
         try:
-            claims, newest = await self._claim(txns, record)
-            if claims is not None:
-                # A reused id records nothing, nor does a retry of an answered one. A retry
-                # whose answer is not kept yet records again (idempotent on the id): its
-                # first attempt may have died between the claim and the recording.
-                record = [
-                    c is not None
-                    and c.claim.reused is None
-                    and (c.claim.new or c.claim.answer is None)
-                    for c in claims
-                ]
-            timed = list(txns)
-            if (skew := self.settings.max_event_skew_s) > 0:  # off: replays, any order
-                within = session.to_us(2 * skew)
-                timed = session.effective_times(txns, self._to_record(txns, record), newest, within)
-                if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
-                    _backdated().inc(moved)
-            (cols, missing, stale, inexact), pending = await self._read(timed, record, turn)
+            (cols, missing, stale, inexact), pending, claims = await self._read(
+                txns, record, turn, claim=True
+            )
         except FeatureStoreUnavailable:
             if refuse:
                 raise
             return self._rules_only(txns, None, "feature_store", clock.t0)
         finally:
             if pending is None:
-                _Turns.done(turn)  # a claim that failed or was cancelled passes it on too
+                _Turns.done(turn)  # a batch that failed or was cancelled passes it on too
         try:
             # The markers this read carried: an emptied or un-backfilled store is refused
             # (or decided by rules) from its first read, and served again from the first
@@ -808,38 +855,41 @@ class Scorer:
         self._observe(txns, model, x, cols, route, out)
         return out
 
-    async def _claim(
-        self, txns: Sequence[Transaction], record: Sequence[bool] | None
-    ) -> tuple[list[_Claimed | None] | None, dict[str, int]]:
-        """Claim the ids of the transactions this batch records (see
-        service/core/idempotency.py; None when nothing is claimed), and read the newest
-        recorded event time of their cards (:func:`fraud_scoring.session.effective_times`),
-        in one round trip."""
+    def _queue_claims(
+        self, pipe: Any, txns: Sequence[Transaction], recorded: list[bool]
+    ) -> _Claiming | None:
+        """Queue the claims of the ids of the transactions this batch records (see
+        service/core/idempotency.py) and the reads of the newest recorded event time of
+        their cards (:func:`fraud_scoring.session.effective_times`); None: nothing to
+        claim or read."""
         ttl = self.settings.idempotency_ttl_s
-        recorded = self._to_record(txns, record)
         # The cards' newest recorded times move backdated attempts (effective_times),
         # which only a live event-time bound turns on.
         bounded = self.settings.max_event_skew_s > 0
         if not any(recorded) or (ttl <= 0 and not bounded):
-            return None, {}  # nothing to claim or read: no round trip
-        if self.health is not None:
-            self.health.admit()  # an open breaker answers now, not after a timeout
+            return None
         asked = [t for t, r in zip(txns, recorded, strict=True) if r]
         cards = list(dict.fromkeys(t.card_id for t in asked)) if bounded else []
-        pipe = self._pipeline()
         for card in cards:
             pipe.execute_command("ZREVRANGE", session.events_key(card), 0, 0, "WITHSCORES")
         contents = idempotency.queue_claims(pipe, asked, ttl) if ttl > 0 else []
-        replies = await self._bounded(pipe, "claiming transaction ids")
+        return _Claiming(asked, cards, contents, ttl > 0)
+
+    def _claimed(
+        self, claiming: _Claiming, replies: Sequence[Any], recorded: list[bool]
+    ) -> tuple[list[_Claimed | None] | None, dict[str, int]]:
+        """The claims (None: none was made) and the cards' newest recorded times, from
+        the replies to :meth:`_queue_claims`'s commands."""
+        cards = claiming.cards
         newest: dict[str, int] = {}
         for card, top in zip(cards, replies, strict=False):
             if isinstance(top, Exception):
                 raise FeatureStoreUnavailable("feature store unavailable: a read failed")
             if top:
                 newest[card] = int(float(top[1]))
-        if ttl <= 0:
+        if not claiming.claims:
             return None, newest
-        got = iter(zip(asked, contents, replies[len(cards) :], strict=True))
+        got = iter(zip(claiming.asked, claiming.contents, replies[len(cards) :], strict=True))
         out: list[_Claimed | None] = []
         refused: list[Any] = []
         for r in recorded:
