@@ -28,6 +28,7 @@ local function record(kt, kid, c, nev, ev)
   local back0 = back  -- as before this call: events of one time all count (labels share one)
   local newest = nil
   if #recent > 0 then newest = struct.unpack('<d', recent, #recent - 15) end
+  local newest0 = newest  -- as before this call
   local out, tiles, added = {}, {}, false
   for w = 1, nw do tiles[w] = {} end
   for e = 1, nev do
@@ -159,9 +160,15 @@ local function record(kt, kid, c, nev, ev)
     if first then set[#set + 1] = 'f'; set[#set + 1] = string.format('%d', first) end
     if back then set[#set + 1] = 'b'; set[#set + 1] = string.format('%d', back) end
     redis.call('HSET', kt, unpack(set))
-    redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
-    redis.call('PEXPIRE', kt, ttl)
-    redis.call('PEXPIRE', kid, ttl)
+    -- The ids behind the horizon go, and the expiry moves, when the key is new or its
+    -- newest event enters another minute: once a minute at most, not for every event
+    -- (the ids then span at most the horizon and a minute; the expiry, hours, moves at
+    -- most a minute late).
+    if not newest0 or math.floor(newest / 6e7) ~= math.floor(newest0 / 6e7) then
+      redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
+      redis.call('PEXPIRE', kt, ttl)
+      redis.call('PEXPIRE', kid, ttl)
+    end
   end
   return out
 end

@@ -588,6 +588,7 @@ class Scorer:
                 timed = session.effective_times(txns, recorded, newest, session.to_us(2 * skew))
                 if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
                     _backdated().inc(moved)
+                recorded = self._to_record(timed, recorded)  # moved: still within the bound
             batch = _Batch.of(timed, recorded, rows)
             writes, n_session = self._queue_writes(batch, plan, decl)
         except BaseException:
