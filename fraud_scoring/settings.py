@@ -512,7 +512,12 @@ class RulesSettings(_Group):
         "fails its checks is refused (logged, shown on /readyz) and the old rules stay.",
     )
     rules_poll_s: float = Field(
-        default=2.0, gt=0, description="Look for a changed rules file this often."
+        default=2.0,
+        gt=0,
+        description=(
+            "Look for a changed rules file this often; a change serves once the file has"
+            " held still for one look (a file caught mid-write is never served)."
+        ),
     )
     list_max_items: int = Field(
         default=100_000,

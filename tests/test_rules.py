@@ -162,10 +162,28 @@ def test_a_bad_file_keeps_the_old_rules_and_says_why(tmp_path: Path) -> None:
     holder = RulesHolder(path)
     first = holder.current
     _write(path, "rules: [{code: A, action: review, when: amount > nope, message: m}]\n")
+    assert holder.reload() is False  # changed: loaded once it holds still for one look
     assert holder.reload() is False
     assert holder.current is first
     assert holder.problem is not None and "rules.0.when: unknown name 'nope'" in holder.problem
     _write(path, "rules: [{code: A, action: decline, when: amount > 1, message: m}]\n")
+    assert holder.reload() is False
     assert holder.reload() is True
     assert holder.problem is None and holder.current.version != first.version
     assert holder.current.rules[0].action == "decline"
+
+
+def test_a_file_caught_mid_write_is_never_served(tmp_path: Path) -> None:
+    """The truncation that starts a write leaves an empty file (a valid file with no
+    rules) for a moment: a look that sees it, followed by one that sees the written
+    file, loads only the written one."""
+    path = tmp_path / "rules.yaml"
+    _write(path, "rules: [{code: A, action: review, when: amount > 1, message: m}]\n")
+    holder = RulesHolder(path)
+    first = holder.current
+    _write(path, "")  # mid-write
+    assert holder.reload() is False and holder.current is first
+    _write(path, "rules: [{code: B, action: decline, when: amount > 1, message: m}]\n")
+    assert holder.reload() is False and holder.current is first  # changed again: settling
+    assert holder.reload() is True
+    assert [r.code for r in holder.current.rules] == ["B"]

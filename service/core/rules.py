@@ -41,18 +41,25 @@ class RulesHolder:
         self.current: R.RuleSet = R.load(path, set(known_features()))
         self.problem: str | None = None  # why the file as it is now was refused
         self._seen = _signature(path)
+        self._settling: tuple[float, int] | None = None  # a change seen once, not loaded yet
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> RulesHolder:
         return cls(rules_path(settings))
 
     def reload(self) -> bool:
-        """Load the file again if it changed since the last look; True when new rules
-        serve. A file that fails its checks keeps the rules before it (``problem``)."""
+        """Load the file again if it changed and then held still for one look (a file
+        read while an editor or a copy writes it, e.g. emptied by the truncation that
+        starts a write, is never served); True when new rules serve. A file that fails
+        its checks keeps the rules before it (``problem``)."""
         seen = _signature(self.path)
         if seen == self._seen:
+            self._settling = None
             return False
-        self._seen = seen
+        if seen != self._settling:
+            self._settling = seen
+            return False
+        self._seen, self._settling = seen, None
         try:
             new = R.load(self.path, set(known_features()))
         except R.RulesError as exc:
