@@ -14,27 +14,36 @@ as empty, and the report says so). The rules are evaluated by
 from __future__ import annotations
 
 import argparse
+import csv
 import json
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.csv as pacsv
 
 from cli.settings import Settings
 from fraud_scoring import rules as R
 from fraud_scoring.commands import Command, UsageError, aware_time, iso_date
-from fraud_scoring.model_repo import ModelNotFound, load_metadata, resolve
 from fraud_scoring.redis_clients import sync_client
-from fraud_scoring.storage import partition_days, partition_file
+from fraud_scoring.storage import partition_file
 from service.core import lists
-from service.core.rule_impact import FileImpact, InputNotLogged, Logged, impact
+from service.core.decision import DECISIONS
+from service.core.rule_impact import Evaluation, FileImpact, InputNotLogged, evaluate
+from service.core.rule_log import (
+    DEFAULT_DAYS,
+    day_range,
+    list_lookups,
+    list_members_from,
+    lists_not_read,
+    logged_columns,
+    report_doc,
+    report_text,
+)
 from service.core.rules import known_features, rules_path
-
-DEFAULT_DAYS = 7
-RULES_ONLY = "rules-only"  # the model_version of a degraded (rules-only) decision
 
 
 def _positive(text: str) -> int:
@@ -68,99 +77,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--as-of", type=aware_time, help="labels that had arrived before (RFC 3339; default now)"
     )
     t.add_argument("--json", action="store_true", help="the report as one JSON document")
-
-
-def day_range(raw: Path, since: date | None, until: date | None, days: int | None) -> list[date]:
-    """The decision days on file within the range asked; UsageError when none."""
-    held = partition_days(raw, "decisions")
-    if not held:
-        raise UsageError(
-            f"no decision log under {raw / 'decisions'} "
-            "(the service's log is compacted there by `fraud-scoring decisions compact`)"
-        )
-    if since is not None and days is not None:
-        raise UsageError("--since and --days: give one of them")
-    last = until or held[-1]
-    first = since or last - timedelta(days=(days or DEFAULT_DAYS) - 1)
-    if first > last:
-        raise UsageError(f"--since {first} is after --until {last}")
-    chosen = [d for d in held if first <= d <= last]
-    if not chosen:
-        raise UsageError(
-            f"no decisions logged {first}..{last} (the log holds {held[0]}..{held[-1]})"
-        )
-    return chosen
-
-
-def _thresholds(table: pa.Table, settings: Settings) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's review and decline thresholds: its model version's (the metadata's
-    default variant), with the settings' overrides where the champion decided. A
-    rules-only row has no score, so its thresholds never decide (1.0)."""
-    version = table.column("model_version").to_pylist()
-    routed = table.column("routed_to").to_pylist()
-    review, decline = np.ones(len(version)), np.ones(len(version))
-    found: dict[str, tuple[float, float]] = {}
-    for v in sorted({v for v in version if v not in (None, RULES_ONLY)}):
-        try:
-            th = load_metadata(resolve(settings.model_repo, settings.model_name, v))
-        except ModelNotFound as exc:
-            raise UsageError(
-                f"decisions of model {settings.model_name} version {v} are in the range, "
-                f"and its thresholds are not on file: {exc}"
-            ) from None
-        t = th.thresholds_for("default")
-        found[v] = (t.review, t.decline)
-    for i, (v, r) in enumerate(zip(version, routed, strict=True)):
-        if v not in found:
-            continue
-        rv, dv = found[v]
-        if r != "challenger":
-            rv = settings.review_threshold if settings.review_threshold is not None else rv
-            dv = settings.decline_threshold if settings.decline_threshold is not None else dv
-        review[i], decline[i] = rv, dv
-    return review, decline
-
-
-def logged_columns(table: pa.Table, ruleset: R.RuleSet, settings: Settings) -> Logged:
-    """The rows of :func:`decisions_with_labels` as :class:`Logged` columns: the numbers
-    the rules read from each row's logged vector (float32, as the model and the rules
-    saw them), ``amount`` from the vector or else the transaction, and ``score``."""
-    numbers: dict[str, np.ndarray] = {}
-    present: dict[str, np.ndarray] = {}
-    feats = table.column("features")
-    for name in sorted(ruleset.features | {"amount"}):
-        got = pc.map_lookup(feats, pa.scalar(name, pa.string()), "first")
-        present[name] = np.asarray(pc.is_valid(got).to_numpy(zero_copy_only=False), bool)
-        numbers[name] = np.asarray(
-            pc.fill_null(got.cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False),
-            np.float32,
-        )
-    amount = np.asarray(
-        pc.fill_null(table.column("amount"), np.nan).to_numpy(zero_copy_only=False), np.float64
-    )
-    fallback = ~present["amount"] & ~np.isnan(amount)
-    numbers["amount"][fallback] = amount[fallback]
-    present["amount"] |= fallback
-    score = table.column("score")
-    present["score"] = np.asarray(pc.is_valid(score).to_numpy(zero_copy_only=False), bool)
-    numbers["score"] = np.asarray(
-        pc.fill_null(score, np.nan).to_numpy(zero_copy_only=False), np.float64
-    )
-    strings = {
-        f: np.array(["" if v is None else str(v) for v in table.column(f).to_pylist()], object)
-        for f in ruleset.string_fields
-    }
-    label = table.column("is_fraud").to_pylist()
-    review, decline = _thresholds(table, settings)
-    return Logged(
-        numbers=numbers,
-        present=present,
-        strings=strings,
-        decision=np.array(table.column("decision").to_pylist(), object),
-        is_fraud=np.array([np.nan if v is None else float(v) for v in label]),
-        amount=amount,
-        review_th=review,
-        decline_th=decline,
+    t.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help=f"also write {MATCHED_CSV} (each rule's matched transactions), {PER_DAY_CSV} "
+        f"and {PER_DAY_PNG} (per rule and day: fraud, legitimate, unlabelled) into DIR",
     )
 
 
@@ -168,69 +90,26 @@ def list_members(
     ruleset: R.RuleSet, strings: dict[str, np.ndarray], url: str | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Which rows are on each list the rules look up, by its items now in the online
-    store (the service's expiry rule: :func:`service.core.lists.members`), and what was
-    read per list (``{name: items on it among the rows}``, or why nothing was)."""
+    store, and what was read per list (``{name: items on it among the rows}``, or why
+    nothing was)."""
     if not ruleset.list_reads:
         return {}, {}
     if url is None:
-        note = "not read (REDIS_URL unset): matches no row"
-        return {}, {name: note for name, _ in ruleset.list_reads}
+        return {}, lists_not_read(ruleset)
+    lookups = list_lookups(ruleset, strings)
     client = sync_client(url)
-    replies = []
     try:
-        for name, fld in ruleset.list_reads:
-            values = strings[fld]
-            uniq, where = np.unique(values.astype(str), return_inverse=True)
-            got = client.hmget(lists.items_key(name), uniq.tolist()) if len(uniq) else []
-            replies.append(np.array(got, dtype=object)[where].tolist())
+        got = [client.hmget(lists.items_key(n), v) if v else [] for n, v, _ in lookups]
     finally:
         client.close()
-    members = lists.members(lists.ListReads(ruleset.list_reads), replies)
-    read = {
-        name: f"read now: {int(members[R.member_column(name, fld)].sum()):,} rows on it"
-        for name, fld in ruleset.list_reads
-    }
-    return members, read
+    return list_members_from(ruleset, lookups, got)
 
 
-def report_text(
-    rep: FileImpact, ruleset: R.RuleSet, days: list[date], as_of: datetime, lists_read: dict
-) -> str:
-    lines = [
-        f"rules test: {ruleset.source} (version {ruleset.version}) over "
-        f"{rep.decisions:,} decisions of {days[0]}..{days[-1]}, labels as of "
-        f"{as_of.isoformat(timespec='seconds')}",
-        f"  all: {rep.labels.text()}",
-    ]
-    lines += [f"  list {name}: {what}" for name, what in lists_read.items()]
-    for r in rep.rules:
-        lines.append("")
-        lines.append(f"{r.code}  {r.action}, {r.mode}: {r.when}")
-        lines.append(f"  matched {r.matched.text()}")
-        shadow = " (were it active)" if r.mode == "shadow" else ""
-        moved = sum(c.transactions for c in r.changes.values())
-        lines.append(f"  decides {r.decides:,}{shadow}; changes {moved:,} logged decisions")
-        lines += [f"    {k}: {c.text()}" for k, c in r.changes.items()]
-        if r.overrides is not None:
-            lines.append(f"  overrides (reviewed or declined without it): {r.overrides.text()}")
-        for name, k in r.lacking.items():
-            lines.append(f"  not evaluated on {k:,} decisions: their log holds no {name}")
-    lines.append("")
-    lines.append(
-        "whole file, in order (allow, decline, the model's decline threshold, review, "
-        "the model's review threshold):"
-    )
-    mix = ", ".join(f"{d} {rep.before[d]:,} -> {rep.after[d]:,}" for d in rep.before)
-    lines.append(f"  decisions: {mix}")
-    moved = sum(c.transactions for c in rep.changes.values())
-    lines.append(f"  changes {moved:,} logged decisions")
-    lines += [f"    {k}: {c.text()}" for k, c in rep.changes.items()]
-    lines.append("  decided by: " + ", ".join(f"{k} {v:,}" for k, v in rep.decided_by.items()))
-    return "\n".join(lines)
-
-
-def rules_report(args: argparse.Namespace, settings: Settings) -> tuple[FileImpact, str, dict]:
-    """The report of ``rules test`` (its data, its text, its JSON)."""
+def rules_report(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[FileImpact, str, dict, Evaluation, pa.Table, R.RuleSet]:
+    """The report of ``rules test`` (its data, its text, its JSON), with the rows behind
+    it (the evaluation, the log's table, the rules) for ``--out``."""
     path = args.rules if args.rules is not None else rules_path(settings)
     ruleset = R.load(path, set(known_features()))  # RulesError (exit 2) names the field
     raw = settings.data_dir / "raw"
@@ -247,22 +126,189 @@ def rules_report(args: argparse.Namespace, settings: Settings) -> tuple[FileImpa
     logged = logged_columns(table, ruleset, settings)
     members, lists_read = list_members(ruleset, dict(logged.strings), settings.redis_url)
     try:
-        rep = impact(ruleset, logged, members, settings.review_amount_limit)
+        ev = evaluate(ruleset, logged, members, settings.review_amount_limit)
     except InputNotLogged as exc:
         raise UsageError(str(exc)) from None
-    doc = {
-        "rules": str(path),
-        "rules_version": ruleset.version,
-        "days": [days[0].isoformat(), days[-1].isoformat()],
-        "labels_as_of": as_of.isoformat(),
-        "lists": lists_read,
-        **rep.as_dict(),
-    }
-    return rep, report_text(rep, ruleset, days, as_of, lists_read), doc
+    rep = ev.report
+    doc = report_doc(rep, ruleset, days, as_of, lists_read)
+    return rep, report_text(rep, ruleset, days, as_of, lists_read), doc, ev, table, ruleset
+
+
+# --out: the matched transactions, the per-day figures and their chart.
+MATCHED_CSV, PER_DAY_CSV, PER_DAY_PNG = "matched.csv", "per_day.csv", "per_day.png"
+_CHUNK = 65_536  # rows taken from the log per CSV write
+
+
+def _label_names(is_fraud: np.ndarray) -> np.ndarray:
+    out = np.full(len(is_fraud), "", dtype=object)
+    out[is_fraud == 1.0] = "fraud"
+    out[is_fraud == 0.0] = "legitimate"
+    return out
+
+
+def _iso(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    return pc.strftime(col, format="%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_matched(
+    path: Path, ev: Evaluation, table: pa.Table, ruleset: R.RuleSet, label: np.ndarray
+) -> int:
+    """One CSV row per (rule, transaction it matches), rule by rule, written in chunks
+    of the log's rows (the log is not copied whole). Returns the rows written."""
+    logged = np.array(table.column("decision").to_pylist(), dtype=object)
+    after = np.array(DECISIONS, dtype=object)[ev.after]
+    labels = _label_names(label)
+    written = 0
+    with pacsv.CSVWriter(path, _MATCHED_SCHEMA) as out:
+        for i, r in enumerate(ruleset.rules):
+            rows = np.flatnonzero(ev.masks[i])
+            for at in range(0, len(rows), _CHUNK):
+                idx = rows[at : at + _CHUNK]
+                part = table.take(pa.array(idx))
+                k = len(idx)
+                batch = pa.table(
+                    {
+                        "rule": pa.array([r.code] * k, pa.string()),
+                        "action": pa.array([r.action] * k, pa.string()),
+                        "mode": pa.array([r.decl.mode] * k, pa.string()),
+                        "transaction_id": part.column("transaction_id"),
+                        "decided_at": _iso(part.column("decided_at")),
+                        "event_time": _iso(part.column("event_time")),
+                        "card_id": part.column("card_id"),
+                        "amount": part.column("amount"),
+                        "logged_decision": pa.array(logged[idx].tolist(), pa.string()),
+                        "file_decision": pa.array(after[idx].tolist(), pa.string()),
+                        "rule_decides": pa.array(ev.decides[i][idx]),
+                        "label": pa.array(labels[idx].tolist(), pa.string()),
+                    },
+                    schema=_MATCHED_SCHEMA,
+                )
+                out.write_table(batch)
+                written += k
+    return written
+
+
+_MATCHED_SCHEMA = pa.schema(
+    [
+        ("rule", pa.string()),
+        ("action", pa.string()),
+        ("mode", pa.string()),
+        ("transaction_id", pa.string()),
+        ("decided_at", pa.string()),
+        ("event_time", pa.string()),
+        ("card_id", pa.string()),
+        ("amount", pa.float64()),
+        ("logged_decision", pa.string()),
+        ("file_decision", pa.string()),
+        ("rule_decides", pa.bool_()),
+        ("label", pa.string()),
+    ]
+)
+_PER_DAY_FIELDS = (
+    "rule",
+    "day",
+    "matched",
+    "fraud",
+    "legitimate",
+    "unlabelled",
+    "decides",
+    "decides_fraud",
+    "decides_legitimate",
+)
+
+
+def per_day(ev: Evaluation, table: pa.Table, ruleset: R.RuleSet, label: np.ndarray) -> list[dict]:
+    """Per rule and UTC decision day: the transactions it matches (of them labelled
+    fraud, legitimate, unlabelled) and those it decides (fraud, legitimate)."""
+    day = table.column("decided_at").cast(pa.date32()).to_numpy(zero_copy_only=False)
+    days, where = np.unique(day, return_inverse=True)
+    fraud, legit = label == 1.0, label == 0.0
+
+    def per(m: np.ndarray) -> np.ndarray:
+        return np.bincount(where[m], minlength=len(days))
+
+    out = []
+    for i, r in enumerate(ruleset.rules):
+        m, d = ev.masks[i], ev.decides[i]
+        cols = [per(m), per(m & fraud), per(m & legit), per(m & np.isnan(label))]
+        cols += [per(d), per(d & fraud), per(d & legit)]
+        for k, dd in enumerate(days):
+            vals = [int(c[k]) for c in cols]
+            out.append(dict(zip(_PER_DAY_FIELDS, [r.code, str(dd), *vals], strict=True)))
+    return out
+
+
+def write_per_day(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=_PER_DAY_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot_per_day(path: Path, rows: list[dict], ruleset: R.RuleSet) -> bool:
+    """One PNG: per rule, its matched transactions per day, labelled fraud (caught, for a
+    decline or review rule), legitimate (false positives) and unlabelled. False where
+    matplotlib is not installed (the jobs image's `train` extra has it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rules = ruleset.rules
+    fig, axes = plt.subplots(
+        len(rules), 1, figsize=(10, 2.4 * max(1, len(rules))), squeeze=False, sharex=True
+    )
+    for ax, r in zip(axes[:, 0], rules, strict=True):
+        mine = [x for x in rows if x["rule"] == r.code]
+        x = np.arange(len(mine))
+        fraud = np.array([v["fraud"] for v in mine])
+        legit = np.array([v["legitimate"] for v in mine])
+        unl = np.array([v["unlabelled"] for v in mine])
+        ax.bar(x, fraud, color="#c0392b", label="fraud")
+        ax.bar(x, legit, bottom=fraud, color="#2e86c1", label="legitimate")
+        ax.bar(x, unl, bottom=fraud + legit, color="#bdc3c7", label="unlabelled")
+        ax.set_title(f"{r.code} ({r.action}, {r.decl.mode}): matched per day", fontsize=9)
+        ax.set_xticks(x, [v["day"] for v in mine], rotation=45, fontsize=7)
+        ax.set_ylabel("transactions", fontsize=8)
+    axes[0, 0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(out: Path, ev: Evaluation, table: pa.Table, ruleset: R.RuleSet) -> dict[str, Any]:
+    """``--out``'s files; what was written (the JSON's ``files``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    label = np.array(
+        [np.nan if v is None else float(v) for v in table.column("is_fraud").to_pylist()]
+    )
+    n = write_matched(out / MATCHED_CSV, ev, table, ruleset, label)
+    rows = per_day(ev, table, ruleset, label)
+    write_per_day(out / PER_DAY_CSV, rows)
+    files: dict[str, Any] = {"matched": str(out / MATCHED_CSV), "matched_rows": n}
+    files["per_day"] = str(out / PER_DAY_CSV)
+    if plot_per_day(out / PER_DAY_PNG, rows, ruleset):
+        files["chart"] = str(out / PER_DAY_PNG)
+    else:
+        files["chart"] = None
+    return files
 
 
 def run(args: argparse.Namespace, settings: Settings) -> None:
-    _, text, doc = rules_report(args, settings)
+    _, text, doc, ev, table, ruleset = rules_report(args, settings)
+    if args.out is not None:
+        files = write_outputs(args.out, ev, table, ruleset)
+        doc["files"] = files
+        text += f"\n\nwrote {files['matched_rows']:,} matched rows to {files['matched']}"
+        text += f", per-day figures to {files['per_day']}"
+        text += (
+            f", their chart to {files['chart']}"
+            if files["chart"]
+            else " (no chart: matplotlib is not installed)"
+        )
     print(json.dumps(doc, indent=2) if args.json else text)
 
 

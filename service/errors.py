@@ -50,6 +50,7 @@ class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"  # 422: the body is not JSON
     MISSING = "missing"  # 422: a required field is absent
     INVALID = "invalid"  # 422: a field's value is not acceptable (400 on /v2)
+    NOT_AVAILABLE = "not_available"  # 501: the route needs what this image does not install
 
 
 class RejectReason(StrEnum):
@@ -177,6 +178,13 @@ class NotFound(ApiError):
     """No such route, review item, model or model version."""
 
     status, code = 404, ErrorCode.NOT_FOUND
+
+
+class NotAvailable(ApiError):
+    """The route needs a part this install lacks (``POST /v1/rules/test`` on the serving
+    image: the decision log reader is the jobs image's)."""
+
+    status, code = 501, ErrorCode.NOT_AVAILABLE
 
 
 class MethodNotAllowed(ApiError):
@@ -316,6 +324,7 @@ ERRORS: tuple[type[ApiError], ...] = (
     TooLarge,
     UnsupportedMediaType,
     Invalid,
+    NotAvailable,
     Rejected,
     NotReady,
 )
@@ -348,6 +357,8 @@ _WHEN = {
     "/v1/models/reload also without a body (no cross-site form can post).",
     422: "The body or a header is invalid (`invalid_json`, `missing`, `invalid`), one "
     "problem per field.",
+    501: "This image lacks a part the route needs (`not_available`, naming it): "
+    "`POST /v1/rules/test` reads the decision log with the jobs image's DuckDB.",
     503: "Cannot be served now; retry after `Retry-After` seconds. `code` is the reason: "
     + ", ".join(f"`{r}`" for r in SERVING_REASONS)
     + " (`log_off`, `log_unavailable` on /v1/feedback and /v1/review only).",

@@ -27,6 +27,7 @@ from service.errors import (
     Invalid,
     MethodNotAllowed,
     ModelRejected,
+    NotAvailable,
     NotFound,
     NotReady,
     Rejected,
@@ -62,6 +63,7 @@ CASES: list[tuple[ApiError, int, str, bool]] = [
         False,
     ),
     (Invalid("must be 'true' or 'false'", "header.X-Fraud-Record"), 422, "invalid", False),
+    (NotAvailable("the decision log reader needs duckdb"), 501, "not_available", False),
     (Rejected(RejectReason.QUEUE_FULL, "overloaded: queue full", 2), 503, "queue_full", True),
     (NotReady({"model": "not loaded"}), 503, "not_ready", False),
 ]

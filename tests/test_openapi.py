@@ -339,7 +339,7 @@ include-path-regex = "^/v1/score"
 headers = {{ "X-Fraud-Record" = "{record}" }}
 checks.positive_data_acceptance.enabled = {live_accepts}
 [[operations]]
-include-path-regex = "^/v1/(feedback|review/label)$|/infer$"
+include-path-regex = "^/v1/(feedback|review/label|rules/test)$|/infer$"
 checks.positive_data_acceptance.enabled = false
 """
 

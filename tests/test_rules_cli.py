@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from batch_jobs.decisions import compact_day
 from fraud_scoring.model_repo import FeatureSpec, ModelMetadata, Thresholds, publish
 from fraud_scoring.redis_server import embedded_redis
+from tests.conftest import Server, World, start_server, stop_server
+from tests.test_auth import bearer, create_key
 
 ROOT = Path(__file__).resolve().parent.parent
 DAYS = [date(2026, 3, 1), date(2026, 3, 2), date(2026, 3, 3)]
@@ -353,3 +356,180 @@ def test_rules_test_text_and_its_refusals(
     assert "rules.0.when: unknown name 'card_txn_count_1x'" in (
         cli(root, "rules", "test", "--rules", str(bad)).stderr
     )
+
+
+def test_rules_test_out_writes_the_matched_transactions_and_the_per_day_figures(
+    world: tuple[Path, list[dict], dict[str, bool]], url: str, tmp_path: Path
+) -> None:
+    """``--out DIR``: matched.csv has one row per (rule, matched transaction), as many as
+    the report's matched counts, each with the log's fields, the file's decision and the
+    label known at --as-of; per_day.csv sums to the same counts; per_day.png is a PNG."""
+    import csv
+
+    root, entries, known = world
+    added = cli(root, "lists", "add", "blocked_cards", *sorted(BLOCKED), "--reason", "t", url=url)
+    assert added.returncode == 0, added.stderr
+    out = tmp_path / "out"
+    run = cli(
+        root, "rules", "test", "--days", "3", "--as-of", AS_OF.isoformat(), "--json",
+        "--out", str(out), url=url,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    matched = {r["code"]: r["matched"] for r in got["rules"]}
+    with open(out / "matched.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert (
+        got["files"]["matched_rows"]
+        == len(rows)
+        == sum(m["transactions"] for m in matched.values())
+    )
+    assert Counter(r["rule"] for r in rows) == {c: m["transactions"] for c, m in matched.items()}
+    by_id = {e["transaction_id"]: e for e in entries}
+    for r in rows:
+        e = by_id[r["transaction_id"]]
+        assert r["card_id"] == e["transaction"]["card_id"]
+        assert float(r["amount"]) == e["transaction"]["amount"]
+        assert r["logged_decision"] == e["decision"]
+        assert r["event_time"][:19] == e["transaction"]["event_time"][:19]
+        want = {True: "fraud", False: "legitimate", None: ""}[known.get(r["transaction_id"])]
+        assert r["label"] == want
+    for code, m in matched.items():
+        mine = [r for r in rows if r["rule"] == code]
+        assert sum(r["label"] == "fraud" for r in mine) == m["fraud"], code
+        assert sum(r["label"] == "legitimate" for r in mine) == m["legitimate"], code
+    blocked = [r for r in rows if r["rule"] == "BLOCKED_CARD"]
+    assert blocked and {r["card_id"] for r in blocked} <= BLOCKED
+    decides = {r["code"]: r["decides"] for r in got["rules"]}
+    assert Counter(r["rule"] for r in rows if r["rule_decides"] == "true") == {
+        c: n for c, n in decides.items() if n
+    }
+    assert {
+        r["file_decision"] for r in rows if r["rule"] == "BURST" and r["rule_decides"] == "true"
+    } == {"decline"}
+
+    with open(out / "per_day.csv", newline="") as f:
+        days = list(csv.DictReader(f))
+    for code, m in matched.items():
+        mine = [d for d in days if d["rule"] == code]
+        assert [d["day"] for d in mine] == [d.isoformat() for d in DAYS]
+        for k in ("fraud", "legitimate", "unlabelled"):
+            assert sum(int(d[k]) for d in mine) == m[k], (code, k)
+        assert sum(int(d["matched"]) for d in mine) == m["transactions"]
+        assert sum(int(d["decides"]) for d in mine) == decides[code]
+    assert (out / "per_day.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert got["files"]["chart"] == str(out / "per_day.png")
+
+    text = cli(
+        root, "rules", "test", "--days", "3", "--as-of", AS_OF.isoformat(), "--out", str(out)
+    )
+    assert text.returncode == 0, text.stderr
+    assert (
+        f"wrote {len(rows) - len(blocked):,} matched rows to {out / 'matched.csv'}" in text.stdout
+    )
+
+
+# --- POST /v1/rules/test: the same figures over HTTP -------------------------------------
+
+RULES_BODY = yaml.safe_load(RULES)
+
+
+@pytest.fixture(scope="module")
+def served(
+    world: tuple[Path, list[dict], dict[str, bool]],
+    url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Server, str, str]]:
+    """The service over the same data dir, model repository, rules file and store, auth
+    on, with an admin key and a score key. The model is metadata only (it never loads:
+    the route needs none), so the server is waited for on /healthz."""
+    root = world[0]
+    tmp = tmp_path_factory.mktemp("rules-api")
+    keys = tmp / "keys.jsonl"
+    admin, scorer = create_key(keys, "ops", "admin"), create_key(keys, "checkout", "score")
+    place = World(root, root / "models", url, DAYS[0], len(DAYS))
+    srv = start_server(
+        place,
+        tmp,
+        wait_for="/healthz",
+        FRAUD_AUTH="required",
+        FRAUD_API_KEYS_FILE=str(keys),
+        FRAUD_RULES_FILE=str(root / "rules.yaml"),
+    )
+    yield srv, admin, scorer
+    stop_server(srv)
+
+
+def test_post_rules_test_answers_the_clis_figures_for_admin_only(
+    world: tuple[Path, list[dict], dict[str, bool]], url: str, served: tuple[Server, str, str]
+) -> None:
+    root = world[0]
+    srv, admin, scorer = served
+    added = cli(root, "lists", "add", "blocked_cards", *sorted(BLOCKED), "--reason", "t", url=url)
+    assert added.returncode == 0, added.stderr
+    days = {"since": "2026-03-01", "until": "2026-03-02", "as_of": AS_OF.isoformat()}
+    run = cli(
+        root, "rules", "test", "--since", days["since"], "--until", days["until"],
+        "--as-of", days["as_of"], "--json", url=url,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    want = json.loads(run.stdout)
+    with srv.client() as c:
+        got = c.post("/v1/rules/test", json=RULES_BODY | days, headers=bearer(admin))
+        assert got.status_code == 200, got.text
+        answer = got.json()
+        assert len(answer["rules_version"]) == 12  # of the body, not of the file
+        same = {k: v for k, v in want.items() if k != "rules_version"}
+        assert answer.keys() == want.keys() and {k: answer[k] for k in same} == same
+        assert answer["decided_by"]["list"] > 0  # the list was read from the store
+
+        # Without `lists`: the serving rules file's lists (the same declaration here).
+        bare = {"rules": RULES_BODY["rules"], **days}
+        again = c.post("/v1/rules/test", json=bare, headers=bearer(admin))
+        assert again.status_code == 200, again.text
+        assert {k: again.json()[k] for k in same} == same
+
+        refused = c.post("/v1/rules/test", json=RULES_BODY | days, headers=bearer(scorer))
+        assert refused.status_code == 403 and "admin" in refused.text
+
+        bad = {"rules": [{"code": "X", "action": "review", "when": "card_txn_count_1x > 3",
+                          "message": "x"}]}  # fmt: skip
+        wrong = c.post("/v1/rules/test", json=bad, headers=bearer(admin))
+        assert wrong.status_code == 422, wrong.text
+        problem = wrong.json()["detail"][0]
+        assert problem["field"] == "rules.0.when"
+        assert "unknown name 'card_txn_count_1x'" in problem["message"]
+
+        badaction = {"rules": [bad["rules"][0] | {"when": "amount > 1", "action": "block"}]}
+        wrong = c.post("/v1/rules/test", json=badaction, headers=bearer(admin))
+        assert wrong.status_code == 422 and wrong.json()["detail"][0]["field"] == "rules.0.action"
+
+        empty = c.post(
+            "/v1/rules/test",
+            json=RULES_BODY | {"since": "2026-02-01", "until": "2026-02-03"},
+            headers=bearer(admin),
+        )
+        assert empty.status_code == 422
+        assert "no decisions logged 2026-02-01..2026-02-03" in empty.json()["detail"][0]["message"]
+
+        doc = c.get("/openapi.json").json()
+        op = doc["paths"]["/v1/rules/test"]["post"]
+        assert {"200", "403", "422", "501"} <= set(op["responses"])
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["properties"]["rules"]["items"]["properties"]["action"]["enum"] == [
+            "allow", "decline", "review",
+        ]  # fmt: skip
+
+
+def test_without_the_decision_log_reader_the_route_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The serving image has no DuckDB: the reader is loaded by name and its absence is
+    ReaderUnavailable (the route's 501), naming the module."""
+    from service.core import rule_log
+
+    monkeypatch.setattr(rule_log, "LOG_READER", ("duckdb_is_not_here", "read"))
+    with pytest.raises(rule_log.ReaderUnavailable, match="needs duckdb_is_not_here"):
+        rule_log.log_reader()
+    monkeypatch.undo()
+    assert rule_log.log_reader().__name__ == "decisions_with_labels"

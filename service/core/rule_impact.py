@@ -143,6 +143,17 @@ def _check_inputs(ruleset: R.RuleSet, logged: Logged) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """:func:`evaluate`'s answer: the report and, row by row, what it counted (for the
+    matched transactions' CSV: ``cli/rules.py``)."""
+
+    report: FileImpact
+    masks: np.ndarray  # (rules, rows) bool: the rule matches the row
+    after: np.ndarray  # (rows,) int8: the file's decision (an index of DECISIONS)
+    decides: list[np.ndarray]  # per rule, (rows,) bool: the rows it decides (see RuleImpact)
+
+
 def impact(
     ruleset: R.RuleSet,
     logged: Logged,
@@ -152,6 +163,16 @@ def impact(
     """What ``ruleset`` would have decided on the ``logged`` rows (see the module's
     docstring). ``members``: per :func:`fraud_scoring.rules.member_column`, the rows whose
     value is on the list (a list not given matches no row). Raises InputNotLogged."""
+    return evaluate(ruleset, logged, members, review_amount_limit).report
+
+
+def evaluate(
+    ruleset: R.RuleSet,
+    logged: Logged,
+    members: Mapping[str, np.ndarray],
+    review_amount_limit: float,
+) -> Evaluation:
+    """:func:`impact` with the rows behind its figures."""
     _check_inputs(ruleset, logged)
     n = logged.n
     numbers: dict[str, Any] = {**logged.numbers, "review_amount_limit": review_amount_limit}
@@ -182,6 +203,7 @@ def impact(
         changes=_changes(logged, before, whole.code, every),
         decided_by={b: int((by == b).sum()) for b in ("rule", "list", "model")},
     )
+    deciding: list[np.ndarray] = []
     for i, r in enumerate(ruleset.rules):
         v = whole
         if not r.active:  # measured as if active: the file with this rule made active
@@ -190,6 +212,7 @@ def impact(
             rules[i] = dataclasses.replace(r, decl=decl)
             v = verdicts(tuple(rules), masks)
         decides = v.decider == i
+        deciding.append(decides)
         overrides = None
         if r.action == "allow":
             without = masks.copy()
@@ -209,4 +232,4 @@ def impact(
                 lacking=lacking[i],
             )
         )
-    return out
+    return Evaluation(out, masks, np.asarray(whole.code, dtype=np.int8), deciding)

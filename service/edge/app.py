@@ -31,7 +31,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
 
 from service import telemetry
-from service.edge import auth, feedback, lists_api, oip, oip_grpc, review
+from service.edge import auth, feedback, lists_api, oip, oip_grpc, review, rules_api
 from service.edge.admission import AdmissionLimit, WorkShares
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
@@ -97,6 +97,10 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     # Block and allow lists decide: their own `lists` scope (admin implies it).
     app.include_router(
         lists_api.router, dependencies=[Depends(auth.require_scope(auth.Scope.LISTS))]
+    )
+    # Testing a rules document reads the whole decision log: `admin` only.
+    app.include_router(
+        rules_api.router, dependencies=[Depends(auth.require_scope(auth.Scope.ADMIN))]
     )
     admission = functools.partial(
         AdmissionLimit,
