@@ -533,3 +533,34 @@ def test_without_the_decision_log_reader_the_route_says_what_is_missing(
         rule_log.log_reader()
     monkeypatch.undo()
     assert rule_log.log_reader().__name__ == "decisions_with_labels"
+
+
+def test_the_service_without_duckdb_starts_and_answers_501(
+    world: tuple[Path, list[dict], dict[str, bool]], url: str, tmp_path: Path
+) -> None:
+    """As on the serving image: DuckDB cannot be imported (a sitecustomize hides it); the
+    service starts (nothing imports it at start) and the route answers 501 naming it,
+    after checking the rules (a bad rule is still a 422)."""
+    root = world[0]
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['duckdb'] = None\n")
+    place = World(root, root / "models", url, DAYS[0], len(DAYS))
+    srv = start_server(
+        place,
+        tmp_path,
+        wait_for="/healthz",
+        PYTHONPATH=f"{shim}{os.pathsep}{ROOT}",
+        FRAUD_RULES_FILE=str(root / "rules.yaml"),
+    )
+    try:
+        with srv.client() as c:
+            got = c.post("/v1/rules/test", json=RULES_BODY)
+            assert got.status_code == 501, got.text
+            problem = got.json()["detail"][0]
+            assert problem["code"] == "not_available"
+            assert "needs duckdb" in problem["message"]
+            bad = {"rules": [RULES_BODY["rules"][0] | {"when": "nope > 1"}]}
+            assert c.post("/v1/rules/test", json=bad).status_code == 422
+    finally:
+        stop_server(srv)
