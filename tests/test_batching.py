@@ -299,6 +299,52 @@ async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
     assert max(r.timing_ms["batch_size"] for r in batched) > 1
 
 
+async def test_scripts_lost_before_a_batch_are_loaded_and_it_records_once(world: World) -> None:
+    """A server that lost its scripts (a restart that kept the data) answers the batch's
+    reads with NOSCRIPT: the scorer loads them and runs the batch again, without claiming
+    its ids twice (the transaction is new, not a retry) and recording it once."""
+    from datetime import timedelta
+
+    import redis
+
+    from cli.settings import Settings
+    from fraud_scoring.events import Transaction
+    from fraud_scoring.feast_store import open_store
+    from fraud_scoring.features import producible_features
+    from service.core.model import ModelHolder, load_model
+    from service.core.online_features import OnlineFeatureReader
+    from service.core.scoring import Scorer
+
+    settings = Settings(
+        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    model = load_model(world.model_repo, "fraud", "latest", producible_features())
+    client = aioredis.Redis.from_url(world.redis_url)
+    pool = ThreadPoolExecutor(1)
+    scorer = Scorer(client, OnlineFeatureReader(store.project), ModelHolder(model), settings, pool)
+    base = Transaction.model_validate(held_out_day(world)[0])
+    first = base.model_copy(update={"card_id": "noscript-card", "transaction_id": "noscript-1"})
+    later = first.model_copy(
+        update={
+            "transaction_id": "noscript-2",
+            "event_time": first.event_time + timedelta(seconds=1),
+        }
+    )
+    await scorer.score_batch([base.model_copy(update={"transaction_id": "noscript-0"})])
+    before = (await scorer.read_features([later], [False]))[0]["card_txn_count_1m"][0]
+    redis.Redis.from_url(world.redis_url).script_flush()
+    (out,) = await scorer.score_batch([first])
+    assert not out.degraded and not out.repeat and out.refused is None
+    after = (await scorer.read_features([later], [False]))[0]["card_txn_count_1m"][0]
+    assert (before, after) == (0.0, 1.0)
+    (again,) = await scorer.score_batch([first])  # a retry: answered, recorded no more
+    assert again.transaction_id == "noscript-1"
+    assert (await scorer.read_features([later], [False]))[0]["card_txn_count_1m"][0] == 1.0
+    await client.aclose()
+    pool.shutdown()
+
+
 def test_http_full_queue_gives_503_with_retry_after(world: World, tmp_path) -> None:
     srv = start_server(
         world,
