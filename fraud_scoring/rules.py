@@ -19,8 +19,10 @@ condition, a message naming an unknown value, a code used twice.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import logging
+import operator
 import re
 import string
 from collections.abc import Mapping, Sequence
@@ -33,7 +35,7 @@ import numpy.typing as npt
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fraud_scoring.declared.expressions import _FUNCS, _check_expr, evaluate
+from fraud_scoring.declared.expressions import _BINOPS, _CMPS, _FUNCS, _check_expr, _div
 from fraud_scoring.declared.language import KEY_COLUMNS
 
 log = logging.getLogger(__name__)
@@ -126,8 +128,20 @@ class Rule:
         return SCORE in self.numbers
 
     def message(self, row: Mapping[str, Any]) -> str:
-        """The message with ``row``'s values (its names checked at load)."""
-        return self.decl.message.format_map(row)
+        """The message with ``row``'s values (its names checked at load). A value ``row``
+        lacks (a feature not available in rules-only mode) reads as NaN, a string field
+        as ''."""
+        try:
+            return self.decl.message.format_map(row)
+        except KeyError:
+            return self.decl.message.format_map(_Lacking(row))
+
+
+class _Lacking(dict[str, Any]):
+    """A message's values where a lacking number is NaN and a lacking string ''."""
+
+    def __missing__(self, key: str) -> Any:
+        return "" if key in STRING_FIELDS else float("nan")
 
 
 @dataclass(frozen=True)
@@ -140,25 +154,35 @@ class RuleSet:
     version: str
     source: str
     tests: tuple[StringTest, ...] = field(init=False)
+    # The compiled masks of the whole set (None, built at load) and of the subsets asked
+    # for (rules-only mode, by their rules' codes): once per rules version.
+    _programs: dict[tuple[str, ...] | None, _Program] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         seen = {t.name: t for r in self.rules for t in r.tests}
         object.__setattr__(self, "tests", tuple(seen.values()))
+        self._programs[None] = _Program(self.rules)  # at load, not in a micro-batch
 
-    @property
+    @functools.cached_property  # the set is frozen: once per rules version
     def features(self) -> frozenset[str]:
-        """The served features the rules read (not the score nor the settings)."""
+        """The served features the rules read, in ``when`` or in a message (not the score
+        nor the settings): what the scorer reads and hands the decision."""
         return frozenset(
-            n for r in self.rules for n in r.numbers if n != SCORE and n not in SETTINGS_NAMES
+            n
+            for r in self.rules
+            for n in (*r.numbers, *r.message_names)
+            if n != SCORE and n not in SETTINGS_NAMES and n not in STRING_FIELDS
         )
 
-    @property
+    @functools.cached_property  # the set is frozen: once per rules version
     def list_reads(self) -> tuple[tuple[str, str], ...]:
         """(list, transaction field) pairs the rules look up, each once."""
         pairs = {(t.list_name, t.field) for t in self.tests if t.list_name is not None}
         return tuple(sorted((lst, f) for lst, f in pairs if lst is not None))
 
-    @property
+    @functools.cached_property  # the set is frozen: once per rules version
     def string_fields(self) -> tuple[str, ...]:
         return tuple(sorted({t.field for t in self.tests}))
 
@@ -171,33 +195,185 @@ class RuleSet:
         rules: Sequence[Rule] | None = None,
     ) -> np.ndarray:
         """Where each rule (``rules``: these of the set; default all) holds over ``n``
-        rows: a (rules, n) bool matrix, one compiled expression per rule. ``numbers``:
+        rows: a (rules, n) bool matrix, the rules compiled together once per set
+        (:class:`_Program`: each distinct sub-expression, column and string test computed
+        once per micro-batch). ``numbers``:
         the number columns (features, ``score``, ``amount``, the settings as scalars);
         ``strings``: the transactions' string fields the rules test (object arrays);
         ``members``: per :func:`member_column`, the rows whose value is a live item of
         the list (a lookup not read, e.g. rules reloaded during the micro-batch, reads as
         no row, logged). A NaN result does not hold."""
         chosen = self.rules if rules is None else tuple(rules)
-        cols: dict[str, Any] = dict(numbers)
-        for t in dict.fromkeys(t for r in chosen for t in r.tests):
-            if t.list_name is None:
-                cols[t.name] = np.isin(strings[t.field], t.values)
-                continue
-            got = members.get(member_column(t.list_name, t.field))
-            if got is None:
-                log.warning("list %s was not read for this micro-batch", t.list_name)
-                got = np.zeros(n, dtype=bool)
-            cols[t.name] = got
-        out = np.zeros((len(chosen), n), dtype=bool)
-        for i, r in enumerate(chosen):
-            v = evaluate(r.expr, cols)
-            out[i] = (v != 0) & ~np.isnan(v)  # a constant broadcasts
-        return out
+        key = None if rules is None else tuple(r.code for r in chosen)  # codes are unique
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = _Program(chosen)
+        return program.run(numbers, strings, members, n)
 
 
 def member_column(list_name: str, fld: str) -> str:
     """The name of the column saying which rows' ``fld`` is on the list."""
     return f"in_list:{list_name}:{fld}"
+
+
+class _Program:
+    """Rules compiled into one function of a micro-batch's columns, with the semantics of
+    :func:`fraud_scoring.declared.expressions.evaluate` of each rule's ``expr`` (float64
+    columns, ``a / b`` 0 where ``b`` is 0, a NaN or a 0 does not hold), evaluated once per
+    distinct sub-expression across the rules: a number column is converted to float64
+    once, a string test (same field and values, or same list) is computed once, and a
+    condition the rules share (``amount > 1000``) is one numpy call. Comparisons stay
+    booleans: the rewrite's ``x != 0`` of a condition is the condition, ``x == 0`` its
+    negation, ``a * b`` of conditions ``a & b`` and ``maximum(a, b)`` of conditions
+    ``a | b`` (the same values as the float 0/1 the language computes); a condition
+    used as a number is converted to 0.0 / 1.0 there."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules = tuple(rules)
+        self._lines: list[str] = []
+        self._memo: dict[str, tuple[str, bool]] = {}
+        self._names: dict[str, Any] = {
+            "__builtins__": {},
+            "_f64": _f64,
+            "_col": lambda c, k: np.asarray(c[k], dtype=np.float64),
+            "_div": _div,
+            "_neg": operator.neg,
+            "_not": np.logical_not,
+            "_and": np.logical_and,
+            "_or": np.logical_or,
+            "_among": _among,
+            "_member": _member,
+            "_holds": _holds,
+            **{f"_op_{op.__name__}": fn for op, fn in _BINOPS.items()},
+            **{f"_op_{op.__name__}": fn for op, fn in _CMPS.items()},
+            **{f"_fn_{name}": fn for name, fn in _FUNCS.items()},
+        }
+        for i, r in enumerate(self.rules):
+            tests = {t.name: t for t in r.tests}
+            code, cond = self._emit(ast.parse(r.expr, mode="eval").body, tests)
+            self._lines.append(f"out[{i}] = {code if cond else f'_holds({code})'}")
+        body = "\n    ".join(self._lines) or "pass"
+        src = f"def _masks(c, s, m, n, out):\n    {body}\n"
+        exec(compile(src, "<rules>", "exec"), self._names)  # built from checked rules
+        self._fn = self._names["_masks"]
+
+    def run(
+        self,
+        numbers: Mapping[str, npt.ArrayLike],
+        strings: Mapping[str, np.ndarray],
+        members: Mapping[str, np.ndarray],
+        n: int,
+    ) -> np.ndarray:
+        out = np.zeros((len(self.rules), n), dtype=bool)
+        self._fn(numbers, strings, members, n, out)
+        return out
+
+    def _bind(self, code: str, cond: bool) -> tuple[str, bool]:
+        """``code`` computed once, in a variable of the function."""
+        got = self._memo.get(code)
+        if got is None:
+            var = f"v{len(self._memo)}"
+            self._lines.append(f"{var} = {code}")
+            got = self._memo[code] = (var, cond)
+        return got
+
+    def _const(self, value: float) -> str:
+        name = f"k{len(self._names)}"
+        for k, v in self._names.items():  # one name per value (repr: -0.0, nan apart)
+            if k.startswith("k") and repr(v) == repr(value):
+                return k
+        self._names[name] = value
+        return name
+
+    def _number(self, node: ast.expr, tests: Mapping[str, StringTest]) -> str:
+        code, cond = self._emit(node, tests)
+        return self._bind(f"_f64({code})", False)[0] if cond else code
+
+    def _emit(self, node: ast.expr, tests: Mapping[str, StringTest]) -> tuple[str, bool]:
+        """``node`` as a variable (or constant) and whether it is a condition (bool)."""
+        if isinstance(node, ast.Name):
+            t = tests.get(node.id)
+            if t is None:
+                return self._bind(f"_col(c, {node.id!r})", False)
+            if t.list_name is not None:
+                col = member_column(t.list_name, t.field)
+                return self._bind(f"_member(m, {col!r}, {t.list_name!r}, n)", True)
+            return self._bind(f"_among(s[{t.field!r}], {t.values!r})", True)
+        if isinstance(node, ast.Constant):
+            return self._const(float(node.value)), False  # type: ignore[arg-type]
+        if isinstance(node, ast.UnaryOp):  # USub: the language's only unary operator
+            return self._bind(f"_neg({self._number(node.operand, tests)})", False)
+        if isinstance(node, ast.BinOp):
+            if isinstance(node.op, ast.Mult):
+                (a, ca), (b, cb) = self._emit(node.left, tests), self._emit(node.right, tests)
+                if ca and cb:
+                    return self._bind(f"_and({a}, {b})", True)
+            a, b = self._number(node.left, tests), self._number(node.right, tests)
+            if isinstance(node.op, ast.Div):
+                return self._bind(f"_div({a}, {b})", False)
+            return self._bind(f"_op_{type(node.op).__name__}({a}, {b})", False)
+        if isinstance(node, ast.Call):
+            assert isinstance(node.func, ast.Name)
+            if node.func.id == "maximum" and len(node.args) == 2:
+                (a, ca), (b, cb) = (self._emit(x, tests) for x in node.args)
+                if ca and cb:
+                    return self._bind(f"_or({a}, {b})", True)
+            args = ", ".join(self._number(x, tests) for x in node.args)
+            return self._bind(f"_fn_{node.func.id}({args})", False)
+        if isinstance(node, ast.Compare):
+            right = node.comparators[0]
+            if (
+                len(node.ops) == 1
+                and isinstance(node.ops[0], ast.Eq | ast.NotEq)
+                and isinstance(right, ast.Constant)
+                and right.value == 0
+            ):
+                a, ca = self._emit(node.left, tests)
+                if ca:  # a condition != 0: itself; == 0: its negation
+                    return (
+                        (a, True)
+                        if isinstance(node.ops[0], ast.NotEq)
+                        else self._bind(f"_not({a})", True)
+                    )
+            sides = [self._number(x, tests) for x in (node.left, *node.comparators)]
+            parts = [
+                self._bind(f"_op_{type(op).__name__}({x}, {y})", True)[0]
+                for op, x, y in zip(node.ops, sides, sides[1:], strict=False)
+            ]
+            out = parts[0]
+            for p in parts[1:]:
+                out = self._bind(f"_and({out}, {p})", True)[0]
+            return out, True
+        raise ValueError(f"{type(node).__name__} is not allowed")  # checked at load
+
+
+def _f64(cond: Any) -> np.ndarray:
+    """A condition as the language's number: 1.0 where it holds, else 0.0."""
+    return np.asarray(cond, dtype=np.float64)
+
+
+def _holds(v: Any) -> np.ndarray:
+    """Where a number holds as a condition: not 0 and not NaN."""
+    v = np.asarray(v, dtype=np.float64)
+    return (v != 0) & ~np.isnan(v)
+
+
+def _among(column: np.ndarray, values: tuple[str, ...]) -> np.ndarray:
+    """Rows whose string is one of ``values`` (``np.isin``, without its sort)."""
+    column = np.asarray(column, dtype=object)
+    if len(values) == 1:
+        return np.asarray(column == values[0], dtype=bool).reshape(len(column))
+    member = frozenset(values).__contains__
+    return np.fromiter(map(member, column), dtype=bool, count=len(column))
+
+
+def _member(members: Mapping[str, np.ndarray], col: str, list_name: str, n: int) -> np.ndarray:
+    got = members.get(col)
+    if got is None:
+        log.warning("list %s was not read for this micro-batch", list_name)
+        return np.zeros(n, dtype=bool)
+    got = np.asarray(got)
+    return got if got.dtype == bool else np.asarray(got, dtype=np.float64) != 0
 
 
 def load(path: Path, known: set[str]) -> RuleSet:
@@ -398,5 +574,14 @@ def value_of(txn: Any, fld: str) -> str:
 
 
 def string_columns(txns: Sequence[Any], fields: Sequence[str]) -> dict[str, np.ndarray]:
-    """The transactions' string ``fields`` as object arrays (one per field)."""
-    return {f: np.array([value_of(t, f) for t in txns], dtype=object) for f in fields}
+    """The transactions' string ``fields`` as object arrays (one per field), each value
+    as :func:`value_of` gives it."""
+    out = {}
+    for f in fields:
+        values = list(map(operator.attrgetter(f), txns))
+        if not all(type(v) is str for v in values):
+            values = ["" if v is None else str(v) for v in values]
+        col = np.empty(len(values), dtype=object)
+        col[:] = values
+        out[f] = col
+    return out

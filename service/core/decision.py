@@ -13,6 +13,7 @@ features the model saw, ordered by the model's feature importance when the metad
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,6 +137,7 @@ class Verdicts:
         decline_th: npt.ArrayLike = 1.0,
     ) -> None:
         self.rules, self.masks, self.scores = tuple(rules), masks, scores
+        self._plan = _plan(self.rules)
         self.review_th = np.broadcast_to(np.asarray(review_th, dtype=np.float64), (n,))
         self.decline_th = np.broadcast_to(np.asarray(decline_th, dtype=np.float64), (n,))
         self.code = np.full(n, APPROVE, dtype=np.int8)
@@ -147,11 +149,17 @@ class Verdicts:
         self._by_rules("review")
         self._by_model(self.review_th, REVIEW)
         self.hit = np.zeros(n, dtype=bool)
+        self._matched: list[int] = []  # the rules each row matched, row after row
+        self._starts: list[int] = [0] * (n + 1)  # row i's: _matched[_starts[i]:_starts[i + 1]]
         if len(self.rules):
             self.hit = np.asarray(masks.any(axis=0), dtype=bool)
+            if self.hit.any():
+                rows, matched = np.nonzero(masks.T)  # by row, then by rule
+                self._matched = matched.tolist()
+                self._starts = np.searchsorted(rows, np.arange(n + 1)).tolist()
 
     def _by_rules(self, action: str) -> None:
-        idx = np.array([i for i, r in enumerate(self.rules) if r.active and r.action == action])
+        idx = self._plan.stages[action]
         if idx.size == 0:
             return
         m = self.masks[idx]
@@ -180,25 +188,66 @@ class Verdicts:
         decision = _NAMES[self.code[i]]
         if not self.hit[i]:
             return Verdict(decision, "model", [*head, *tail], [], [])
-        matched = np.flatnonzero(self.masks[:, i]).tolist()
+        plan = self._plan
         d = int(self.decider[i])
         reasons, fired, shadow = [], [], []
         if d >= 0:
             rule = self.rules[d]
-            reasons.append(Reason(rule.reason_code, rule.message(values)))
+            reasons.append(Reason(plan.reason_codes[d], rule.message(values)))
             fired.append(rule.code)
         reasons.extend(head)
-        for j in matched:
-            rule = self.rules[j]
+        for j in self._matched[self._starts[i] : self._starts[i + 1]]:
             if j == d:
                 continue
-            if rule.active:
-                reasons.append(Reason(rule.reason_code, rule.message(values)))
+            rule = self.rules[j]
+            if plan.active[j]:
+                reasons.append(Reason(plan.reason_codes[j], rule.message(values)))
                 fired.append(rule.code)
             else:
-                shadow.append(Reason(rule.reason_code, rule.message(values)))
-        by = "model" if d < 0 else ("list" if self.rules[d].reads_list else "rule")
+                shadow.append(Reason(plan.reason_codes[j], rule.message(values)))
+        by = "model" if d < 0 else ("list" if plan.reads_list[d] else "rule")
         return Verdict(decision, by, [*reasons, *tail], fired, shadow)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What :class:`Verdicts` reads of a sequence of rules, computed once per sequence:
+    the active rules of each stage (indices, file order), and per rule whether it is
+    active, its reason code and whether it reads a list."""
+
+    stages: Mapping[str, np.ndarray]
+    active: tuple[bool, ...]
+    reason_codes: tuple[str, ...]
+    reads_list: tuple[bool, ...]
+
+
+_PLANS: dict[int, tuple[tuple[R.Rule, ...], _Plan]] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan(rules: tuple[R.Rule, ...]) -> _Plan:
+    """The plan of ``rules``, kept for the same tuple (a rule set's: the serving rules are
+    one tuple per version); the last few tuples are kept."""
+    with _PLANS_LOCK:
+        got = _PLANS.get(id(rules))
+    if got is not None and got[0] is rules:
+        return got[1]
+    plan = _Plan(
+        stages={
+            a: np.array(
+                [i for i, r in enumerate(rules) if r.active and r.action == a], dtype=np.int64
+            )
+            for a in R.ACTIONS
+        },
+        active=tuple(r.active for r in rules),
+        reason_codes=tuple(r.reason_code for r in rules),
+        reads_list=tuple(r.reads_list for r in rules),
+    )
+    with _PLANS_LOCK:
+        if len(_PLANS) >= 8:  # rules-only subsets and impact runs: a new tuple each time
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[id(rules)] = (rules, plan)
+    return plan
 
 
 def model_reason(score: float, policy: Policy) -> list[Reason]:
