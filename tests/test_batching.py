@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
@@ -268,9 +269,9 @@ async def test_a_failing_batch_fails_only_its_items() -> None:
     await b.stop()
 
 
-async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
+def _world_scorer(world: World) -> tuple[Any, aioredis.Redis, ThreadPoolExecutor]:
+    """A scorer on the world's store and model (its client and pool: the caller closes)."""
     from cli.settings import Settings
-    from fraud_scoring.events import Transaction
     from fraud_scoring.feast_store import open_store
     from fraud_scoring.features import producible_features
     from service.core.model import ModelHolder, load_model
@@ -285,6 +286,13 @@ async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
     client = aioredis.Redis.from_url(world.redis_url)
     pool = ThreadPoolExecutor(1)
     scorer = Scorer(client, OnlineFeatureReader(store.project), ModelHolder(model), settings, pool)
+    return scorer, client, pool
+
+
+async def test_batched_results_equal_unbatched_exactly(world: World) -> None:
+    from fraud_scoring.events import Transaction
+
+    scorer, client, pool = _world_scorer(world)
     txns = [Transaction.model_validate(r) for r in held_out_day(world)[:64]]
     one_by_one = [(await scorer.score_batch([t]))[0] for t in txns]
     b = Batcher(scorer.score_batch, max_batch_size=16, max_queue_delay_s=0.01, max_queue_size=100)
@@ -307,22 +315,9 @@ async def test_scripts_lost_before_a_batch_are_loaded_and_it_records_once(world:
 
     import redis
 
-    from cli.settings import Settings
     from fraud_scoring.events import Transaction
-    from fraud_scoring.feast_store import open_store
-    from fraud_scoring.features import producible_features
-    from service.core.model import ModelHolder, load_model
-    from service.core.online_features import OnlineFeatureReader
-    from service.core.scoring import Scorer
 
-    settings = Settings(
-        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
-    )
-    store = open_store(world.data_dir, world.redis_url)
-    model = load_model(world.model_repo, "fraud", "latest", producible_features())
-    client = aioredis.Redis.from_url(world.redis_url)
-    pool = ThreadPoolExecutor(1)
-    scorer = Scorer(client, OnlineFeatureReader(store.project), ModelHolder(model), settings, pool)
+    scorer, client, pool = _world_scorer(world)
     base = Transaction.model_validate(held_out_day(world)[0])
     first = base.model_copy(update={"card_id": "noscript-card", "transaction_id": "noscript-1"})
     later = first.model_copy(
