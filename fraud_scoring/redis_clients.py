@@ -20,7 +20,7 @@ per command.
 from __future__ import annotations
 
 import asyncio
-import functools
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -210,7 +210,7 @@ class HeldConnections:
         # the pool while it works, so the pool's own wait would never end; here a call
         # past the bound waits for a free connection (bounded by the caller's timeout).
         self._slots = asyncio.Semaphore(self.pool.max_connections)
-        self._dropping: set[asyncio.Future[None]] = set()  # closing after a failed rest
+        self._dropping: set[asyncio.Future[None]] = set()  # rests drained, nobody reading
 
     async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` at once and return their replies in order, a Redis error
@@ -232,7 +232,7 @@ class HeldConnections:
     async def round_trip_then(self, commands: list[tuple[Any, ...]]) -> tuple[list[Any], Then]:
         """:meth:`round_trip`, keeping the connection for more: returns the replies and a
         :class:`Then`, whose ``send`` (called once, on every path) sends more commands on
-        the same connection, after these, and gives back a task reading their replies.
+        the same connection, after these, and gives back their :class:`Rest`.
         A server answers a pipeline only once it has run all of it: the scorer sends a
         micro-batch's writes after its reads' replies (and its claims') are in, and parses
         the reads while the server runs the writes."""
@@ -253,16 +253,6 @@ class HeldConnections:
             raise
         assert replies is not None
         return replies, Then(self, conn)
-
-    def _rest_read(self, conn: Any, task: asyncio.Future[list[Any]]) -> None:
-        """The rest's replies are in (the connection is held again), or it failed or was
-        cancelled, even before it started (the connection is dropped)."""
-        if task.cancelled() or task.exception() is not None:
-            self._dropping.add(drop := asyncio.ensure_future(self._drop(conn)))
-            drop.add_done_callback(self._dropping.discard)
-        else:
-            self._idle.append(conn)
-        self._slots.release()
 
     async def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         replies = await self._send(conn, commands, len(commands))
@@ -290,25 +280,67 @@ class Then:
     def __init__(self, held: HeldConnections, conn: Any) -> None:
         self._held, self._conn = held, conn
 
-    def send(self, commands: list[tuple[Any, ...]]) -> asyncio.Future[list[Any]]:
-        """Send ``commands`` (none: just give the connection back) and return a task
-        reading their replies; its failure or cancellation drops the connection."""
+    def send(self, commands: list[tuple[Any, ...]]) -> Rest:
+        """Send ``commands`` now (none: nothing more) and return their :class:`Rest`."""
         conn, self._conn = self._conn, None
         if conn is None:
             raise RuntimeError("Then.send is called once")
+        error = None
         if commands:
-            try:  # the transport takes the bytes now; a broken one fails the task
+            try:  # the transport takes the bytes now; a broken one fails the rest
                 conn._writer.writelines(_pack(commands))
-            except BaseException as exc:
-                task: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-                task.set_exception(redis.exceptions.ConnectionError(str(exc)))
-            else:
-                task = asyncio.ensure_future(_read(conn, len(commands)))
-        else:
-            task = asyncio.get_running_loop().create_future()
-            task.set_result([])
-        task.add_done_callback(functools.partial(self._held._rest_read, conn))
-        return task
+            except Exception as exc:
+                error = redis.exceptions.ConnectionError(str(exc))
+        return Rest(self._held, conn, len(commands), error)
+
+
+class Rest:
+    """Replies still to come on a held connection, read by :meth:`replies` once (no task
+    of their own: by the time the caller asks, they are usually in the socket's buffer),
+    or, by nobody, drained in the background by :meth:`abandon`. The connection is held
+    again once they are read, or dropped if that failed or was cancelled."""
+
+    def __init__(self, held: HeldConnections, conn: Any, n: int, error: Exception | None) -> None:
+        self._held, self._conn, self._n, self._error = held, conn, n, error
+
+    async def replies(self) -> list[Any]:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("Rest.replies is called once")
+        held = self._held
+        try:
+            if self._error is not None:
+                raise self._error
+            out = await _read(conn, self._n) if self._n else []
+        except BaseException:
+            try:
+                await held._drop(conn)
+            finally:
+                held._slots.release()
+            raise
+        held._idle.append(conn)
+        held._slots.release()
+        return out
+
+    def abandon(self, timeout_s: float, then: Callable[[], None]) -> None:
+        """Read the replies in the background (nobody will), for at most ``timeout_s``,
+        and call ``then`` once they are read or given up."""
+        if self._conn is None:
+            then()
+            return
+
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(max(timeout_s, 0.0)):
+                    await self.replies()
+            except Exception:  # the batch has failed already: nothing to tell
+                pass
+            finally:
+                then()
+
+        task = asyncio.ensure_future(drain())
+        self._held._dropping.add(task)
+        task.add_done_callback(self._held._dropping.discard)
 
 
 async def _read(conn: Any, n: int) -> list[Any]:

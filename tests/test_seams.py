@@ -130,19 +130,25 @@ def test_held_connections_keep_replies_in_order_and_never_reuse_a_broken_one(
         # (through the connection's stream writer, a redis-py seam pinned here).
         head, then = await held.round_trip_then([("SET", "k2", "a"), ("GET", "k2")])
         assert head == [b"OK", b"a"]
-        assert await then.send([("APPEND", "k2", "b"), ("GET", "k2")]) == [2, b"ab"]
+        assert await then.send([("APPEND", "k2", "b"), ("GET", "k2")]).replies() == [2, b"ab"]
         head, then = await held.round_trip_then([("CLIENT", "ID")])
-        assert await then.send([]) == []  # nothing more: the connection is held again
-        await asyncio.sleep(0)  # (by the task's done callback, run by the event loop)
+        assert await then.send([]).replies() == []  # nothing more: held again
         assert (await held.round_trip([("CLIENT", "ID")]))[0] == head[0]
-        # A rest cancelled (its deadline passed) drops its connection too.
+        # A rest nobody reads is read in the background, and its connection held again.
+        head, then = await held.round_trip_then([("CLIENT", "ID")])
+        drained = asyncio.get_running_loop().create_future()
+        then.send([("GET", "k")]).abandon(5.0, lambda: drained.set_result(None))
+        await drained
+        assert (await held.round_trip([("CLIENT", "ID")]))[0] == head[0]
+        # A rest whose reading is cancelled (its deadline passed) drops its connection.
         head, then = await held.round_trip_then([("GET", "k")])
-        rest = then.send([("BLPOP", "nothing", 1)])
+        reading = asyncio.ensure_future(then.send([("BLPOP", "nothing", 1)]).replies())
         assert head == [b"v"]
         await eventually(blocked, timeout=10)
-        rest.cancel()  # started or not, its connection is dropped
+        await asyncio.sleep(0.01)  # the reading has started (as the scorer's, awaited)
+        reading.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await rest
+            await reading
         await eventually(lambda: not blocked(), timeout=10)
         admin.lpush("nothing", "late")
         assert await held.round_trip([("GET", "k")]) == [b"v"]

@@ -51,7 +51,12 @@ from fraud_scoring import rules as R
 from fraud_scoring import session
 from fraud_scoring.declared import columnar as C
 from fraud_scoring.events import Transaction
-from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, is_cluster_pipeline
+from fraud_scoring.redis_clients import (
+    STORE_ERRORS,
+    HeldConnections,
+    Rest,
+    is_cluster_pipeline,
+)
 from service.core import idempotency, lists
 from service.core.challenger import Challenger
 from service.core.decision import (
@@ -205,24 +210,54 @@ class _Pending:
 
     lay: _Layout
     head: list[Any]
-    tail: asyncio.Future[list[Any]]
+    tail: Rest | _PipelineRest  # the writes' replies, read once (Scorer._settled)
     deadline: float  # the event loop's time the whole round trip is bounded by
     turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
     batch: _Batch  # what the round trip read and recorded
     replies: list[Any] | None = None
+    read: bool = False  # the tail was read (or its reading failed)
     released: bool = False
 
     def release(self) -> None:
-        """Pass the turn on once the writes' replies are in (now, if they are); a tail
-        nobody waits for (the batch failed first) ends unread at the deadline."""
-        if not self.released:
-            self.released = True
-            self.tail.add_done_callback(self._passed)
+        """Pass the turn on: now if the writes' replies were read; a batch that failed
+        before reading them leaves them to be read in the background, by the round
+        trip's deadline, and the turn passes then."""
+        if self.released:
+            return
+        self.released = True
+        if self.read:
+            _Turns.done(self.turn)
+        else:
+            left = self.deadline - asyncio.get_running_loop().time()
+            self.tail.abandon(left, lambda: _Turns.done(self.turn))
 
-    def _passed(self, tail: asyncio.Future[list[Any]]) -> None:
-        if not tail.cancelled():
-            tail.exception()  # read here when the batch failed before it: not logged twice
-        _Turns.done(self.turn)
+
+class _PipelineRest:
+    """The writes of a micro-batch on a Redis Cluster: redis-py's pipeline, sent when
+    read (:class:`fraud_scoring.redis_clients.Rest`'s interface)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+
+    async def replies(self) -> list[Any]:
+        return list(await self._pipe.execute(raise_on_error=False)) if len(self._pipe) else []
+
+    def abandon(self, timeout_s: float, then: Callable[[], None]) -> None:
+        async def send() -> None:
+            try:
+                async with asyncio.timeout(max(timeout_s, 0.0)):
+                    await self.replies()
+            except Exception:  # the batch has failed already: nothing to tell
+                pass
+            finally:
+                then()
+
+        task = asyncio.ensure_future(send())
+        _ABANDONED.add(task)
+        task.add_done_callback(_ABANDONED.discard)
+
+
+_ABANDONED: set[asyncio.Future[None]] = set()  # a Cluster's writes nobody reads, sent
 
 
 class _Commands(list[tuple[Any, ...]]):
@@ -433,7 +468,6 @@ class Scorer:
         except BaseException:
             pending.release()
             raise
-        pending.release()  # the next batch's round trip goes once these writes are done
         if read.inexact_reads:
             _inexact_declared().inc(read.inexact_reads)
         txns = batch.txns
@@ -480,16 +514,12 @@ class Scorer:
         return replies
 
     async def _settled(self, pending: _Pending) -> list[Any]:
-        """The writes' replies of ``pending``'s round trip; failed or late (past the
-        round trip's deadline), FeatureStoreUnavailable."""
+        """The writes' replies of ``pending``'s round trip (read here, once); failed or
+        late (past the round trip's deadline), FeatureStoreUnavailable."""
+        pending.read = True  # read or failed: either way nobody reads them again
         try:
-            try:
-                return await pending.tail
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if pending.tail.cancelled() and task is not None and not task.cancelling():
-                    raise TimeoutError("the writes outlived the round trip's deadline") from None
-                raise
+            async with asyncio.timeout_at(pending.deadline):
+                return await pending.tail.replies()
         except STORE_OR_TIMEOUT as exc:
             log.warning("recording failed: %s", exc)
             if self.health is not None:
@@ -592,13 +622,9 @@ class Scorer:
             batch = _Batch.of(timed, recorded, rows)
             writes, n_session = self._queue_writes(batch, plan, decl)
         except BaseException:
-            then([])  # the connection goes back
+            then(self._pipeline()).abandon(0.0, lambda: None)  # the connection goes back
             raise
-        tail = then(writes)
-        # The writes end by the same deadline, waited for or not (a batch that fails after
-        # its reads leaves them to finish on their own).
-        timer = loop.call_at(deadline, tail.cancel)
-        tail.add_done_callback(lambda _: timer.cancel())
+        tail = then(writes)  # sent now (one server), read after the batch's decisions
         states = list(self.health.states) if self.health is not None else []
         lay = _Layout(
             len(markers), n_reader, reads_end, reads_end + n_session, plan, states, list_reads
@@ -650,23 +676,15 @@ class Scorer:
 
     async def _execute_then(
         self, pipe: Any
-    ) -> tuple[list[Any], Callable[[Any], asyncio.Future[list[Any]]]]:
+    ) -> tuple[list[Any], Callable[[Any], Rest | _PipelineRest]]:
         """:meth:`_execute`, and a function that sends more commands after these (on the
-        same held connection; on a Cluster, a pipeline of its own) and returns a future of
-        their replies. It is called once on every path (with nothing: no more)."""
+        same held connection, at once; on a Cluster, a pipeline of its own, sent when
+        read) and returns their replies to come. It is called once on every path, and
+        what it returns is read or abandoned once."""
         if self._held is not None:
             replies, then = await self._held.round_trip_then(pipe)
             return replies, then.send
-        replies = list(await pipe.execute(raise_on_error=False))
-
-        def send(more: Any) -> asyncio.Future[list[Any]]:
-            if len(more):
-                return asyncio.ensure_future(more.execute(raise_on_error=False))
-            done = asyncio.get_running_loop().create_future()
-            done.set_result([])
-            return done
-
-        return replies, send
+        return list(await pipe.execute(raise_on_error=False)), _PipelineRest
 
     async def _load(self, scripts: Sequence[str]) -> None:
         if self._held is None:
