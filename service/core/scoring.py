@@ -285,7 +285,8 @@ class _Turns:
     (``FRAUD_BATCHES_IN_FLIGHT``) send their round trips one after another in the order
     they formed: a batch's reads see every earlier batch's recording, so a burst split
     across two batches counts its earlier attempts, as with one batch at a time. A
-    batch waits only for the previous batch's round trip, not for its parse and model."""
+    batch waits for the previous batch to have read its writes' replies (which it does
+    after its decisions: :meth:`Scorer._written`)."""
 
     def __init__(self) -> None:
         self._last: asyncio.Future[None] | None = None
