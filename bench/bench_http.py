@@ -93,6 +93,9 @@ class Result:
     # How long the service's threads were ready to run but waited for a core (others'
     # processes on its pinned core), per request: the machine's share of the latency.
     rq_ms: float = float("nan")
+    # Requests per executed micro-batch in the step (the service's fraud_batch_size
+    # histogram read before and after it; nan for a server without one, or naive).
+    batch: float = float("nan")
     # What the errors were: HTTP status, or "conn" for a connection the server dropped.
     error_kinds: dict[str, int] = field(default_factory=dict)
     server: str = ""  # which server (a mode, or mode@REF)
@@ -105,7 +108,7 @@ class Result:
             f"{self.mode:<22} {self.offered:>8,.0f} {self.achieved:>9,.0f} "
             f"{self.p50:>8.2f} {self.p99:>8.2f} {self.p999:>8.2f} {self.p99_sent:>8.2f} "
             f"{self.shed:>7.2%} {self.errors:>7.2%} {self.cpu_ms:>7.3f} {self.rq_ms:>6.2f} "
-            f"{self.gen_lag_p99:>8.2f}  {'yes' if not why else 'no: ' + why}"
+            f"{self.batch:>6.1f} {self.gen_lag_p99:>8.2f}  {'yes' if not why else 'no: ' + why}"
             + (f"  ({kinds})" if kinds else "")
         )
 
@@ -113,7 +116,7 @@ class Result:
 HEADER = (
     f"{'mode':<22} {'offered':>8} {'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} "
     f"{'p99.9 ms':>8} {'p99 sent':>8} {'shed':>7} {'errors':>7} {'cpu ms':>7} {'rq ms':>6} "
-    f"{'gen lag':>8}  held"
+    f"{'batch':>6} {'gen lag':>8}  held"
 )
 
 
@@ -381,6 +384,25 @@ class Server:
                 total += sum(p.cpu_times()[:2])
         return total
 
+    def batches(self) -> tuple[float, float]:
+        """The service's executed micro-batches so far and the requests they held (its
+        ``fraud_batch_size`` histogram on /metrics); nan where there is none."""
+        import urllib.request
+
+        count = total = float("nan")
+        try:
+            with urllib.request.urlopen(self.service.url + "/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except (OSError, ValueError):
+            return count, total
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith("fraud_batch_size_count"):
+                count = (0.0 if math.isnan(count) else count) + float(value)
+            elif name.startswith("fraud_batch_size_sum"):
+                total = (0.0 if math.isnan(total) else total) + float(value)
+        return count, total
+
     def runqueue_s(self) -> float:
         """Time the server's threads spent runnable but not running (Linux schedstat;
         nan elsewhere)."""
@@ -406,6 +428,7 @@ class Server:
     def step(
         self, bodies: Sequence[bytes], rate: float, seconds: float, mode: str, step: str = ""
     ) -> Result:
+        batches0 = self.batches()
         cpu0, rq0 = self.cpu_s(), self.runqueue_s()
         res = run(
             open_loop(
@@ -414,6 +437,9 @@ class Server:
         )
         res.cpu_ms = (self.cpu_s() - cpu0) * 1e3 / (rate * seconds)
         res.rq_ms = (self.runqueue_s() - rq0) * 1e3 / (rate * seconds)
+        batches1 = self.batches()  # read outside the CPU window
+        if batches1[0] > batches0[0]:
+            res.batch = (batches1[1] - batches0[1]) / (batches1[0] - batches0[0])
         res.server, res.step = self.name or mode, step
         print(res.line(), flush=True)
         return res
@@ -454,7 +480,8 @@ def ratio_line(now: Result, before: Result, ref: str) -> str:
         f"{'  now / ' + ref:<22} {'':>8} "
         f"{x(now.achieved, before.achieved):>9} {x(now.p50, before.p50):>8} "
         f"{x(now.p99, before.p99):>8} {'':>8} {'':>8} {'':>7} {'':>7} "
-        f"{x(now.cpu_ms, before.cpu_ms):>7} {x(now.rq_ms, before.rq_ms):>6}"
+        f"{x(now.cpu_ms, before.cpu_ms):>7} {x(now.rq_ms, before.rq_ms):>6} "
+        f"{x(now.batch, before.batch):>6}"
     )
 
 
