@@ -20,7 +20,7 @@ per command.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -210,7 +210,6 @@ class HeldConnections:
         # the pool while it works, so the pool's own wait would never end; here a call
         # past the bound waits for a free connection (bounded by the caller's timeout).
         self._slots = asyncio.Semaphore(self.pool.max_connections)
-        self._dropping: set[asyncio.Future[None]] = set()  # rests drained, nobody reading
 
     async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` at once and return their replies in order, a Redis error
@@ -328,19 +327,30 @@ class Rest:
         if self._conn is None:
             then()
             return
+        drain_in_background(self.replies, timeout_s, then)
 
-        async def drain() -> None:
-            try:
-                async with asyncio.timeout(max(timeout_s, 0.0)):
-                    await self.replies()
-            except Exception:  # the batch has failed already: nothing to tell
-                pass
-            finally:
-                then()
 
-        task = asyncio.ensure_future(drain())
-        self._held._dropping.add(task)
-        task.add_done_callback(self._held._dropping.discard)
+_DRAINING: set[asyncio.Future[None]] = set()  # replies read in the background, nobody waiting
+
+
+def drain_in_background(
+    replies: Callable[[], Awaitable[list[Any]]], timeout_s: float, then: Callable[[], None]
+) -> None:
+    """Read ``replies()`` in a task of its own (nobody waits for them), for at most
+    ``timeout_s``, and call ``then`` once they are read or given up."""
+
+    async def drain() -> None:
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await replies()
+        except Exception:  # the batch has failed already: nothing to tell
+            pass
+        finally:
+            then()
+
+    task = asyncio.ensure_future(drain())
+    _DRAINING.add(task)
+    task.add_done_callback(_DRAINING.discard)
 
 
 async def _read(conn: Any, n: int) -> list[Any]:

@@ -55,6 +55,7 @@ from fraud_scoring.redis_clients import (
     STORE_ERRORS,
     HeldConnections,
     Rest,
+    drain_in_background,
     is_cluster_pipeline,
 )
 from service.core import idempotency, lists
@@ -243,21 +244,7 @@ class _PipelineRest:
         return list(await self._pipe.execute(raise_on_error=False)) if len(self._pipe) else []
 
     def abandon(self, timeout_s: float, then: Callable[[], None]) -> None:
-        async def send() -> None:
-            try:
-                async with asyncio.timeout(max(timeout_s, 0.0)):
-                    await self.replies()
-            except Exception:  # the batch has failed already: nothing to tell
-                pass
-            finally:
-                then()
-
-        task = asyncio.ensure_future(send())
-        _ABANDONED.add(task)
-        task.add_done_callback(_ABANDONED.discard)
-
-
-_ABANDONED: set[asyncio.Future[None]] = set()  # a Cluster's writes nobody reads, sent
+        drain_in_background(self.replies, timeout_s, then)
 
 
 class _Commands(list[tuple[Any, ...]]):
