@@ -12,7 +12,7 @@ the row), and writes:
   columns (``card_id``, ``merchant_id``, ``event_time`` are null: a label carries only
   its id), one per (``transaction_id``, source), an analyst's per key too (the service's
   idempotence key); and their sources and key ids into
-  ``raw/label_sources/date=<arrival day>/part-0.parquet`` (``batch_jobs.labels``), which
+  ``raw/label_sources/date=<arrival day>/part-0.parquet`` (``fraud_scoring.labels``), which
   training's label precedence reads (analyst > chargeback > other).
 
 Idempotent: a re-run rewrites the same rows (each partition replaced atomically, merged
@@ -22,7 +22,8 @@ FRAUD_DECISION_LOG_RETENTION_S, so a day must be compacted within it.
 
 :func:`decisions_with_labels` is the labelled view, with training's rules: a label counts
 only if it had arrived strictly before ``as_of``, and of several the one that stands by
-source (``batch_jobs.labels.standing_labels``).
+source. It lives in :mod:`fraud_scoring.labels` (the service's rules test reads it too) and
+is re-exported here.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from batch_jobs.labels import SOURCES_SCHEMA, SOURCES_TABLE, known_labels
 from fraud_scoring import contract as C
+from fraud_scoring.labels import SOURCES_SCHEMA, SOURCES_TABLE
+from fraud_scoring.labels import decisions_with_labels as decisions_with_labels  # re-exported
 from fraud_scoring.storage import (
     DataError,
-    partition_days,
     partition_file,
     read_partition,
     write_partition,
@@ -137,7 +138,7 @@ def decision_rows(payloads: Iterable[bytes]) -> tuple[list[dict], int]:
 
 
 def feedback_labels(payloads: Iterable[bytes]) -> pa.Table:
-    """Feedback entries as rows of ``batch_jobs.labels.SOURCES_SCHEMA`` (the label's
+    """Feedback entries as rows of ``fraud_scoring.labels.SOURCES_SCHEMA`` (the label's
     columns, its ``source`` and ``key_id``), the first per (transaction_id, source), for
     ``analyst`` per (transaction_id, source, key_id): the service's idempotence key
     (``service.edge.feedback.feedback_key``), so the compaction keeps what the Redis log
@@ -233,32 +234,3 @@ def compact_day(
     for d in sorted(set(arrival)):
         merge_labels(raw, d, labels.filter(pa.array([a == d for a in arrival])))
     return CompactReport(day, len(rows), dropped, labels.num_rows)
-
-
-def decisions_with_labels(raw: Path, first: date, last: date, as_of: datetime) -> pa.Table:
-    """The decisions made on days ``first``..``last`` with the label known at ``as_of``
-    (timezone-aware): ``is_fraud``, its ``label_time`` and ``label_source`` from the label
-    that stands among those that had arrived strictly before ``as_of``
-    (``batch_jobs.labels.known_labels``: analyst > chargeback > other, the newest within
-    a source), all null when none had. One row per ``transaction_id`` (its first
-    decision), whatever the partitions hold. Raises DataError when no decision partition
-    is in the range."""
-    days = [d for d in partition_days(raw, "decisions") if first <= d <= last]
-    if not days:
-        raise DataError(f"no decision partitions under {raw / 'decisions'} for {first}..{last}")
-    dfiles = [str(partition_file(raw, "decisions", d)) for d in days]
-    known = known_labels(raw, as_of)
-    con = duckdb.connect()
-    try:
-        con.register("known", known)
-        sql = """
-        SELECT d.*, known.is_fraud, known.label_time, known.source AS label_source
-        FROM read_parquet($d, union_by_name = true) d LEFT JOIN known USING (transaction_id)
-        QUALIFY row_number() OVER (PARTITION BY d.transaction_id ORDER BY d.decided_at) = 1
-        ORDER BY d.decided_at, d.transaction_id
-        """
-        return con.sql(sql, params={"d": dfiles}).to_arrow_table()
-    except duckdb.Error as exc:
-        raise DataError(f"joining decisions with labels under {raw}: {exc}") from exc
-    finally:
-        con.close()

@@ -1,29 +1,8 @@
-"""Fraud labels as they stood at one instant: one label per transaction, by precedence.
+"""Training's labels: the frauds known at one instant and where a label feed stops.
 
-Labels arrive days after the transaction (``raw/labels/`` is partitioned by arrival
-day), so "is this transaction fraud?" always has an as-of time. A transaction may have
-several labels: a chargeback, an analyst's mark, a customer's report, a chargeback
-cleared later. :func:`standing_labels` is the one rule that picks the label that stands,
-among those that had arrived strictly before the as-of time:
-
-1. by source: ``analyst`` > ``chargeback`` > any other (``customer``): an analyst's
-   verdict overrules a chargeback or a report, a chargeback overrules a report;
-2. within a source, the newest arrival (a later chargeback file clearing an earlier one,
-   a second analyst's mark);
-3. at one arrival instant within one source, fraud.
-
-Training (:func:`known_frauds`: ``train.load_transactions``, ``evaluate``'s holdout
-refresh) and the labelled view of the served decisions
-(``decisions.decisions_with_labels``: the served-traffic report, the champion/challenger
-comparison) all take their labels from it.
-
-A label's source: ``raw/label_sources/date=<arrival day>/part-0.parquet`` (written by
-``fraud-scoring decisions compact`` for every label that came through the feedback log:
-``transaction_id``, ``label_time``, ``is_fraud``, ``source``, ``key_id``), matched on
-(``transaction_id``, ``label_time``, ``is_fraud``). A label row without a match there (the
-chargeback files ``ingest`` and ``simulate`` write, feedback compacted before sources
-were kept) is a ``chargeback``. The label partitions themselves keep the data contract's
-columns, so every label partition has the same columns whoever wrote it.
+The label precedence itself (which of a transaction's labels stands) and the labelled
+decision log are :mod:`fraud_scoring.labels` (the service's ``rules test`` reads them
+too); its names are re-exported here for the batch jobs.
 """
 
 from __future__ import annotations
@@ -31,109 +10,22 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
-import duckdb
-import pyarrow as pa
 import pyarrow.compute as pc
 
-from fraud_scoring.storage import DataError, partition_days, partition_file
-
-SOURCES_TABLE = "label_sources"
-# The sources in their order of precedence; every other source ranks after them.
-PRECEDENCE: tuple[str, ...] = ("analyst", "chargeback")
-UNSOURCED = "chargeback"  # a label row that no source row matches
-_TS = pa.timestamp("us", tz="UTC")
-SOURCES_SCHEMA = pa.schema(
-    [
-        pa.field("transaction_id", pa.string()),
-        pa.field("label_time", _TS),
-        pa.field("is_fraud", pa.bool_()),
-        pa.field("source", pa.string()),
-        pa.field("key_id", pa.string()),  # the key that sent it (None: before keys were kept)
-    ]
-)
-# What :func:`standing_labels` answers, one row per transaction_id.
-STANDING_SCHEMA = pa.schema(
-    [
-        pa.field("transaction_id", pa.string()),
-        pa.field("is_fraud", pa.bool_()),
-        pa.field("label_time", _TS),
-        pa.field("source", pa.string()),
-    ]
-)
-
-_RANK = (
-    "CASE source "
-    + " ".join(f"WHEN '{s}' THEN {i}" for i, s in enumerate(PRECEDENCE))
-    + f" ELSE {len(PRECEDENCE)} END"
-)
-_STANDING_SQL = f"""
-WITH l AS (
-  SELECT transaction_id, label_time, is_fraud FROM labels WHERE label_time < $as_of
-), s AS (
-  SELECT DISTINCT transaction_id, label_time, is_fraud, source FROM sources
-), sourced AS (
-  SELECT l.transaction_id, l.label_time, l.is_fraud, coalesce(s.source, '{UNSOURCED}') AS source
-  FROM l LEFT JOIN s ON l.transaction_id = s.transaction_id
-    AND l.label_time = s.label_time AND l.is_fraud = s.is_fraud
-)
-SELECT transaction_id, is_fraud, label_time, source FROM sourced
-QUALIFY row_number() OVER (
-  PARTITION BY transaction_id ORDER BY {_RANK}, label_time DESC, is_fraud DESC
-) = 1
-ORDER BY transaction_id
-"""
-
-
-def standing_labels(labels: pa.Table, sources: pa.Table, as_of: datetime) -> pa.Table:
-    """The label that stands for each transaction of ``labels`` (``transaction_id``,
-    ``label_time``, ``is_fraud``; more columns are ignored) among those that arrived
-    strictly before ``as_of`` (timezone-aware), by the module's precedence, with its
-    source from ``sources`` (:data:`SOURCES_SCHEMA`'s first four columns; unmatched:
-    ``chargeback``). Rows of :data:`STANDING_SCHEMA`, by ``transaction_id``."""
-    con = duckdb.connect()
-    try:
-        con.execute("SET TimeZone='UTC'")
-        con.register("labels", labels.select(["transaction_id", "label_time", "is_fraud"]))
-        con.register(
-            "sources", sources.select(["transaction_id", "label_time", "is_fraud", "source"])
-        )
-        got = con.sql(_STANDING_SQL, params={"as_of": as_of}).to_arrow_table()
-    finally:
-        con.close()
-    return got.cast(STANDING_SCHEMA)
-
-
-def _read(raw: Path, table: str, columns: list[str], where: str, as_of: datetime) -> pa.Table:
-    files = [str(partition_file(raw, table, d)) for d in partition_days(raw, table)]
-    if not files:
-        return pa.table({c: pa.array([], SOURCES_SCHEMA.field(c).type) for c in columns})
-    con = duckdb.connect()
-    try:
-        con.execute("SET TimeZone='UTC'")
-        return con.sql(
-            f"SELECT {', '.join(columns)} FROM read_parquet($f, union_by_name = true) {where}",
-            params={"f": files, **({"as_of": as_of} if "$as_of" in where else {})},
-        ).to_arrow_table()
-    except duckdb.Error as exc:
-        raise DataError(f"reading {raw / table}: {exc}") from exc
-    finally:
-        con.close()
-
-
-def known_labels(raw: Path, as_of: datetime) -> pa.Table:
-    """Each labelled transaction's standing label as of ``as_of`` (timezone-aware), from
-    the label partitions under ``raw`` and their sources (:func:`standing_labels`). No
-    label partitions: an empty table."""
-    cols = ["transaction_id", "label_time", "is_fraud"]
-    labels = _read(raw, "labels", cols, "WHERE label_time < $as_of", as_of)
-    sources = _read(raw, SOURCES_TABLE, [*cols, "source"], "", as_of)
-    return standing_labels(labels, sources, as_of)
+from fraud_scoring.labels import PRECEDENCE as PRECEDENCE
+from fraud_scoring.labels import SOURCES_SCHEMA as SOURCES_SCHEMA
+from fraud_scoring.labels import SOURCES_TABLE as SOURCES_TABLE
+from fraud_scoring.labels import STANDING_SCHEMA as STANDING_SCHEMA
+from fraud_scoring.labels import UNSOURCED as UNSOURCED
+from fraud_scoring.labels import known_labels as known_labels
+from fraud_scoring.labels import read_table
+from fraud_scoring.labels import standing_labels as standing_labels
 
 
 def newest_label_time(raw: Path, as_of: datetime) -> datetime | None:
     """The newest ``label_time`` under ``raw`` strictly before ``as_of`` (timezone-aware,
     UTC), any label, fraud or not; None when none had arrived: where a label feed stops."""
-    t = _read(raw, "labels", ["label_time"], "WHERE label_time < $as_of", as_of)
+    t = read_table(raw, "labels", ["label_time"], "WHERE label_time < $as_of", as_of)
     newest = pc.max(t.column("label_time")).as_py() if t.num_rows else None
     return newest.astimezone(UTC) if newest is not None else None
 

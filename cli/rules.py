@@ -3,7 +3,7 @@ service logged (docs/rules.md#testing-a-rules-file).
 
 Reads the compacted decision log (``raw/decisions``, ``fraud-scoring decisions compact``)
 of the UTC decision days asked, with the labels known now joined by arrival time
-(:func:`batch_jobs.decisions.decisions_with_labels`), each row's logged feature vector,
+(:func:`fraud_scoring.labels.decisions_with_labels`), each row's logged feature vector,
 score and the thresholds of the model version that decided it (the model repository's
 metadata, with the settings' overrides for the champion, as the service decides), and the
 lists' items as they are now in the online store (``REDIS_URL``; unset: the lists read
@@ -117,7 +117,7 @@ def rules_report(
     as_of = args.as_of or datetime.now(UTC)
     # The compacted log is read with DuckDB (the training stack): imported here, so the
     # serving image's CLI starts and `rules test` alone answers its one-line pointer.
-    from batch_jobs.decisions import decisions_with_labels
+    from fraud_scoring.labels import decisions_with_labels
 
     table = decisions_with_labels(raw, days[0], days[-1], as_of)
     if table.num_rows == 0:

@@ -521,15 +521,17 @@ def test_post_rules_test_answers_the_clis_figures_for_admin_only(
         ]  # fmt: skip
 
 
-def test_without_the_decision_log_reader_the_route_says_what_is_missing(
+def test_without_duckdb_the_log_reader_is_unavailable_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The serving image has no DuckDB: the reader is loaded by name and its absence is
-    ReaderUnavailable (the route's 501), naming the module."""
+    """The serving image has no DuckDB: the reader (``fraud_scoring.labels``) is imported
+    only when asked, and DuckDB's absence is ReaderUnavailable (the route's 501), naming
+    it."""
     from service.core import rule_log
 
-    monkeypatch.setattr(rule_log, "LOG_READER", ("duckdb_is_not_here", "read"))
-    with pytest.raises(rule_log.ReaderUnavailable, match="needs duckdb_is_not_here"):
+    monkeypatch.setitem(sys.modules, "duckdb", None)  # `import duckdb` raises ImportError
+    monkeypatch.delitem(sys.modules, "fraud_scoring.labels", raising=False)
+    with pytest.raises(rule_log.ReaderUnavailable, match="needs duckdb "):
         rule_log.log_reader()
     monkeypatch.undo()
     assert rule_log.log_reader().__name__ == "decisions_with_labels"

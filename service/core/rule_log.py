@@ -4,16 +4,13 @@ numbers, its model's thresholds, the lists' rows, as :class:`~service.core.rule_
 columns, and the report as text and as one JSON document.
 
 The log itself is read by the function :func:`log_reader` answers: the compacted log
-with the labels known now (``batch_jobs.decisions.decisions_with_labels``, DuckDB: the
-jobs image's). The service
-does not import the batch jobs (the import-linter contract keeps the apps apart, and the
-serving image has no DuckDB): ``log_reader`` loads that module by name when a test is
-asked, and answers :class:`ReaderUnavailable` where it cannot be loaded.
+with the labels known now (:func:`fraud_scoring.labels.decisions_with_labels`, DuckDB:
+the jobs image's). The serving image has no DuckDB, so ``log_reader`` imports that module
+only when a test is asked, and answers :class:`ReaderUnavailable` where it cannot be.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from datetime import date, datetime, timedelta
 from pathlib import Path
@@ -33,8 +30,6 @@ from service.settings import ServiceSettings
 
 DEFAULT_DAYS = 7
 RULES_ONLY = "rules-only"  # the model_version of a degraded (rules-only) decision
-# The reader of the compacted log with labels: the batch jobs' (module, function).
-LOG_READER = ("batch_jobs.decisions", "decisions_with_labels")
 
 
 class ReaderUnavailable(RuntimeError):
@@ -42,19 +37,16 @@ class ReaderUnavailable(RuntimeError):
 
 
 def log_reader() -> Callable[[Path, date, date, datetime], pa.Table]:
-    """The reader of the compacted log with labels (see the module's docstring), loaded
-    by name. Raises ReaderUnavailable naming the missing module."""
-    module, name = LOG_READER
+    """The reader of the compacted log with labels (see the module's docstring),
+    imported now. Raises ReaderUnavailable naming the missing module."""
     try:
-        reader: Callable[[Path, date, date, datetime], pa.Table] = getattr(
-            importlib.import_module(module), name
-        )
+        from fraud_scoring.labels import decisions_with_labels
     except ImportError as exc:
         raise ReaderUnavailable(
-            f"the decision log reader needs {exc.name or module} (the jobs image's "
-            "`train` extra); run `fraud-scoring rules test` on the jobs image"
+            f"the decision log reader needs {exc.name or 'fraud_scoring.labels'} (the jobs "
+            "image's `train` extra); run `fraud-scoring rules test` on the jobs image"
         ) from None
-    return reader
+    return decisions_with_labels
 
 
 def day_range(raw: Path, since: date | None, until: date | None, days: int | None) -> list[date]:
