@@ -37,7 +37,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     rm.add_argument("values", nargs="+")
     rm.add_argument("--reason", required=True)
     rm.add_argument("--by", default=me, help=by_help)
-    show = sub.add_parser("show", help="the list's items as JSON lines")
+    show = sub.add_parser("show", help="the list's items as JSON lines, every page")
     show.add_argument("name")
     show.add_argument("--audit", action="store_true", help="its audit trail instead")
     imp = sub.add_parser(
@@ -90,9 +90,13 @@ async def _run(args: argparse.Namespace, settings: Settings, url: str) -> Any:
         if action == "remove":
             n = await lists.remove(client, rules, name, args.values, args.reason, args.by)
             return f"{name}: {n} removed"
-        if args.audit:
-            return await lists.audit(client, rules, name)
-        return await lists.show(client, rules, name)
+        read = lists.audit if args.audit else lists.show
+        rows, cursor = [], None
+        while True:  # page by page, as GET /v1/lists/{name}/items answers them
+            page = await read(client, rules, name, lists.PAGE_MAX, cursor)
+            rows += page.rows
+            if (cursor := page.next_cursor) is None:
+                return rows
     finally:
         await client.aclose()
 

@@ -74,6 +74,18 @@ def _card() -> str:
     return f"c-lists-{time.monotonic_ns()}"
 
 
+def _pages(served: ListsServer, path: str, rows: str, **params: Any) -> list[list[dict]]:
+    """Every page of a list GET, following ``next_cursor``."""
+    out, cursor = [], None
+    while True:
+        query = params | ({"cursor": cursor} if cursor else {})
+        got = served.call("GET", path, served.analyst, params=query)
+        assert got.status_code == 200, got.text
+        out.append(got.json()[rows])
+        if (cursor := got.json()["next_cursor"]) is None:
+            return out
+
+
 def test_a_card_put_on_the_block_list_is_declined_on_its_next_transaction(
     served: ListsServer,
 ) -> None:
@@ -108,12 +120,78 @@ def test_a_card_put_on_the_block_list_is_declined_on_its_next_transaction(
     )
     assert gone.json()["changed"] == 1
     assert served.score(card_id=card).json()["decided_by"] != "list"
-    audit = served.call("GET", "/v1/lists/blocked_cards/audit", served.analyst).json()
-    mine = [(e["op"], e["key_id"], e["reason"]) for e in audit["entries"] if e["value"] == card]
+    audit = [e for p in _pages(served, "/v1/lists/blocked_cards/audit", "entries") for e in p]
+    mine = [(e["op"], e["key_id"], e["reason"]) for e in audit if e["value"] == card]
     assert mine == [
         ("add", "analyst", "confirmed compromised (case 17)"),
         ("remove", "ops", "false positive"),
     ]
+
+
+def test_list_gets_answer_pages_a_cursor_follows(served: ListsServer) -> None:
+    """``limit`` rows a page (default and most in the OpenAPI document) and the cursor of
+    the next; every item once, by value; the audit oldest first; a bad limit or cursor is
+    a 422 naming it."""
+    tag = time.monotonic_ns()
+    merchants = [f"m-page-{tag}-{i}" for i in range(7)]
+    items = [{"value": m, "reason": "page"} for m in merchants]
+    put = served.call(
+        "PUT", "/v1/lists/trusted_merchants/items", served.analyst, json={"items": items}
+    )
+    assert put.status_code == 200, put.text
+    pages = _pages(served, "/v1/lists/trusted_merchants/items", "items", limit=3)
+    assert all(len(p) == 3 for p in pages[:-1]) and 1 <= len(pages[-1]) <= 3
+    values = [i["value"] for p in pages for i in p]
+    assert values == sorted(set(values)) and set(merchants) <= set(values)
+    whole = served.call("GET", "/v1/lists/trusted_merchants/items", served.analyst).json()
+    assert [i["value"] for i in whole["items"]] == values  # default 100: one page here
+    assert whole["next_cursor"] is None
+
+    audit = _pages(served, "/v1/lists/trusted_merchants/audit", "entries", limit=2)
+    entries = [e for p in audit for e in p]
+    assert [e["value"] for e in entries if e["value"] in merchants] == merchants
+    ids = [tuple(map(int, e["id"].split("-"))) for e in entries]
+    assert ids == sorted(set(ids))  # oldest first, none twice
+
+    first = served.call(
+        "GET", "/v1/lists/trusted_merchants/audit", served.analyst, params={"limit": 1}
+    ).json()
+    bad = {
+        "limit": [{"limit": 0}, {"limit": 1001}, {"limit": "x"}],
+        "cursor": [{"cursor": "nope"}, {"cursor": first["next_cursor"]}],  # an audit cursor
+    }
+    for field, tries in bad.items():
+        for params in tries:
+            got = served.call(
+                "GET", "/v1/lists/trusted_merchants/items", served.analyst, params=params
+            )
+            assert got.status_code == 422, (params, got.text)
+            assert got.json()["detail"][0]["field"] == f"query.{field}", got.text
+    wrong = served.call(
+        "GET",
+        "/v1/lists/trusted_merchants/audit",
+        served.analyst,
+        params={"cursor": "YXVkaXQ6bm90LWFuLWlk"},
+    )  # "audit:not-an-id"
+    assert wrong.status_code == 422 and wrong.json()["detail"][0]["field"] == "query.cursor"
+
+    with served.srv.client() as c:
+        doc = c.get("/openapi.json").json()
+    for path in ("/v1/lists/{name}/items", "/v1/lists/{name}/audit"):
+        op = doc["paths"][path]["get"]
+        params = {p["name"]: p for p in op["parameters"]}
+        assert params["limit"]["schema"]["default"] == 100
+        assert params["limit"]["schema"]["maximum"] == 1000
+        assert "next_cursor" in params["cursor"]["description"]
+        ref = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        out = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        assert "next_cursor" in out["properties"]
+    served.call(
+        "DELETE",
+        "/v1/lists/trusted_merchants/items",
+        served.analyst,
+        json={"values": merchants, "reason": "test done"},
+    )
 
 
 def test_an_item_past_its_expiry_no_longer_decides(served: ListsServer) -> None:

@@ -72,3 +72,19 @@ def test_a_bad_row_or_value_is_refused_naming_it_and_adds_nothing(url: str, tmp_
     unknown = cli(url, "show", "stolen_cards")
     assert unknown.returncode == 2 and "no list 'stolen_cards'" in unknown.stderr
     assert rows(cli(url, "show", "blocked_devices").stdout) == []
+
+
+def test_show_follows_every_page(url: str, tmp_path: Path) -> None:
+    """More items than one page holds (service.core.lists.PAGE_MAX): ``show`` prints them
+    all, once each, by value, and the audit trail as whole."""
+    from service.core.lists import PAGE_MAX
+
+    n = PAGE_MAX * 2 + 5
+    csv = tmp_path / "merchants.csv"
+    csv.write_text("value\n" + "".join(f"m{i:05d}\n" for i in range(n)))
+    done = cli(url, "import", "trusted_merchants", str(csv), "--reason", "bulk")
+    assert done.stdout.strip() == f"trusted_merchants: {n} added, 0 renewed", done.stderr
+    shown = [r["value"] for r in rows(cli(url, "show", "trusted_merchants").stdout)]
+    assert shown == [f"m{i:05d}" for i in range(n)]
+    audit = rows(cli(url, "show", "trusted_merchants", "--audit").stdout)
+    assert [a["value"] for a in audit] == shown

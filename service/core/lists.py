@@ -15,13 +15,21 @@ turns the replies into one bool column each. An item past its expiry reads as ab
 meta and one audit entry per item change at once, or nothing does (an addition past
 ``FRAUD_LIST_MAX_ITEMS`` is refused whole). Values are checked against their key column's
 contract (:func:`check_value`: an MCC is 4 digits, a country ISO 3166) first.
+
+**Show.** :func:`show` (items by value) and :func:`audit` (changes, oldest first) answer a
+:class:`Page` of at most ``limit`` rows and the opaque cursor of the next one (the last
+row's value or stream id, encoded; a cursor that does not decode is :class:`BadCursor`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import bisect
 import json
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +53,38 @@ class ListError(ValueError):
 
 class UnknownList(ListError):
     """The rules file declares no list of that name."""
+
+
+class BadCursor(ListError):
+    """A page's cursor that no page of this list's items (or audit) answered."""
+
+
+# Rows per page of show/audit (GET /v1/lists/{name}/items and .../audit): the default and
+# the most one page holds.
+PAGE_DEFAULT, PAGE_MAX = 100, 1000
+_STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
+@dataclass(frozen=True)
+class Page:
+    rows: list[dict[str, Any]]
+    next_cursor: str | None  # None: the last page
+
+
+def _cursor(kind: str, after: str) -> str:
+    return base64.urlsafe_b64encode(f"{kind}:{after}".encode()).decode().rstrip("=")
+
+
+def _after(kind: str, cursor: str) -> str:
+    """The value (or stream id) a :func:`_cursor` of ``kind`` holds; BadCursor else."""
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        text = ""
+    found, sep, after = text.partition(":")
+    if found != kind or not sep or (kind == "audit" and not _STREAM_ID.fullmatch(after)):
+        raise BadCursor(f"not a cursor of this list's {kind}: {cursor[:64]!r}")
+    return after
 
 
 def items_key(name: str) -> str:
@@ -221,12 +261,21 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-async def show(redis: Any, rules: RuleSet, name: str) -> list[dict[str, Any]]:
-    """The list's items (value, added_by, reason, added_at, expires_at, expired), by value."""
+async def show(
+    redis: Any, rules: RuleSet, name: str, limit: int = PAGE_DEFAULT, cursor: str | None = None
+) -> Page:
+    """A page of the list's items (value, added_by, reason, added_at, expires_at,
+    expired), by value, after the one ``cursor`` names (None: from the first)."""
     list_column(rules, name)
-    raw: Mapping[Any, Any] = await redis.hgetall(meta_key(name))
+    values = sorted(_text(v) for v in await redis.hkeys(meta_key(name)))
+    start = 0 if cursor is None else bisect.bisect_right(values, _after("items", cursor))
+    chosen = values[start : start + limit]
+    metas = await redis.hmget(meta_key(name), chosen) if chosen else []
     now, out = time.time(), []
-    for value, meta in sorted((_text(k), json.loads(_text(v))) for k, v in raw.items()):
+    for value, raw in zip(chosen, metas, strict=True):
+        if raw is None:  # removed since the values were read
+            continue
+        meta = json.loads(_text(raw))
         until = meta.get("expires_at")
         out.append(
             {
@@ -238,15 +287,20 @@ async def show(redis: Any, rules: RuleSet, name: str) -> list[dict[str, Any]]:
                 "expired": until is not None and until <= now,
             }
         )
-    return out
+    more = start + limit < len(values)
+    return Page(out, _cursor("items", chosen[-1]) if more else None)
 
 
-async def audit(redis: Any, rules: RuleSet, name: str, count: int = 1000) -> list[dict[str, Any]]:
-    """The list's newest ``count`` audit entries, oldest first."""
+async def audit(
+    redis: Any, rules: RuleSet, name: str, limit: int = PAGE_DEFAULT, cursor: str | None = None
+) -> Page:
+    """A page of the list's audit entries, oldest first, after the one ``cursor`` names
+    (None: from the oldest)."""
     list_column(rules, name)
-    entries = await redis.xrevrange(audit_key(name), count=count)
+    start = "-" if cursor is None else f"({_after('audit', cursor)}"
+    entries = await redis.xrange(audit_key(name), min=start, count=limit + 1)
     out = []
-    for entry_id, fields in reversed(entries):
+    for entry_id, fields in entries[:limit]:
         f = {_text(k): _text(v) for k, v in fields.items()}
         out.append(
             {
@@ -261,7 +315,8 @@ async def audit(redis: Any, rules: RuleSet, name: str, count: int = 1000) -> lis
                 else None,
             }
         )
-    return out
+    more = len(entries) > limit
+    return Page(out, _cursor("audit", _text(entries[limit - 1][0])) if more else None)
 
 
 def _iso(t: float | None) -> str | None:

@@ -1,14 +1,15 @@
 """``/v1/lists/{name}/items`` and ``/v1/lists/{name}/audit``: the analysts' block and
 allow lists (the ``lists`` scope; ``admin`` implies it). Thin: the layout, the checks and
 the audit trail are :mod:`service.core.lists`'; the key id of the caller is who changed
-an item."""
+an item. The GETs answer pages: ``limit`` rows (:data:`lists.PAGE_DEFAULT`, at most
+:data:`lists.PAGE_MAX`) and ``next_cursor``, given back as ``cursor`` for the next page."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from service.core import lists
@@ -53,10 +54,30 @@ class ItemOut(BaseModel):
     expired: bool = Field(description="past its expiry: no longer decides; shown until removed")
 
 
+_NEXT = "the next page's `cursor`; null: this is the last page"
+Limit = Annotated[
+    int,
+    Query(
+        ge=1,
+        le=lists.PAGE_MAX,
+        description=f"rows per page (default {lists.PAGE_DEFAULT}, at most {lists.PAGE_MAX})",
+    ),
+]
+Cursor = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=1024,
+        description="the previous page's `next_cursor` (opaque); absent: the first page",
+    ),
+]
+
+
 class ItemsOut(BaseModel):
     name: str = Field(description="the list")
     key: str = Field(description="the transaction field the list holds values of")
-    items: list[ItemOut]
+    items: list[ItemOut] = Field(description="by value")
+    next_cursor: str | None = Field(description=_NEXT)
 
 
 class ChangeOut(BaseModel):
@@ -77,12 +98,15 @@ class AuditEntry(BaseModel):
 
 class AuditOut(BaseModel):
     name: str = Field(description="the list")
-    entries: list[AuditEntry]
+    entries: list[AuditEntry] = Field(description="oldest first")
+    next_cursor: str | None = Field(description=_NEXT)
 
 
 def _refused(exc: lists.ListError) -> Exception:
     if isinstance(exc, lists.UnknownList):
         return NotFound(str(exc))
+    if isinstance(exc, lists.BadCursor):
+        return Invalid(str(exc), "query.cursor")  # as FastAPI names a query parameter
     return Invalid(str(exc))
 
 
@@ -105,15 +129,18 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 @router.get("/{name}/items", response_model=ItemsOut, responses=error_responses(401, 403, 404, 422))
-async def show_items(name: str, request: Request) -> dict[str, Any]:
-    """The list's items, with who added each, why, and its expiry."""
+async def show_items(
+    name: str, request: Request, limit: Limit = lists.PAGE_DEFAULT, cursor: Cursor = None
+) -> dict[str, Any]:
+    """A page of the list's items by value, with who added each, why, and its expiry."""
     res = resources(request)
     rules = res.scorer.rules.current
     try:
-        items = await lists.show(res.redis, rules, name)
+        page = await lists.show(res.redis, rules, name, limit, cursor)
     except lists.ListError as exc:
         raise _refused(exc) from None
-    return {"name": name, "key": rules.lists[name].key, "items": items}
+    key = rules.lists[name].key
+    return {"name": name, "key": key, "items": page.rows, "next_cursor": page.next_cursor}
 
 
 @router.put(
@@ -164,12 +191,13 @@ async def delete_items(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/{name}/audit", response_model=AuditOut, responses=error_responses(401, 403, 404, 422))
-async def show_audit(name: str, request: Request) -> dict[str, Any]:
-    """The list's newest 1,000 changes (append-only), oldest first."""
-    count = 1000
+async def show_audit(
+    name: str, request: Request, limit: Limit = lists.PAGE_DEFAULT, cursor: Cursor = None
+) -> dict[str, Any]:
+    """A page of the list's changes (append-only), oldest first."""
     res = resources(request)
     try:
-        entries = await lists.audit(res.redis, res.scorer.rules.current, name, count)
+        page = await lists.audit(res.redis, res.scorer.rules.current, name, limit, cursor)
     except lists.ListError as exc:
         raise _refused(exc) from None
-    return {"name": name, "entries": entries}
+    return {"name": name, "entries": page.rows, "next_cursor": page.next_cursor}
