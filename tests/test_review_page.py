@@ -6,19 +6,26 @@ and its API calls are answered with items whose values are as long as the API le
 them be (ids of 128 characters with no space): no column is pushed past the page, a
 value cut short shows the whole of it on hover (``title``), and the open item's values
 wrap. Everything goes in as text: no value is markup (tests/test_review.py runs the page
-against a real service)."""
+against a real service).
+
+"Add card to blocked_cards" runs against a real service over HTTP (auth on, the world's
+online store): a key with ``lists`` puts a confirmed fraud's card on the list, a ``label``
+key alone is shown the 403."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import chromium
+from fraud_scoring.redis_server import embedded_redis
+from service.edge.auth import KeyEntry, Scope, append_key, new_key
+from tests.conftest import World, chromium, start_server, stop_server, wait_until
+from tests.test_review import LIMIT, Reviewing, card_txns, queued_ids, score
 
 STATIC = Path(__file__).resolve().parents[1] / "service" / "edge" / "static"
 ORIGIN = "http://review.test"
@@ -184,3 +191,122 @@ def test_the_page_wraps_or_cuts_long_values_in_its_style() -> None:
     assert not re.search(r"td\.id\b[^{]*\{[^}]*nowrap", css), "ids kept on one unbounded line"
     assert re.search(r"\.title\s*=\s*String\(text\)", js), "a cut value has no title"
     assert "innerHTML" not in js  # values go in as text
+
+
+@pytest.fixture(scope="module")
+def blocking(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reviewing]:
+    """The service with auth on, the shipped rules (``blocked_cards``), the review queue
+    on a Redis server of its own; ``analyst`` has ``label`` and ``lists``, ``feed``
+    ``label`` alone."""
+    tmp = tmp_path_factory.mktemp("review-block")
+    keys = tmp / "keys.jsonl"
+    made = {}
+    for key_id, scopes in (
+        ("checkout", {Scope.SCORE}),
+        ("analyst", {Scope.LABEL, Scope.LISTS}),
+        ("feed", {Scope.LABEL}),
+        ("prometheus", {Scope.METRICS}),
+    ):
+        key, digest = new_key(key_id)
+        append_key(keys, KeyEntry(id=key_id, sha256=digest, scopes=frozenset(scopes)))
+        made[key_id] = key
+    with embedded_redis() as log_url:
+        srv = start_server(
+            world,
+            tmp,
+            FRAUD_AUTH="required",
+            FRAUD_API_KEYS_FILE=str(keys),
+            FRAUD_DECISION_LOG_URL=log_url,
+            # The model alone never decides review or decline here: the amount rule does.
+            FRAUD_REVIEW_THRESHOLD="1",
+            FRAUD_DECLINE_THRESHOLD="1",
+            FRAUD_REVIEW_AMOUNT_LIMIT=str(LIMIT),
+            FRAUD_MODEL_POLL_S="600",
+        )
+        try:
+            yield Reviewing(
+                srv,
+                log_url,
+                world.redis_url,
+                made["checkout"],
+                made["analyst"],
+                made["feed"],
+                made["prometheus"],
+            )
+        finally:
+            stop_server(srv)
+
+
+def _on_block_list(r: Reviewing, card: str) -> dict[str, Any] | None:
+    with r.client(r.analyst) as c:
+        cursor = None
+        while True:
+            got = c.get(
+                "/v1/lists/blocked_cards/items", params={"cursor": cursor} if cursor else {}
+            )
+            assert got.status_code == 200, got.text
+            found = [i for i in got.json()["items"] if i["value"] == card]
+            if found:
+                return found[0]
+            if (cursor := got.json()["next_cursor"]) is None:
+                return None
+
+
+def test_a_confirmed_fraud_s_card_is_put_on_blocked_cards_with_a_lists_key(
+    blocking: Reviewing, world: World
+) -> None:
+    browser_path = chromium()
+    from playwright import sync_api
+
+    r = blocking
+    [mine] = card_txns(world, "rv-block", [LIMIT + 500])
+    [other] = card_txns(world, "rv-noscope", [LIMIT + 600])
+    assert score(r, [mine, other]) == ["review", "review"]
+    ids = [mine["transaction_id"], other["transaction_id"]]
+    wait_until(lambda: set(ids) <= set(queued_ids(r)), what="the items queued")
+
+    def mark_and_block(page: Any, key: str, target: str) -> None:
+        page.goto(f"{r.srv.url}/review")
+        page.locator("#key").fill(key)
+        page.locator("#key-form button[type=submit]").click()
+        page.locator(f'#items tr[data-id="{target}"]').click()
+        sync_api.expect(page.locator("#d-title")).to_contain_text("card rv-")
+        sync_api.expect(page.locator("#block-card")).to_be_hidden()  # not confirmed yet
+        page.locator("#mark-fraud").click()
+        sync_api.expect(page.locator("#d-state")).to_contain_text("Labelled fraud")
+        sync_api.expect(page.locator("#block-card")).to_be_visible()
+        page.locator("#block-card").click()
+
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 760})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            mark_and_block(page, r.analyst, ids[0])
+            sync_api.expect(page.locator("#status")).to_have_text(
+                "card rv-block added to blocked_cards."
+            )
+            # A label key alone: the list's 403, shown; the key is kept (no new prompt).
+            other_tab = browser.new_page(viewport={"width": 1280, "height": 760})
+            other_tab.on("pageerror", lambda e: errors.append(str(e)))
+            mark_and_block(other_tab, r.feed, ids[1])
+            status = other_tab.locator("#status")
+            sync_api.expect(status).to_contain_text("403")
+            sync_api.expect(status).to_contain_text("lists")
+            sync_api.expect(status).to_have_class("error")
+            assert other_tab.locator("#key-form").is_hidden()
+            assert other_tab.locator("#block-card").is_enabled()  # may be tried again
+            assert not errors, errors
+        finally:
+            browser.close()
+
+    item = _on_block_list(r, "rv-block")
+    assert item is not None
+    assert (item["added_by"], item["reason"]) == ("analyst", f"confirmed fraud {ids[0]}")
+    assert _on_block_list(r, "rv-noscope") is None
+    # Read by the next transaction of the card, in its micro-batch.
+    again = card_txns(world, "rv-block", [10.0, 12.0])[1]
+    with r.client(r.scorer) as c:
+        answer = c.post("/v1/score", json=again | {"transaction_id": "rv-block-again"}).json()
+    assert (answer["decision"], answer["decided_by"]) == ("decline", "list"), answer

@@ -18,6 +18,11 @@
   of a label another key sent (``feedback.feedback_key``), and training ranks it above
   every other source.
 
+Next to a transaction labelled fraud, the page offers "Add card to blocked_cards": a
+``PUT /v1/lists/blocked_cards/items`` (``service.edge.lists_api``) of its card with the
+page's key, reason ``confirmed fraud <transaction_id>``; the list's own scope rules apply
+(a key without ``lists`` or ``admin`` is answered 403, which the page shows).
+
 The id travels in a query parameter or the body, never in the path: an id may hold any
 printable character, and ``/``, ``..`` or ``%2F`` in a path are split, normalised away
 by clients, or decoded before routing.

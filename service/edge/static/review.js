@@ -1,4 +1,6 @@
-// The review page: list the queue, open an item, mark it fraud or legitimate.
+// The review page: list the queue, open an item, mark it fraud or legitimate, and put
+// the card of a confirmed fraud on the blocked_cards list (PUT /v1/lists/..., the lists
+// scope: a key without it is told so, and keeps its other rights).
 // Plain DOM, no framework, nothing from another origin. Every value from the API is
 // put in the page as text (textContent), never as HTML.
 "use strict";
@@ -6,6 +8,7 @@
 const KEY = "fraud-scoring.api-key"; // sessionStorage: this tab only
 const PAGE = 50;
 const LIST_FEATURES = 4; // key features shown per row (all of them when opened)
+const BLOCK_LIST = "blocked_cards"; // the shipped rules file's list of card_id
 const $ = (id) => document.getElementById(id);
 let offset = 0;
 let openId = null;
@@ -28,8 +31,10 @@ function problems(body) {
 }
 
 // One call to the API, relative to the page (so it works under a path prefix).
-// Resolves to the JSON body, or null after telling the user what went wrong.
-async function api(path, options = {}) {
+// Resolves to the JSON body, or null after telling the user what went wrong. A 401, or a
+// 403 unless ``forbiddenSays`` (a right this key may lack while the page still works),
+// asks for another key.
+async function api(path, options = {}, forbiddenSays = false) {
   let r;
   try {
     r = await fetch(path, { ...options, headers: { ...headers(), ...(options.headers || {}) } });
@@ -38,7 +43,7 @@ async function api(path, options = {}) {
     return null;
   }
   const body = await r.json().catch(() => null);
-  if (r.status === 401 || r.status === 403) {
+  if (r.status === 401 || (r.status === 403 && !forbiddenSays)) {
     askKey(problems(body) || r.statusText);
     return null;
   }
@@ -154,6 +159,10 @@ async function openItem(id) {
   $("d-state").textContent = state;
   $("d-state").className = d.label ? "labelled " + d.label.label : "";
   $("mark-fraud").disabled = $("mark-legit").disabled = !d.queued;
+  const block = $("block-card");
+  block.hidden = !(d.label && d.label.label === "fraud");
+  block.disabled = false;
+  block.dataset.card = d.card_id;
 
   const dl = $("d-txn");
   dl.replaceChildren();
@@ -221,12 +230,32 @@ async function mark(label) {
   await loadList();
 }
 
+// The open item's card onto the block list, as this key, naming the transaction.
+async function blockCard() {
+  const id = $("detail").dataset.id;
+  const card = $("block-card").dataset.card;
+  if (!id || !card) return;
+  $("block-card").disabled = true;
+  const out = await api(`v1/lists/${BLOCK_LIST}/items`, {
+    method: "PUT",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ items: [{ value: card, reason: `confirmed fraud ${id}` }] }),
+  }, true);
+  if (!out) {
+    $("block-card").disabled = false;
+    return;
+  }
+  say(`card ${card} ` + (out.changed ? "added to " : "was on ") + `${BLOCK_LIST}` +
+    (out.changed ? "" : " already (its reason renewed)") + ".");
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   $("refresh").addEventListener("click", () => { say(""); loadList(); });
   $("prev").addEventListener("click", () => { offset = Math.max(0, offset - PAGE); loadList(); });
   $("next").addEventListener("click", () => { offset += PAGE; loadList(); });
   $("mark-fraud").addEventListener("click", () => mark("fraud"));
   $("mark-legit").addEventListener("click", () => mark("legitimate"));
+  $("block-card").addEventListener("click", blockCard);
   $("forget-key").addEventListener("click", () => {
     sessionStorage.removeItem(KEY);
     location.reload();
