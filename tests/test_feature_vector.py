@@ -589,10 +589,10 @@ def test_a_burst_split_across_batches_in_flight_sees_its_earlier_attempts(
 def test_turns_pass_in_the_order_taken() -> None:
     """A later batch's round trip waits for the earlier one's even when it is ready
     first; a failed or cancelled batch passes its turn on (once the earlier has)."""
-    from service.core.scoring import _Turns
+    from service.core.round_trip import Turns
 
     async def run() -> list[str]:
-        turns, done, claimed = _Turns(), [], asyncio.Event()
+        turns, done, claimed = Turns(), [], asyncio.Event()
 
         async def batch(name: str, ready: asyncio.Event | None, fail: bool = False) -> None:
             turn = turns.take()
@@ -601,10 +601,10 @@ def test_turns_pass_in_the_order_taken() -> None:
                     await ready.wait()  # e.g. its id claims, still out
                 if fail:
                     raise RuntimeError(name)
-                await _Turns.wait(turn[0])
+                await Turns.wait(turn[0])
                 done.append(name)
             finally:
-                _Turns.done(turn)
+                Turns.done(turn)
 
         async def late_claims() -> None:
             # "a"'s claims come back only after every other batch had its turn to run (and

@@ -126,7 +126,7 @@ def test_a_reason_over_a_new_state_is_read_but_does_not_hold_serving_up(
 ) -> None:
     """The scorer reads the states the reasons need besides the models'; only the
     models' must be backfilled before it serves."""
-    from service.core.scoring import declared_reads
+    from service.core.round_trip import declared_reads
 
     doc = yaml.safe_load(D.DEFAULT_PATH.read_text())
     doc["aggregations"].append(

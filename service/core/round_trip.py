@@ -1,0 +1,709 @@
+"""A micro-batch's store round trip, the scorer's read side: the batch features, the
+declared keys and the lists read in one pipelined round trip bounded by
+``FRAUD_REDIS_TIMEOUT_S`` (on a Redis Cluster one pipeline per node, sent at once), with
+the ids' claims (service/core/idempotency.py); then, on the same connection once those
+replies are in, the transactions' recording, which runs on the server while the batch is
+parsed, scored and decided (a server answers a pipeline only after running all of it).
+:class:`StoreRoundTrip` is the part of :class:`service.core.scoring.Scorer` that talks to
+the store; the decisions are in scoring.py.
+
+**Read-your-writes.** The scoring request is the first place a transaction is seen, so
+each scored transaction joins its card's history and every declared state as part of
+scoring: after the batch's reads, the same connection carries the updater's own scripts
+(:data:`fraud_scoring.session.APPLY_LUA` for the card's history,
+:data:`fraud_scoring.declared.APPLY_LUA` for the declared keys; idempotent on
+``transaction_id``), so the next attempt of a burst counts it even while the event log
+lags, and the updater's later copy is a duplicate. A transaction never counts in its own
+features (its read is queued before the write, and counts only what is before its time).
+Attempts of one key in the *same* micro-batch see each other in event-time order
+(:func:`fraud_scoring.declared.columnar.parse_batch`). Off with ``FRAUD_RECORD_SCORED=false`` or
+per request (``X-Fraud-Record: false``, for what-if and replay calls). A live
+transaction stamped more than ``FRAUD_MAX_FUTURE_SKEW_S`` ahead of this host's clock is
+refused at the door (service/edge/routes.py), as the updater dead-letters it; one far in
+the past is dropped by the script itself without trimming the card's real history (see
+``streaming/state.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+from redis.exceptions import NoScriptError
+
+from fraud_scoring import declared as D
+from fraud_scoring import features as F
+from fraud_scoring import rules as R
+from fraud_scoring import session
+from fraud_scoring.declared import columnar as C
+from fraud_scoring.events import Transaction
+from fraud_scoring.redis_clients import (
+    STORE_ERRORS,
+    HeldConnections,
+    Rest,
+    drain_in_background,
+    is_cluster_pipeline,
+)
+from service.core import idempotency, lists
+from service.core.challenger import Challenger
+from service.core.decision import features_read
+from service.core.model import LoadedModel, ModelHolder
+from service.core.online_features import OnlineFeatureReader
+from service.core.rules import RulesHolder
+from service.core.store_health import FeatureStoreUnavailable, StoreHealth, write_refused
+from service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+# A failed store call, or one past FRAUD_REDIS_TIMEOUT_S (the scorer's own bound).
+STORE_OR_TIMEOUT: tuple[type[Exception], ...] = (*STORE_ERRORS, TimeoutError)
+
+
+# Declared keys accept an event up to this long behind their newest (plus the allowed
+# lateness); the updater uses the same (streaming/state.py).
+DECLARED_HORIZON_S = D.HORIZON_S
+
+
+@functools.cache
+def _inexact_declared() -> Counter:
+    """Declared-feature reads that were not exact: the transaction lay NEWEST or more
+    events behind its key's present (a replay; see fraud_scoring/declared.py)."""
+    return Counter(
+        "fraud_declared_reads_inexact", "Declared-feature reads that were not exact (replays)"
+    )
+
+
+@functools.cache
+def _writes_refused() -> Counter:
+    return Counter(
+        "fraud_store_writes_refused_total",
+        "Writes the online store refused (OOM at maxmemory, READONLY): the id claims or "
+        "the recording of scored transactions; the decisions stand, not recorded.",
+        ["what"],
+    )
+
+
+@functools.cache
+def _backdated() -> Counter:
+    """Transactions stamped earlier than their card's newest recorded event: read and
+    recorded at their effective time instead (fraud_scoring.session.effective_us)."""
+    return Counter(
+        "fraud_backdated_transactions",
+        "Transactions stamped before their card's newest recorded event (moved after it)",
+    )
+
+
+@functools.cache
+def id_reused() -> Counter:
+    return Counter(
+        "fraud_id_reused", "Requests refused 409: their transaction_id was used for another"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    claim: idempotency.Claim
+    content: str
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A micro-batch's transactions as the round trip reads and records them (their
+    times: effective, :func:`fraud_scoring.session.effective_times`)."""
+
+    txns: Sequence[Transaction]
+    recorded: list[bool]
+    ts_us: list[int]
+    by_card: dict[str, list[session.SessionEvent]]
+    rows: list[dict[str, Any]]  # the fields declared features read ([]: none is read)
+
+    @classmethod
+    def of(
+        cls, txns: Sequence[Transaction], recorded: list[bool], rows: list[dict[str, Any]]
+    ) -> _Batch:
+        by_card: dict[str, list[session.SessionEvent]] = {}
+        for t, r in zip(txns, recorded, strict=True):
+            if r:
+                by_card.setdefault(t.card_id, []).append(session.to_session_event(t))
+        return cls(txns, recorded, [session.to_us(t.event_time) for t in txns], by_card, rows)
+
+
+@dataclass(frozen=True)
+class _Claiming:
+    """The claims a round trip carries (:meth:`Scorer._queue_claims`), after its reads."""
+
+    asked: list[Transaction]  # the transactions claimed, in batch order
+    cards: list[str]  # their cards, whose newest recorded time is read first
+    contents: list[str]  # each claim's content (idempotency.outcome)
+    claims: bool  # whether ids are claimed at all (FRAUD_IDEMPOTENCY_TTL_S > 0)
+
+
+# A micro-batch's features: the columns, per row the missing and stale batch features,
+# and per row with any the declared features not read exactly.
+_Features = tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each part of a round trip's replies lies: the reader's reads, then the
+    declared reads (to ``reads_end``), the session writes (to ``session_end``), then the
+    declared writes."""
+
+    markers: int  # the batch views' markers, then the read declared states'
+    reader: int
+    reads_end: int
+    session_end: int
+    plan: C.Plan  # what the declared reads and writes were queued for
+    states: list[tuple[str, str]]  # the declared states' markers read (StoreHealth)
+    list_reads: lists.ListReads = lists.NO_READS  # the rules' list lookups, after the reader's
+
+    @property
+    def declared_start(self) -> int:
+        return self.reader + len(self.list_reads)
+
+    def declared_writes(self, replies: list[Any]) -> list[Any]:
+        return replies[self.session_end :]
+
+
+@dataclass
+class Pending:
+    """A micro-batch's round trip whose reads are in (``head``) and whose writes' replies
+    are still to come (``tail``); ``replies``: all of them, once checked. The turn passes
+    on when the writes are done (:meth:`release`), so the next batch's reads see them."""
+
+    lay: _Layout
+    head: list[Any]
+    tail: Rest | _PipelineRest  # the writes' replies, read once (Scorer._settled)
+    deadline: float  # the event loop's time the whole round trip is bounded by
+    turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
+    batch: _Batch  # what the round trip read and recorded
+    replies: list[Any] | None = None
+    read: bool = False  # the tail was read (or its reading failed)
+    released: bool = False
+
+    def release(self) -> None:
+        """Pass the turn on: now if the writes' replies were read; a batch that failed
+        before reading them leaves them to be read in the background, by the round
+        trip's deadline, and the turn passes then."""
+        if self.released:
+            return
+        self.released = True
+        if self.read:
+            Turns.done(self.turn)
+        else:
+            left = self.deadline - asyncio.get_running_loop().time()
+            self.tail.abandon(left, lambda: Turns.done(self.turn))
+
+
+class _PipelineRest:
+    """The writes of a micro-batch on a Redis Cluster: redis-py's pipeline, sent when
+    read (:class:`fraud_scoring.redis_clients.Rest`'s interface)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+
+    async def replies(self) -> list[Any]:
+        return list(await self._pipe.execute(raise_on_error=False)) if len(self._pipe) else []
+
+    def abandon(self, timeout_s: float, then: Callable[[], None]) -> None:
+        drain_in_background(self.replies, timeout_s, then)
+
+
+class _Commands(list[tuple[Any, ...]]):
+    """A micro-batch's commands as the queueing helpers add them (``execute_command``,
+    as on a pipeline), for :meth:`HeldConnections.round_trip`."""
+
+    def execute_command(self, *args: Any, **options: Any) -> None:
+        self.append(args)
+
+
+class Turns:
+    """The order of the micro-batches' store round trips. Batches in flight at once
+    (``FRAUD_BATCHES_IN_FLIGHT``) send their round trips one after another in the order
+    they formed: a batch's reads see every earlier batch's recording, so a burst split
+    across two batches counts its earlier attempts, as with one batch at a time. A
+    batch waits for the previous batch to have read its writes' replies (which it does
+    after its decisions: :meth:`Scorer._written`)."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[None] | None = None
+
+    def take(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """This batch's turn: (the previous batch's, to wait for; its own, to pass on)."""
+        prev, mine = self._last, asyncio.get_running_loop().create_future()
+        self._last = mine
+        return prev, mine
+
+    @staticmethod
+    async def wait(prev: asyncio.Future[None] | None) -> None:
+        if prev is not None and not prev.done():
+            await asyncio.shield(prev)  # our cancellation must not end theirs
+
+    @staticmethod
+    def done(turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]) -> None:
+        """Pass the turn on: now, or (a batch that failed or was cancelled before its
+        round trip) once the previous batch's has passed it on."""
+        prev, mine = turn
+        if mine.done():
+            return
+        if prev is None or prev.done():
+            mine.set_result(None)
+        else:
+            prev.add_done_callback(lambda _: None if mine.done() else mine.set_result(None))
+
+
+def declared_reads(
+    decl: D.Declarations, models: set[str], reasons: Iterable[str]
+) -> tuple[tuple[D.Spec, ...], tuple[D.Spec, ...]]:
+    """The declared states the scorer reads for the features ``models`` read and those
+    the declared reasons read (``reasons``), derived features followed to what they read;
+    and those of them that must be backfilled before serving: the models' only (a reason
+    added with a new state does not stop serving)."""
+    for_models = decl.needed(models)
+    needed = for_models | decl.needed(set(reasons))
+    specs = tuple(s for s in decl.specs if needed & set(s.feature_names()))
+    return specs, tuple(s for s in specs if for_models & set(s.feature_names()))
+
+
+class StoreRoundTrip:
+    """The store side of a scorer: a micro-batch's round trip (:meth:`_read`, then
+    :meth:`_written`), the declared states it reads (:meth:`_declared_read`) and the
+    scripts it loads."""
+
+    def __init__(
+        self,
+        redis: Any,
+        reader: OnlineFeatureReader,
+        models: ModelHolder,
+        settings: ServiceSettings,
+        health: StoreHealth | None,
+        challenger: Challenger | None,
+        rules: RulesHolder,
+    ) -> None:
+        self.redis = redis
+        self.reader = reader
+        self.models = models
+        self.settings = settings
+        self.health = health
+        self.challenger = challenger
+        self.rules = rules
+        self.limits = session.SessionLimits(settings.allowed_lateness_s)
+        self._held = HeldConnections(redis) if isinstance(redis, aioredis.Redis) else None
+        # Exported at 0 from the start: alerts on rate() see the first event.
+        _backdated(), _inexact_declared(), id_reused()
+        for what in ("claim", "record"):
+            _writes_refused().labels(what=what)
+        self._turns = Turns()
+        self._declared_for: tuple[
+            LoadedModel | None, LoadedModel | None, D.Declarations, R.RuleSet | None
+        ] = (None, None, D.EMPTY, None)
+
+    def _to_record(self, txns: Sequence[Transaction], record: Sequence[bool] | None) -> list[bool]:
+        """Per transaction, whether it joins the session and declared state: asked to be
+        recorded and not stamped too far into the future (the updater's bound; the HTTP
+        door refuses such a live transaction, so this only guards other callers)."""
+        if not self.settings.record_scored:
+            return [False] * len(txns)
+        latest_us = session.to_us(time.time() + self.settings.max_future_skew_s)
+        return [
+            (record is None or record[i]) and session.to_us(t.event_time) <= latest_us
+            for i, t in enumerate(txns)
+        ]
+
+    async def read_features(
+        self,
+        txns: Sequence[Transaction],
+        record: Sequence[bool] | None = None,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None = None,
+    ) -> tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]]:
+        """All feature columns (batch, declared, request and derived) for ``txns``, the
+        missing and stale batch features per row, and per row with any the declared
+        features whose read was not exact (a replay behind its key's present),
+        assembled by :func:`fraud_scoring.features.build_features`,
+        in one round trip that also records the transactions (``record[i]`` False: not
+        that one; None: all). ``turn`` (:class:`Turns`): the round trip waits for the
+        previous batch's and passes the turn on once its writes are done."""
+        got, pending, _ = await self._read(txns, record, turn, claim=False)
+        await self._written(pending)
+        return got
+
+    async def _read(
+        self,
+        txns: Sequence[Transaction],
+        record: Sequence[bool] | None,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
+        *,
+        claim: bool,
+    ) -> tuple[_Features, Pending, list[Claimed | None] | None]:
+        """:meth:`read_features`, returning once the reads' replies are in and parsed,
+        with the batch's writes still running on the server (:class:`Pending`:
+        :meth:`_written` waits for them and passes the turn on). ``claim``: the same round
+        trip claims the ids of the transactions it records (:meth:`_claimed`; returned,
+        None when nothing was claimed), and only those it records. A batch whose features
+        need the writes' replies (attempts of one key in it) waits for them first."""
+        if self.health is not None:
+            self.health.admit()  # an open breaker answers now, not after a timeout
+        turn = turn if turn is not None else self._turns.take()
+        try:
+            await Turns.wait(turn[0])
+            pending, claims = await self._round_trip(txns, record, turn, claim)
+            head, lay = pending.head, pending.lay
+            if any(isinstance(r, NoScriptError) for r in head[lay.markers : lay.reads_end]):
+                # The server lost the scripts (restart, flush): load them and run the batch
+                # again (its writes are idempotent; its claims are its own now).
+                await self._settled(pending)
+                await self._load_scripts()
+                pending, claims = await self._round_trip(txns, record, turn, claim, again=claims)
+                head, lay = pending.head, pending.lay
+        except BaseException:
+            Turns.done(turn)
+            raise
+        batch = pending.batch
+        try:
+            if self.health is not None:
+                self.health.succeeded()
+            for r in head[: lay.reads_end]:
+                if isinstance(r, Exception):
+                    log.warning("feature read failed: %s", r)
+                    raise FeatureStoreUnavailable("feature store unavailable: a read failed")
+            if self.health is not None:
+                self.health.observed(head[: lay.markers], lay.states)
+            writes = None
+            if C.needs_writes(lay.plan):  # attempts of one key see each other
+                writes = lay.declared_writes(await self._written(pending))
+            rows = self.reader.parse(head[lay.markers : lay.reader], batch.txns)
+            read = C.parse_batch(
+                lay.plan, head[lay.declared_start : lay.reads_end], writes, batch.ts_us
+            )
+        except BaseException:
+            pending.release()
+            raise
+        if read.inexact_reads:
+            _inexact_declared().inc(read.inexact_reads)
+        txns = batch.txns
+        request = F.RequestColumns(
+            amount=[t.amount for t in txns],
+            event_us=batch.ts_us,
+            utc_offset_s=[t.utc_offset_s for t in txns],
+            country=[t.country for t in txns],
+            channel=[t.channel for t in txns],
+            has_device=[t.device_id is not None for t in txns],
+        )
+        cols = F.build_features(rows.columns, request, read.columns)
+        cols.update(lists.members(lay.list_reads, head[lay.reader : lay.declared_start]))
+        return (cols, rows.missing, rows.stale, read.inexact), pending, claims
+
+    async def _written(self, pending: Pending) -> list[Any]:
+        """Wait for a round trip's writes (bounded by what is left of its deadline), check
+        them and pass the turn on; returns all the round trip's replies. Their failure is
+        the round trip's (FeatureStoreUnavailable); a store that refuses writes (full)
+        still decides, not recorded; a server that lost the scripts gets them and the
+        writes again."""
+        if pending.replies is not None:
+            return pending.replies
+        try:
+            tail = await self._settled(pending)
+            lay = pending.lay
+            if any(isinstance(r, NoScriptError) for r in lay.declared_writes(pending.head + tail)):
+                # The server lost the scripts between the reads and the writes: load them
+                # and send the writes again (idempotent; a batch that went after the
+                # failed ones may have missed them: once, after a restart or a flush).
+                await self._load_scripts()
+                again, _ = self._queue_writes(pending.batch, lay.plan, self._declared_read())
+                tail = await self._bounded(again, "recording")
+            pending.replies = replies = pending.head + tail
+        finally:
+            pending.release()
+        writes = [*replies[lay.reads_end : lay.session_end], *lay.declared_writes(replies)]
+        if refused := [r for r in writes if write_refused(r)]:
+            self._refused("record", refused[0], len(refused))
+        elif writes and self.health is not None:
+            self.health.write_succeeded()
+        if pending.batch.by_card and not refused:
+            await self._recorded(pending.batch.by_card, replies[lay.reads_end : lay.session_end])
+        return replies
+
+    async def _settled(self, pending: Pending) -> list[Any]:
+        """The writes' replies of ``pending``'s round trip (read here, once); failed or
+        late (past the round trip's deadline), FeatureStoreUnavailable."""
+        pending.read = True  # read or failed: either way nobody reads them again
+        try:
+            async with asyncio.timeout_at(pending.deadline):
+                return await pending.tail.replies()
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("recording failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+
+    def _declared_read(self) -> D.Declarations:
+        """The declared states the serving models read (champion and challenger): only
+        those are read, and recorded for read-your-writes, here; the updater keeps them
+        all. Without a model (tests reading features): all."""
+        decl = F.declarations()
+        champion = self.models.current
+        if champion is None:
+            return decl
+        challenger = self.challenger.current if self.challenger is not None else None
+        held = self._declared_for  # the models and rules change seldom: decide once each
+        ruleset = self.rules.current
+        if held[0] is not champion or held[1] is not challenger or held[3] is not ruleset:
+            names = set(champion.meta.feature_names)
+            if challenger is not None:
+                names.update(challenger.meta.feature_names)
+            specs, required = declared_reads(decl, names, features_read() | ruleset.features)
+            self._declared_for = (
+                champion,
+                challenger,
+                dataclasses.replace(decl, specs=specs),
+                ruleset,
+            )
+            if self.health is not None:  # their markers are checked with the views'
+                self.health.states = [
+                    (f"declared state {s.id} ({', '.join(s.feature_names())})", s.backfilled_key())
+                    for s in required
+                ]
+        return self._declared_for[2]
+
+    async def _round_trip(
+        self,
+        txns: Sequence[Transaction],
+        record: Sequence[bool] | None,
+        turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]],
+        claim: bool,
+        *,
+        again: list[Claimed | None] | None = None,
+    ) -> tuple[Pending, list[Claimed | None] | None]:
+        """The batch's round trip: the reads (batch features, declared keys, lists) and
+        the claims, then, on the same connection once their replies are in, the writes
+        (the card's history, the declared keys) of the transactions it records: a retry
+        of an answered id or a reused one records nothing, and a backdated attempt
+        records at its effective time (:func:`fraud_scoring.session.effective_times`).
+        Returns once the reads' replies (errors in place) are in, with where each part
+        lies and the writes' replies to come, and the claims (``again``: this batch's own,
+        from a first try); a failed or late round trip is FeatureStoreUnavailable (and a
+        failure for the breaker)."""
+        pipe = self._pipeline()
+        decl = self._declared_read()
+        # The markers first: an emptied store is refused on this very read, not a
+        # watcher's check later. One GET each (on a Cluster they lie in other slots).
+        markers = self.health.all_markers() if self.health is not None else []
+        for m in markers:
+            pipe.execute_command("GET", m)
+        self.reader.queue(pipe, txns)
+        n_reader = len(pipe)
+        list_reads = lists.queue_reads(pipe, self.rules.current, txns)
+        rows = [D.transaction_row(t) for t in txns] if decl.specs else []
+        ts_us = [session.to_us(t.event_time) for t in txns]
+        plan = C.queue_reads(pipe, decl, D.BatchColumns(rows, ts_us if decl.specs else []))
+        reads_end = len(pipe)
+        recorded = self._to_record(txns, record)
+        claiming = self._queue_claims(pipe, txns, recorded) if claim and again is None else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.redis_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                head, then = await self._execute_then(pipe)
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("feature read failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+        try:
+            claims, newest = again, dict[str, int]()
+            if claiming is not None:
+                claims, newest = self._claimed(claiming, head[reads_end:], recorded)
+            if claims is not None:
+                # A reused id records nothing, nor does a retry of an answered one. A retry
+                # whose answer is not kept yet records again (idempotent on the id): its
+                # first attempt may have died between the claim and the recording.
+                recorded = [
+                    c is not None
+                    and c.claim.reused is None
+                    and (c.claim.new or c.claim.answer is None)
+                    for c in claims
+                ]
+            timed = list(txns)
+            if claim and (skew := self.settings.max_event_skew_s) > 0:  # off: any order
+                timed = session.effective_times(txns, recorded, newest, session.to_us(2 * skew))
+                if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
+                    _backdated().inc(moved)
+                recorded = self._to_record(timed, recorded)  # moved: still within the bound
+            batch = _Batch.of(timed, recorded, rows)
+            writes, n_session = self._queue_writes(batch, plan, decl)
+        except BaseException:
+            then(self._pipeline()).abandon(0.0, lambda: None)  # the connection goes back
+            raise
+        tail = then(writes)  # sent now (one server), read after the batch's decisions
+        states = list(self.health.states) if self.health is not None else []
+        lay = _Layout(
+            len(markers), n_reader, reads_end, reads_end + n_session, plan, states, list_reads
+        )
+        return Pending(lay, head[:reads_end], tail, deadline, turn, batch), claims
+
+    async def _bounded(self, pipe: Any, what: str) -> list[Any]:
+        """One round trip bounded by ``FRAUD_REDIS_TIMEOUT_S`` as a whole (the client has
+        no per-reply socket timeout, service/resources.py: one timer per micro-batch);
+        failed or late, it is FeatureStoreUnavailable and a failure for the breaker."""
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                return await self._execute(pipe)
+        except STORE_OR_TIMEOUT as exc:
+            # The cause (it names Redis's host:port) goes to the log, not to callers.
+            log.warning("%s failed: %s", what, exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+
+    # One server: every command goes out on a held connection (HeldConnections, which
+    # keep their connections out of the client's pool); a cluster: redis-py's pipeline,
+    # split by node, and its script loading on every primary.
+    def _pipeline(self) -> Any:
+        return _Commands() if self._held is not None else self.redis.pipeline(transaction=False)
+
+    async def _execute(self, pipe: Any) -> list[Any]:
+        if self._held is not None:
+            return await self._held.round_trip(pipe)
+        return list(await pipe.execute(raise_on_error=False))
+
+    def _queue_writes(self, batch: _Batch, plan: C.Plan, decl: D.Declarations) -> tuple[Any, int]:
+        """A pipeline of the batch's writes: its cards' histories (how many commands:
+        returned), then the declared states (``plan``'s writes)."""
+        writes = self._pipeline()
+        per_key = is_cluster_pipeline(writes)
+        session.queue_apply_many(writes, batch.by_card, self.limits, per_card=per_key)
+        n_session = len(writes)
+        C.queue_writes(
+            writes,
+            plan,
+            decl,
+            batch.recorded if decl.specs else [],
+            self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
+            cols=D.BatchColumns(batch.rows, batch.ts_us if decl.specs else []),
+            per_key=per_key,
+        )
+        return writes, n_session
+
+    async def _execute_then(
+        self, pipe: Any
+    ) -> tuple[list[Any], Callable[[Any], Rest | _PipelineRest]]:
+        """:meth:`_execute`, and a function that sends more commands after these (on the
+        same held connection, at once; on a Cluster, a pipeline of its own, sent when
+        read) and returns their replies to come. It is called once on every path, and
+        what it returns is read or abandoned once."""
+        if self._held is not None:
+            replies, then = await self._held.round_trip_then(pipe)
+            return replies, then.send
+        return list(await pipe.execute(raise_on_error=False)), _PipelineRest
+
+    async def _load(self, scripts: Sequence[str]) -> None:
+        if self._held is None:
+            for script in scripts:
+                await self.redis.script_load(script)
+            return
+        for reply in await self._held.round_trip([("SCRIPT", "LOAD", s) for s in scripts]):
+            if isinstance(reply, Exception):
+                raise reply
+
+    async def _load_scripts(self) -> None:
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_s):
+                await self._load([*self.reader.scripts, *session.SCRIPTS, *D.SCRIPTS])
+        except STORE_OR_TIMEOUT as exc:
+            log.warning("loading the store's scripts failed: %s", exc)
+            if self.health is not None:
+                self.health.failed()
+            raise FeatureStoreUnavailable("feature store unavailable") from exc
+
+    async def _recorded(
+        self, writes: dict[str, list[session.SessionEvent]], replies: Sequence[Any]
+    ) -> None:
+        """Check the writes' replies. A server that lost the script (restart, flush)
+        answers NOSCRIPT: load it and write again (harmless, idempotent). A write that
+        still fails is logged, not fatal: the decision stands on the reads, and the
+        updater's copy of the event will arrive."""
+        if any(isinstance(r, NoScriptError) for r in replies):
+            try:
+                async with asyncio.timeout(self.settings.redis_timeout_s):
+                    await self._load(session.SCRIPTS)
+                    pipe = self._pipeline()
+                    cluster = is_cluster_pipeline(pipe)
+                    session.queue_apply_many(pipe, writes, self.limits, per_card=cluster)
+                    replies = await self._execute(pipe)
+            except STORE_OR_TIMEOUT as exc:
+                replies = [exc]
+        for r in replies:
+            if isinstance(r, Exception):
+                log.warning("recording scored transactions in the card history failed: %s", r)
+                return
+
+    def _queue_claims(
+        self, pipe: Any, txns: Sequence[Transaction], recorded: list[bool]
+    ) -> _Claiming | None:
+        """Queue the claims of the ids of the transactions this batch records (see
+        service/core/idempotency.py) and the reads of the newest recorded event time of
+        their cards (:func:`fraud_scoring.session.effective_times`); None: nothing to
+        claim or read."""
+        ttl = self.settings.idempotency_ttl_s
+        # The cards' newest recorded times move backdated attempts (effective_times),
+        # which only a live event-time bound turns on.
+        bounded = self.settings.max_event_skew_s > 0
+        if not any(recorded) or (ttl <= 0 and not bounded):
+            return None
+        asked = [t for t, r in zip(txns, recorded, strict=True) if r]
+        cards = list(dict.fromkeys(t.card_id for t in asked)) if bounded else []
+        for card in cards:
+            pipe.execute_command("ZREVRANGE", session.events_key(card), 0, 0, "WITHSCORES")
+        contents = idempotency.queue_claims(pipe, asked, ttl) if ttl > 0 else []
+        return _Claiming(asked, cards, contents, ttl > 0)
+
+    def _claimed(
+        self, claiming: _Claiming, replies: Sequence[Any], recorded: list[bool]
+    ) -> tuple[list[Claimed | None] | None, dict[str, int]]:
+        """The claims (None: none was made) and the cards' newest recorded times, from
+        the replies to :meth:`_queue_claims`'s commands."""
+        cards = claiming.cards
+        newest: dict[str, int] = {}
+        for card, top in zip(cards, replies, strict=False):
+            if isinstance(top, Exception):
+                raise FeatureStoreUnavailable("feature store unavailable: a read failed")
+            if top:
+                newest[card] = int(float(top[1]))
+        if not claiming.claims:
+            return None, newest
+        got = iter(zip(claiming.asked, claiming.contents, replies[len(cards) :], strict=True))
+        out: list[Claimed | None] = []
+        refused: list[Any] = []
+        for r in recorded:
+            if not r:
+                out.append(None)
+                continue
+            t, c, reply = next(got)
+            if write_refused(reply):  # a full store still decides: not recorded
+                refused.append(reply)
+                out.append(None)
+                continue
+            if isinstance(reply, Exception):
+                raise FeatureStoreUnavailable("feature store unavailable: a claim failed")
+            out.append(Claimed(idempotency.outcome(t, c, reply), c))
+        if refused:
+            self._refused("claim", refused[0], len(refused))
+        return out, newest
+
+    def _refused(self, what: str, reply: Any, n: int) -> None:
+        """The store refused ``n`` writes of ``what``: counted; logged and shown on
+        /readyz through the health (once per interval, not per micro-batch)."""
+        _writes_refused().labels(what=what).inc(n)
+        if self.health is not None:
+            self.health.write_refused(what, reply, n)
+        else:
+            log.warning("the online store refused %d writes (%s): %s", n, what, reply)
