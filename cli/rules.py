@@ -74,7 +74,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         help=f"the N days ending --until (default {DEFAULT_DAYS}; not with --since)",
     )
     t.add_argument(
-        "--as-of", type=aware_time, help="labels that had arrived before (RFC 3339; default now)"
+        "--as-of",
+        type=aware_time,
+        help="labels that had arrived before, and the label delay's reference "
+        "(RFC 3339; default now)",
     )
     t.add_argument("--json", action="store_true", help="the report as one JSON document")
     t.add_argument(
@@ -82,7 +85,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help=f"also write {MATCHED_CSV} (each rule's matched transactions), {PER_DAY_CSV} "
-        f"and {PER_DAY_PNG} (per rule and day: fraud, legitimate, unlabelled) into DIR",
+        f"and {PER_DAY_PNG} (per rule and day: fraud, false positives, unlabelled within "
+        "the label delay) into DIR",
     )
 
 
@@ -123,7 +127,7 @@ def rules_report(
     if table.num_rows == 0:
         files = ", ".join(str(partition_file(raw, "decisions", d)) for d in days)
         raise UsageError(f"no decisions logged {days[0]}..{days[-1]} ({files} hold none)")
-    logged = logged_columns(table, ruleset, settings)
+    logged = logged_columns(table, ruleset, settings, as_of)
     members, lists_read = list_members(ruleset, dict(logged.strings), settings.redis_url)
     try:
         ev = evaluate(ruleset, logged, members, settings.review_amount_limit)
@@ -150,14 +154,12 @@ def _iso(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     return pc.strftime(col, format="%Y-%m-%dT%H:%M:%SZ")
 
 
-def write_matched(
-    path: Path, ev: Evaluation, table: pa.Table, ruleset: R.RuleSet, label: np.ndarray
-) -> int:
+def write_matched(path: Path, ev: Evaluation, table: pa.Table, ruleset: R.RuleSet) -> int:
     """One CSV row per (rule, transaction it matches), rule by rule, written in chunks
     of the log's rows (the log is not copied whole). Returns the rows written."""
-    logged = np.array(table.column("decision").to_pylist(), dtype=object)
+    logged = ev.logged.decision
     after = np.array(DECISIONS, dtype=object)[ev.after]
-    labels = _label_names(label)
+    labels = _label_names(ev.logged.is_fraud)
     written = 0
     with pacsv.CSVWriter(path, _MATCHED_SCHEMA) as out:
         for i, r in enumerate(ruleset.rules):
@@ -180,6 +182,7 @@ def write_matched(
                         "file_decision": pa.array(after[idx].tolist(), pa.string()),
                         "rule_decides": pa.array(ev.decides[i][idx]),
                         "label": pa.array(labels[idx].tolist(), pa.string()),
+                        "past_label_delay": pa.array(ev.logged.past_delay[idx]),
                     },
                     schema=_MATCHED_SCHEMA,
                 )
@@ -202,6 +205,7 @@ _MATCHED_SCHEMA = pa.schema(
         ("file_decision", pa.string()),
         ("rule_decides", pa.bool_()),
         ("label", pa.string()),
+        ("past_label_delay", pa.bool_()),
     ]
 )
 _PER_DAY_FIELDS = (
@@ -209,20 +213,25 @@ _PER_DAY_FIELDS = (
     "day",
     "matched",
     "fraud",
+    "false_positives",
     "legitimate",
-    "unlabelled",
+    "unlabelled_past_delay",
+    "unlabelled_within_delay",
     "decides",
     "decides_fraud",
-    "decides_legitimate",
+    "decides_false_positives",
 )
 
 
-def per_day(ev: Evaluation, table: pa.Table, ruleset: R.RuleSet, label: np.ndarray) -> list[dict]:
-    """Per rule and UTC decision day: the transactions it matches (of them labelled
-    fraud, legitimate, unlabelled) and those it decides (fraud, legitimate)."""
+def per_day(ev: Evaluation, table: pa.Table, ruleset: R.RuleSet) -> list[dict]:
+    """Per rule and UTC decision day: the transactions it matches (of them fraud, false
+    positives: legitimate or unlabelled past the label delay, and unlabelled within it)
+    and those it decides (fraud, false positives)."""
     day = table.column("decided_at").cast(pa.date32()).to_numpy(zero_copy_only=False)
     days, where = np.unique(day, return_inverse=True)
-    fraud, legit = label == 1.0, label == 0.0
+    label, past = ev.logged.is_fraud, ev.logged.past_delay
+    fraud, legit, unl = label == 1.0, label == 0.0, np.isnan(label)
+    fp = legit | (unl & past)
 
     def per(m: np.ndarray) -> np.ndarray:
         return np.bincount(where[m], minlength=len(days))
@@ -230,8 +239,8 @@ def per_day(ev: Evaluation, table: pa.Table, ruleset: R.RuleSet, label: np.ndarr
     out = []
     for i, r in enumerate(ruleset.rules):
         m, d = ev.masks[i], ev.decides[i]
-        cols = [per(m), per(m & fraud), per(m & legit), per(m & np.isnan(label))]
-        cols += [per(d), per(d & fraud), per(d & legit)]
+        cols = [per(m), per(m & fraud), per(m & fp), per(m & legit)]
+        cols += [per(m & unl & past), per(m & unl & ~past), per(d), per(d & fraud), per(d & fp)]
         for k, dd in enumerate(days):
             vals = [int(c[k]) for c in cols]
             out.append(dict(zip(_PER_DAY_FIELDS, [r.code, str(dd), *vals], strict=True)))
@@ -246,9 +255,10 @@ def write_per_day(path: Path, rows: list[dict]) -> None:
 
 
 def plot_per_day(path: Path, rows: list[dict], ruleset: R.RuleSet) -> bool:
-    """One PNG: per rule, its matched transactions per day, labelled fraud (caught, for a
-    decline or review rule), legitimate (false positives) and unlabelled. False where
-    matplotlib is not installed (the jobs image's `train` extra has it)."""
+    """One PNG: per rule, its matched transactions per day: fraud (caught, for a decline
+    or review rule), false positives (legitimate, or unlabelled past the label delay)
+    and unlabelled within the delay (not known yet). False where matplotlib is not
+    installed (the jobs image's `train` extra has it)."""
     try:
         import matplotlib
     except ImportError:
@@ -264,11 +274,11 @@ def plot_per_day(path: Path, rows: list[dict], ruleset: R.RuleSet) -> bool:
         mine = [x for x in rows if x["rule"] == r.code]
         x = np.arange(len(mine))
         fraud = np.array([v["fraud"] for v in mine])
-        legit = np.array([v["legitimate"] for v in mine])
-        unl = np.array([v["unlabelled"] for v in mine])
+        fp = np.array([v["false_positives"] for v in mine])
+        unl = np.array([v["unlabelled_within_delay"] for v in mine])
         ax.bar(x, fraud, color="#c0392b", label="fraud")
-        ax.bar(x, legit, bottom=fraud, color="#2e86c1", label="legitimate")
-        ax.bar(x, unl, bottom=fraud + legit, color="#bdc3c7", label="unlabelled")
+        ax.bar(x, fp, bottom=fraud, color="#2e86c1", label="false positives")
+        ax.bar(x, unl, bottom=fraud + fp, color="#bdc3c7", label="unlabelled, within the delay")
         ax.set_title(f"{r.code} ({r.action}, {r.decl.mode}): matched per day", fontsize=9)
         ax.set_xticks(x, [v["day"] for v in mine], rotation=45, fontsize=7)
         ax.set_ylabel("transactions", fontsize=8)
@@ -282,11 +292,8 @@ def plot_per_day(path: Path, rows: list[dict], ruleset: R.RuleSet) -> bool:
 def write_outputs(out: Path, ev: Evaluation, table: pa.Table, ruleset: R.RuleSet) -> dict[str, Any]:
     """``--out``'s files; what was written (the JSON's ``files``)."""
     out.mkdir(parents=True, exist_ok=True)
-    label = np.array(
-        [np.nan if v is None else float(v) for v in table.column("is_fraud").to_pylist()]
-    )
-    n = write_matched(out / MATCHED_CSV, ev, table, ruleset, label)
-    rows = per_day(ev, table, ruleset, label)
+    n = write_matched(out / MATCHED_CSV, ev, table, ruleset)
+    rows = per_day(ev, table, ruleset)
     write_per_day(out / PER_DAY_CSV, rows)
     files: dict[str, Any] = {"matched": str(out / MATCHED_CSV), "matched_rows": n}
     files["per_day"] = str(out / PER_DAY_CSV)

@@ -21,7 +21,13 @@ import pytest
 import yaml
 
 from batch_jobs.decisions import compact_day
-from fraud_scoring.model_repo import FeatureSpec, ModelMetadata, Thresholds, publish
+from fraud_scoring.model_repo import (
+    FeatureSpec,
+    LabelCoverage,
+    ModelMetadata,
+    Thresholds,
+    publish,
+)
 from fraud_scoring.redis_server import embedded_redis
 from tests.conftest import Server, World, start_server, stop_server
 from tests.test_auth import bearer, create_key
@@ -29,6 +35,9 @@ from tests.test_auth import bearer, create_key
 ROOT = Path(__file__).resolve().parent.parent
 DAYS = [date(2026, 3, 1), date(2026, 3, 2), date(2026, 3, 3)]
 AS_OF = datetime(2026, 3, 10, tzinfo=UTC)
+# Model version 1's label delay (its metadata's): 2026-03-01's unlabelled decisions are
+# past it at AS_OF (false positives), the later days' within it (not known yet).
+LABEL_DELAY = 8
 REVIEW, DECLINE = 0.3, 0.8
 BLOCKED = {"c03", "c07"}
 RULES = """
@@ -158,6 +167,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], d
         holdout_window=window,
         thresholds=Thresholds(review=REVIEW, decline=DECLINE),
         metrics={},
+        label_coverage=LabelCoverage(
+            expected_rate=0.1, min_fraction=0.5, label_delay_days=LABEL_DELAY
+        ),
     )
     publish(root / "models", "fraud", {"model.onnx": b"only the metadata is read"}, meta)
     (root / "rules.yaml").write_text(RULES)
@@ -186,13 +198,19 @@ def cli(root: Path, *args: str, url: str | None = None) -> subprocess.CompletedP
 def _reference(entries: list[dict], known: dict[str, bool], blocked: set[str]) -> dict[str, Any]:
     """The report, row by row from the log entries (the documented order by hand)."""
 
+    cutoff = AS_OF - timedelta(days=LABEL_DELAY)
+
     def counts(rows: list[dict]) -> dict[str, Any]:
         label = [known.get(e["transaction_id"]) for e in rows]
+        old = [datetime.fromisoformat(e["transaction"]["event_time"]) < cutoff for e in rows]
+        past = sum(x is None and o for x, o in zip(label, old, strict=True))
         return {
             "transactions": len(rows),
             "fraud": sum(x is True for x in label),
+            "false_positives": sum(x is False for x in label) + past,
             "legitimate": sum(x is False for x in label),
-            "unlabelled": sum(x is None for x in label),
+            "unlabelled_past_delay": past,
+            "unlabelled_within_delay": sum(x is None for x in label) - past,
             "volume": round(sum(e["transaction"]["amount"] for e in rows), 2),
         }
 
@@ -297,7 +315,10 @@ def test_rules_test_reports_each_rule_and_the_file_as_counted_from_the_log(
     ref = _reference(in_range, known, BLOCKED)
     assert got["decisions"] == len(in_range) == 300
     assert got["days"] == ["2026-03-01", "2026-03-02"]
+    assert got["label_delay_days"] == LABEL_DELAY
     assert _sub(got["labels"], ref["labels"]) == ref["labels"]
+    # Both sides of the delay are in the range: 2026-03-01 past it, 2026-03-02 within.
+    assert got["labels"]["unlabelled_past_delay"] > 0 < got["labels"]["unlabelled_within_delay"]
     assert {k: v for k, v in got["before"].items() if v} == ref["before"]
     assert {k: v for k, v in got["after"].items() if v} == ref["after"]
     changes = {k: v["transactions"] for k, v in got["changes"].items()}
@@ -328,6 +349,8 @@ def test_rules_test_text_and_its_refusals(
     assert text.returncode == 0, text.stderr
     out = text.stdout
     assert "over 300 decisions of 2026-03-02..2026-03-03" in out
+    assert f"; label delay {LABEL_DELAY} days: unlabelled before 2026-03-02T00:00:00" in out
+    assert "past the label delay" in out and "false positives" in out
     assert "list blocked_cards: not read (REDIS_URL unset)" in out
     assert "BIG_ABROAD  review, shadow" in out and "(were it active)" in out
     assert "overrides (reviewed or declined without it)" in out
@@ -394,10 +417,17 @@ def test_rules_test_out_writes_the_matched_transactions_and_the_per_day_figures(
         assert r["event_time"][:19] == e["transaction"]["event_time"][:19]
         want = {True: "fraud", False: "legitimate", None: ""}[known.get(r["transaction_id"])]
         assert r["label"] == want
+        past = datetime.fromisoformat(e["transaction"]["event_time"]) < AS_OF - timedelta(
+            days=LABEL_DELAY
+        )
+        assert r["past_label_delay"] == str(past).lower()
     for code, m in matched.items():
         mine = [r for r in rows if r["rule"] == code]
         assert sum(r["label"] == "fraud" for r in mine) == m["fraud"], code
         assert sum(r["label"] == "legitimate" for r in mine) == m["legitimate"], code
+        unl = [r["past_label_delay"] for r in mine if r["label"] == ""]
+        assert unl.count("true") == m["unlabelled_past_delay"], code
+        assert unl.count("false") == m["unlabelled_within_delay"], code
     blocked = [r for r in rows if r["rule"] == "BLOCKED_CARD"]
     assert blocked and {r["card_id"] for r in blocked} <= BLOCKED
     decides = {r["code"]: r["decides"] for r in got["rules"]}
@@ -413,7 +443,8 @@ def test_rules_test_out_writes_the_matched_transactions_and_the_per_day_figures(
     for code, m in matched.items():
         mine = [d for d in days if d["rule"] == code]
         assert [d["day"] for d in mine] == [d.isoformat() for d in DAYS]
-        for k in ("fraud", "legitimate", "unlabelled"):
+        figures = ("fraud", "false_positives", "legitimate", "unlabelled_past_delay")
+        for k in (*figures, "unlabelled_within_delay"):
             assert sum(int(d[k]) for d in mine) == m[k], (code, k)
         assert sum(int(d["matched"]) for d in mine) == m["transactions"]
         assert sum(int(d["decides"]) for d in mine) == decides[code]
@@ -519,6 +550,28 @@ def test_post_rules_test_answers_the_clis_figures_for_admin_only(
         assert schema["properties"]["rules"]["items"]["properties"]["action"]["enum"] == [
             "allow", "decline", "review",
         ]  # fmt: skip
+
+
+def test_the_label_delay_is_the_range_s_models_longest_else_training_s_default() -> None:
+    from service.core import rule_log
+
+    def meta(version: str, delay: int | None) -> ModelMetadata:
+        window = (datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 2, 1, tzinfo=UTC))
+        cover = (
+            None
+            if delay is None
+            else LabelCoverage(expected_rate=0.1, min_fraction=0.5, label_delay_days=delay)
+        )
+        return ModelMetadata(
+            name="fraud", version=version, created_at=window[1], framework="onnx",
+            features=[], training_window=window, holdout_window=window,
+            thresholds=Thresholds(review=REVIEW, decline=DECLINE), metrics={},
+            label_coverage=cover,
+        )  # fmt: skip
+
+    assert rule_log.label_delay_days({}) == rule_log.DEFAULT_LABEL_DELAY_DAYS == 20
+    assert rule_log.label_delay_days({"1": meta("1", 8), "2": meta("2", 12)}) == 12
+    assert rule_log.label_delay_days({"1": meta("1", None)}) == 20
 
 
 def test_without_duckdb_the_log_reader_is_unavailable_naming_it(

@@ -4,9 +4,11 @@ the service's own compiled expressions (:meth:`fraud_scoring.rules.RuleSet.masks
 order (:class:`service.core.decision.Verdicts`), against what was decided.
 
 :func:`impact` takes the logged decisions as columns (:class:`Logged`: each row's logged
-feature vector, score, thresholds of the model that decided it, decision and the label
-known now) and answers per rule (matched, of them fraud / legitimate / unlabelled and
-their amount volume; the rows it decides and how that changes the logged decision; for
+feature vector, score, thresholds of the model that decided it, decision, the label
+known now and whether the row is past the label delay) and answers per rule (matched, of
+them fraud, false positives (legitimate, or unlabelled past the label delay: no
+chargeback came in the time one takes), unlabelled still within the delay (not known
+yet), and their amount volume; the rows it decides and how that changes the logged decision; for
 an allow rule, the overrides) and for the whole file. A shadow rule is measured as if it
 were active (what making it active would do); the whole file's effect is the file as
 written (shadow rules never decide).
@@ -44,6 +46,8 @@ class Logged:
     strings: Mapping[str, np.ndarray]  # the string fields the rules test (object arrays)
     decision: np.ndarray  # as logged: "approve" | "review" | "decline"
     is_fraud: np.ndarray  # the label known now: 1.0 fraud, 0.0 legitimate, NaN none
+    past_delay: np.ndarray  # bool: older than the label delay (an unlabelled row is legitimate)
+    label_delay_days: int  # the delay ``past_delay`` was taken with
     amount: np.ndarray  # the transaction's amount (float64), for the volumes
     review_th: np.ndarray  # the thresholds of the model that decided each row
     decline_th: np.ndarray
@@ -55,19 +59,25 @@ class Logged:
 
 @dataclass(frozen=True)
 class Counts:
-    """Transactions, split by the label known now, and their amount volume."""
+    """Transactions, split by the label known now, and their amount volume. An
+    unlabelled transaction past the label delay counts as legitimate (a false positive
+    where it is stopped); one within it is not known yet."""
 
     transactions: int
     fraud: int
+    false_positives: int  # legitimate + unlabelled_past_delay
     legitimate: int
-    unlabelled: int
+    unlabelled_past_delay: int
+    unlabelled_within_delay: int
     volume: float
     fraud_volume: float
 
     def text(self) -> str:
         return (
             f"{self.transactions:,} (fraud {self.fraud:,}, legitimate {self.legitimate:,}, "
-            f"unlabelled {self.unlabelled:,}; volume {self.volume:,.2f}, "
+            f"unlabelled {self.unlabelled_past_delay:,} past the label delay, "
+            f"{self.unlabelled_within_delay:,} within; false positives "
+            f"{self.false_positives:,}; volume {self.volume:,.2f}, "
             f"fraud {self.fraud_volume:,.2f})"
         )
 
@@ -90,6 +100,7 @@ class RuleImpact:
 @dataclass(frozen=True)
 class FileImpact:
     decisions: int
+    label_delay_days: int  # an unlabelled decision older than this is taken as legitimate
     labels: Counts  # every row: its label mix and volume
     before: dict[str, int]  # the logged decision mix
     after: dict[str, int]  # the file's
@@ -105,11 +116,16 @@ def _counts(logged: Logged, rows: np.ndarray) -> Counts:
     label = logged.is_fraud[rows]
     amount = logged.amount[rows]
     fraud = label == 1.0
+    legitimate = int((label == 0.0).sum())
+    unlabelled = np.isnan(label)
+    past = int((unlabelled & logged.past_delay[rows]).sum())
     return Counts(
         transactions=int(rows.sum()),
         fraud=int(fraud.sum()),
-        legitimate=int((label == 0.0).sum()),
-        unlabelled=int(np.isnan(label).sum()),
+        false_positives=legitimate + past,
+        legitimate=legitimate,
+        unlabelled_past_delay=past,
+        unlabelled_within_delay=int(unlabelled.sum()) - past,
         volume=round(float(np.nansum(amount)), 2),
         fraud_volume=round(float(np.nansum(amount[fraud])), 2),
     )
@@ -149,6 +165,7 @@ class Evaluation:
     matched transactions' CSV: ``cli/rules.py``)."""
 
     report: FileImpact
+    logged: Logged  # the rows evaluated
     masks: np.ndarray  # (rules, rows) bool: the rule matches the row
     after: np.ndarray  # (rows,) int8: the file's decision (an index of DECISIONS)
     decides: list[np.ndarray]  # per rule, (rows,) bool: the rows it decides (see RuleImpact)
@@ -197,6 +214,7 @@ def evaluate(
             by[whole.decider == i] = "list"
     out = FileImpact(
         decisions=n,
+        label_delay_days=logged.label_delay_days,
         labels=_counts(logged, every),
         before={d: int((before == k).sum()) for k, d in enumerate(DECISIONS)},
         after={d: int((whole.code == k).sum()) for k, d in enumerate(DECISIONS)},
@@ -232,4 +250,4 @@ def evaluate(
                 lacking=lacking[i],
             )
         )
-    return Evaluation(out, masks, np.asarray(whole.code, dtype=np.int8), deciding)
+    return Evaluation(out, logged, masks, np.asarray(whole.code, dtype=np.int8), deciding)

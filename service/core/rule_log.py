@@ -1,7 +1,14 @@
 """The decision log read for a rules test (``fraud-scoring rules test``, ``POST
 /v1/rules/test``; docs/rules.md#testing-a-rules-file): the days asked, each row's logged
-numbers, its model's thresholds, the lists' rows, as :class:`~service.core.rule_impact.Logged`
-columns, and the report as text and as one JSON document.
+numbers, its model's thresholds, whether it is past the label delay, the lists' rows, as
+:class:`~service.core.rule_impact.Logged` columns, and the report as text and as one JSON
+document.
+
+The label delay is the one training takes (``label_delay_days``, ``fraud-scoring train``:
+chargebacks arrive up to that many days after the transaction), as the model versions
+that made the range's decisions recorded it in their metadata (the longest of them), else
+:data:`DEFAULT_LABEL_DELAY_DAYS`. A decision whose transaction is older than the test's
+as-of time minus the delay and has no label counts as legitimate.
 
 The log itself is read by the function :func:`log_reader` answers: the compacted log
 with the labels known now (:func:`fraud_scoring.labels.decisions_with_labels`, DuckDB:
@@ -22,7 +29,7 @@ import pyarrow.compute as pc
 
 from fraud_scoring import rules as R
 from fraud_scoring.commands import UsageError
-from fraud_scoring.model_repo import ModelNotFound, load_metadata, resolve
+from fraud_scoring.model_repo import ModelMetadata, ModelNotFound, load_metadata, resolve
 from fraud_scoring.storage import partition_days
 from service.core import lists
 from service.core.rule_impact import FileImpact, Logged
@@ -30,6 +37,9 @@ from service.settings import ServiceSettings
 
 DEFAULT_DAYS = 7
 RULES_ONLY = "rules-only"  # the model_version of a degraded (rules-only) decision
+# The label delay where no model of the range recorded one (a range of rules-only
+# decisions, metadata from before label coverage): training's default (TrainConfig).
+DEFAULT_LABEL_DELAY_DAYS = 20
 
 
 class ReaderUnavailable(RuntimeError):
@@ -71,28 +81,35 @@ def day_range(raw: Path, since: date | None, until: date | None, days: int | Non
     return chosen
 
 
-def _thresholds(table: pa.Table, settings: ServiceSettings) -> tuple[np.ndarray, np.ndarray]:
+def _models(table: pa.Table, settings: ServiceSettings) -> dict[str, ModelMetadata]:
+    """The metadata of each model version that made a decision of ``table``; UsageError
+    naming a version the repository does not hold."""
+    found: dict[str, ModelMetadata] = {}
+    for v in sorted(set(table.column("model_version").to_pylist()) - {None, RULES_ONLY}):
+        try:
+            found[v] = load_metadata(resolve(settings.model_repo, settings.model_name, v))
+        except ModelNotFound as exc:
+            raise UsageError(
+                f"decisions of model {settings.model_name} version {v} are in the range, "
+                f"and its thresholds are not on file: {exc}"
+            ) from None
+    return found
+
+
+def _thresholds(
+    table: pa.Table, models: dict[str, ModelMetadata], settings: ServiceSettings
+) -> tuple[np.ndarray, np.ndarray]:
     """Each row's review and decline thresholds: its model version's (the metadata's
     default variant), with the settings' overrides where the champion decided. A
     rules-only row has no score, so its thresholds never decide (1.0)."""
     version = table.column("model_version").to_pylist()
     routed = table.column("routed_to").to_pylist()
     review, decline = np.ones(len(version)), np.ones(len(version))
-    found: dict[str, tuple[float, float]] = {}
-    for v in sorted({v for v in version if v not in (None, RULES_ONLY)}):
-        try:
-            th = load_metadata(resolve(settings.model_repo, settings.model_name, v))
-        except ModelNotFound as exc:
-            raise UsageError(
-                f"decisions of model {settings.model_name} version {v} are in the range, "
-                f"and its thresholds are not on file: {exc}"
-            ) from None
-        t = th.thresholds_for("default")
-        found[v] = (t.review, t.decline)
+    found = {v: m.thresholds_for("default") for v, m in models.items()}
     for i, (v, r) in enumerate(zip(version, routed, strict=True)):
         if v not in found:
             continue
-        rv, dv = found[v]
+        rv, dv = found[v].review, found[v].decline
         if r != "challenger":
             rv = settings.review_threshold if settings.review_threshold is not None else rv
             dv = settings.decline_threshold if settings.decline_threshold is not None else dv
@@ -100,10 +117,33 @@ def _thresholds(table: pa.Table, settings: ServiceSettings) -> tuple[np.ndarray,
     return review, decline
 
 
-def logged_columns(table: pa.Table, ruleset: R.RuleSet, settings: ServiceSettings) -> Logged:
-    """The rows of :func:`decisions_with_labels` as :class:`Logged` columns: the numbers
-    the rules read from each row's logged vector (float32, as the model and the rules
-    saw them), ``amount`` from the vector or else the transaction, and ``score``."""
+def label_delay_days(models: dict[str, ModelMetadata]) -> int:
+    """The label delay of the test (see the module's docstring)."""
+    recorded = [
+        m.label_coverage.label_delay_days
+        if m.label_coverage is not None
+        else m.training_config.get("label_delay_days")
+        for m in models.values()
+    ]
+    known = [int(d) for d in recorded if d is not None]
+    return max(known) if known else DEFAULT_LABEL_DELAY_DAYS
+
+
+def _past_delay(table: pa.Table, as_of: datetime, days: int) -> np.ndarray:
+    """Rows whose transaction (its event time, else the decision's) is older than
+    ``as_of`` minus ``days``."""
+    cutoff = pa.scalar(as_of - timedelta(days=days), pa.timestamp("us", tz="UTC"))
+    when = pc.coalesce(table.column("event_time"), table.column("decided_at"))
+    return np.asarray(pc.fill_null(pc.less(when, cutoff), False).to_numpy(zero_copy_only=False))
+
+
+def logged_columns(
+    table: pa.Table, ruleset: R.RuleSet, settings: ServiceSettings, as_of: datetime
+) -> Logged:
+    """The rows of :func:`decisions_with_labels` (labels as of ``as_of``) as
+    :class:`Logged` columns: the numbers the rules read from each row's logged vector
+    (float32, as the model and the rules saw them), ``amount`` from the vector or else
+    the transaction, ``score``, and whether the row is past the label delay."""
     numbers: dict[str, np.ndarray] = {}
     present: dict[str, np.ndarray] = {}
     feats = table.column("features")
@@ -130,13 +170,17 @@ def logged_columns(table: pa.Table, ruleset: R.RuleSet, settings: ServiceSetting
         for f in ruleset.string_fields
     }
     label = table.column("is_fraud").to_pylist()
-    review, decline = _thresholds(table, settings)
+    models = _models(table, settings)
+    review, decline = _thresholds(table, models, settings)
+    delay = label_delay_days(models)
     return Logged(
         numbers=numbers,
         present=present,
         strings=strings,
         decision=np.array(table.column("decision").to_pylist(), object),
         is_fraud=np.array([np.nan if v is None else float(v) for v in label]),
+        past_delay=_past_delay(table, as_of, delay),
+        label_delay_days=delay,
         amount=amount,
         review_th=review,
         decline_th=decline,
@@ -201,10 +245,12 @@ def report_doc(
 def report_text(
     rep: FileImpact, ruleset: R.RuleSet, days: list[date], as_of: datetime, lists_read: dict
 ) -> str:
+    cutoff = as_of - timedelta(days=rep.label_delay_days)
     lines = [
         f"rules test: {ruleset.source} (version {ruleset.version}) over "
         f"{rep.decisions:,} decisions of {days[0]}..{days[-1]}, labels as of "
-        f"{as_of.isoformat(timespec='seconds')}",
+        f"{as_of.isoformat(timespec='seconds')}; label delay {rep.label_delay_days} days: "
+        f"unlabelled before {cutoff.isoformat(timespec='seconds')} counts as legitimate",
         f"  all: {rep.labels.text()}",
     ]
     lines += [f"  list {name}: {what}" for name, what in lists_read.items()]

@@ -58,7 +58,9 @@ class _Days(BaseModel):
         description="the N days ending `until` (default 7; not with `since`)",
     )
     as_of: AwareDatetime | None = Field(
-        default=None, description="labels that had arrived before (RFC 3339; default now)"
+        default=None,
+        description="labels that had arrived before, and the label delay's reference "
+        "(RFC 3339; default now)",
     )
 
 
@@ -105,8 +107,9 @@ def _checked(body: RulesTestIn, serving: R.RuleSet) -> R.RuleSet:
 )
 async def rules_test(request: Request) -> dict[str, Any]:
     """What the rules would have decided on the logged decisions of the days asked: the
-    JSON of ``fraud-scoring rules test --json`` (per rule: matched, of them fraud,
-    legitimate, unlabelled and their volume; the decisions it makes and changes; an allow
+    JSON of ``fraud-scoring rules test --json`` (per rule: matched, of them fraud, false
+    positives (legitimate, or unlabelled past the label delay), unlabelled within the
+    delay, and their volume; the decisions it makes and changes; an allow
     rule's overrides; the inputs some decisions lack; and the whole file's)."""
     body = await json_model(request, RulesTestIn)
     res = resources(request)
@@ -126,7 +129,7 @@ async def rules_test(request: Request) -> dict[str, Any]:
                     raise UsageError(
                         f"no decisions logged {days[0]}..{days[-1]} ({files} hold none)"
                     )
-                return logged_columns(table, ruleset, settings)
+                return logged_columns(table, ruleset, settings, as_of)
 
             logged = await asyncio.to_thread(read)
             lookups = list_lookups(ruleset, dict(logged.strings))
