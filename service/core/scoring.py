@@ -54,11 +54,11 @@ from service.core.results import (
 )
 from service.core.round_trip import (
     STORE_OR_TIMEOUT,
-    StoreRoundTrip,
     Claimed,
-    id_reused,
     Pending,
+    StoreRoundTrip,
     Turns,
+    id_reused,
 )
 from service.core.rules import RulesHolder
 from service.core.store_health import (
