@@ -176,7 +176,7 @@ def declared_features() -> dict[str, Feature]:
             out[f.name] = Feature(
                 f.name,
                 "aggregation",
-                "int64" if f.agg in ("count", "distinct_count") else "float32",
+                "int64" if f.agg in declared.WHOLE_NUMBER_AGGS else "float32",
                 defaults[f.name],
                 f"{what}, {f.agg} over {f.window.label} (tiles of "
                 f"{f.window.width_us // declared.US} s)",

@@ -6,7 +6,8 @@ Each (aggregation, window) of a declaration becomes a feature ``<prefix>_<window
 exactly alike in every engine: online from tiles in Redis, offline in DuckDB
 (``batch_jobs/declared_sql.py``) and Spark. A transaction never counts in its own
 features, and each ``transaction_id`` counts once. Bottom up: :mod:`.expressions` (the
-expression checker and compiler), :mod:`.language` (the checked schema), :mod:`.plan`
+expression checker and compiler), :mod:`.kinds` (the aggregation kinds, one entry
+each, and their finish), :mod:`.language` (the checked schema), :mod:`.plan`
 (the compiled states: :func:`load`; the math every engine shares: :func:`finish`),
 :mod:`.file_errors` (a file's errors all at once, with their lines),
 :mod:`.redis_tiles` (the Redis layout and recording scripts) and :mod:`.microbatch` (a
@@ -19,6 +20,7 @@ from fraud_scoring.declared.expressions import (
     is_expression,
     value_names,
 )
+from fraud_scoring.declared.kinds import KINDS, Kind, Sums
 from fraud_scoring.declared.language import (
     ARRIVAL_FILTER_COLUMNS,
     ARRIVAL_VALUE_COLUMNS,
@@ -126,6 +128,7 @@ __all__ = [
     "FUTURE_ROOM_US",
     "HORIZON_S",
     "KEY_COLUMNS",
+    "KINDS",
     "LABEL_ROOM_US",
     "LABEL_VALUE_COLUMNS",
     "LAYOUT",
@@ -160,10 +163,12 @@ __all__ = [
     "DerivedDecl",
     "Event",
     "KeyState",
+    "Kind",
     "Limits",
     "ReasonDecl",
     "Source",
     "Spec",
+    "Sums",
     "Window",
     "_Strict",
     "check_reasons",

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from fraud_scoring.declared import window_table as W
-from fraud_scoring.declared.language import DISTINCT_CAP, EXACT_WINDOW_AGGS, NEWEST, US
+from fraud_scoring.declared.kinds import KINDS, Sums
+from fraud_scoring.declared.language import NEEDS_CATEGORY, NEWEST, US
 from fraud_scoring.declared.microbatch import online_row, parse_reads, queue_recording
 from fraud_scoring.declared.plan import Declarations, Spec
 from fraud_scoring.declared.redis_tiles import BatchColumns, Event
@@ -255,7 +256,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
             c = np.where(loose, np.maximum(c, 0.0), c)
             s_ = np.where(loose, np.maximum(s_, 0.0), s_)
             q = np.where(loose, np.maximum(q, 0.0), q)
-        agg = W.finish(c, s_, q, since[wp], last_v[wp], win.lo, win.hi, tab.win_us)
+        _, agg = W.finish(tab.aggs, c, s_, q, since[wp], last_v[wp], win.lo, win.hi, tab.win_us)
         sw = since[wp]
         for (s, j), at in tab.block.items():
             for f in comp.by_window.get((s, j), ()):
@@ -293,7 +294,7 @@ def _column(
     if f.default is not None:
         none = (
             since[at : at + n] > us[at : at + n] / US
-            if f.agg in EXACT_WINDOW_AGGS
+            if KINDS[f.agg].exact_window
             else c[at : at + n] <= 0
         )
         v = np.where(none, f.default, v)
@@ -341,10 +342,11 @@ def _values(
         np.where(before_k & (tk >= start), tk, -np.inf).max(axis=1, initial=-np.inf),
     )[:, None]
     same = ((tn == latest) & (vn == mine)).any(axis=1) | ((tk == latest) & (ck == mine)).any(axis=1)
-    values = {
-        "distinct_count": np.minimum(new.sum(axis=1), DISTINCT_CAP).astype(np.float64),
-        "changed": np.where((latest[:, 0] > -np.inf) & ~np.isnan(mine[:, 0]) & ~same, 1.0, 0.0),
-    }
+    changed = np.where((latest[:, 0] > -np.inf) & ~np.isnan(mine[:, 0]) & ~same, 1.0, 0.0)
+    sums = Sums(
+        0.0, 0.0, 0.0, 0.0, 0.0, distinct=new.sum(axis=1).astype(np.float64), changed=changed
+    )
+    values = {a: KINDS[a].finish(sums) for a in NEEDS_CATEGORY}
     since = since_p[vp]
     for (s, j), at in ix.val_block.items():
         w = comp.specs[s].windows[j]
@@ -353,7 +355,7 @@ def _values(
                 continue
             v = values[f.agg][at : at + n]
             if f.default is not None:  # a declared default where the window is empty
-                exact_window = f.agg in EXACT_WINDOW_AGGS
+                exact_window = KINDS[f.agg].exact_window
                 none = since[at : at + n] > w.us / US if exact_window else counts[(s, j)] <= 0
                 v = np.where(none, f.default, v)
             cols[f.name] = v

@@ -13,12 +13,14 @@ import re
 import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fraud_scoring.declared.expressions import _FUNCS, _check_expr, _parsed
+from fraud_scoring.declared.kinds import DISTINCT_CAP as DISTINCT_CAP
+from fraud_scoring.declared.kinds import KINDS, kinds_where
 
 US = 1_000_000
 # Tile widths, finest first (µs); a window takes the widest that divides it >= 10 times.
@@ -52,36 +54,27 @@ SOURCE_FILTERS = {"decisions": ("decision",)}
 LABEL_VALUE_COLUMNS = SOURCE_VALUES["labels"]
 ARRIVAL_VALUE_COLUMNS = tuple(c for cols in SOURCE_VALUES.values() for c in cols)
 ARRIVAL_FILTER_COLUMNS = tuple(c for cols in SOURCE_FILTERS.values() for c in cols)
-# A state whose events are not recorded as they happen (a delay, or labels, which the
-# daily batch records) reads whole tiles, so only these aggregations.
-WHOLE_TILE_AGGS = {"count", "sum", "mean", "std", "min", "max"}
 # An arrival counts from the day after it arrived (plus FRAUD_BATCH_AVAILABLE_AFTER_S):
 # its state keeps tiles this far ahead of the present beyond its delay.
 LABEL_ROOM_US = 2 * 86_400 * US
-Agg = Literal[
-    "count",
-    "sum",
-    "mean",
-    "std",
-    "min",
-    "max",
-    "seconds_since_last",
-    "last",
-    "distinct_count",
-    "changed",
-]
-NEEDS_VALUE = {"sum", "mean", "std", "min", "max", "last"}
+# The aggregation kinds (one entry each in :data:`.kinds.KINDS`) and what they need.
+if TYPE_CHECKING:
+    Agg = str
+else:
+    Agg = Literal[tuple(KINDS)]
+# A state whose events are not recorded as they happen (a delay, or labels, which the
+# daily batch records) reads whole tiles, so only these aggregations.
+WHOLE_TILE_AGGS = kinds_where(lambda k: k.whole_tiles)
+NEEDS_VALUE = kinds_where(lambda k: k.reads == "number")
 # Aggregations that keep, per tile, the smallest and largest value too.
-EXTREMES = {"min", "max"}
+EXTREMES = kinds_where(lambda k: k.extremes)
 # Aggregations of a categorical value (a key column): a state keeps the values it saw.
-NEEDS_CATEGORY = {"distinct_count", "changed"}
+NEEDS_CATEGORY = kinds_where(lambda k: k.reads == "category")
 # Integer features (int64 columns): a declared default must be a whole number.
-WHOLE_NUMBER_AGGS = {"count", "distinct_count"}
+WHOLE_NUMBER_AGGS = kinds_where(lambda k: k.whole_number)
 # Aggregations over the exact window (t - W up to t): empty when no event lies in it;
 # the others are empty when the tile-snapped window holds no event.
-EXACT_WINDOW_AGGS = {"seconds_since_last", "last", "changed"}
-# distinct_count saturates here (a state keeps at most this many values per key).
-DISTINCT_CAP = 100
+EXACT_WINDOW_AGGS = kinds_where(lambda k: k.exact_window)
 
 
 class DeclarationError(ValueError):

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from fraud_scoring.declared.kinds import KINDS, Sums
 from fraud_scoring.declared.language import (
-    DISTINCT_CAP,
     EXACT_WINDOW_AGGS,
     KEY_COLUMNS,
     NEWEST,
@@ -283,7 +283,8 @@ def _values_one(
     lo = t_us // w.width_us - w.tiles
     codes = {c for ts, c in events if ts // w.width_us >= lo}
     codes |= {c for c, ts in kept if ts < t_us and ts // w.width_us >= lo}
-    values["distinct_count"] = float(min(len(codes), DISTINCT_CAP))
+    held = Sums(0.0, 0.0, 0.0, 0.0, 0.0, distinct=np.float64(len(codes)))
+    values["distinct_count"] = float(KINDS["distinct_count"].finish(held))
     start = t_us - w.us
     times = [ts for ts, _ in events if ts >= start]
     times += [ts for _, ts in kept if start <= ts < t_us]
@@ -309,22 +310,16 @@ def _finish_one(
     mn: float = math.inf,
     mx: float = -math.inf,
 ) -> dict[str, float]:
-    """:func:`finish` for one row on Python floats (the same IEEE operations, without
-    numpy's per-call cost on the scorer's path); ``mn``, ``mx``: the window's smallest
-    and largest value (inf, -inf: no event)."""
-    mean = s / c if c > 0 else 0.0
-    var = max(q / c - mean * mean, 0.0) if c > 0 else 0.0
-    values = {
-        "count": c,
-        "sum": s,
-        "mean": mean,
-        "std": math.sqrt(var),
-        "seconds_since_last": min(since, w.us / US),
-        "last": last if since <= w.us / US else 0.0,
-        "min": mn if mn != math.inf else 0.0,
-        "max": mx if mx != -math.inf else 0.0,
+    """:func:`finish` for one row: each feature by its kind's finish (:mod:`.kinds`, on
+    numpy scalars: the same IEEE operations as over columns); ``mn``, ``mx``: the
+    window's smallest and largest value (inf, -inf: no event)."""
+    f64 = np.float64
+    sums = Sums(f64(c), f64(s), f64(q), f64(since), f64(w.us / US), f64(last), f64(mn), f64(mx))
+    return {
+        f.name: float(KINDS[f.agg].finish(sums))
+        for f in spec.features
+        if f.window.us == w.us and KINDS[f.agg].reads != "category"
     }
-    return {f.name: values[f.agg] for f in spec.features if f.window.us == w.us and f.agg in values}
 
 
 # --- a micro-batch (the scorer's edge) ----------------------------------------------------

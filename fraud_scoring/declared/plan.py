@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import ValidationError
 
+from fraud_scoring.declared import kinds
 from fraud_scoring.declared.expressions import (
     REQUEST_FIELDS,
     _check_expr,
@@ -42,10 +43,9 @@ from fraud_scoring.declared.expressions import (
     is_expression,
     value_names,
 )
+from fraud_scoring.declared.kinds import Sums
 from fraud_scoring.declared.language import (
     ARRIVALS,
-    DISTINCT_CAP,
-    EXACT_WINDOW_AGGS,
     EXTREMES,
     FUTURE_ROOM_US,
     KEY_COLUMNS,
@@ -435,45 +435,31 @@ def finish(
     """The declared features over ``window`` from its sums, and (a state that keeps
     values) its distinct values and changed flags, the newest event's value (``last``;
     NaN: none) and the window's smallest and largest values (NaN: no event) (float64
-    columns)."""
-    c = np.asarray(count, dtype=np.float64)
-    s = np.asarray(total, dtype=np.float64)
-    q = np.asarray(squares, dtype=np.float64)
-    safe = np.where(c > 0, c, 1.0)
-    mean = np.where(c > 0, s / safe, 0.0)
-    var = np.where(c > 0, np.maximum(q / safe - mean * mean, 0.0), 0.0)
-    values = {
-        "count": c,
-        "sum": s,
-        "mean": mean,
-        "std": np.sqrt(var),
-        "seconds_since_last": np.minimum(
-            np.asarray(since_last_s, dtype=np.float64), window.us / US
-        ),
-    }
-    if distinct is not None:
-        values["distinct_count"] = np.minimum(np.asarray(distinct, np.float64), DISTINCT_CAP)
-    if changed is not None:
-        values["changed"] = np.asarray(changed, dtype=np.float64)
-    if last is not None:
-        within = np.asarray(since_last_s, dtype=np.float64) <= window.us / US
-        lv = np.asarray(last, dtype=np.float64)
-        values["last"] = np.where(within & ~np.isnan(lv), np.nan_to_num(lv), 0.0)
-    for agg, x in (("min", minimum), ("max", maximum)):
-        if x is not None:
-            xv = np.asarray(x, dtype=np.float64)
-            values[agg] = np.where(np.isnan(xv), 0.0, xv)
+    columns), each by its kind's finish (:mod:`.kinds`)."""
+
+    def col(x: npt.ArrayLike | None, none: float) -> np.ndarray:
+        return np.asarray(none if x is None else x, dtype=np.float64)
+
+    c = col(count, 0.0)
+    sums = Sums(
+        c,
+        col(total, 0.0),
+        col(squares, 0.0),
+        col(since_last_s, np.inf),
+        window.us / US,
+        col(last, np.nan),
+        col(minimum, np.nan),
+        col(maximum, np.nan),
+        col(distinct, 0.0),
+        col(changed, 0.0),
+    )
     out = {}
     for f in spec.features:
-        if f.window.us == window.us and f.agg in values:
-            out[f.name] = values[f.agg]
+        if f.window.us == window.us:
+            v = np.broadcast_to(kinds.finish(f.agg, sums), c.shape).astype(np.float64)
             if f.default is not None:  # a declared default where the window holds nothing
-                none = (
-                    np.asarray(since_last_s, dtype=np.float64) > window.us / US
-                    if f.agg in EXACT_WINDOW_AGGS
-                    else c == 0
-                )
-                out[f.name] = np.where(none, f.default, values[f.agg])
+                v = np.where(kinds.empty(f.agg, sums), f.default, v)
+            out[f.name] = v
     return out
 
 

@@ -8,11 +8,14 @@ serving path that fills it is :mod:`fraud_scoring.declared.columnar`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from fraud_scoring.declared import kinds
+from fraud_scoring.declared.kinds import Sums
 from fraud_scoring.declared.language import NEWEST, US
 from fraud_scoring.declared.plan import Spec
 
@@ -100,6 +103,7 @@ class Table:
     win_us: np.ndarray  # float64: the window (µs)
     win_slots: np.ndarray  # float64: its ring's slots
     block: dict[tuple[int, int], int]  # (state, window) -> first window row
+    aggs: frozenset[str]  # the kinds its features finish from its sums (not values')
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,12 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
                 cat(cols["us"], np.float64),
                 cat(cols["slots"], np.float64),
                 block,
+                frozenset(
+                    f.agg
+                    for sw in block
+                    for f in comp.by_window.get(sw, ())
+                    if kinds.KINDS[f.agg].reads != "category"
+                ),
             )
         )
     values = tuple(s for s, spec in enumerate(comp.specs) if spec.keeps_values)
@@ -296,6 +306,7 @@ def sum_windows(tab: Table, blobs: list[bytes], doubles: int, t: np.ndarray) -> 
 
 
 def finish(
+    aggs: Iterable[str],
     c: np.ndarray,
     s: np.ndarray,
     q: np.ndarray,
@@ -304,24 +315,11 @@ def finish(
     lo: np.ndarray,
     hi: np.ndarray,
     us: np.ndarray,
-) -> dict[str, np.ndarray]:
-    """:func:`fraud_scoring.declared._finish_one` over window rows (the same IEEE
-    operations)."""
-    some = c > 0
-    safe = np.where(some, c, 1.0)
-    mean = np.where(some, s / safe, 0.0)
-    var = np.where(some, np.maximum(q / safe - mean * mean, 0.0), 0.0)
-    w = us / US
-    return {
-        "count": c,
-        "sum": s,
-        "mean": mean,
-        "std": np.sqrt(var),
-        "seconds_since_last": np.minimum(since, w),
-        "last": np.where(since <= w, last, 0.0),
-        "min": np.where(lo != np.inf, lo, 0.0),
-        "max": np.where(hi != -np.inf, hi, 0.0),
-    }
+) -> tuple[Sums, dict[str, np.ndarray]]:
+    """The window rows' sums and each of ``aggs`` over them, by its kind's finish
+    (:mod:`.kinds`; the row path runs the same on one row)."""
+    sums = Sums(c, s, q, since, us / US, last, lo, hi)
+    return sums, {a: kinds.finish(a, sums) for a in aggs}
 
 
 def by_pair(
