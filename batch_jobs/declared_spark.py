@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from batch_jobs.declared_sql import SRC, frames
+from batch_jobs.declared_sql import SRC, decayed_columns, decayed_sql, frames
 from fraud_scoring import declared as D
 
 # Temporary views of one call: the query rows and the history's events.
@@ -74,13 +74,14 @@ def window_sql_spark(spec: D.Spec, w: D.Window, params: dict[str, Any]) -> str:
     else:
         value = own = "CAST(NULL AS STRING)"
         num = f"CAST(e.{spec.value_sql} AS DOUBLE)" if spec.value_sql else "1.0D"
+    dec, dec_names = decayed_sql(spec, "D")
     return f"""
 WITH ev AS (
   SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
   FROM {_E} e WHERE e.src = '{src}' AND {_present_sql(spec, "e", value=True)}
                     AND {_filter_sql(spec, "e", params)}
 ), qk AS (
-  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi,
+  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi, q.ts_us AS t,
          q.ts_us - pmod(q.ts_us, {u}L) - {n * u}L AS lo, q.ts_us - {w.us}L AS last_lo,
          nullif({own}, '') AS own
   FROM {_Q} q WHERE {_present_sql(spec, "q")}
@@ -92,7 +93,7 @@ WITH ev AS (
          min(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mn,
          max(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mx,
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
-         max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
+         max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us{dec}
   FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
                        AND ev.ts_us < qk.hi
   GROUP BY qk.row_id
@@ -101,14 +102,15 @@ WITH ev AS (
 ), lastv AS (  -- the largest value at each key's time (for last)
   SELECT k, ts_us, max(v) AS v FROM ev GROUP BY k, ts_us
 )
-SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us,
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us{dec_names},
        max(lastv.v) AS last_v,
        CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0D
             WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0D ELSE 1.0D END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
           LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
-GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us, agg.own
+GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us,
+         agg.own{dec_names}
 """
 
 
@@ -163,13 +165,19 @@ def spark_training_columns(
             params: dict[str, Any] = {}
             sql = window_sql_spark(spec, w, params)
             parts.append(spark.sql(sql, args=params).selectExpr(f"{i} AS part", "*"))
-        got = functools.reduce(lambda a, b: a.unionByName(b), parts).toArrow().to_pandas()
+        # A state without decayed sums has no dec_<j> columns: null there.
+        got = (
+            functools.reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), parts)
+            .toArrow()
+            .to_pandas()
+        )
     finally:
         spark.catalog.dropTempView(_Q)
         spark.catalog.dropTempView(_E)
     by_part = dict(tuple(got.groupby("part")))
+    decs = [f"dec_{j}" for j in range(max((len(s.half_lives) for s in decl.specs), default=0))]
     empty = pd.DataFrame(
-        columns=["row_id", "c", "s", "q", "mn", "mx", "d", "last_us", "last_v", "changed"]
+        columns=["row_id", "c", "s", "q", "mn", "mx", "d", "last_us", "last_v", "changed", *decs]
     )
     for i, (spec, w) in enumerate(windows):
         res = by_part.get(i, empty).set_index("row_id").reindex(q["row_id"])
@@ -189,6 +197,7 @@ def spark_training_columns(
                 res["last_v"].to_numpy(np.float64),
                 res["mn"].to_numpy(np.float64),
                 res["mx"].to_numpy(np.float64),
+                decayed_columns(spec, res),
             )
         )
     return out

@@ -75,11 +75,26 @@ def _source_sql(spec: D.Spec, alias: str) -> tuple[str, str]:
     return f"{alias}.src = '{src}'", ts
 
 
+def decayed_sql(spec: D.Spec, double: str = "") -> tuple[str, str]:
+    """A state's decayed sums in a window statement (DuckDB's; Spark's with
+    ``double`` "D", its double-literal suffix): ``agg``'s columns ``dec_<j>`` (per
+    half-life, each event's value weighted by ``2^((ts - t) / half-life)``), and the
+    final select's list of them."""
+    cols = [
+        f"coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * pow(2.0{double}, "
+        f"CAST(ev.ts_us - qk.t AS DOUBLE) / {h}.0{double}) END), 0.0{double}) AS dec_{j}"
+        for j, h in enumerate(spec.half_lives)
+    ]
+    names = [f"agg.dec_{j}" for j in range(len(spec.half_lives))]
+    return "".join(f",\n         {c}" for c in cols), "".join(f", {n}" for n in names)
+
+
 def window_sql(spec: D.Spec, w: D.Window) -> str:
-    """One window of one declaration: per row id, count, sum, squares, min, max and
-    the newest earlier event time. Reads the views ``q`` (row_id, ts_us, key columns) and ``e``
-    (:func:`_frames`: one row per transaction and per label, with ``src``, ``ev_us``,
-    ``avail_us``, key columns and values)."""
+    """One window of one declaration: per row id, count, sum, squares, min, max, the
+    newest earlier event time and the decayed sums (:func:`decayed_sql`). Reads the
+    views ``q`` (row_id, ts_us, key columns) and ``e`` (:func:`_frames`: one row per
+    transaction and per label, with ``src``, ``ev_us``, ``avail_us``, key columns and
+    values)."""
     u, n = w.width_us, w.tiles
     where_src, ev_ts = _source_sql(spec, "e")
     # whole tiles (a delay, labels): the window ends at the tile edge at or before t
@@ -90,13 +105,14 @@ def window_sql(spec: D.Spec, w: D.Window) -> str:
     else:
         value = own = "NULL"
         num = f"CAST(e.{spec.value_sql} AS DOUBLE)" if spec.value_sql else "1.0"
+    dec, dec_names = decayed_sql(spec)
     return f"""
 WITH ev AS (
   SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
   FROM e WHERE {where_src} AND {_present_sql(spec, "e", value=True)}
                AND {_filter_sql(spec, "e")}
 ), qk AS (
-  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi,
+  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi, q.ts_us AS t,
          (q.ts_us // {u} - {n}) * {u} AS lo, q.ts_us - {w.us} AS last_lo,
          nullif(CAST({own} AS VARCHAR), '') AS own
   FROM q WHERE {_present_sql(spec, "q")}
@@ -108,7 +124,7 @@ WITH ev AS (
          min(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mn,
          max(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mx,
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
-         max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us
+         max(CASE WHEN ev.ts_us >= qk.last_lo THEN ev.ts_us END) AS last_us{dec}
   FROM qk LEFT JOIN ev ON ev.k = qk.k AND ev.ts_us >= least(qk.lo, qk.last_lo)
                        AND ev.ts_us < qk.hi
   GROUP BY qk.row_id
@@ -117,15 +133,23 @@ WITH ev AS (
 ), lastv AS (  -- the largest value at each key's time (for last)
   SELECT k, ts_us, max(v) AS v FROM ev GROUP BY k, ts_us
 )
-SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us,
+SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us{dec_names},
        max(lastv.v) AS last_v,
        CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0
             WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0 ELSE 1.0 END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
           LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
-GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us, agg.own
+GROUP BY agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us,
+         agg.own{dec_names}
 """
+
+
+def decayed_columns(spec: D.Spec, got: pd.DataFrame) -> dict[int, np.ndarray]:
+    """A window statement's decayed sums by half-life (µs), from its ``dec_<j>``."""
+    return {
+        h: got[f"dec_{j}"].fillna(0.0).to_numpy(np.float64) for j, h in enumerate(spec.half_lives)
+    }
 
 
 def frames(
@@ -219,6 +243,7 @@ def training_columns(
                         got["last_v"].to_numpy(np.float64),
                         got["mn"].to_numpy(np.float64),
                         got["mx"].to_numpy(np.float64),
+                        decayed_columns(spec, got),
                     )
                 )
             if progress:

@@ -82,7 +82,8 @@ def reference(
             ev = ev[ev[c].notna() & (ev[c].astype(str) != "")]
         # Each event's number (a column or an expression, evaluated per event) and
         # categorical value, once.
-        ev = ev.assign(_x=_numbers(ev, value) if value and not categorical else 0.0)
+        # (without a value each event counts 1.0, as a decayed count reads it)
+        ev = ev.assign(_x=_numbers(ev, value) if value and not categorical else float(not value))
         ev = ev.assign(_cat=ev[value].astype(str) if categorical else "")
         groups = {
             (k if isinstance(k, tuple) else (k,)): (
@@ -122,6 +123,12 @@ def reference(
                         v = min(x) if x else 0.0
                     elif agg == "max":
                         v = max(x) if x else 0.0
+                    elif agg == "decayed_sum":  # each value weighted 2^-(age / half-life)
+                        h = _window_s(decl["features"][agg]["half_life"]) * US
+                        v = math.fsum(
+                            float(a) * 2.0 ** ((int(b) - t) / h)
+                            for a, b in zip(xs[inwin], ts[inwin], strict=True)
+                        )
                     elif agg == "distinct_count":
                         v = float(min(len(set(cats[inwin])), CAP))
                     elif agg in ("changed", "last"):
@@ -140,7 +147,8 @@ def reference(
                         v = float(mine)  # the declared default: the window holds nothing
                     cols[agg].append(v)
             for agg, prefix in decl["features"].items():
-                out[f"{prefix}_{label}"] = cols[agg]
+                name = prefix["name"] if isinstance(prefix, dict) else prefix
+                out[f"{name}_{label}"] = cols[agg]
     return out
 
 

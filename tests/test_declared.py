@@ -82,6 +82,20 @@ aggregations:
     windows: [1h]
     features: {seconds_since_last: d_since}
     default: -1
+  - entity: card_id
+    value: amount
+    windows: [1h, 1d]
+    features: {decayed_sum: {name: c_amount_decayed, half_life: 30m}, count: c_count}
+  - entity: merchant_id
+    windows: [10m, 1d]
+    features:
+      decayed_sum: {name: m_decayed_count, half_life: 20m}
+  - source: labels
+    entity: merchant_id
+    value: is_fraud
+    delay: 2d
+    windows: [7d]
+    features: {decayed_sum: {name: m_frauds_decayed, half_life: 1d}}
   - source: labels
     entity: card_id
     value: is_fraud * amount
@@ -209,6 +223,19 @@ def test_the_language_names_the_field_it_refuses() -> None:
         "aggregations: [{entity: card_id, windows: [1h], features: {median: x}}]": (
             "aggregations.0.features.median",
             "",
+        ),
+        "aggregations: [{entity: card_id, windows: [1h], features: {decayed_sum: x}}]": (
+            "aggregations.0",
+            "decayed_sum: needs half_life",
+        ),
+        "aggregations: [{entity: card_id, windows: [1h], "
+        "features: {count: {name: x, half_life: 1h}}}]": ("aggregations.0", "takes no half_life"),
+        "aggregations: [{entity: card_id, windows: [30d], "
+        "features: {decayed_sum: {name: x, half_life: 1m}}}]": ("aggregations.0", "too short"),
+        "aggregations: [{entity: card_id, value: country, windows: [1h], "
+        "features: {decayed_sum: {name: x, half_life: 1h}}}]": (
+            "aggregations.0.value",
+            "decayed_sum needs a number",
         ),
         "aggregations: [{entity: card_id, windows: [1h], features: {mean: x}}]": (
             "aggregations.0.value",
@@ -558,6 +585,12 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
         assert max(trained["m_count_1h"]) > 2500 and max(trained["cm_count_30d"]) > 10
         assert max(trained["m_frauds_7d"]) > 10 and max(trained["m_count_2d_ago_1d"]) > 10
         assert max(trained["c_flagged_7d"]) > 5 and 0 < max(trained["m_score_mean_7d"]) < 1
+        # decayed sums: the hot merchant's decayed count lies between its 10-minute
+        # count's share of a half-life and its whole count
+        hot = int(np.argmax(trained["m_count_10m"]))
+        assert 0.3 * trained["m_count_10m"][hot] < trained["m_decayed_count_10m"][hot]
+        assert trained["m_decayed_count_10m"][hot] < trained["m_count_10m"][hot]
+        assert max(trained["c_amount_decayed_1d"]) > 0 and max(trained["m_frauds_decayed_7d"]) > 0
 
     # Derived features: the shared evaluator = the reference's on every row.
     from fraud_scoring.declared import derived_columns

@@ -31,7 +31,7 @@ if shutil.which("java") is None:
 pytest.importorskip("pyspark", reason="Spark tests need pyspark: pip install '.[spark]'")
 
 # Aggregations over a float value: equal up to the order of summation.
-SUMMED = {"sum", "mean", "std"}
+SUMMED = {"sum", "mean", "std", "decayed_sum"}  # added in another order: the last bits
 
 
 @pytest.fixture(scope="module")

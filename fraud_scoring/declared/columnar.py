@@ -189,7 +189,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     t = per_state.ravel()
     pairs = len(t)
     # The replies, per state and field: its rings (per width), newest events, kept values.
-    ring_blobs: tuple[list[Sequence[bytes]], list[Sequence[bytes]]] = ([], [])
+    ring_blobs: dict[tuple[bool, tuple[int, ...]], list[Sequence[bytes]]] = {}
     newest: list[Sequence[bytes]] = []
     kept: dict[int, Sequence[bytes]] = {}
     pos = 0
@@ -206,7 +206,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
                 full[i] = chunk[at]
             chunk = full
         fields = list(zip(*chunk, strict=True)) if n else [()] * nf
-        ring_blobs[int(spec.keeps_extremes)].extend(fields[:nw])
+        ring_blobs.setdefault(spec.tile_shape, []).extend(fields[:nw])
         newest.append(fields[nw])
         if spec.keeps_values:
             kept[s] = fields[nw + 1]
@@ -231,10 +231,8 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     cols: dict[str, np.ndarray] = {}
     fix: set[tuple[int, int]] = set()  # (state, pair): by the row-by-row definition
     counts: dict[tuple[int, int], np.ndarray] = {}  # (state, window): a values state's counts
-    for g, tab in enumerate(ix.tables):
-        if tab is None:
-            continue
-        win = W.sum_windows(tab, _flat(ring_blobs[g]), 6 if g else 4, t)
+    for tab in ix.tables:
+        win = W.sum_windows(tab, _flat(ring_blobs[tab.shape]), t)
         wp = tab.win_pair
         exact &= np.bincount(wp, weights=(~win.covered).astype(np.float64), minlength=pairs) == 0
         c, s_, q = win.c, win.s, win.q
@@ -245,7 +243,10 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
             c = c - hit.sum(axis=1)
             s_ = s_ - (v * hit).sum(axis=1)
             q = q - (v * v * hit).sum(axis=1)
-            if g:  # a min or max cannot be taken out: those rows row by row
+            for h, d in win.decayed.items():
+                gap = np.where(hit, ts_s[wp] - t[wp][:, None], -np.inf)
+                win.decayed[h] = d - (v * np.exp2(gap / h)).sum(axis=1)
+            if tab.shape[0]:  # a min or max cannot be taken out: those rows row by row
                 held = np.bincount(wp, weights=hit.any(axis=1).astype(np.float64), minlength=pairs)
                 for pp in np.flatnonzero(held).tolist():
                     fix.add((pp // n, pp % n))
@@ -256,11 +257,15 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
             c = np.where(loose, np.maximum(c, 0.0), c)
             s_ = np.where(loose, np.maximum(s_, 0.0), s_)
             q = np.where(loose, np.maximum(q, 0.0), q)
-        _, agg = W.finish(tab.aggs, c, s_, q, since[wp], last_v[wp], win.lo, win.hi, tab.win_us)
+            for h, d in win.decayed.items():
+                win.decayed[h] = np.where(loose, np.maximum(d, 0.0), d)
+        agg = W.finish(
+            tab.keys, c, s_, q, since[wp], last_v[wp], win.lo, win.hi, tab.win_us, win.decayed
+        )
         sw = since[wp]
         for (s, j), at in tab.block.items():
             for f in comp.by_window.get((s, j), ()):
-                if f.agg in agg:
+                if f.key in agg:
                     cols[f.name] = _column(agg, f, at, n, c, sw, tab.win_us)
             if s in ix.values:
                 counts[(s, j)] = c[at : at + n]
@@ -290,7 +295,7 @@ def _column(
 ) -> np.ndarray:
     """One feature's column over the batch: its window rows, with a declared default
     where the window holds nothing."""
-    v = agg[f.agg][at : at + n]
+    v = agg[f.key][at : at + n]
     if f.default is not None:
         none = (
             since[at : at + n] > us[at : at + n] / US

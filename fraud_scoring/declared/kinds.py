@@ -5,11 +5,12 @@ over DuckDB's or Spark's window sums: :func:`finish`).
 
 Every engine first reduces a window to the same sums (:class:`Sums`: count, sum, sum of
 squares, the smallest and largest value, the time since the newest event and its value,
-the distinct values and whether the value changed); a kind's finish turns them into its
-feature. Adding a kind whose finish needs only these sums is one entry here (and its
-tests); one that needs another per-tile sum also needs that sum in the tile layout
-(``record.lua``, :func:`fraud_scoring.declared.window_table.sum_windows`, the window
-SQL), docs/features.md, "Adding an aggregation kind".
+the distinct values, whether the value changed, the decayed sum at a half-life); a
+kind's finish turns them into its feature. Adding a kind whose finish needs only these
+sums is one entry here (and its tests); one that needs another per-tile sum also needs
+that sum in the tile layout (``record.lua``,
+:func:`fraud_scoring.declared.window_table.sum_windows`, the window SQL):
+docs/features.md, "Adding an aggregation kind".
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Sums:
     hi: Any = -np.inf
     distinct: Any = 0.0
     changed: Any = 0.0
+    decayed: Any = 0.0  # the window's decayed sum at the feature's half-life
 
 
 def _mean(x: Sums) -> Any:
@@ -78,6 +80,16 @@ class Kind:
     exact_window: bool = False
     whole_tiles: bool = True
     extremes: bool = False
+    # Parameters its YAML entry takes ({name: prefix, half_life: 1h}); a kind with any
+    # is declared with them. half_life: the state's tiles keep a decayed sum per
+    # half-life (:data:`DECAY_TILES`).
+    params: tuple[str, ...] = ()
+
+
+# A tile keeps its decayed sum relative to its own end: an event early in a tile weighs
+# 2^-(width / half-life) there, so a half-life must be at least a 64th of each window's
+# tile width (else that weight would underflow a double).
+DECAY_TILES = 64
 
 
 KINDS: dict[str, Kind] = {
@@ -111,6 +123,9 @@ KINDS: dict[str, Kind] = {
             whole_tiles=False,
         ),
         Kind("changed", "category", lambda x: x.changed, exact_window=True, whole_tiles=False),
+        # sum of value * 2^-((t - ts) / half-life) over the window (the value: 1 without
+        # one: a decayed count), the exponentially decayed velocity beside hard windows
+        Kind("decayed_sum", "any", lambda x: x.decayed, params=("half_life",)),
     )
 }
 

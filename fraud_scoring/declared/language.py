@@ -19,8 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fraud_scoring.declared.expressions import _FUNCS, _check_expr, _parsed
+from fraud_scoring.declared.kinds import DECAY_TILES, KINDS, kinds_where
 from fraud_scoring.declared.kinds import DISTINCT_CAP as DISTINCT_CAP
-from fraud_scoring.declared.kinds import KINDS, kinds_where
 
 US = 1_000_000
 # Tile widths, finest first (µs); a window takes the widest that divides it >= 10 times.
@@ -124,6 +124,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class KindParams(_Strict):
+    """A feature of a kind that takes parameters (:attr:`.kinds.Kind.params`):
+    ``{decayed_sum: {name: card_amount_decayed, half_life: 1h}}``."""
+
+    name: str = Field(description="the feature name prefix")
+    half_life: str | None = Field(
+        default=None,
+        description="decayed_sum: the time in which an event's weight halves (1m-180d)",
+    )
+
+    @field_validator("half_life")
+    @classmethod
+    def _half_life(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_window(v)
+        return v
+
+
 class AggregationDecl(_Strict):
     """One entity's windowed aggregations (see docs/features.md)."""
 
@@ -147,7 +165,10 @@ class AggregationDecl(_Strict):
         default_factory=dict, description="column -> allowed values; events outside skip"
     )
     windows: tuple[str, ...]
-    features: dict[Agg, str] = Field(description="aggregation -> feature name prefix")
+    features: dict[Agg, str | KindParams] = Field(
+        description="aggregation -> feature name prefix, or for a kind with parameters "
+        "{name: prefix, <parameter>: value} (decayed_sum: half_life)"
+    )
     description: str = ""
 
     @field_validator("entity", mode="before")
@@ -207,6 +228,39 @@ class AggregationDecl(_Strict):
                 raise ValueError(f"default: {agg}: must be a finite number")
             if agg in WHOLE_NUMBER_AGGS and x != int(x):
                 raise ValueError(f"default: {agg}: must be a whole number (a count)")
+        return self
+
+    def prefix(self, agg: str) -> str:
+        """The feature name prefix of ``agg``'s features."""
+        v = self.features[agg]
+        return v.name if isinstance(v, KindParams) else v
+
+    def half_life_us(self, agg: str) -> int:
+        """``agg``'s half-life in µs (0: none)."""
+        v = self.features[agg]
+        return parse_window(v.half_life) if isinstance(v, KindParams) and v.half_life else 0
+
+    @model_validator(mode="after")
+    def _params(self) -> AggregationDecl:
+        for agg, v in self.features.items():
+            wanted = KINDS[agg].params
+            given = {k for k in ("half_life",) if getattr(v, k, None) is not None}
+            if missing := [p for p in wanted if p not in given]:
+                raise ValueError(
+                    f"features: {agg}: needs {', '.join(missing)} "
+                    f"({{{agg}: {{name: <prefix>, {missing[0]}: 1h}}}})"
+                )
+            if extra := sorted(given - set(wanted)):
+                raise ValueError(f"features: {agg}: takes no {', '.join(extra)}")
+            if half := self.half_life_us(agg):
+                for w in self.windows:
+                    width = tile_width(parse_window(w))
+                    if width > DECAY_TILES * half:
+                        raise ValueError(
+                            f"features: {agg}: half_life {v.half_life} is too short for "  # type: ignore[union-attr]
+                            f"window {w} (tiles of {width // US} s): at least "
+                            f"{-(-width // DECAY_TILES) // US} s"
+                        )
         return self
 
     def default_of(self, agg: str) -> float | None:

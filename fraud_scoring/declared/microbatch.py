@@ -6,6 +6,7 @@ state and its batch mates (:func:`online_row`, :func:`parse_batch`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -59,6 +60,9 @@ class KeyState:
     # The largest value among the stored events at ``last_before`` (None: none kept).
     last_value: float | None = None
     extremes: list[tuple[float, float]] = field(default_factory=list)
+    # A state with decayed sums: per window, per half-life (µs) the decayed sum of its
+    # tiles as of ``t``, the tile holding ``t`` included.
+    decayed: list[dict[int, float]] = field(default_factory=list)
 
 
 def _recent(
@@ -96,6 +100,8 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
     sums: list[np.ndarray] = []  # per window: (n, 3) count, sum, squares
     lows: list[np.ndarray] = []  # per window (min or max declared): (n,) min, max
     highs: list[np.ndarray] = []
+    decs: list[dict[int, np.ndarray]] = []  # per window: half-life -> (n,) decayed sum
+    dcol = 4 + 2 * spec.keeps_extremes  # the first decayed sum in a tile's record
     rings: dict[int, np.ndarray] = {}
     covered = np.ones(n, dtype=bool)
     rec = spec.tile.size
@@ -114,6 +120,14 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
         if spec.keeps_extremes:
             lows.append(np.where(inside, ring[:, :, 4], np.inf).min(axis=1))
             highs.append(np.where(inside, ring[:, :, 5], -np.inf).max(axis=1))
+        if spec.half_lives:  # each tile's sum, decayed from its end to t
+            gap = np.where(inside, (idx + 1) * w.width_us - t[:, None], -np.inf)
+            decs.append(
+                {
+                    h: (ring[:, :, dcol + j] * np.exp2(gap / h)).sum(axis=1)
+                    for j, h in enumerate(spec.half_lives)
+                }
+            )
         # The ring keeps the indexes above its top's minus its slots: one this read
         # needs may have been dropped once the top reached that far past it.
         top = np.where(ring[:, :, 1] != 0, idx, -np.inf).max(axis=1)
@@ -129,6 +143,7 @@ def parse_reads(spec: Spec, replies: Sequence[Any], t_us: Sequence[int]) -> list
             sums_i,  # type: ignore[arg-type]
             covered=bool(covered[i]),
             last_value=last_value,
+            decayed=[{h: float(x[i]) for h, x in d.items()} for d in decs],
         )
         if spec.keeps_extremes:
             state.extremes = [
@@ -244,18 +259,28 @@ def online_row(
     for w_i, w in enumerate(spec.windows):
         c, s, q = state.sums[w_i] if state else (0.0, 0.0, 0.0)
         mn, mx = state.extremes[w_i] if state and state.extremes else (math.inf, -math.inf)
+        dec = (
+            dict(state.decayed[w_i])
+            if state and state.decayed
+            else dict.fromkeys(spec.half_lives, 0.0)
+        )
         here = t_us // w.width_us
         for ts, v in ahead:  # included with the tile that holds t: not before t
             if ts // w.width_us == here:
                 c, s, q = c - 1, s - v, q - v * v
+                for h in dec:
+                    dec[h] -= v * float(np.exp2((ts - t_us) / h))
         lo = here - w.tiles
         for ts, v in mates:
             if ts // w.width_us >= lo and not (spec.whole_tiles and ts // w.width_us >= here):
                 c, s, q = c + 1, s + v, q + v * v
                 mn, mx = min(mn, v), max(mx, v)
+                for h in dec:
+                    dec[h] += v * float(np.exp2((ts - t_us) / h))
         if not exact:  # a replay: some later events were counted; never below nothing
             c, s, q = max(c, 0.0), max(s, 0.0), max(q, 0.0)
-        out.update(_finish_one(spec, w, c, s, q, since, last, mn, mx))
+            dec = {h: max(x, 0.0) for h, x in dec.items()}
+        out.update(_finish_one(spec, w, c, s, q, since, last, mn, mx, dec))
         if spec.keeps_values:
             out.update(_values_one(spec, w, state, mates, t_us, own))
         for f in spec.defaulted:  # a declared default where the window holds nothing
@@ -309,17 +334,21 @@ def _finish_one(
     last: float = 0.0,
     mn: float = math.inf,
     mx: float = -math.inf,
+    decayed: Mapping[int, float] | None = None,
 ) -> dict[str, float]:
     """:func:`finish` for one row: each feature by its kind's finish (:mod:`.kinds`, on
     numpy scalars: the same IEEE operations as over columns); ``mn``, ``mx``: the
     window's smallest and largest value (inf, -inf: no event)."""
     f64 = np.float64
     sums = Sums(f64(c), f64(s), f64(q), f64(since), f64(w.us / US), f64(last), f64(mn), f64(mx))
-    return {
-        f.name: float(KINDS[f.agg].finish(sums))
-        for f in spec.features
-        if f.window.us == w.us and KINDS[f.agg].reads != "category"
-    }
+    out = {}
+    for f in spec.features:
+        if f.window.us == w.us and KINDS[f.agg].reads != "category":
+            at = sums
+            if f.half_life_us:
+                at = dataclasses.replace(sums, decayed=f64((decayed or {})[f.half_life_us]))
+            out[f.name] = float(KINDS[f.agg].finish(at))
+    return out
 
 
 # --- a micro-batch (the scorer's edge) ----------------------------------------------------

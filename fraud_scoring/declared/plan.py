@@ -21,6 +21,7 @@ are the smallest and largest value of the window's events (0: none).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import hashlib
 import json
@@ -75,6 +76,11 @@ TILE_EXTREMES = struct.Struct("<6d")  # a state with min or max: (..., min, max)
 LAYOUT = 2  # in every state's id: a new layout starts new keys (backfill them)
 
 
+def tile_doubles(shape: tuple[bool, tuple[int, ...]]) -> int:
+    """The doubles in a tile record of ``shape`` (:attr:`Spec.tile_shape`)."""
+    return 4 + 2 * shape[0] + len(shape[1])
+
+
 @dataclass(frozen=True)
 class Window:
     label: str
@@ -94,6 +100,7 @@ class Declared:
     name: str
     window: Window
     default: float | None = None  # declared; None: the built-in one (:meth:`fallback`)
+    half_life_us: int = 0  # decayed_sum's
 
     @property
     def fallback(self) -> float:
@@ -117,6 +124,8 @@ class Spec:
     description: str = ""
     source: str = "transactions"
     delay_us: int = 0
+    # The half-lives of its decayed sums: its tiles keep one decayed sum per half-life.
+    half_lives: tuple[int, ...] = ()
 
     @property
     def whole_tiles(self) -> bool:
@@ -173,9 +182,16 @@ class Spec:
         return any(f.agg in EXTREMES for f in self.features)
 
     @cached_property
+    def tile_shape(self) -> tuple[bool, tuple[int, ...]]:
+        """What a tile's record holds after (index, count, sum, sum of squares): min and
+        max or not, then a decayed sum per half-life (µs)."""
+        return self.keeps_extremes, self.half_lives
+
+    @cached_property
     def tile(self) -> struct.Struct:
-        """A tile's record: :data:`TILE`, or :data:`TILE_EXTREMES` (min, max)."""
-        return TILE_EXTREMES if self.keeps_extremes else TILE
+        """A tile's record: :data:`TILE`, :data:`TILE_EXTREMES` (min, max), then a
+        decayed sum per half-life."""
+        return struct.Struct(f"<{tile_doubles(self.tile_shape)}d")
 
     def distinct_back_us(self, horizon_us: int) -> int:
         """How far behind the key's newest event a kept value can still count."""
@@ -324,6 +340,10 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
         # So is one whose tiles keep min and max (its records are longer).
         if any(a in EXTREMES for d in ds for a in d.features):
             canon += "+extremes"
+        # And one whose tiles keep decayed sums (one per half-life).
+        half_lives = tuple(sorted({d.half_life_us(a) for d in ds for a in d.features} - {0}))
+        if half_lives:
+            canon += "+decayed" + repr(half_lives)
         # The id covers the windows: a new window starts a new state (backfill it).
         # and the storage layout: a new layout starts new keys too.
         sid = hashlib.blake2b(
@@ -331,11 +351,12 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
         ).hexdigest()
         feats = []
         for d in ds:
-            for agg, prefix in d.features.items():
+            for agg in d.features:
                 for label in d.windows:
                     us = parse_window(label)
                     win = Window(label, us, tile_width(us))
-                    feats.append(Declared(agg, f"{prefix}_{label}", win, d.default_of(agg)))
+                    name = f"{d.prefix(agg)}_{label}"
+                    feats.append(Declared(agg, name, win, d.default_of(agg), d.half_life_us(agg)))
         first = ds[0]
         specs.append(
             Spec(
@@ -348,6 +369,7 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
                 "; ".join(d.description for d in ds if d.description),
                 first.source,
                 parse_window(first.delay) if first.delay else 0,
+                half_lives,
             )
         )
     return tuple(specs)
@@ -388,6 +410,11 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
                 f"{source}: aggregations.{i}.features: with a delay or source "
                 f"{'/'.join(ARRIVALS)} only "
                 f"{', '.join(sorted(WHOLE_TILE_AGGS))} (whole tiles)"
+            )
+        if "decayed_sum" in d.features and d.value in KEY_COLUMNS:
+            raise DeclarationError(
+                f"{source}: aggregations.{i}.value: decayed_sum needs a number column "
+                f"({', '.join(numbers)}), an expression over them, or none (each event 1)"
             )
         if NEEDS_CATEGORY & set(d.features) and d.value not in KEY_COLUMNS:
             raise DeclarationError(
@@ -431,11 +458,12 @@ def finish(
     last: npt.ArrayLike | None = None,
     minimum: npt.ArrayLike | None = None,
     maximum: npt.ArrayLike | None = None,
+    decayed: Mapping[int, npt.ArrayLike] | None = None,
 ) -> dict[str, np.ndarray]:
     """The declared features over ``window`` from its sums, and (a state that keeps
     values) its distinct values and changed flags, the newest event's value (``last``;
-    NaN: none) and the window's smallest and largest values (NaN: no event) (float64
-    columns), each by its kind's finish (:mod:`.kinds`)."""
+    NaN: none), the window's smallest and largest values (NaN: no event) and its decayed
+    sums by half-life (µs) (float64 columns), each by its kind's finish (:mod:`.kinds`)."""
 
     def col(x: npt.ArrayLike | None, none: float) -> np.ndarray:
         return np.asarray(none if x is None else x, dtype=np.float64)
@@ -456,7 +484,10 @@ def finish(
     out = {}
     for f in spec.features:
         if f.window.us == window.us:
-            v = np.broadcast_to(kinds.finish(f.agg, sums), c.shape).astype(np.float64)
+            at = sums
+            if f.half_life_us:
+                at = dataclasses.replace(sums, decayed=col((decayed or {})[f.half_life_us], 0.0))
+            v = np.broadcast_to(kinds.finish(f.agg, at), c.shape).astype(np.float64)
             if f.default is not None:  # a declared default where the window holds nothing
                 v = np.where(kinds.empty(f.agg, sums), f.default, v)
             out[f.name] = v

@@ -1,6 +1,6 @@
 -- A state's settings from ARGV[pos]: horizon_us, newest, ttl_ms, backfill (1/0), dcap,
--- dback_us, extremes (1/0), nwidths, (u, slots)*. Returns them (record's c) and the
--- position after.
+-- dback_us, extremes (1/0), nwidths, (u, slots)*, nhalf, half_life_us*. Returns them
+-- (record's c) and the position after.
 local function config(pos)
   local nw = tonumber(ARGV[pos + 7])
   local widths, fields = {}, {}
@@ -10,16 +10,35 @@ local function config(pos)
     fields[w] = u
   end
   fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
-  -- a tile's record: 4 doubles, or 6 with its min and max
-  local rs = ARGV[pos + 6] == '1' and 48 or 32
+  local hp = pos + 8 + 2 * nw
+  local halves = {}
+  for h = 1, tonumber(ARGV[hp]) do halves[h] = tonumber(ARGV[hp + h]) end
+  -- a tile's record: index, count, sum, squares; min and max; a decayed sum per half-life
+  local ext = ARGV[pos + 6] == '1'
+  local nf = 4 + (ext and 2 or 0) + #halves
   return {tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2]),
     ARGV[pos + 3] == '1', tonumber(ARGV[pos + 4]), tonumber(ARGV[pos + 5]), nw, widths,
-    fields, rs}, pos + 8 + 2 * nw
+    fields, 8 * nf, ext, halves, '<' .. string.rep('d', nf)}, hp + 1 + #halves
+end
+
+-- A tile's record from its sums t = {idx, count, sum, squares, min, max, decayed*}.
+local function pack_tile(fmt, ext, t)
+  if ext then return struct.pack(fmt, unpack(t)) end
+  return struct.pack(fmt, t[1], t[2], t[3], t[4], unpack(t, 7))
+end
+
+-- The sums of the record at ``at`` of ``ring`` (as pack_tile takes them).
+local function unpack_tile(fmt, ext, ring, at)
+  local r = {struct.unpack(fmt, ring, at)}
+  r[#r] = nil  -- the position after
+  if not ext then table.insert(r, 5, -math.huge); table.insert(r, 5, math.huge) end
+  return r
 end
 
 -- Record one key's events: ``nev`` of them, ``ev(e)`` -> id, ts (µs), value (numbers).
 local function record(kt, kid, c, nev, ev)
-  local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields, rs = unpack(c)
+  local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields, rs, ext, halves, fmt =
+    unpack(c)
   local held = redis.call('HMGET', kt, unpack(fields))
   local recent = held[nw + 1] or ''
   -- f: the oldest event recorded live; b: the newest recorded by a backfill
@@ -45,10 +64,16 @@ local function record(kt, kid, c, nev, ev)
         local u = widths[w][2]
         local idx = (ts - math.fmod(ts, u)) / u
         local t = tiles[w][idx]
-        if t == nil then t = {idx, 0, 0, 0, x, x}; tiles[w][idx] = t end
+        if t == nil then
+          t = {idx, 0, 0, 0, x, x}
+          for h = 1, #halves do t[6 + h] = 0 end
+          tiles[w][idx] = t
+        end
         t[2], t[3], t[4] = t[2] + 1, t[3] + x, t[4] + x * x
         if x < t[5] then t[5] = x end
         if x > t[6] then t[6] = x end
+        -- decayed to the tile's end: x * 2^((ts - end) / half-life)
+        for h = 1, #halves do t[6 + h] = t[6 + h] + x * 2 ^ ((ts - (idx + 1) * u) / halves[h]) end
       end
       local at = #recent + 1  -- keep `recent` in time order: insert after any <= ts
       while at > 1 and struct.unpack('<d', recent, at - 16) > ts do at = at - 16 end
@@ -81,19 +106,14 @@ local function record(kt, kid, c, nev, ev)
             at = string.find(ring, needle, at + 1, true)
           until at == nil or at % rs == 1
         end
-        local rec
-        if at and rs == 48 then
-          local _, hc, hs, hq, lo, hi = struct.unpack('<dddddd', ring, at)
-          rec = struct.pack('<dddddd', idx, t[2] + hc, t[3] + hs, t[4] + hq,
-            math.min(t[5], lo), math.max(t[6], hi))
-        elseif at then
-          local _, hc, hs, hq = struct.unpack('<dddd', ring, at)
-          rec = struct.pack('<dddd', idx, t[2] + hc, t[3] + hs, t[4] + hq)
-        elseif rs == 48 then
-          rec = struct.pack('<dddddd', idx, t[2], t[3], t[4], t[5], t[6])
-        else
-          rec = struct.pack('<dddd', idx, t[2], t[3], t[4])
+        local sums = t
+        if at then  -- the held tile's sums with this call's
+          local h = unpack_tile(fmt, ext, ring, at)
+          sums = {idx, t[2] + h[2], t[3] + h[3], t[4] + h[4], math.min(t[5], h[5]),
+            math.max(t[6], h[6])}
+          for k = 7, #t do sums[k] = t[k] + h[k] end
         end
+        local rec = pack_tile(fmt, ext, sums)
         if at and at + rs > #ring then
           ring = ring:sub(1, at - 1) .. rec
         elseif at then

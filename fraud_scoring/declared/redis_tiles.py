@@ -57,7 +57,8 @@ def _lua(name: str) -> str:
 
 # KEYS: t, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
 # backfill (1/0), dcap, dback_us, extremes (1/0: tiles of six doubles, with min and
-# max), nwidths, (u, slots)*, then per key: nev,
+# max), nwidths, (u, slots)*, nhalf, half_life_us* (a decayed sum per tile each, after
+# the rest), then per key: nev,
 # (id, ts, value)*. dcap > 0 (a state that keeps values): the events pushed out of the
 # newest list update field "d" (per value code its newest time among them; values older
 # than the key's newest by more than dback_us are dropped, then all but the dcap
@@ -331,6 +332,7 @@ def _apply_head(spec: Spec, limits: Limits) -> list[Any]:
     head.append(len(spec.widths))
     for u, slots in spec.widths.items():
         head += (u, slots)
+    head += (len(spec.half_lives), *spec.half_lives)
     return head
 
 

@@ -7,8 +7,9 @@ serving path that fills it is :mod:`fraud_scoring.declared.columnar`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 from fraud_scoring.declared import kinds
 from fraud_scoring.declared.kinds import Sums
 from fraud_scoring.declared.language import NEWEST, US
-from fraud_scoring.declared.plan import Spec
+from fraud_scoring.declared.plan import Spec, tile_doubles
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Feature:
     agg: str
     default: float | None
     fallback: float  # without a key
+    key: str  # its column among its window rows' finished ones (finish)
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: one per set of states
@@ -50,7 +52,15 @@ def _compile(specs: tuple[Spec, ...]) -> Compiled:
         heads.append("{agg:" + spec.id + ":")
         windows = {w.us: j for j, w in enumerate(spec.windows)}
         feats += [
-            Feature(f.name, s, windows[f.window.us], f.agg, f.default, f.fallback)
+            Feature(
+                f.name,
+                s,
+                windows[f.window.us],
+                f.agg,
+                f.default,
+                f.fallback,
+                f"{f.agg}/{f.half_life_us}" if f.half_life_us else f.agg,
+            )
             for f in spec.features
         ]
     by_window: dict[tuple[int, int], list[Feature]] = {}
@@ -92,8 +102,11 @@ def compiled(specs: tuple[Spec, ...]) -> Compiled:
 
 @dataclass(frozen=True)
 class Table:
-    """Per record size: the rings (state, width, row) and the window rows (state,
-    window, row) of a batch whose states read ``ns`` rows each: static index arrays."""
+    """Per tile record shape (:attr:`Spec.tile_shape`): the rings (state, width, row)
+    and the window rows (state, window, row) of a batch whose states read ``ns`` rows
+    each: static index arrays."""
+
+    shape: tuple[bool, tuple[int, ...]]
 
     win_ring: np.ndarray
     win_pair: np.ndarray
@@ -103,13 +116,13 @@ class Table:
     win_us: np.ndarray  # float64: the window (µs)
     win_slots: np.ndarray  # float64: its ring's slots
     block: dict[tuple[int, int], int]  # (state, window) -> first window row
-    aggs: frozenset[str]  # the kinds its features finish from its sums (not values')
+    keys: frozenset[str]  # its features' columns finished from its sums (not values')
 
 
 @dataclass(frozen=True)
 class Index:
     pair_whole: np.ndarray  # per pair: bool, the state reads whole tiles
-    tables: tuple[Table | None, Table | None]
+    tables: tuple[Table, ...]  # one per tile record shape
     values: tuple[int, ...]  # the states that keep values
     # Their window rows (state, window, row): pair, row of the kept values, window.
     val_pair: np.ndarray
@@ -129,15 +142,15 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
     whole = np.zeros(at, dtype=bool)
     for s, spec in enumerate(comp.specs):
         whole[starts[s] : starts[s] + ns[s]] = spec.whole_tiles
-    tables: list[Table | None] = []
-    for g in (0, 1):
+    tables: list[Table] = []
+    for shape in dict.fromkeys(spec.tile_shape for spec in comp.specs):
         cols: dict[str, list[np.ndarray]] = {
             k: [] for k in ("ring", "pair", "width", "tiles", "whole", "us", "slots")
         }
         block: dict[tuple[int, int], int] = {}
         rings = wins = 0
         for s, spec in enumerate(comp.specs):
-            if int(spec.keeps_extremes) != g:
+            if spec.tile_shape != shape:
                 continue
             n, p0 = ns[s], starts[s]
             first: dict[int, int] = {}
@@ -158,7 +171,6 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
                 ):
                     cols[name].append(np.full(n, v, dtype=np.float64))
         if not block:
-            tables.append(None)
             continue
 
         def cat(xs: list[np.ndarray], dtype: Any) -> np.ndarray:
@@ -166,6 +178,7 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
 
         tables.append(
             Table(
+                shape,
                 cat(cols["ring"], np.intp),
                 cat(cols["pair"], np.intp),
                 cat(cols["width"], np.float64),
@@ -175,7 +188,7 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
                 cat(cols["slots"], np.float64),
                 block,
                 frozenset(
-                    f.agg
+                    f.key
                     for sw in block
                     for f in comp.by_window.get(sw, ())
                     if kinds.KINDS[f.agg].reads != "category"
@@ -199,7 +212,7 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
         kept_at += n
     return Index(
         whole,
-        (tables[0], tables[1]),
+        tuple(tables),
         values,
         np.asarray(vcols["pair"], dtype=np.intp),
         np.asarray(vcols["kept"], dtype=np.intp),
@@ -269,10 +282,11 @@ class Windows:
     covered: np.ndarray
     lo: np.ndarray  # min (inf: none)
     hi: np.ndarray  # max (-inf: none)
+    decayed: dict[int, np.ndarray]  # per half-life (µs): the sum decayed to t
 
 
-def sum_windows(tab: Table, blobs: list[bytes], doubles: int, t: np.ndarray) -> Windows:
-    flat, counts = records(blobs, doubles)
+def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
+    flat, counts = records(blobs, tile_doubles(tab.shape))
     rstart = offsets(counts)
     m = len(tab.win_ring)
     cnt = counts[tab.win_ring]
@@ -299,14 +313,24 @@ def sum_windows(tab: Table, blobs: list[bytes], doubles: int, t: np.ndarray) -> 
     covered = top[tab.win_ring] - tab.win_slots < first
     lo = np.full(m, np.inf)
     hi = np.full(m, -np.inf)
-    if doubles == 6 and len(pos):
+    if tab.shape[0] and len(pos):
         lo[some] = np.minimum.reduceat(np.where(inside, rec[:, 4], np.inf), at)
         hi[some] = np.maximum.reduceat(np.where(inside, rec[:, 5], -np.inf), at)
-    return Windows(c, s, q, covered, lo, hi)
+    decayed = {}
+    if tab.shape[1]:  # each tile's sum, decayed from its end to t
+        width = tab.win_width[seg]
+        gap = np.where(inside, (rec[:, 0] + 1) * width - t[tab.win_pair][seg], -np.inf)
+        dcol = 4 + 2 * tab.shape[0]
+        for j, h in enumerate(tab.shape[1]):
+            d = np.zeros(m)
+            if len(pos):
+                d[some] = np.add.reduceat(rec[:, dcol + j] * np.exp2(gap / h), at)
+            decayed[h] = d
+    return Windows(c, s, q, covered, lo, hi, decayed)
 
 
 def finish(
-    aggs: Iterable[str],
+    keys: Iterable[str],
     c: np.ndarray,
     s: np.ndarray,
     q: np.ndarray,
@@ -315,11 +339,18 @@ def finish(
     lo: np.ndarray,
     hi: np.ndarray,
     us: np.ndarray,
-) -> tuple[Sums, dict[str, np.ndarray]]:
-    """The window rows' sums and each of ``aggs`` over them, by its kind's finish
-    (:mod:`.kinds`; the row path runs the same on one row)."""
+    decayed: Mapping[int, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """Each of ``keys`` (:attr:`Feature.key`: a kind, or ``decayed_sum/<half-life>``)
+    over the window rows' sums, by its kind's finish (:mod:`.kinds`; the row path runs
+    the same on one row)."""
     sums = Sums(c, s, q, since, us / US, last, lo, hi)
-    return sums, {a: kinds.finish(a, sums) for a in aggs}
+    out = {}
+    for key in keys:
+        agg, _, half = key.partition("/")
+        at = dataclasses.replace(sums, decayed=decayed[int(half)]) if half else sums
+        out[key] = kinds.finish(agg, at)
+    return out
 
 
 def by_pair(
@@ -347,8 +378,8 @@ def add_mates(
     s: np.ndarray,
     q: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The window sums (and min, max in ``win``) with the micro-batch's own earlier
-    events of each key added where a window holds them."""
+    """The window sums (and min, max and the decayed sums in ``win``) with the
+    micro-batch's own earlier events of each key added where a window holds them."""
     pair, ts, vs = mates
     order = np.argsort(tab.win_pair, kind="stable")  # each pair's window rows
     counts = np.bincount(tab.win_pair, minlength=len(t))
@@ -366,4 +397,7 @@ def add_mates(
     q = q + np.bincount(wr, weights=v * v, minlength=m)
     np.minimum.at(win.lo, wr, v)
     np.maximum.at(win.hi, wr, v)
+    for h, d in win.decayed.items():
+        weight = np.exp2((at_ts[inc] - t[tab.win_pair[wr]]) / h)
+        win.decayed[h] = d + np.bincount(wr, weights=v * weight, minlength=m)
     return c, s, q
