@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
@@ -45,82 +46,114 @@ ARRIVAL_COLUMNS = [
 ]
 
 
-def _key_sql(spec: D.Spec, alias: str) -> str:
-    cols = [f"CAST({alias}.{c} AS VARCHAR)" for c in spec.entity]
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the engines' SQL in :func:`window_sql`'s one template:
+    the views' names, literal suffixes, a text cast, the first-value aggregate, the
+    tile edge at or before a time, and how a filter's values are passed."""
+
+    q: str  # the query rows' view
+    e: str  # the events' view
+    long: str  # an integer literal's suffix
+    double: str  # a double literal's suffix
+    first: str  # an aggregate that takes one of a group's (equal) values
+    text_type: str
+    text: Callable[[str], str]  # an expression as text
+    floor: Callable[[str, int], str]  # the tile edge of width u at or before x
+    # The filter's values: inlined, or as named parameters added to ``params``.
+    params: bool = False
+
+
+DUCKDB = Dialect(
+    q="q",
+    e="e",
+    long="",
+    double="",
+    first="any_value",
+    text_type="VARCHAR",
+    text=lambda x: f"CAST({x} AS VARCHAR)",
+    floor=lambda x, u: f"({x} // {u}) * {u}",
+)
+
+
+def _key_sql(spec: D.Spec, alias: str, d: Dialect) -> str:
+    cols = [d.text(f"{alias}.{c}") for c in spec.entity]
     return cols[0] if len(cols) == 1 else "concat_ws(chr(31), " + ", ".join(cols) + ")"
 
 
-def _present_sql(spec: D.Spec, alias: str, *, value: bool = False) -> str:
+def _present_sql(spec: D.Spec, alias: str, d: Dialect, *, value: bool = False) -> str:
     cols = [*spec.entity, spec.value_column] if value and spec.categorical else spec.entity
-    return " AND ".join(
-        f"{alias}.{c} IS NOT NULL AND CAST({alias}.{c} AS VARCHAR) <> ''" for c in cols
-    )
+    return " AND ".join(f"{alias}.{c} IS NOT NULL AND {d.text(f'{alias}.{c}')} <> ''" for c in cols)
 
 
-def _filter_sql(spec: D.Spec, alias: str) -> str:
+def _filter_sql(spec: D.Spec, alias: str, d: Dialect, params: dict[str, Any]) -> str:
+    """The filter, its allowed values inlined or (``d.params``) as named parameters
+    added to ``params``."""
     parts = []
     for c, allowed in spec.filter.items():
-        vals = ", ".join("'" + v.replace("'", "''") + "'" for v in allowed)
-        parts.append(f"CAST({alias}.{c} AS VARCHAR) IN ({vals})")
+        names = []
+        for v in allowed:
+            if d.params:
+                name = f"f{len(params)}"
+                params[name] = str(v)
+                names.append(":" + name)
+            else:
+                names.append("'" + str(v).replace("'", "''") + "'")
+        parts.append(f"{d.text(f'{alias}.{c}')} IN ({', '.join(names)})")
     return " AND ".join(parts) or "TRUE"
 
 
-def _source_sql(spec: D.Spec, alias: str) -> tuple[str, str]:
-    """The events of ``spec``'s source and the time each counts from (µs): a
-    transaction its event time plus the delay; a label or a decision the later of when
-    the store has it and its transaction's event time plus the delay
-    (``declared.label_events_for``)."""
-    src = SRC[spec.source]
-    ts = f"greatest({alias}.avail_us, {alias}.ev_us + {spec.delay_us})"
-    return f"{alias}.src = '{src}'", ts
-
-
-def decayed_sql(spec: D.Spec, double: str = "") -> tuple[str, str]:
-    """A state's decayed sums in a window statement (DuckDB's; Spark's with
-    ``double`` "D", its double-literal suffix): ``agg``'s columns ``dec_<j>`` (per
+def decayed_sql(spec: D.Spec, d: Dialect) -> tuple[str, str]:
+    """A state's decayed sums in a window statement: ``agg``'s columns ``dec_<j>`` (per
     half-life, each event's value weighted by ``2^((ts - t) / half-life)``), and the
     final select's list of them."""
+    x = d.double
     cols = [
-        f"coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * pow(2.0{double}, "
-        f"CAST(ev.ts_us - qk.t AS DOUBLE) / {h}.0{double}) END), 0.0{double}) AS dec_{j}"
+        f"coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * pow(2.0{x}, "
+        f"CAST(ev.ts_us - qk.t AS DOUBLE) / {h}.0{x}) END), 0.0{x}) AS dec_{j}"
         for j, h in enumerate(spec.half_lives)
     ]
     names = [f"agg.dec_{j}" for j in range(len(spec.half_lives))]
     return "".join(f",\n         {c}" for c in cols), "".join(f", {n}" for n in names)
 
 
-def window_sql(spec: D.Spec, w: D.Window) -> str:
-    """One window of one declaration: per row id, count, sum, squares, min, max, the
-    newest earlier event time and the decayed sums (:func:`decayed_sql`). Reads the
-    views ``q`` (row_id, ts_us, key columns) and ``e`` (:func:`_frames`: one row per
-    transaction and per label, with ``src``, ``ev_us``, ``avail_us``, key columns and
-    values)."""
-    u, n = w.width_us, w.tiles
-    where_src, ev_ts = _source_sql(spec, "e")
+def window_sql(
+    spec: D.Spec, w: D.Window, d: Dialect = DUCKDB, params: dict[str, Any] | None = None
+) -> str:
+    """One window of one declaration, in ``d``'s SQL (DuckDB's, or Spark's:
+    ``batch_jobs/declared_spark.py``): per row id, count, sum, squares, min, max,
+    distinct values, the newest earlier event time within the exact window, the value
+    at it, changed and the decayed sums (:func:`decayed_sql`). Reads the views ``d.q``
+    (row_id, ts_us, key columns) and ``d.e`` (:func:`frames`: one row per transaction
+    and per label, with ``src``, ``ev_us``, ``avail_us``, key columns and values); a
+    filter's values go into ``params`` where the dialect passes them so."""
+    u, n, lg, x = w.width_us, w.tiles, d.long, d.double
+    params = {} if params is None else params
+    ev_ts = f"greatest(e.avail_us, e.ev_us + {spec.delay_us}{lg})"
     # whole tiles (a delay, labels): the window ends at the tile edge at or before t
-    hi = f"(q.ts_us // {u}) * {u}" if spec.whole_tiles else "q.ts_us"
+    hi = d.floor("q.ts_us", u) if spec.whole_tiles else "q.ts_us"
     if spec.categorical:  # a value is a category: kept (distinct, changed), not summed
-        value, own = f"CAST(e.{spec.value_column} AS VARCHAR)", f"q.{spec.value_column}"
-        num = "0.0"
+        value, own = d.text(f"e.{spec.value_column}"), d.text(f"q.{spec.value_column}")
+        num = "CAST(0.0 AS DOUBLE)"
     else:
-        value = own = "NULL"
-        num = f"CAST(e.{spec.value_sql} AS DOUBLE)" if spec.value_sql else "1.0"
-    dec, dec_names = decayed_sql(spec)
+        value = own = f"CAST(NULL AS {d.text_type})"
+        num = f"CAST(e.{spec.value_sql} AS DOUBLE)" if spec.value_sql else f"1.0{x}"
+    dec, dec_names = decayed_sql(spec, d)
     return f"""
 WITH ev AS (
-  SELECT {_key_sql(spec, "e")} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
-  FROM e WHERE {where_src} AND {_present_sql(spec, "e", value=True)}
-               AND {_filter_sql(spec, "e")}
+  SELECT {_key_sql(spec, "e", d)} AS k, {ev_ts} AS ts_us, {num} AS v, {value} AS cat
+  FROM {d.e} e WHERE e.src = '{SRC[spec.source]}' AND {_present_sql(spec, "e", d, value=True)}
+               AND {_filter_sql(spec, "e", d, params)}
 ), qk AS (
-  SELECT q.row_id, {_key_sql(spec, "q")} AS k, {hi} AS hi, q.ts_us AS t,
-         (q.ts_us // {u} - {n}) * {u} AS lo, q.ts_us - {w.us} AS last_lo,
-         nullif(CAST({own} AS VARCHAR), '') AS own
-  FROM q WHERE {_present_sql(spec, "q")}
+  SELECT q.row_id, {_key_sql(spec, "q", d)} AS k, {hi} AS hi, q.ts_us AS t,
+         {d.floor("q.ts_us", u)} - {n * u}{lg} AS lo, q.ts_us - {w.us}{lg} AS last_lo,
+         nullif({own}, '') AS own
+  FROM {d.q} q WHERE {_present_sql(spec, "q", d)}
 ), agg AS (
-  SELECT qk.row_id, any_value(qk.k) AS k, any_value(qk.own) AS own,
+  SELECT qk.row_id, {d.first}(qk.k) AS k, {d.first}(qk.own) AS own,
          count(CASE WHEN ev.ts_us >= qk.lo THEN 1 END) AS c,
-         coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END), 0.0) AS s,
-         coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * ev.v END), 0.0) AS q,
+         coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END), 0.0{x}) AS s,
+         coalesce(sum(CASE WHEN ev.ts_us >= qk.lo THEN ev.v * ev.v END), 0.0{x}) AS q,
          min(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mn,
          max(CASE WHEN ev.ts_us >= qk.lo THEN ev.v END) AS mx,
          count(DISTINCT CASE WHEN ev.ts_us >= qk.lo THEN ev.cat END) AS d,
@@ -135,8 +168,8 @@ WITH ev AS (
 )
 SELECT agg.row_id, agg.c, agg.s, agg.q, agg.mn, agg.mx, agg.d, agg.last_us{dec_names},
        max(lastv.v) AS last_v,
-       CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0
-            WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0 ELSE 1.0 END AS changed
+       CASE WHEN agg.last_us IS NULL OR agg.own IS NULL THEN 0.0{x}
+            WHEN bool_or(latest.cat IS NOT NULL) THEN 0.0{x} ELSE 1.0{x} END AS changed
 FROM agg LEFT JOIN latest ON latest.k = agg.k AND latest.ts_us = agg.last_us
                           AND latest.cat = agg.own
           LEFT JOIN lastv ON lastv.k = agg.k AND lastv.ts_us = agg.last_us
