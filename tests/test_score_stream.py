@@ -1,17 +1,22 @@
 """``fraud-scoring score-stream`` on real parts: the world's model and features, a real
 Redis-protocol server (stream in, decisions out) and a real Kafka-protocol broker, the
-command in a subprocess. End to end against the API, a poison event and a reused id, and
-SIGKILL x3 with restarts (nothing lost, nothing counted twice)."""
+command in a subprocess. End to end against the API, a poison event and a reused id,
+SIGKILL x3 with restarts and a Kafka group rebalance (nothing lost, nothing counted
+twice), an output log that refuses writes, a broker that goes away, backpressure on both
+sources."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -262,21 +267,22 @@ def test_redis_sigkill_three_times_loses_nothing_counts_nothing_twice(
 # -- Kafka ------------------------------------------------------------------------------
 
 
-def kafka_decisions(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """The topic read from the start to its end, keeping the last value per key."""
+def kafka_records(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[Any]:
+    """Every record of ``topic``, read from the start to its end (a reader assigned, never
+    joined nor committed)."""
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
-            "group.id": "reader",  # assigned, never joined nor committed
+            "group.id": "reader",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
         }
     )
     parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
     consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-    out: dict[str, Any] = {}
+    out: list[Any] = []
     open_parts = set(parts)
     end = time.monotonic() + timeout_s
     while open_parts and time.monotonic() < end:
@@ -284,9 +290,118 @@ def kafka_decisions(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict
             if m.error() is not None:
                 open_parts.discard(m.partition())
                 continue
-            out[m.key().decode()] = json.loads(m.value())
+            out.append(m)
     consumer.close()
     return out
+
+
+def kafka_decisions(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The topic read from the start to its end, keeping the last value per key."""
+    return {m.key().decode(): json.loads(m.value()) for m in kafka_records(bootstrap, topic)}
+
+
+def kafka_decisions_per_key(bootstrap: str, topic: str) -> dict[str, list[dict[str, Any]]]:
+    """Every value of every key of the decisions topic, in the topic's order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for m in kafka_records(bootstrap, topic):
+        out.setdefault(m.key().decode(), []).append(json.loads(m.value()))
+    return out
+
+
+def produce(bootstrap: str, topic: str, txns: Sequence[dict[str, Any]]) -> None:
+    """``txns`` keyed by card (one card, one partition), acknowledged by the broker."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    for t in txns:
+        producer.produce(topic, key=t["card_id"].encode(), value=json.dumps(t).encode())
+    assert producer.flush(10) == 0
+
+
+class Trickle:
+    """Produces transactions in order, ``rate`` a second, from a thread, until
+    :meth:`stop` (or the list's end); ``count``: how many so far."""
+
+    def __init__(self, bootstrap: str, topic: str, txns: Sequence[dict[str, Any]], rate: float):
+        from confluent_kafka import Producer
+
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+        self.topic, self.txns, self.rate = topic, txns, rate
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        for i, t in enumerate(self.txns):
+            # Paced by the clock (sleeps do not add up); stopped within one interval.
+            if self._stop.wait(max(0.0, start + i / self.rate - time.monotonic())):
+                return
+            self.producer.produce(
+                self.topic, key=t["card_id"].encode(), value=json.dumps(t).encode()
+            )
+            self.producer.poll(0)
+            self.count = i + 1
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stop producing; the transactions produced, each acknowledged by the broker."""
+        self._stop.set()
+        self._thread.join()
+        assert self.producer.flush(10) == 0
+        return list(self.txns[: self.count])
+
+
+def kafka_env(
+    world: World, url: str, tmp: Path, bootstrap: str, topic: str, out: str, **extra: str
+) -> dict[str, str]:
+    return stream_env(
+        world,
+        url,
+        tmp,
+        FRAUD_STREAM_SOURCE="kafka",
+        FRAUD_KAFKA_BOOTSTRAP=bootstrap,
+        FRAUD_STREAM_NAME=topic,
+        FRAUD_SCORE_STREAM_OUTPUT=out,
+        **extra,
+    )
+
+
+def offsets(bootstrap: str, group: str, topic: str) -> tuple[list[int], list[int]]:
+    """The group's committed offset and the end offset (the last record's + 1) of each
+    partition of ``topic`` (a committed offset of -1: none yet). The ends are read from
+    the records: tansu 0.6's ListOffsets answers a partition whose last produce was one
+    batch of n records with its first offset + 1, not the last + 1."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        parts = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        committed = consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10)
+    finally:
+        consumer.close()
+    ends = dict.fromkeys(parts, 0)
+    for m in kafka_records(bootstrap, topic):
+        ends[m.partition()] = max(ends[m.partition()], m.offset() + 1)
+    return [max(tp.offset, -1) for tp in committed], [ends[p] for p in parts]
+
+
+def metric(port: int, sample: str) -> float | None:
+    """One sample (``name{labels}`` as exposed) of a command's /metrics (None: not up)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+    except httpx.TransportError:
+        return None
+    for ln in text.splitlines():
+        if ln.startswith(sample + " "):
+            return float(ln.split()[1])
+    return None
+
+
+def decision_log_ids(url: str) -> Counter[str]:
+    """How often each transaction is in the decision log (the Redis stream ``decisions``)."""
+    client: Any = redis.Redis.from_url(url)
+    return Counter(f[b"k"].decode() for _, f in client.xrange("decisions"))
 
 
 def test_kafka_end_to_end_with_a_poison_event(
@@ -331,19 +446,299 @@ def test_kafka_end_to_end_with_a_poison_event(
     assert "dead-lettered" in log.read_text() and "invalid JSON" in log.read_text()
 
 
+def test_kafka_rebalance_a_consumer_joins_one_is_killed_and_restarts(
+    world: World, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """Transactions trickle onto four partitions while the group changes under them: k1
+    alone, k2 joins (its partitions taken from k1 with k1's uncommitted tail), k1 is
+    SIGKILLed (k2 takes every partition once k1's session expires) and restarts (joins
+    again, ships the decisions its spool holds), then both stop on SIGTERM. Every
+    transaction has one decision keeping the last value per key, a transaction decided
+    twice has the same answer both times, the decision log holds each once, every offset
+    is committed, and the recorded state is a clean run's (nothing counted twice)."""
+    from streaming.sources import ensure_topic
+
+    topic, out_topic, group = "rb-txns", "rb-decisions", "rb-score"
+    ensure_topic(kafka_bootstrap, topic, 4)
+    url = private_db(world, 12)
+    env = kafka_env(
+        world,
+        url,
+        tmp_path,
+        kafka_bootstrap,
+        topic,
+        out_topic,
+        # A dead member's partitions move after 3 s; a join takes about 2 s with tansu.
+        FRAUD_KAFKA_SESSION_TIMEOUT_MS="3000",
+    )
+    ports = {"k1": free_port(), "k2": free_port()}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(name: str) -> None:
+        procs[name] = score_stream(
+            env,
+            tmp_path / f"{name}.log",
+            *("--consumer", name, "--group", group, "--metrics-port", str(ports[name])),
+            *("--max-batch", "16", "--commit-interval-ms", "1000"),
+            wait=False,
+        )
+
+    def decided(name: str) -> float:
+        return metric(ports[name], 'fraud_score_stream_events_total{outcome="decided"}') or 0.0
+
+    def output_has(ids: set[str]) -> bool:
+        return ids <= set(kafka_decisions(kafka_bootstrap, out_topic, timeout_s=5))
+
+    feed = Trickle(kafka_bootstrap, topic, events(world, 2000), rate=30.0)
+    try:
+        start("k1")
+        wait_until(lambda: decided("k1") >= 30, timeout=90, what="k1 deciding", proc=procs["k1"])
+        start("k2")
+        wait_until(
+            lambda: decided("k2") >= 10, timeout=90, what="k2 given partitions", proc=procs["k2"]
+        )
+        sigkill(procs["k1"])
+        # Produced from here on: only k2 is left to decide them, on every partition.
+        after_kill = feed.count + 60
+        wait_until(lambda: feed.count >= after_kill, timeout=30, what="60 more events")
+        wait_until(
+            lambda: output_has({t["transaction_id"] for t in feed.txns[:after_kill]}),
+            # tansu has taken 3 to 35 s to expire a killed member and move its partitions.
+            timeout=90,
+            what="k2 deciding k1's partitions",
+            proc=procs["k2"],
+        )
+        start("k1")  # restarted, as its orchestrator would
+        wait_until(
+            lambda: decided("k1") >= 10, timeout=90, what="k1 back in the group", proc=procs["k1"]
+        )
+        txns = feed.stop()
+        wait_until(
+            lambda: output_has({t["transaction_id"] for t in txns}),
+            timeout=60,
+            what="every transaction decided",
+            proc=procs["k2"],
+        )
+        for name in ("k2", "k1"):  # one leaves, then the other
+            procs[name].terminate()
+            assert procs[name].wait(timeout=60) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+    finally:
+        feed.stop()
+        for proc in procs.values():
+            if proc.poll() is None:
+                sigkill(proc)
+
+    per_key = kafka_decisions_per_key(kafka_bootstrap, out_topic)
+    assert sorted(per_key) == sorted(t["transaction_id"] for t in txns)
+    twice = {k: v for k, v in per_key.items() if len(v) > 1}
+    assert twice, "no transaction decided twice: no rebalance or kill replayed anything"
+    for values in twice.values():
+        for d in values[1:]:
+            same_decision(d, values[0])
+            assert d["source"] == values[0]["source"]  # the same event read again
+    assert decision_log_ids(url) == Counter({t["transaction_id"]: 1 for t in txns})
+    committed, ends = offsets(kafka_bootstrap, group, topic)
+    assert committed == ends and sum(ends) == len(txns)
+
+    clean = private_db(world, 13)
+    xadd(clean, [json.dumps(t) for t in txns])
+    score_stream(
+        stream_env(world, clean, tmp_path / "clean"),
+        tmp_path / "clean.log",
+        *("--consumer", "c1", "--max-batch", "16", "--idle-exit-s", "2"),
+    )
+    same_state(recorded_state(url), recorded_state(clean))
+
+
+class ProxiedBroker:
+    """A Kafka-protocol broker reached two ways: ``direct`` (the test's producer and
+    readers) and ``proxied``, through a Kafka-protocol proxy (``tansu proxy``, which
+    advertises itself in metadata, so a client of it reaches the broker only through it).
+    Killing the proxy makes the broker go away for its clients (connections refused) while
+    it keeps the topics, offsets and groups: tansu's storage engines here are memory (lost
+    with the process) and S3, so a restarted broker would have lost them."""
+
+    def __init__(self) -> None:
+        from tests.conftest_streaming import tansu_binary
+
+        self.binary = tansu_binary()
+        self.broker_port, self.proxy_port = free_port(), free_port()
+        self.direct = f"127.0.0.1:{self.broker_port}"
+        self.proxied = f"127.0.0.1:{self.proxy_port}"
+        self.broker = self._spawn(
+            "broker",
+            f"--listener-url=tcp://{self.direct}",
+            f"--advertised-listener-url=tcp://{self.direct}",
+            "--storage-engine=memory://tansu/",
+        )
+        self._listening(self.broker_port, self.broker)
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.start_proxy()
+
+    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [self.binary, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    @staticmethod
+    def _listening(port: int, proc: subprocess.Popen[bytes]) -> None:
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+
+        wait_until(up, timeout=20, what=f"port {port} listening", proc=proc)
+
+    def start_proxy(self) -> None:
+        self.proxy = self._spawn(
+            "proxy",
+            f"--listener-url=tcp://{self.proxied}",
+            f"--advertised-listener-url=tcp://{self.proxied}",
+            f"--origin-url=tcp://{self.direct}",
+        )
+        self._listening(self.proxy_port, self.proxy)
+
+    def stop_proxy(self) -> None:
+        """SIGKILL (tansu ignores SIGTERM): every connection through it drops at once."""
+        if self.proxy is not None:
+            self.proxy.send_signal(signal.SIGKILL)
+            self.proxy.wait()
+            self.proxy = None
+
+    def close(self) -> None:
+        self.stop_proxy()
+        self.broker.send_signal(signal.SIGKILL)
+        self.broker.wait()
+
+
+def committed_undecided(bootstrap: str, group: str, topic: str, out_topic: str) -> list[str]:
+    """The transactions below the group's committed offsets without a decision in
+    ``out_topic`` (committed first, decisions read after: a decision written after its
+    commit would be missed, never one written before)."""
+    committed, _ = offsets(bootstrap, group, topic)
+    decided = set(kafka_decisions(bootstrap, out_topic, timeout_s=5))
+    return [
+        tid
+        for m in kafka_records(bootstrap, topic, timeout_s=5)
+        if m.offset() < committed[m.partition()]
+        and (tid := json.loads(m.value())["transaction_id"]) not in decided
+    ]
+
+
+def test_kafka_broker_gone_then_back_keeps_running_and_decides_everything(
+    world: World, tmp_path: Path
+) -> None:
+    """The broker goes away for 14 s mid-run (its proxy killed: every connection refused)
+    while transactions keep arriving on it: score-stream keeps running and stays ready,
+    commits no offset past an event without its decision (checked during the outage and
+    the catch-up), and once the broker is back decides every transaction once (last value
+    per key; a transaction decided twice, the same answer), commits every offset, and the
+    decision log holds each once. 14 s and not the issue's 30: it outlasts every timeout of
+    the path (the group session, 3 s; a write of decisions waits 10 s for the broker's
+    acknowledgement, then is retried), and nothing in the code counts past it."""
+    from streaming.sources import ensure_topic
+
+    topic, out_topic, group = "bo-txns", "bo-decisions", "score-stream"
+    broker = ProxiedBroker()
+    url = private_db(world, 12)
+    port = free_port()
+    log = tmp_path / "outage.log"
+    violations: list[list[str]] = []
+
+    def decided() -> float:
+        return metric(port, 'fraud_score_stream_events_total{outcome="decided"}') or 0.0
+
+    def commits_behind_decisions() -> None:
+        if bad := committed_undecided(broker.direct, group, topic, out_topic):
+            violations.append(bad)
+
+    try:
+        ensure_topic(broker.direct, topic, 3)
+        feed = Trickle(broker.direct, topic, events(world, 2000), rate=40.0)
+        env = kafka_env(
+            world,
+            url,
+            tmp_path,
+            broker.proxied,
+            topic,
+            out_topic,
+            FRAUD_KAFKA_SESSION_TIMEOUT_MS="3000",
+        )
+        proc = score_stream(
+            env,
+            log,
+            *("--consumer", "k1", "--metrics-port", str(port), "--max-batch", "16"),
+            *("--commit-interval-ms", "500"),
+            wait=False,
+        )
+        try:
+            wait_until(lambda: decided() >= 40, timeout=90, what="deciding", proc=proc)
+            broker.stop_proxy()
+            gone = time.monotonic()
+            commits_behind_decisions()
+            wait_until(
+                lambda: time.monotonic() - gone >= 14 and proc.poll() is None,
+                timeout=30,
+                what="14 s of outage",
+                proc=proc,
+            )
+            commits_behind_decisions()
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+            assert ready.status_code == 200, ready.text
+            broker.start_proxy()
+            back = decided()
+            wait_until(lambda: decided() >= back + 40, timeout=90, what="deciding again", proc=proc)
+            txns = feed.stop()
+
+            def all_decided() -> bool:
+                commits_behind_decisions()
+                want = {t["transaction_id"] for t in txns}
+                return want <= set(kafka_decisions(broker.direct, out_topic, timeout_s=5))
+
+            wait_until(all_decided, timeout=90, what="every transaction decided", proc=proc)
+            proc.terminate()
+            assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        finally:
+            feed.stop()
+            if proc.poll() is None:
+                sigkill(proc)
+        assert not violations, violations[:3]
+        per_key = kafka_decisions_per_key(broker.direct, out_topic)
+        committed, ends = offsets(broker.direct, group, topic)
+    finally:
+        broker.close()
+    assert sorted(per_key) == sorted(t["transaction_id"] for t in txns)
+    for values in per_key.values():
+        for d in values[1:]:
+            same_decision(d, values[0])
+    assert committed == ends and sum(ends) == len(txns)
+    assert decision_log_ids(url) == Counter({t["transaction_id"]: 1 for t in txns})
+    assert "score-stream stopping" in log.read_text()
+
+
 # -- an output log that refuses writes; backpressure ---------------------------------------
 
 
-def in_flight_gauge(port: int) -> float | None:
-    """``fraud_score_stream_in_flight`` from the command's /metrics (None: not up yet)."""
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
-    except httpx.TransportError:
-        return None
-    for ln in text.splitlines():
-        if ln.startswith("fraud_score_stream_in_flight "):
-            return float(ln.split()[1])
-    return None
+IN_FLIGHT = "fraud_score_stream_in_flight"
+
+
+def scrape_until_exit(
+    proc: subprocess.Popen[bytes], port: int, samples: Sequence[str], timeout_s: float = 180
+) -> dict[str, list[float]]:
+    """``samples`` scraped from the command's /metrics every 20 ms until it exits."""
+    seen: dict[str, list[float]] = {name: [] for name in samples}
+    end = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < end:
+        for name in samples:
+            if (v := metric(port, name)) is not None:
+                seen[name].append(v)
+        time.sleep(0.02)
+    return seen
 
 
 def acknowledged_ids(url: str) -> set[str]:
@@ -429,6 +824,16 @@ def test_redis_output_refusing_writes_acknowledges_nothing_then_resumes(
     assert "used memory > 'maxmemory'" in log.read_text()  # the refusal, retried
 
 
+def in_flight_within_bound(gauge: list[float], log: Path, bound: int) -> None:
+    """The in-flight gauge and the summary's high-water mark reached and never passed
+    ``bound``, and reading paused at it."""
+    assert gauge and 0 < max(gauge) <= bound, gauge[-20:]
+    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
+    high = int(summary.split("in flight at most ")[1].split(";")[0])
+    assert 0 < high <= bound, summary
+    assert int(summary.split("paused ")[1].split(" times")[0]) > 0, summary
+
+
 @contextlib.contextmanager
 def store_slowed(url: str, pause_ms: int, every_s: float) -> Iterator[list[int]]:
     """The store's writes (scripts included: the scorer's feature read and record, the
@@ -468,7 +873,6 @@ def test_redis_backpressure_in_flight_bound_holds_while_the_store_is_slowed(
     bound, port = 24, free_port()
     log = tmp_path / "backpressure.log"
     env = stream_env(world, url, tmp_path)
-    seen: list[float] = []
     with store_slowed(url, pause_ms=150, every_s=0.25) as pauses:
         proc = subprocess.Popen(
             [
@@ -481,24 +885,65 @@ def test_redis_backpressure_in_flight_bound_holds_while_the_store_is_slowed(
             stderr=subprocess.STDOUT,
         )
         try:
-            end = time.monotonic() + 180
-            while proc.poll() is None and time.monotonic() < end:
-                g = in_flight_gauge(port)
-                if g is not None:
-                    seen.append(g)
-                time.sleep(0.02)
+            seen = scrape_until_exit(proc, port, (IN_FLIGHT,))
             assert proc.wait(timeout=5) == 0, log.read_text()[-4000:]
         finally:
             if proc.poll() is None:
                 proc.kill()
     assert pauses[0] >= 4  # the store was slowed throughout
-    assert seen and max(seen) <= bound and max(seen) > 0, seen[-20:]
-    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
-    high = int(summary.split("in flight at most ")[1].split(";")[0])
-    assert 0 < high <= bound, summary
-    assert int(summary.split("paused ")[1].split(" times")[0]) > 0, summary
+    in_flight_within_bound(seen[IN_FLIGHT], log, bound)
     got = decisions(url)
     assert sorted(got) == sorted(t["transaction_id"] for t in txns)
     client: Any = redis.Redis.from_url(url)
     assert client.xlen(OUTPUT) == len(txns)
     assert client.xpending(STREAM, "score-stream")["pending"] == 0
+
+
+def test_kafka_backpressure_pauses_partitions_while_the_store_is_slowed(
+    world: World, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """The Kafka version: 300 transactions on three partitions behind an in-flight bound of
+    24 while the store pauses its writes 150 ms in every 250: the partitions are paused
+    at the bound (``pause``/``resume``), the in-flight gauge and the summary's high-water
+    mark never pass it, every transaction is decided and every offset committed."""
+    from streaming.sources import ensure_topic
+
+    topic, out_topic, group = "bp-txns", "bp-decisions", "bp-score"
+    ensure_topic(kafka_bootstrap, topic, 3)
+    txns = events(world, 300)
+    produce(kafka_bootstrap, topic, txns)
+    url = private_db(world, 12)
+    bound, port = 24, free_port()
+    log = tmp_path / "backpressure.log"
+    env = kafka_env(
+        world,
+        url,
+        tmp_path,
+        kafka_bootstrap,
+        topic,
+        out_topic,
+        FRAUD_KAFKA_SESSION_TIMEOUT_MS="3000",
+    )
+    with store_slowed(url, pause_ms=150, every_s=0.25) as pauses:
+        proc = score_stream(
+            env,
+            log,
+            *("--consumer", "k1", "--group", group, "--metrics-port", str(port)),
+            *("--max-batch", "8", "--commit-interval-ms", "200", "--max-in-flight", str(bound)),
+            # The group's first join takes seconds: stop after the events, not when idle.
+            *("--max-messages", str(len(txns))),
+            wait=False,
+        )
+        try:
+            seen = scrape_until_exit(proc, port, (IN_FLIGHT,))
+            assert proc.wait(timeout=5) == 0, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert pauses[0] >= 4
+    in_flight_within_bound(seen[IN_FLIGHT], log, bound)
+    assert sorted(kafka_decisions(kafka_bootstrap, out_topic)) == sorted(
+        t["transaction_id"] for t in txns
+    )
+    committed, ends = offsets(kafka_bootstrap, group, topic)
+    assert committed == ends and sum(ends) == len(txns)
