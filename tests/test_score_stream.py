@@ -3,7 +3,7 @@ Redis-protocol server (stream in, decisions out) and a real Kafka-protocol broke
 command in a subprocess. End to end against the API, a poison event and a reused id,
 SIGKILL x3 with restarts and a Kafka group rebalance (nothing lost, nothing counted
 twice), an output log that refuses writes, a broker that goes away, backpressure on both
-sources."""
+sources; and the chart's HPA on each source's lag."""
 
 from __future__ import annotations
 
@@ -724,7 +724,7 @@ def test_kafka_broker_gone_then_back_keeps_running_and_decides_everything(
 # -- an output log that refuses writes; backpressure ---------------------------------------
 
 
-IN_FLIGHT = "fraud_score_stream_in_flight"
+IN_FLIGHT, LAG = "fraud_score_stream_in_flight", "fraud_score_stream_consumer_lag"
 
 
 def scrape_until_exit(
@@ -885,13 +885,18 @@ def test_redis_backpressure_in_flight_bound_holds_while_the_store_is_slowed(
             stderr=subprocess.STDOUT,
         )
         try:
-            seen = scrape_until_exit(proc, port, (IN_FLIGHT,))
+            seen = scrape_until_exit(proc, port, (IN_FLIGHT, LAG))
             assert proc.wait(timeout=5) == 0, log.read_text()[-4000:]
         finally:
             if proc.poll() is None:
                 proc.kill()
     assert pauses[0] >= 4  # the store was slowed throughout
     in_flight_within_bound(seen[IN_FLIGHT], log, bound)
+    # The consumer lag is the group's backlog (XINFO GROUPS lag + pending), not what this
+    # consumer holds: above the bound while the backlog lasts, falling as it is decided.
+    lags = seen[LAG]
+    top = lags.index(max(lags))
+    assert bound < lags[top] <= len(txns) and min(lags[top:]) < lags[top] / 2, lags
     got = decisions(url)
     assert sorted(got) == sorted(t["transaction_id"] for t in txns)
     client: Any = redis.Redis.from_url(url)
@@ -947,3 +952,58 @@ def test_kafka_backpressure_pauses_partitions_while_the_store_is_slowed(
     )
     committed, ends = offsets(kafka_bootstrap, group, topic)
     assert committed == ends and sum(ends) == len(txns)
+
+
+# -- the chart's HPA on lag ---------------------------------------------------------------
+
+
+def test_chart_scales_on_each_pods_lag_on_kafka_and_the_groups_lag_on_redis() -> None:
+    """On Kafka the HPA reads the Pods metric (each pod's partitions' lag, averaged); on
+    Redis Streams, where every pod reports the whole group's lag, an External metric the
+    HPA divides among the replicas (a Pods average of it would never fall as pods join)."""
+    import kubernetes_validate
+
+    from tests.test_helm import KUBE_VERSION, component, one, render
+
+    autoscaling = {"enabled": True, "targetLagPerPod": 3000}
+    kafka = render(
+        {
+            "streaming": {"source": "kafka", "kafka": {"bootstrapServers": "k:9092"}},
+            "scoreStream": {"enabled": True, "autoscaling": autoscaling},
+        }
+    )
+    name = component(kafka, "score-stream")["metadata"]["name"]
+    assert one(kafka, "HorizontalPodAutoscaler", name)["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "fraud_score_stream_consumer_lag"},
+                "target": {"type": "AverageValue", "averageValue": "3000"},
+            },
+        }
+    ]
+    redis_hpa = one(
+        render({"scoreStream": {"enabled": True, "autoscaling": autoscaling}}),
+        "HorizontalPodAutoscaler",
+        name,
+    )
+    assert redis_hpa["spec"]["metrics"] == [
+        {
+            "type": "External",
+            "external": {
+                "metric": {"name": "fraud_score_stream_consumer_lag"},
+                "target": {"type": "AverageValue", "averageValue": "3000"},
+            },
+        }
+    ]
+    selected = {**autoscaling, "groupLagMetric": "score_lag", "groupLagSelector": {"job": "s"}}
+    (metric_spec,) = one(
+        render({"scoreStream": {"enabled": True, "autoscaling": selected}}),
+        "HorizontalPodAutoscaler",
+        name,
+    )["spec"]["metrics"]
+    assert metric_spec["external"]["metric"] == {
+        "name": "score_lag",
+        "selector": {"matchLabels": {"job": "s"}},
+    }
+    kubernetes_validate.validate(redis_hpa, KUBE_VERSION, strict=True)
