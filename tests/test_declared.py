@@ -232,6 +232,11 @@ def test_the_language_names_the_field_it_refuses() -> None:
         "features: {count: {name: x, half_life: 1h}}}]": ("aggregations.0", "takes no half_life"),
         "aggregations: [{entity: card_id, windows: [30d], "
         "features: {decayed_sum: {name: x, half_life: 1m}}}]": ("aggregations.0", "too short"),
+        "aggregations: [{entity: card_id, windows: [1h], "
+        "features: {decayed_sum: {name: x, half_life: 30s}}}]": (
+            "aggregations.0.features.decayed_sum.half_life",
+            "from 1m to 180d",
+        ),
         "aggregations: [{entity: card_id, value: country, windows: [1h], "
         "features: {decayed_sum: {name: x, half_life: 1h}}}]": (
             "aggregations.0.value",

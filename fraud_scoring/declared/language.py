@@ -165,7 +165,7 @@ class AggregationDecl(_Strict):
         default_factory=dict, description="column -> allowed values; events outside skip"
     )
     windows: tuple[str, ...]
-    features: dict[Agg, str | KindParams] = Field(
+    features: dict[Agg, KindParams] = Field(
         description="aggregation -> feature name prefix, or for a kind with parameters "
         "{name: prefix, <parameter>: value} (decayed_sum: half_life)"
     )
@@ -230,15 +230,22 @@ class AggregationDecl(_Strict):
                 raise ValueError(f"default: {agg}: must be a whole number (a count)")
         return self
 
+    @field_validator("features", mode="before")
+    @classmethod
+    def _prefixes(cls, v: Any) -> Any:
+        """A plain prefix is the parameters {name: prefix}."""
+        if isinstance(v, dict):
+            return {k: {"name": x} if isinstance(x, str) else x for k, x in v.items()}
+        return v
+
     def prefix(self, agg: str) -> str:
         """The feature name prefix of ``agg``'s features."""
-        v = self.features[agg]
-        return v.name if isinstance(v, KindParams) else v
+        return self.features[agg].name
 
     def half_life_us(self, agg: str) -> int:
         """``agg``'s half-life in µs (0: none)."""
-        v = self.features[agg]
-        return parse_window(v.half_life) if isinstance(v, KindParams) and v.half_life else 0
+        v = self.features[agg].half_life
+        return parse_window(v) if v else 0
 
     @model_validator(mode="after")
     def _params(self) -> AggregationDecl:
@@ -257,7 +264,7 @@ class AggregationDecl(_Strict):
                     width = tile_width(parse_window(w))
                     if width > DECAY_TILES * half:
                         raise ValueError(
-                            f"features: {agg}: half_life {v.half_life} is too short for "  # type: ignore[union-attr]
+                            f"features: {agg}: half_life {v.half_life} is too short for "
                             f"window {w} (tiles of {width // US} s): at least "
                             f"{-(-width // DECAY_TILES) // US} s"
                         )
