@@ -314,6 +314,9 @@ def build_features(
         batch,
     )
     cols = {**{k: np.asarray(v) for k, v in batch.items()}, **req}
+    # The request fields expressions read besides the amount (declared.REQUEST_FIELDS).
+    cols["event_time_s"] = event_s
+    cols["utc_offset_s"] = np.asarray(request.utc_offset_s, dtype=np.float64)
     decl = declarations()
     n = len(event_s)
     given = aggregations or {}

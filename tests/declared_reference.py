@@ -169,6 +169,20 @@ _FUNCS = {
     "minimum": min,
     "maximum": max,
     "where": lambda c, a, b: a if c else b,
+    "hour_of_day": lambda s: float(math.floor((s % 86_400) / 3600)),
+    "day_of_week": lambda s: float((math.floor(s / 86_400) + 3) % 7),
+    "distance_km": lambda a, b, c, d: (
+        2
+        * 6371.0088
+        * math.asin(
+            math.sqrt(
+                math.sin(math.radians(c - a) / 2) ** 2
+                + math.cos(math.radians(a))
+                * math.cos(math.radians(c))
+                * math.sin(math.radians(d - b) / 2) ** 2
+            )
+        )
+    ),
 }
 
 

@@ -118,6 +118,10 @@ derived:
     expr: where(m_mean_1d > 0, amount / m_mean_1d, 1.0)
   - name: m_burst
     expr: clip(m_count_1m - 2 * m_count_10m / 10, -5, 5)
+  - name: local_hour
+    expr: hour_of_day(event_time_s + utc_offset_s)
+  - name: local_weekend
+    expr: where(day_of_week(event_time_s + utc_offset_s) >= 5, 1, 0)
   - name: m_fraud_rate_7d
     expr: m_frauds_7d / m_count_2d_ago_7d
 """
@@ -605,6 +609,8 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
         **{k: np.full(len(q), 100.0) for k in F.hand_written_names()},
         **{f.name: np.full(len(q), 100.0) for f in F.batch_features()},
         "amount": q["amount"].to_numpy(),
+        "event_time_s": q["event_timestamp"].astype("int64").to_numpy() / 1e9,
+        "utc_offset_s": np.resize([0.0, -18_000.0, 19_800.0], len(q)),
     }
     got = derived_columns(decl, cols, len(q))
     for d in decl.derived:
@@ -848,3 +854,30 @@ def test_the_shipped_declarations_say_what_their_names_do_not() -> None:
 
     # changed reads 0 after a quiet day, as it does without a change.
     assert "quiet day" in spec_of["card_country_changed_24h"].description
+
+
+def test_distance_and_calendar_functions() -> None:
+    """The expression language's geo and time functions on known values, and the same
+    on the reference's Python floats."""
+    paris, london = (48.8566, 2.3522), (51.5074, -0.1278)
+    cols = {
+        "lat1": np.array([paris[0], 0.0, 10.0, np.nan]),
+        "lon1": np.array([paris[1], 0.0, 20.0, 0.0]),
+        "lat2": np.array([london[0], 0.0, 10.0, 0.0]),
+        "lon2": np.array([london[1], 180.0, 20.0, 0.0]),
+    }
+    km = D.evaluate("distance_km(lat1, lon1, lat2, lon2)", cols)
+    assert abs(km[0] - 343.5) < 0.5  # Paris to London
+    assert abs(km[1] - np.pi * 6371.0088) < 1e-6  # half the equator
+    assert km[2] == 0.0 and np.isnan(km[3])
+    for i in range(3):
+        row = {k: float(v[i]) for k, v in cols.items()}
+        want = derived_reference("distance_km(lat1, lon1, lat2, lon2)", row)
+        assert km[i] == pytest.approx(want, rel=1e-12, abs=1e-9)
+    # 2026-12-06 is a Sunday; 23:30 UTC is 04:30 the next day (a Monday) at UTC+5
+    t = pd.Timestamp("2026-12-06T23:30:00Z").value / 1e9
+    got = D.evaluate(
+        "hour_of_day(t + off) * 10 + day_of_week(t + off)",
+        {"t": np.array([t, t]), "off": np.array([0.0, 5 * 3600.0])},
+    )
+    assert list(got) == [236.0, 40.0]

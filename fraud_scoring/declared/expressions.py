@@ -16,8 +16,33 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-# Request fields an expression may read besides features.
-REQUEST_FIELDS = ("amount",)
+# Request fields an expression may read besides features: the amount, the event time
+# (epoch seconds, UTC) and the event's local UTC offset (seconds; 0 when unknown).
+REQUEST_FIELDS = ("amount", "event_time_s", "utc_offset_s")
+EARTH_RADIUS_KM = 6371.0088  # the mean radius (IUGG)
+
+
+def _hour_of_day(s: Any) -> Any:
+    """The hour (0-23) of epoch seconds ``s``: ``hour_of_day(event_time_s +
+    utc_offset_s)`` is the local hour."""
+    return np.floor(np.mod(s, 86_400.0) / 3600.0)
+
+
+def _day_of_week(s: Any) -> Any:
+    """The weekday of epoch seconds ``s``, Monday 0 to Sunday 6 (1970-01-01 was a
+    Thursday)."""
+    return np.mod(np.floor(np.asarray(s, dtype=np.float64) / 86_400.0) + 3.0, 7.0)
+
+
+def _distance_km(lat1: Any, lon1: Any, lat2: Any, lon2: Any) -> Any:
+    """The great-circle distance between two (latitude, longitude) points in degrees,
+    km (haversine on a sphere of the Earth's mean radius; NaN in, NaN out)."""
+    p1, p2 = np.radians(lat1), np.radians(lat2)
+    dp, dl = p2 - p1, np.radians(np.asarray(lon2) - np.asarray(lon1))
+    h = np.sin(dp / 2) ** 2 + np.cos(p1) * np.cos(p2) * np.sin(dl / 2) ** 2
+    return 2 * EARTH_RADIUS_KM * np.arcsin(np.sqrt(np.clip(h, 0.0, 1.0)))
+
+
 _FUNCS: dict[str, Callable[..., Any]] = {
     "log1p": np.log1p,
     "abs": np.abs,
@@ -26,6 +51,9 @@ _FUNCS: dict[str, Callable[..., Any]] = {
     "minimum": np.minimum,
     "maximum": np.maximum,
     "where": np.where,
+    "hour_of_day": _hour_of_day,
+    "day_of_week": _day_of_week,
+    "distance_km": _distance_km,
 }
 _BINOPS = {ast.Add: np.add, ast.Sub: np.subtract, ast.Mult: np.multiply}
 _CMPS = {
