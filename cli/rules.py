@@ -98,8 +98,10 @@ def list_members(
     nothing was)."""
     if not ruleset.list_reads:
         return {}, {}
-    if url is None:
-        return {}, lists_not_read(ruleset)
+    if url is None:  # no row on any list (said in the report, not per micro-batch)
+        n = len(next(iter(strings.values()), ()))
+        none = {R.member_column(name, fld): np.zeros(n, bool) for name, fld in ruleset.list_reads}
+        return none, lists_not_read(ruleset)
     lookups = list_lookups(ruleset, strings)
     client = sync_client(url)
     try:
