@@ -24,14 +24,11 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from fraud_scoring.commands import Command, UsageError, add_embedded_redis
 from fraud_scoring.event_log import (
     KafkaProducer,
-    LogRecord,
-    LogUnavailable,
     Producer,
     RedisStreamProducer,
 )
@@ -214,31 +211,6 @@ def decider(batcher: Any, budget_s: float, metrics: Any) -> Any:
     return decide
 
 
-class RenewingKafkaProducer:
-    """The decisions' Kafka producer, replaced by a new client after a failed write.
-
-    A write not acknowledged in time is purged from the client's queue; an idempotent
-    client then bumps its epoch, and a broker may fence it for good (tansu answers every
-    later write PRODUCER_FENCED), as a fatal error would: retrying on that client would
-    stall the stream forever although the broker is back. A new client has a new producer
-    id; a purged record the broker did get is a duplicate with the same value."""
-
-    def __init__(self, bootstrap: str, topic: str, timeout_s: float) -> None:
-        self.bootstrap, self.topic, self.timeout_s = bootstrap, topic, timeout_s
-        self.producer = KafkaProducer(bootstrap, topic, timeout_s)
-
-    async def send(self, records: Sequence[LogRecord]) -> int:
-        try:
-            return await self.producer.send(records)
-        except LogUnavailable:
-            # Its queue is empty (purged): dropping the old client loses nothing.
-            self.producer = KafkaProducer(self.bootstrap, self.topic, self.timeout_s)
-            raise
-
-    async def close(self) -> None:
-        await self.producer.close()
-
-
 async def _open_output(stack: contextlib.AsyncExitStack, s: ScoreStreamSettings) -> Producer:
     """The decisions' log: a Kafka topic beside a Kafka source, else a Redis stream
     (idempotent per transaction_id for as long as the input stream keeps its events)."""
@@ -247,9 +219,7 @@ async def _open_output(stack: contextlib.AsyncExitStack, s: ScoreStreamSettings)
         from streaming.sources import ensure_topic
 
         await asyncio.to_thread(ensure_topic, s.kafka_bootstrap, s.score_stream_output, 1)
-        output = RenewingKafkaProducer(
-            s.kafka_bootstrap, s.score_stream_output, KAFKA_WRITE_TIMEOUT_S
-        )
+        output = KafkaProducer(s.kafka_bootstrap, s.score_stream_output, KAFKA_WRITE_TIMEOUT_S)
     else:
         assert s.redis_url is not None
         output = RedisStreamProducer(

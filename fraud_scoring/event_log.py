@@ -123,20 +123,37 @@ class KafkaProducer:
     """Appends to the Kafka topic ``topic`` (records keyed by their key, so one key stays
     on one partition). ``send`` waits up to ``timeout_s`` for the broker's acks; what is
     not acknowledged by then is purged from the client's queue and LogUnavailable raised
-    (a purged record the broker did get is a duplicate the reader drops)."""
+    (a purged record the broker did get is a duplicate the reader drops).
+
+    After a failed write the client is replaced by a new one: an idempotent client whose
+    queue was purged bumps its epoch, and a broker may fence it for good (tansu answers
+    every later write PRODUCER_FENCED), so retrying on it would stall the log forever
+    although the broker is back. The new client has a new producer id; its queue is
+    empty, so dropping the old one loses nothing that was not already refused."""
 
     def __init__(self, bootstrap: str, topic: str, timeout_s: float) -> None:
-        from confluent_kafka import Producer as _Producer
-
+        self.bootstrap = bootstrap
         self.topic = topic
         self.timeout_s = timeout_s
-        self.producer = _Producer(
+        self.producer = self._client()
+
+    def _client(self) -> Any:
+        from confluent_kafka import Producer as _Producer
+
+        return _Producer(
             {
-                "bootstrap.servers": bootstrap,
+                "bootstrap.servers": self.bootstrap,
                 "enable.idempotence": True,  # the client's own retries make no duplicates
                 "linger.ms": 5,
             }
         )
+
+    def _failed(self, why: str) -> LogUnavailable:
+        """Purge what is queued, replace the client and say why."""
+        self.producer.purge()
+        self.producer.flush(0)
+        self.producer = self._client()
+        return LogUnavailable(f"Kafka topic {self.topic!r}: {why}")
 
     def _send(self, records: Sequence[LogRecord]) -> int:
         from confluent_kafka import KafkaException
@@ -153,15 +170,12 @@ class KafkaProducer:
                     self.topic, key=r.key.encode(), value=r.payload, on_delivery=delivered
                 )
         except (BufferError, KafkaException) as exc:
-            self.producer.purge()
-            raise LogUnavailable(f"Kafka topic {self.topic!r}: {exc}") from exc
+            raise self._failed(str(exc)) from exc
         left = self.producer.flush(self.timeout_s)
         if left:
-            self.producer.purge()
-            self.producer.flush(0)
-            raise LogUnavailable(f"Kafka topic {self.topic!r}: {left} record(s) not acknowledged")
+            raise self._failed(f"{left} record(s) not acknowledged")
         if errors:
-            raise LogUnavailable(f"Kafka topic {self.topic!r}: {errors[0]}")
+            raise self._failed(errors[0])
         return len(records)
 
     async def send(self, records: Sequence[LogRecord]) -> int:
