@@ -47,6 +47,8 @@ Action = Literal["allow", "decline", "review"]
 ACTIONS: tuple[Action, ...] = ("allow", "decline", "review")
 # Transaction fields a rule compares with strings or looks up in a list.
 STRING_FIELDS = (*KEY_COLUMNS, "currency")
+# The string tests by prefix or suffix a rule may call (rewritten like ``==``).
+AFFIX_TESTS = {"starts_with": "prefix", "ends_with": "suffix"}
 # Numbers a rule reads besides the served features: the model's score and the setting
 # FRAUD_REVIEW_AMOUNT_LIMIT (the shipped AMOUNT_OVER_LIMIT rule reads it).
 SCORE = "score"
@@ -87,12 +89,14 @@ class RulesFile(_Strict):
 @dataclass(frozen=True)
 class StringTest:
     """A string test a rule makes, as a 0/1 column named ``name``: ``field`` among
-    ``values``, or (``list_name``) in the list's live items."""
+    ``values`` (``match`` "equal"), starting or ending with one of them ("prefix",
+    "suffix"), or (``list_name``) in the list's live items."""
 
     name: str
     field: str
     values: tuple[str, ...] = ()
     list_name: str | None = None
+    match: str = "equal"
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,7 @@ class _Program:
             "_and": np.logical_and,
             "_or": np.logical_or,
             "_among": _among,
+            "_affix": _affix,
             "_member": _member,
             "_holds": _holds,
             **{f"_op_{op.__name__}": fn for op, fn in _BINOPS.items()},
@@ -298,6 +303,8 @@ class _Program:
             if t.list_name is not None:
                 col = member_column(t.list_name, t.field)
                 return self._bind(f"_member(m, {col!r}, {t.list_name!r}, n)", True)
+            if t.match != "equal":  # starts_with / ends_with
+                return self._bind(f"_affix(s[{t.field!r}], {t.values!r}, {t.match!r})", True)
             return self._bind(f"_among(s[{t.field!r}], {t.values!r})", True)
         if isinstance(node, ast.Constant):
             return self._const(float(node.value)), False  # type: ignore[arg-type]
@@ -365,6 +372,13 @@ def _among(column: np.ndarray, values: tuple[str, ...]) -> np.ndarray:
         return np.asarray(column == values[0], dtype=bool).reshape(len(column))
     member = frozenset(values).__contains__
     return np.fromiter(map(member, column), dtype=bool, count=len(column))
+
+
+def _affix(column: np.ndarray, values: tuple[str, ...], match: str) -> np.ndarray:
+    """Rows whose string starts (``match`` "prefix") or ends ("suffix") with one of
+    ``values``."""
+    test = str.startswith if match == "prefix" else str.endswith
+    return np.fromiter((test(str(v), values) for v in column), dtype=bool, count=len(column))
 
 
 def _member(members: Mapping[str, np.ndarray], col: str, list_name: str, n: int) -> np.ndarray:
@@ -476,6 +490,8 @@ def _rewrite(
 def _is_condition(node: ast.expr) -> bool:
     if isinstance(node, ast.Compare):
         return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return node.func.id in AFFIX_TESTS
     if isinstance(node, ast.BoolOp):
         return all(_is_condition(v) for v in node.values)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
@@ -493,13 +509,43 @@ class _Rewrite(ast.NodeTransformer):
         self.lists, self.index = lists, index
         self.tests: list[StringTest] = []
 
-    def _test(self, fld: str, values: tuple[str, ...] = (), list_name: str | None = None) -> str:
+    def _test(
+        self,
+        fld: str,
+        values: tuple[str, ...] = (),
+        list_name: str | None = None,
+        match: str = "equal",
+    ) -> str:
         for t in self.tests:
-            if (t.field, t.values, t.list_name) == (fld, values, list_name):
+            if (t.field, t.values, t.list_name, t.match) == (fld, values, list_name, match):
                 return t.name
         name = f"_r{self.index}_{fld}_{list_name or ''}{len(self.tests)}"
-        self.tests.append(StringTest(name, fld, values, list_name))
+        self.tests.append(StringTest(name, fld, values, list_name, match))
         return name
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        """``starts_with(mcc, '79')``, ``ends_with(merchant_id, '-test', '-qa')``: a
+        string field against one or more prefixes or suffixes."""
+        if not (isinstance(node.func, ast.Name) and node.func.id in AFFIX_TESTS):
+            return self.generic_visit(node)
+        fn = node.func.id
+        if not node.args or not isinstance(node.args[0], ast.Name):
+            raise ValueError(f"{fn}(field, 'text', ...): a string field first")
+        fld = node.args[0].id
+        if fld not in STRING_FIELDS:
+            raise ValueError(f"{fn}: {fld!r} is not one of {', '.join(STRING_FIELDS)}")
+        texts = node.args[1:]
+        if (
+            not texts
+            or node.keywords
+            or not all(
+                isinstance(t, ast.Constant) and isinstance(t.value, str) and t.value for t in texts
+            )
+        ):
+            raise ValueError(f"{fn}({fld}, 'text', ...): one or more non-empty strings")
+        values = tuple(sorted({t.value for t in texts}))  # type: ignore[attr-defined]
+        name = self._test(fld, values, match=AFFIX_TESTS[fn])
+        return ast.Compare(ast.Name(name, ast.Load()), [ast.NotEq()], [ast.Constant(0)])
 
     def visit_BoolOp(self, node: ast.BoolOp) -> ast.AST:
         values = [_flag(self.visit(v)) for v in node.values]

@@ -104,6 +104,9 @@ def test_the_shipped_amount_rule_keeps_the_hard_limit() -> None:
         ("country > 'US'", "only ==, !=, in and not in"),
         ("amount > 'x'", "constants must be numbers"),
         ("amount >", "not an expression"),
+        ("starts_with(amount, '4')", "'amount' is not one of"),
+        ("starts_with(mcc)", "one or more non-empty strings"),
+        ("ends_with(mcc, 7)", "one or more non-empty strings"),
     ],
 )
 def test_a_rule_the_language_cannot_check_is_refused_naming_the_field(

@@ -39,6 +39,8 @@ rules:
      when: "clip(amount_zscore_30d, -1, 1) >= 1 and sqrt(amount) > 3 or abs(amount_zscore_30d) > 2"}
   - {code: M, action: decline, when: "device_id in unread", message: m}
   - {code: N, action: review, when: "amount > 900 and card_is_new == 1", message: m}
+  - {code: O, action: review, message: m,
+     when: "starts_with(mcc, '79', '48') and not ends_with(merchant_id, '2')"}
 """
 
 
@@ -47,7 +49,15 @@ def _reference(rs: R.RuleSet, numbers: dict, strings: dict, members: dict, n: in
     by np.isin, its expression by the declared features' evaluate."""
     cols = dict(numbers)
     for t in rs.tests:
-        if t.list_name is None:
+        if t.match == "prefix":
+            cols[t.name] = np.array(
+                [any(v.startswith(x) for x in t.values) for v in strings[t.field]]
+            )
+        elif t.match == "suffix":
+            cols[t.name] = np.array(
+                [any(v.endswith(x) for x in t.values) for v in strings[t.field]]
+            )
+        elif t.list_name is None:
             cols[t.name] = np.isin(strings[t.field], t.values)
         else:
             got = members.get(R.member_column(t.list_name, t.field))
