@@ -18,7 +18,8 @@ overlap: while one micro-batch is at the model the next events are read.
   so a consumer keeping the last decision per key sees one decision per transaction.
 * **Backpressure.** At most ``max_in_flight`` events are read and not yet committed; at
   the bound a Kafka consumer pauses its partitions (``pause``/``resume``, still polling
-  to stay in the group) and a Redis consumer stops reading.
+  to stay in the group; partitions a rebalance assigns meanwhile are paused too) and a
+  Redis consumer stops reading.
 * **Failures.** ``decide`` raising :class:`ScoreLater` (store down, no model) is
   retried with backoff, forever; any other exception ``max_attempts``
   times, then the event is dead-lettered with the error. An output log, dead letter or

@@ -301,7 +301,8 @@ class KafkaSource:
             **(extra or {}),
         }
         self.consumer = Consumer(conf)
-        self.consumer.subscribe([topic])
+        self._paused = False
+        self.consumer.subscribe([topic], on_assign=self._assigned)
         self.producer = Producer(
             {"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": False}
         )
@@ -419,14 +420,27 @@ class KafkaSource:
         return too_large
 
     def pause(self) -> None:
-        """Stop fetching from the assigned partitions (backpressure); :meth:`poll` must
-        still be called now and then, to stay in the group. Partitions assigned later
-        (a rebalance) are not paused until this is called again."""
+        """Stop fetching from the assigned partitions (backpressure), and from those a
+        rebalance assigns until :meth:`resume`; :meth:`poll` must still be called now and
+        then, to stay in the group."""
+        self._paused = True
         self.consumer.pause(self.consumer.assignment())
 
     def resume(self) -> None:
         """Fetch from the assigned partitions again, from where fetching stopped."""
+        self._paused = False
         self.consumer.resume(self.consumer.assignment())
+
+    def _assigned(self, consumer: Any, partitions: list[Any]) -> None:
+        """A rebalance's new assignment (called inside :meth:`poll`, before the client
+        assigns ``partitions``): librdkafka's pause holds only the partitions it was given
+        and outlives their revocation, so each assigned partition is paused or resumed
+        here to match the source, whether it is new to this consumer or was paused when a
+        rebalance took it away."""
+        if self._paused:
+            consumer.pause(partitions)
+        else:
+            consumer.resume(partitions)
 
     def lag(self) -> int | None:
         """Messages behind the high watermark over the assigned partitions."""

@@ -3,7 +3,7 @@ Redis-protocol server (stream in, decisions out) and a real Kafka-protocol broke
 command in a subprocess. End to end against the API, a poison event and a reused id,
 SIGKILL x3 with restarts and a Kafka group rebalance (nothing lost, nothing counted
 twice), an output log that refuses writes, a broker that goes away, backpressure on both
-sources; and the chart's HPA on each source's lag."""
+sources and a pause that holds over rebalances; and the chart's HPA on each source's lag."""
 
 from __future__ import annotations
 
@@ -969,6 +969,83 @@ def test_kafka_backpressure_pauses_partitions_while_the_store_is_slowed(
     )
     committed, ends = offsets(kafka_bootstrap, group, topic)
     assert committed == ends and sum(ends) == len(txns)
+
+
+def test_kafka_source_pause_holds_the_partitions_a_rebalance_assigns(kafka_bootstrap: str) -> None:
+    """Backpressure's pause over rebalances (KafkaSource, no world): a paused consumer
+    given partitions it did not hold when it paused (its group mate leaves) fetches
+    nothing from any of them until it resumes; a partition taken away while paused and
+    given back after the resume (a mate joins, then leaves) is fetched again."""
+    from confluent_kafka import Producer
+
+    from streaming.sources import KafkaSource, ensure_topic
+
+    topic, group = "rp-txns", "rp-score"
+    ensure_topic(kafka_bootstrap, topic, 4)
+
+    def produce_each(n: int) -> None:
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for p in range(4):
+            for i in range(n):
+                producer.produce(topic, value=b"%d" % i, partition=p)
+        assert producer.flush(10) == 0
+
+    def member(name: str) -> KafkaSource:
+        fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 300}
+        return KafkaSource(kafka_bootstrap, topic, group, client_id=name, extra=fast)
+
+    def parts(src: KafkaSource) -> set[int]:
+        return {tp.partition for tp in src.consumer.assignment()}
+
+    def read(src: KafkaSource, seconds: float) -> set[int]:
+        """The partitions of what ``src`` fetches in ``seconds``."""
+        seen: set[int] = set()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            seen |= {m.ref[1] for m in src.poll(100, 0.1)}
+        return seen
+
+    def polled_until(cond: Any, *members: KafkaSource, what: str) -> set[int]:
+        """Poll every member until ``cond()``; the partitions the first one fetched."""
+        seen: set[int] = set()
+
+        def step() -> bool:
+            seen.update(m.ref[1] for m in members[0].poll(100, 0.05))
+            for other in members[1:]:
+                other.poll(100, 0.05)
+            return bool(cond())
+
+        wait_until(step, timeout=60, what=what)
+        return seen
+
+    a, b = member("a"), member("b")
+    c: KafkaSource | None = None
+    try:
+        polled_until(lambda: len(parts(a)) == 2 and len(parts(b)) == 2, a, b, what="a 2+2 split")
+        a.pause()
+        produce_each(3)  # something to fetch on every partition
+        b.close()  # leaves the group: its two partitions go to the paused a
+        fetched = polled_until(lambda: len(parts(a)) == 4, a, what="a given every partition")
+        fetched |= read(a, 3.0)
+        assert not fetched, f"paused, yet fetched from partitions {sorted(fetched)}"
+        a.resume()
+        assert read(a, 5.0) == {0, 1, 2, 3}
+
+        # Taken away while paused, given back after the resume: fetched again.
+        a.pause()
+        c = member("c")
+        polled_until(lambda: len(parts(a)) == 2 and len(parts(c)) == 2, a, c, what="a 2+2 split")
+        gone = {0, 1, 2, 3} - parts(a)
+        a.resume()
+        c.close()
+        c = None
+        polled_until(lambda: len(parts(a)) == 4, a, what="a given every partition again")
+        produce_each(3)
+        assert gone <= read(a, 5.0), gone
+    finally:
+        a.close()
+        if c is not None:
+            c.close()
 
 
 # -- the chart's HPA on lag ---------------------------------------------------------------
