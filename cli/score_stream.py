@@ -64,6 +64,7 @@ def run_score_stream(args: argparse.Namespace, settings: ScoreStreamSettings) ->
         "score_stream_metrics_port": args.metrics_port,
         "score_stream_group": args.group,
         "score_stream_output": args.output,
+        "score_stream_output_bootstrap": args.output_bootstrap,
         "stream_source": args.source,
         "stream_name": args.stream,
         "kafka_bootstrap": args.kafka_bootstrap,
@@ -72,6 +73,17 @@ def run_score_stream(args: argparse.Namespace, settings: ScoreStreamSettings) ->
     for name in ("score_stream_max_batch", "score_stream_max_in_flight"):
         if getattr(settings, name) < 1:
             raise UsageError(f"--{name[13:].replace('_', '-')} must be at least 1")
+    if settings.score_stream_output_bootstrap is not None:
+        if settings.stream_source != "kafka":
+            raise UsageError(
+                "--output-bootstrap (FRAUD_SCORE_STREAM_OUTPUT_BOOTSTRAP) is for a Kafka "
+                "source; a Redis source's decisions go to FRAUD_SCORE_STREAM_OUTPUT_URL"
+            )
+        if not settings.score_stream_output_bootstrap.strip():
+            raise UsageError(
+                "--output-bootstrap (FRAUD_SCORE_STREAM_OUTPUT_BOOTSTRAP) is empty: give "
+                "host:port[,host:port...], or leave it unset for --kafka-bootstrap's cluster"
+            )
     if settings.score_stream_max_wait_ms >= settings.score_stream_latency_budget_ms:
         raise UsageError(
             f"--max-wait-ms ({settings.score_stream_max_wait_ms:g}) must be below the latency "
@@ -212,14 +224,16 @@ def decider(batcher: Any, budget_s: float, metrics: Any) -> Any:
 
 
 async def _open_output(stack: contextlib.AsyncExitStack, s: ScoreStreamSettings) -> Producer:
-    """The decisions' log: a Kafka topic beside a Kafka source, else a Redis stream
-    (idempotent per transaction_id for as long as the input stream keeps its events)."""
+    """The decisions' log: a Kafka topic beside a Kafka source (on the source's cluster, or
+    ``score_stream_output_bootstrap``'s), else a Redis stream (idempotent per
+    transaction_id for as long as the input stream keeps its events)."""
     output: Producer
     if s.stream_source == "kafka":
         from streaming.sources import ensure_topic
 
-        await asyncio.to_thread(ensure_topic, s.kafka_bootstrap, s.score_stream_output, 1)
-        output = KafkaProducer(s.kafka_bootstrap, s.score_stream_output, KAFKA_WRITE_TIMEOUT_S)
+        bootstrap = s.score_stream_output_bootstrap or s.kafka_bootstrap
+        await asyncio.to_thread(ensure_topic, bootstrap, s.score_stream_output, 1)
+        output = KafkaProducer(bootstrap, s.score_stream_output, KAFKA_WRITE_TIMEOUT_S)
     else:
         assert s.redis_url is not None
         output = RedisStreamProducer(
@@ -244,6 +258,11 @@ def configure_score_stream(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output", help="decisions stream / topic (default FRAUD_SCORE_STREAM_OUTPUT)")
     p.add_argument("--kafka-bootstrap", help="default FRAUD_KAFKA_BOOTSTRAP")
+    p.add_argument(
+        "--output-bootstrap",
+        help="Kafka: bootstrap servers of the decisions topic's cluster, when not the "
+        "transactions' (FRAUD_SCORE_STREAM_OUTPUT_BOOTSTRAP; default --kafka-bootstrap)",
+    )
     p.add_argument(
         "--max-batch", type=int, help="micro-batch size bound (FRAUD_SCORE_STREAM_MAX_BATCH)"
     )

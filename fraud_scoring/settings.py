@@ -623,6 +623,11 @@ class StreamScoringSettings(_Group):
         default=None,
         description="Redis source: the server the decisions stream lives on (default: REDIS_URL).",
     )
+    score_stream_output_bootstrap: str | None = Field(
+        default=None,
+        description="Kafka source: bootstrap servers of the cluster the decisions topic lives "
+        "on, host:port[,host:port...] (default: kafka_bootstrap, the transactions' cluster).",
+    )
     score_stream_max_batch: int = Field(
         default=256, ge=1, description="Most transactions in one micro-batch at the model."
     )

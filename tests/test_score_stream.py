@@ -2,12 +2,14 @@
 Redis-protocol server (stream in, decisions out) and a real Kafka-protocol broker, the
 command in a subprocess. End to end against the API, a poison event and a reused id,
 SIGKILL x3 with restarts and a Kafka group rebalance (nothing lost, nothing counted
-twice), an output log that refuses writes, a broker that goes away, backpressure on both
-sources and a pause that holds over rebalances; and the chart's HPA on each source's lag."""
+twice), an output log that refuses writes (Redis) or whose broker goes away (Kafka), a
+broker that goes away, backpressure on both sources and a pause that holds over
+rebalances; and the chart's HPA on each source's lag."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -17,7 +19,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,31 @@ def same_decision(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["features"] == b["features"]
     assert a["degraded"] == b["degraded"]
     assert a["score"] == pytest.approx(b["score"], rel=1e-5, abs=1e-7)
+
+
+# -- refused settings (no world) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (("--output-bootstrap", "127.0.0.1:9092"), {}, "is for a Kafka source"),
+        (("--output-bootstrap", " "), {"FRAUD_STREAM_SOURCE": "kafka"}, "is empty"),
+    ],
+)
+def test_output_bootstrap_refused_where_it_means_nothing(
+    args: tuple[str, ...], env: dict[str, str], said: str
+) -> None:
+    """``--output-bootstrap`` names the decisions' Kafka cluster: with a Redis source, or
+    empty, the command refuses to start (exit 2) and says why."""
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "score-stream", "--metrics-port", "0", *args],
+        env={**os.environ, "FRAUD_STREAM_SOURCE": "redis", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and said in r.stderr, r.stderr[-2000:]
 
 
 # -- the offsets tracker (no world) -----------------------------------------------------
@@ -564,6 +591,48 @@ def clean_run_state(world: World, tmp_path: Path, txns: Sequence[dict[str, Any]]
     return recorded_state(clean)
 
 
+def tansu(port: int, *args: str) -> subprocess.Popen[bytes]:
+    """``tansu <args>`` in a session of its own, once it listens on ``port``."""
+    from tests.conftest_streaming import tansu_binary
+
+    proc = subprocess.Popen(
+        [tansu_binary(), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+    def up() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    wait_until(up, timeout=20, what=f"port {port} listening", proc=proc)
+    return proc
+
+
+def tansu_broker(port: int) -> subprocess.Popen[bytes]:
+    """A tansu broker on ``port`` with memory storage (its topics die with it)."""
+    address = f"127.0.0.1:{port}"
+    return tansu(
+        port,
+        "broker",
+        f"--listener-url=tcp://{address}",
+        f"--advertised-listener-url=tcp://{address}",
+        "--storage-engine=memory://tansu/",
+    )
+
+
+def kill_tansu(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL (tansu ignores SIGTERM): every connection to it drops at once."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    if proc is not None:
+        proc.wait()
+
+
 class ProxiedBroker:
     """A Kafka-protocol broker reached two ways: ``direct`` (the test's producer and
     readers) and ``proxied``, through a Kafka-protocol proxy (``tansu proxy``, which
@@ -573,69 +642,40 @@ class ProxiedBroker:
     with the process) and S3, so a restarted broker would have lost them."""
 
     def __init__(self) -> None:
-        from tests.conftest_streaming import tansu_binary
-
-        self.binary = tansu_binary()
         self.broker_port, self.proxy_port = free_port(), free_port()
         self.direct = f"127.0.0.1:{self.broker_port}"
         self.proxied = f"127.0.0.1:{self.proxy_port}"
-        self.broker = self._spawn(
-            "broker",
-            f"--listener-url=tcp://{self.direct}",
-            f"--advertised-listener-url=tcp://{self.direct}",
-            "--storage-engine=memory://tansu/",
-        )
-        self._listening(self.broker_port, self.broker)
+        self.broker = tansu_broker(self.broker_port)
         self.proxy: subprocess.Popen[bytes] | None = None
         self.start_proxy()
 
-    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [self.binary, *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    @staticmethod
-    def _listening(port: int, proc: subprocess.Popen[bytes]) -> None:
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return True
-            except OSError:
-                return False
-
-        wait_until(up, timeout=20, what=f"port {port} listening", proc=proc)
-
     def start_proxy(self) -> None:
-        self.proxy = self._spawn(
+        self.proxy = tansu(
+            self.proxy_port,
             "proxy",
             f"--listener-url=tcp://{self.proxied}",
             f"--advertised-listener-url=tcp://{self.proxied}",
             f"--origin-url=tcp://{self.direct}",
         )
-        self._listening(self.proxy_port, self.proxy)
 
     def stop_proxy(self) -> None:
-        """SIGKILL (tansu ignores SIGTERM): every connection through it drops at once."""
-        if self.proxy is not None:
-            self.proxy.send_signal(signal.SIGKILL)
-            self.proxy.wait()
-            self.proxy = None
+        kill_tansu(self.proxy)
+        self.proxy = None
 
     def close(self) -> None:
         self.stop_proxy()
-        self.broker.send_signal(signal.SIGKILL)
-        self.broker.wait()
+        kill_tansu(self.broker)
 
 
-def committed_undecided(bootstrap: str, group: str, topic: str, out_topic: str) -> list[str]:
-    """The transactions below the group's committed offsets without a decision in
-    ``out_topic`` (committed first, decisions read after: a decision written after its
-    commit would be missed, never one written before)."""
+def committed_undecided(
+    bootstrap: str, group: str, topic: str, decisions: Callable[[], Collection[str]]
+) -> list[str]:
+    """The transactions below the group's committed offsets on ``topic`` without a
+    decision among ``decisions()``, the ids the decisions topic holds (committed first,
+    decisions read after: a decision written after its commit would be missed, never one
+    written before)."""
     committed, _ = offsets(bootstrap, group, topic)
-    decided = set(kafka_decisions(bootstrap, out_topic, timeout_s=5))
+    decided = set(decisions())
     return [
         tid
         for m in kafka_records(bootstrap, topic, timeout_s=5)
@@ -669,7 +709,8 @@ def test_kafka_broker_gone_then_back_keeps_running_and_decides_everything(
         return metric(port, 'fraud_score_stream_events_total{outcome="decided"}') or 0.0
 
     def commits_behind_decisions() -> None:
-        if bad := committed_undecided(broker.direct, group, topic, out_topic):
+        decided = functools.partial(kafka_decisions, broker.direct, out_topic, timeout_s=5)
+        if bad := committed_undecided(broker.direct, group, topic, decided):
             violations.append(bad)
 
     try:
@@ -839,6 +880,120 @@ def test_redis_output_refusing_writes_acknowledges_nothing_then_resumes(
     summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
     assert f"{len(txns)} decided" in summary and f"in flight at most {bound};" in summary
     assert "used memory > 'maxmemory'" in log.read_text()  # the refusal, retried
+
+
+def test_kafka_output_broker_gone_commits_nothing_pauses_then_decides_everything(
+    world: World, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    """The decisions topic on a broker of its own (``--output-bootstrap``), killed while the
+    transactions' broker stays up and transactions keep arriving on it: score-stream
+    commits no offset past the decisions written before (the group's offsets stay put
+    through two failed writes), reads up to the in-flight bound, pauses its partitions
+    and stays ready. A tansu restarted on the same port (memory storage: the decisions
+    topic is created again, so the decisions written before the outage are read before
+    it) takes the writes again: then every transaction has exactly one decision keeping
+    the last value per key, every offset is committed, the decision log holds each once
+    and the recorded state is a clean run's."""
+    from streaming.sources import ensure_topic
+
+    topic, out_topic, group = "oo-txns", "oo-decisions", "oo-score"
+    ensure_topic(kafka_bootstrap, topic, 3)
+    out_port = free_port()
+    out_bootstrap = f"127.0.0.1:{out_port}"
+    out_broker: subprocess.Popen[bytes] | None = tansu_broker(out_port)
+    txns = events(world, 360)
+    first, later = txns[:120], txns[120:]
+    url = private_db(world, 12)
+    port, bound = free_port(), 48
+    log = tmp_path / "output-outage.log"
+    env = kafka_env(
+        world,
+        url,
+        tmp_path,
+        kafka_bootstrap,
+        topic,
+        out_topic,
+        FRAUD_KAFKA_SESSION_TIMEOUT_MS="3000",
+        **WIDE_LATENESS,
+    )
+    violations: list[list[str]] = []
+
+    def all_committed(n: int) -> bool:
+        committed, ends = offsets(kafka_bootstrap, group, topic)
+        return committed == ends and sum(ends) == n
+
+    try:
+        produce(kafka_bootstrap, topic, first)
+        proc = score_stream(
+            env,
+            log,
+            *("--consumer", "k1", "--group", group, "--metrics-port", str(port)),
+            *("--output-bootstrap", out_bootstrap, "--max-batch", "16"),
+            *("--commit-interval-ms", "300", "--max-in-flight", str(bound)),
+            wait=False,
+        )
+        try:
+            wait_until(
+                lambda: all_committed(len(first)),
+                timeout=90,
+                what="the first transactions decided and committed",
+                proc=proc,
+            )
+            # Read before the broker takes them with it: nothing is left to write.
+            before = kafka_decisions_per_key(out_bootstrap, out_topic)
+            assert sorted(before) == sorted(t["transaction_id"] for t in first)
+            committed_before = offsets(kafka_bootstrap, group, topic)[0]
+
+            kill_tansu(out_broker)
+            out_broker = None
+            mark = len(log.read_text())
+            produce(kafka_bootstrap, topic, later)  # the input broker stays up
+            wait_until(
+                lambda: (
+                    log.read_text()[mark:].count("decisions failed") >= 2
+                    and metric(port, "fraud_score_stream_paused") == 1
+                    and metric(port, IN_FLIGHT) == bound
+                ),
+                timeout=90,
+                what="two refused writes, reading paused at the bound",
+                proc=proc,
+            )
+            assert offsets(kafka_bootstrap, group, topic)[0] == committed_before
+            assert "reading paused" in log.read_text()[mark:]
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+            assert ready.status_code == 200, ready.text
+
+            out_broker = tansu_broker(out_port)  # back, empty
+            ensure_topic(out_bootstrap, out_topic, 1)
+
+            def decided() -> set[str]:
+                return set(before) | set(kafka_decisions(out_bootstrap, out_topic, timeout_s=5))
+
+            def all_decided() -> bool:
+                if bad := committed_undecided(kafka_bootstrap, group, topic, decided):
+                    violations.append(bad)
+                return {t["transaction_id"] for t in txns} <= decided()
+
+            wait_until(all_decided, timeout=120, what="every transaction decided", proc=proc)
+            wait_until(lambda: all_committed(len(txns)), timeout=30, what="all committed")
+            proc.terminate()
+            assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                sigkill(proc)
+        after = kafka_decisions_per_key(out_bootstrap, out_topic)
+    finally:
+        kill_tansu(out_broker)
+    assert not violations, violations[:3]
+    per_key = {k: before.get(k, []) + after.get(k, []) for k in {*before, *after}}
+    assert sorted(per_key) == sorted(t["transaction_id"] for t in txns)
+    for values in per_key.values():
+        for d in values[1:]:
+            same_decision(d, values[0])
+    assert decision_log_ids(url) == Counter({t["transaction_id"]: 1 for t in txns})
+    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
+    assert f"in flight at most {bound};" in summary, summary
+    same_state(recorded_state(url), clean_run_state(world, tmp_path, txns))
 
 
 def in_flight_within_bound(gauge: list[float], log: Path, bound: int) -> None:
