@@ -1,16 +1,18 @@
 """The chart's monitoring: the Grafana dashboard ConfigMap, the PrometheusRule, and the
 decision-log settings, held against the package.
 
-Every metric the dashboard and the alert rules query must be one the service or the
-updater really exports: the rendered scoring command and the updater are started against
-a real Redis-protocol server and their ``/metrics`` scraped (families without samples
-yet, such as a labelled counter nothing has counted, still carry their ``# TYPE`` line).
+Every metric the dashboard and the alert rules query must be one the service, the
+updater or score-stream really exports: the rendered scoring, updater and score-stream
+commands are started against a real Redis-protocol server and their ``/metrics`` scraped
+(families without samples yet, such as a labelled counter nothing has counted, still
+carry their ``# TYPE`` line).
 PromQL is parsed with ``promql-parser`` (the Rust ``promql-parser`` crate's bindings),
 which is also how the metric names are found in each expression.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -159,6 +161,11 @@ def test_dashboard_configmap_carries_the_sidecar_label_and_the_file() -> None:
         "Events by outcome",
         "Decisions logged and dropped",
         "Decision log up / buffered",
+        "Stream scoring",
+        "Stream event-time lag",
+        "Stream queueing delay at the model boundary",
+        "Stream commit interval",
+        "Stream oldest uncommitted offset",
     ):
         assert wanted in titles
 
@@ -339,47 +346,55 @@ def scrape(url: str, key: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def live_scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """The ``/metrics`` bodies of the rendered scoring command and the rendered updater
-    command, started with their rendered environments on a real Redis-protocol server
-    (scoring before any request, the updater once ready)."""
+def live_scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """The ``/metrics`` bodies of the rendered scoring command, the rendered updater
+    command and the rendered score-stream command, started with their rendered
+    environments on a real Redis-protocol server (scoring before any request, the updater
+    and score-stream once ready)."""
     workdir = tmp_path_factory.mktemp("monitoring")
     key, entry = new_key("prometheus", ["metrics"])
-    docs = render({"redis": {"password": "m0nitor"}, "scoring": {"auth": {"keys": [entry]}}})
-    deploy = component(docs, "streaming")
-    (c,) = pod_spec(deploy)["containers"]
-    with local_redis("m0nitor") as redis_port:
-        env = localize(
-            container_env(c, docs, f"{RELEASE}-streaming-x", pod_spec(deploy), workdir),
-            redis_port,
-            workdir,
-            write_feature_store_yaml(docs, workdir),
-        )
-        port = free_port()
-        updater = subprocess.Popen(
-            cli_argv([*c["args"], "--metrics-port", str(port)]),
-            env=_env_for_cli() | env,
-            cwd=workdir,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            with running_scoring(docs, redis_port, workdir) as (base, _):
-                service = scrape(base + "/metrics", key)
-                ready = f"http://127.0.0.1:{port}/readyz"
-                wait_until(lambda: _status(ready) == 200, 60, "updater /readyz", updater)
-                stream = scrape(f"http://127.0.0.1:{port}/metrics")
-        finally:
-            updater.terminate()
-            updater.wait(timeout=30)
-    yield service, stream
+    docs = render(
+        {
+            "redis": {"password": "m0nitor"},
+            "scoring": {"auth": {"keys": [entry]}},
+            "scoreStream": {"enabled": True},
+        }
+    )
+    with local_redis("m0nitor") as redis_port, contextlib.ExitStack() as stack:
+        fs_yaml = write_feature_store_yaml(docs, workdir)
+        ready: dict[str, str] = {}
+        for name in ("streaming", "score-stream"):
+            deploy = component(docs, name)
+            (c,) = pod_spec(deploy)["containers"]
+            env = localize(
+                container_env(c, docs, f"{RELEASE}-{name}-x", pod_spec(deploy), workdir),
+                redis_port,
+                workdir,
+                fs_yaml,
+            )
+            port = free_port()
+            proc = subprocess.Popen(
+                cli_argv([*c["args"], "--metrics-port", str(port)]),
+                env=_env_for_cli() | env,
+                cwd=workdir,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+            stack.callback(proc.wait, timeout=30)
+            stack.callback(proc.terminate)
+            ready[name] = url = f"http://127.0.0.1:{port}"
+            wait_until(lambda u=url: _status(u + "/readyz") == 200, 60, f"{name} /readyz", proc)
+        with running_scoring(docs, redis_port, workdir) as (base, _):
+            service = scrape(base + "/metrics", key)
+        stream = scrape(ready["streaming"] + "/metrics")
+        score_stream = scrape(ready["score-stream"] + "/metrics")
+    yield service, stream, score_stream
 
 
 @pytest.fixture(scope="module")
-def live_metrics(live_scrapes: tuple[str, str]) -> set[str]:
-    """Metric names the scoring service and the updater export."""
-    service, stream = live_scrapes
-    return exported(service) | exported(stream)
+def live_metrics(live_scrapes: tuple[str, str, str]) -> set[str]:
+    """Metric names the scoring service, the updater and score-stream export."""
+    return set().union(*map(exported, live_scrapes))
 
 
 def _status(url: str) -> int:
@@ -396,8 +411,10 @@ def test_every_metric_the_dashboard_and_alerts_query_is_exported(
 ) -> None:
     docs = rendered_case("default")
     dash = dashboard_json(docs)
+    # score-stream is off by default, and so are its alert rules.
+    stream_rules = rules(render({"scoreStream": {"enabled": True}}, api_versions=OPERATOR))
     queried: dict[str, set[str]] = {}
-    for q in [*dashboard_queries(dash), *(r["expr"] for r in rules(docs))]:
+    for q in [*dashboard_queries(dash), *(r["expr"] for r in [*rules(docs), *stream_rules])]:
         for name in metric_names(q):
             queried.setdefault(name, set()).add(q)
     for name in variable_metrics(dash):
@@ -414,14 +431,29 @@ def test_every_metric_the_dashboard_and_alerts_query_is_exported(
         "fraud_feature_psi",
     ):
         assert name in queried, name
+    # score-stream's three numbers and its oldest uncommitted event, on its own row.
+    row = next(i for i, p in enumerate(dash["panels"]) if p["title"] == "Stream scoring")
+    assert dash["panels"][row]["type"] == "row"
+    on_row: set[str] = set()
+    for p in dash["panels"][row + 1 :]:
+        if p["type"] == "row":
+            break
+        for t in p["targets"]:
+            on_row |= metric_names(t["expr"].replace("$__rate_interval", "5m"))
+    assert {
+        "fraud_score_stream_event_time_lag_seconds_bucket",
+        "fraud_score_stream_queueing_delay_seconds_bucket",
+        "fraud_score_stream_commit_interval_seconds_bucket",
+        "fraud_score_stream_oldest_uncommitted_age_seconds",
+    } <= on_row, on_row
 
 
 def test_counters_the_alerts_count_events_of_start_at_zero(
-    live_scrapes: tuple[str, str],
+    live_scrapes: tuple[str, str, str],
 ) -> None:
     """A labelled series born at its first count looks flat to rate() and increase(), so
     an alert on it misses the first event: these start at 0, before anything happened."""
-    service, stream = live_scrapes
+    service, stream, score_stream = live_scrapes
 
     def zeros(text: str, name: str, label: str) -> set[str]:
         return {
@@ -435,6 +467,9 @@ def test_counters_the_alerts_count_events_of_start_at_zero(
         service, "fraud_degraded_decisions_total", "cause"
     )
     assert "dead_letter" in zeros(stream, "fraud_stream_events_total", "outcome")
+    assert {"decided", "dead_letter", "id_reused"} <= zeros(
+        score_stream, "fraud_score_stream_events_total", "outcome"
+    )
     assert {"card_txn_count_30d", "merchant_fraud_rate_90d"} <= zeros(
         service, "fraud_features_unavailable_total", "feature"
     )
