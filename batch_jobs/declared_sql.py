@@ -13,6 +13,7 @@ a key's windows are full the day a declaration is added.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -307,8 +308,9 @@ def backfill_tiles(
     behind the key's newest event they lie (live traffic may have reached a key first,
     e.g. after the store was flushed); a key records only events older than its oldest
     live one (the stream recorded the rest) and newer than an earlier backfill's newest,
-    so each transaction counts once however often this runs. Each key's ids are then
-    trimmed back to ``horizon_s`` (the live idempotency span). ``progress`` is told
+    so each transaction counts once however often this runs. Only the events within
+    ``horizon_s`` of the key's newest get markers (on a Cluster: the key's ids are trimmed
+    back to that span), so a live replay of one of them is a duplicate. ``progress`` is told
     every 1,000 keys."""
     hist = history.drop_duplicates("transaction_id").sort_values("event_time")
     rows = hist.to_dict("records")
@@ -321,7 +323,13 @@ def backfill_tiles(
     label_rows = _label_rows(labels)
     for spec in decl.specs:
         live = D.Limits.for_spec(spec, horizon_s)
-        accept = D.Limits(live.horizon_us + int(span_s * D.US), live.ttl_ms, backfill=True)
+        accept = D.Limits(
+            live.horizon_us + int(span_s * D.US),
+            live.ttl_ms,
+            backfill=True,
+            mark_ttl_ms=live.mark_ttl_ms,  # markers live as long as the live ones
+        )
+        old = dataclasses.replace(accept, marks=False)
         by_key = (
             D.label_events_for(spec, label_rows) if spec.arrivals else D.events_for(spec, rows, ts)
         )
@@ -332,9 +340,13 @@ def backfill_tiles(
             # What lies further behind the key's newest event changes nothing the state
             # keeps (its tiles are dropped from the rings, its ids and values too).
             events = events[bisect.bisect_left(events, events[-1].ts_us - reach, key=_ts) :]
-            for chunk in _chunks(events, 100):
-                D.queue_apply(pipe, spec, {key: chunk}, accept, per_key=cluster)
             newest = events[-1].ts_us
+            # Markers (which transactions a state holds) for the events within the live
+            # horizon only: what a live replay could still bring again.
+            recent = bisect.bisect_left(events, newest - live.horizon_us, key=_ts)
+            for part, limits in ((events[:recent], old), (events[recent:], accept)):
+                for chunk in _chunks(part, 100):
+                    D.queue_apply(pipe, spec, {key: chunk}, limits, per_key=cluster)
             pipe.zremrangebyscore(spec.prefix(key) + ":ids", "-inf", f"({newest - live.horizon_us}")
             queued += len(events)
             if queued >= 2000:  # many keys a round trip

@@ -96,7 +96,7 @@ def private_db(world: World, db: int) -> str:
     redis.Redis.from_url(url).flushdb()
     pipe = src.pipeline(transaction=False)
     for key in world.batch_keys:
-        if not key.startswith((b"{card:", b"{agg:")):  # none, unless a batch wrote them
+        if not key.startswith((b"{card:", b"{agg:", b"fraud:seen:")):  # the batch's own
             pipe.copy(key, key, destination_db=db, replace=True)
     pipe.execute()
     return url

@@ -697,6 +697,8 @@ def test_min_and_max_of_a_tile_that_also_holds_later_events(store: Callable[[], 
         )
         (spec,) = D.parse(yaml.safe_load(text), "test").specs
         pipe = client.pipeline(transaction=False)
+        # one transaction, one key: each key's events are transactions of their own
+        events = [D.Event(f"{key}-{e.transaction_id}", e.ts_us, e.value) for e in events]
         D.queue_apply(pipe, spec, {key: events}, D.Limits.for_spec(spec, D.HORIZON_S))
         pipe.execute()
         D.queue_read(pipe, spec, key, t)
@@ -881,3 +883,58 @@ def test_distance_and_calendar_functions() -> None:
         {"t": np.array([t, t]), "off": np.array([0.0, 5 * 3600.0])},
     )
     assert list(got) == [236.0, 40.0]
+
+
+def test_a_busy_key_keeps_no_ids_and_counts_each_transaction_once(redis_server: str) -> None:
+    """Live recording (the service's and the updater's one call per micro-batch) keeps
+    no id set per key: one marker per transaction says which states recorded it, so a
+    key's bytes do not grow with its traffic. 3,000 events of one merchant, shuffled,
+    then all of them again (the updater after the service): each counted once, the key's
+    hash under 64 KB, and one marker per transaction with a field per state."""
+    client = redis.Redis.from_url(redis_server.rsplit("/", 1)[0] + "/7")
+    client.flushdb()
+    decl = D.parse(
+        yaml.safe_load(
+            "aggregations:\n"
+            "  - {entity: merchant_id, value: amount, windows: [10m, 1h], "
+            "features: {count: n, sum: s}}\n"
+            "  - {entity: card_id, windows: [1h], features: {count: c}}\n"
+        ),
+        "test",
+    )
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    t0 = int(T0.value // 1000)
+    rng = np.random.default_rng(1)
+    rows = [
+        {"transaction_id": f"b{i}", "merchant_id": "busy", "card_id": f"c{i % 50}", "amount": 1.0}
+        for i in range(3000)
+    ]
+    ts = [t0 - int(x) for x in rng.integers(0, 20 * 60 * D.US, len(rows))]
+
+    def record(order: np.ndarray) -> list[bytes]:
+        out = []
+        for lo in range(0, len(order), 64):  # micro-batches of 64
+            idx = order[lo : lo + 64]
+            cols = D.BatchColumns([rows[i] for i in idx], [ts[i] for i in idx])
+            pipe = client.pipeline(transaction=False)
+            D.queue_states(pipe, decl.specs, cols, D.HORIZON_S)
+            (reply,) = pipe.execute()
+            out += reply
+        return out
+
+    first = record(rng.permutation(len(rows)))
+    again = record(rng.permutation(len(rows)))
+    assert sum(r.count(b"1") for r in first) == 2 * len(rows)
+    assert all(set(r) <= {ord("0")} for r in again)  # every one a duplicate
+    merchant, card = decl.specs
+    assert not client.exists(merchant.prefix("busy") + ":ids")
+    assert int(client.memory_usage(merchant.prefix("busy") + ":t")) < 64 * 1024
+    got = client.hgetall(D.marker("b7"))
+    assert got == {merchant.id.encode(): b"1", card.id.encode(): b"1"}
+    assert 0 < client.pttl(D.marker("b7")) <= D.Limits.for_spec(merchant, D.HORIZON_S).mark_ttl_ms
+    pipe = client.pipeline(transaction=False)
+    D.queue_read(pipe, merchant, "busy", t0)
+    (state,) = D.parse_reads(merchant, pipe.execute(), [t0])
+    feats, exact = D.online_row(merchant, state, t0)
+    assert exact and feats["n_1h"] == len(rows)

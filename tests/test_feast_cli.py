@@ -56,7 +56,7 @@ def _dump(url: str) -> dict[bytes, Any]:
         return {
             k: client.hgetall(k)
             for k in client.scan_iter(_type="HASH")
-            if not k.startswith(b"{agg:")
+            if not k.startswith((b"{agg:", b"fraud:seen:"))
         }
     finally:
         client.close()

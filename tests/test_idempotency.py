@@ -89,6 +89,7 @@ def test_a_retry_after_a_death_between_claim_and_recording_records_it(
     """A first attempt that died after claiming its id and before recording (the claim
     holds the content, no answer): the retry records the transaction (idempotent on the
     id), so the card's next attempt counts it; a second retry still changes nothing."""
+    from fraud_scoring import declared as D
     from fraud_scoring.events import Transaction
     from fraud_scoring.features import declarations
     from service.core import idempotency
@@ -103,6 +104,7 @@ def test_a_retry_after_a_death_between_claim_and_recording_records_it(
         again = c.post("/v1/score", json=body)
     assert retry.status_code == 200 and again.status_code == 200, (retry.text, again.text)
     assert client.zcard(f"{{card:card-{tid}}}:ev") == 1  # recorded once, not twice
-    for spec in declarations().specs:  # and in every declared state keyed by the card
+    marked = client.hgetall(D.marker(tid))  # and in every declared state keyed by the card
+    for spec in declarations().specs:
         if spec.entity == ("card_id",) and spec.source == "transactions" and not spec.filter:
-            assert client.zscore(spec.prefix(f"card-{tid}") + ":ids", tid) is not None, spec.id
+            assert marked.get(spec.id.encode()) == b"1", spec.id

@@ -32,7 +32,7 @@ def _dump(url: str) -> dict[bytes, dict[bytes, bytes]]:
         # Feast's hashes only: the batch job's markers hold each run's own time, and
         # the declared states ({agg:...}) are not Feast's.
         keys = client.scan_iter(count=1000, _type="hash")
-        return {k: client.hgetall(k) for k in keys if not k.startswith(b"{agg:")}
+        return {k: client.hgetall(k) for k in keys if not k.startswith((b"{agg:", b"fraud:seen:"))}
     finally:
         client.close()
 
@@ -87,7 +87,7 @@ def test_direct_writer_sets_the_key_ttl_as_feast_does(tmp_path: Path) -> None:
                 ttls[how] = {
                     k: client.ttl(k)
                     for k in client.scan_iter(_type="hash")
-                    if not k.startswith(b"{agg:")  # the declared states: not Feast's
+                    if not k.startswith((b"{agg:", b"fraud:seen:"))  # declared states
                 }
             finally:
                 client.close()

@@ -11,25 +11,61 @@ for k = 1, ncol do
   assert(#col == n, 'a value column must hold n rows')
   cols[k] = col
 end
+-- The transactions' markers: the last KEYS, one per distinct id in order of its first
+-- row; each is read once (the fields of this call's states) and written once.
+local order, marker = {}, {}
+for i = 1, n do
+  if not marker[ids[i]] then order[#order + 1] = ids[i]; marker[ids[i]] = #order end
+end
+local nstatekeys = #KEYS - #order
+local states, sids = {}, {}
 local pos, kpos = 6 + ncol, 1
-local code = {[1] = '1', [0] = '0', [-1] = '-'}
-local result = {}
 for s = 1, tonumber(ARGV[5 + ncol]) do
   local c
   c, pos = config(pos)
-  local delay, vals = tonumber(ARGV[pos]), cols[tonumber(ARGV[pos + 1])]
+  states[s] = {c, tonumber(ARGV[pos]), cols[tonumber(ARGV[pos + 1])], ARGV[pos + 2]}
+  sids[s] = ARGV[pos + 3]
+  pos = pos + 4
+end
+local seen, added, markttl = {}, {}, 0
+for j, id in ipairs(order) do
+  local got = redis.call('HMGET', KEYS[nstatekeys + j], unpack(sids))
+  local held = {}
+  for s = 1, #sids do if got[s] then held[sids[s]] = true end end
+  seen[id], added[id] = held, {}
+end
+local code = {[1] = '1', [0] = '0', [-1] = '-'}
+local result = {}
+for s, st in ipairs(states) do
+  local c, delay, vals, keys = st[1], st[2], st[3], st[4]
+  local sid = sids[s]
+  if c[14] > markttl then markttl = c[14] end
   local codes = {}
-  for key in string.gmatch(ARGV[pos + 2], '([^;]*);') do
+  for key in string.gmatch(keys, '([^;]*);') do
     local rows = {}
     for i in string.gmatch(key, '%d+') do rows[#rows + 1] = tonumber(i) end
-    local out = record(KEYS[kpos], KEYS[kpos + 1], c, #rows, function(e)
+    local out = record(KEYS[kpos], nil, c, #rows, function(e)
       local i = rows[e]
       return ids[i], times[i] + delay, vals and vals[i] or 1.0
+    end, function(e)
+      return seen[ids[rows[e]]][sid]
+    end, function(e)
+      local id = ids[rows[e]]
+      seen[id][sid] = true
+      local a = added[id]
+      a[#a + 1] = sid
+      a[#a + 1] = '1'
     end)
     for e = 1, #out do codes[#codes + 1] = code[out[e]] end
-    kpos = kpos + 2
+    kpos = kpos + 1
   end
-  pos = pos + 3
   result[s] = table.concat(codes)
+end
+for j, id in ipairs(order) do
+  if #added[id] > 0 then
+    local mk = KEYS[nstatekeys + j]
+    redis.call('HSET', mk, unpack(added[id]))
+    redis.call('PEXPIRE', mk, markttl)
+  end
 end
 return result

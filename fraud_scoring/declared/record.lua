@@ -1,6 +1,7 @@
 -- A state's settings from ARGV[pos]: horizon_us, newest, ttl_ms, backfill (1/0), dcap,
--- dback_us, extremes (1/0), nwidths, (u, slots)*, nhalf, half_life_us*. Returns them
--- (record's c) and the position after.
+-- dback_us, extremes (1/0), nwidths, (u, slots)*, nhalf, half_life_us*, mark_ttl_ms (0:
+-- the ids are the key's sorted set; > 0: per-transaction markers that live this long).
+-- Returns them (record's c) and the position after.
 local function config(pos)
   local nw = tonumber(ARGV[pos + 7])
   local widths, fields = {}, {}
@@ -18,7 +19,8 @@ local function config(pos)
   local nf = 4 + (ext and 2 or 0) + #halves
   return {tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2]),
     ARGV[pos + 3] == '1', tonumber(ARGV[pos + 4]), tonumber(ARGV[pos + 5]), nw, widths,
-    fields, 8 * nf, ext, halves, '<' .. string.rep('d', nf)}, hp + 1 + #halves
+    fields, 8 * nf, ext, halves, '<' .. string.rep('d', nf),
+    tonumber(ARGV[hp + 1 + #halves])}, hp + 2 + #halves
 end
 
 -- A tile's record from its sums t = {idx, count, sum, squares, min, max, decayed*}.
@@ -36,7 +38,10 @@ local function unpack_tile(fmt, ext, ring, at)
 end
 
 -- Record one key's events: ``nev`` of them, ``ev(e)`` -> id, ts (µs), value (numbers).
-local function record(kt, kid, c, nev, ev)
+-- Idempotency: ``kid`` the key's sorted set of ids; or nil, and then ``seen(e)`` says
+-- whether the event's transaction is recorded in this state already and ``mark(e)``
+-- records that it now is (per-transaction markers, kept by the caller).
+local function record(kt, kid, c, nev, ev, seen, mark)
   local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields, rs, ext, halves, fmt =
     unpack(c)
   local held = redis.call('HMGET', kt, unpack(fields))
@@ -54,12 +59,12 @@ local function record(kt, kid, c, nev, ev)
     local id, ts, x = ev(e)
     if backfill and ((back0 and ts <= back0) or (first and ts >= first)) then
       out[e] = 0  -- recorded by an earlier backfill, or live (the stream has it)
-    elseif redis.call('ZSCORE', kid, id) then
+    elseif (kid and redis.call('ZSCORE', kid, id)) or (not kid and seen(e)) then
       out[e] = 0
     elseif newest and ts < newest - horizon then
       out[e] = -1
     else
-      redis.call('ZADD', kid, ts, id)
+      if kid then redis.call('ZADD', kid, ts, id) else mark(e) end
       for w = 1, nw do
         local u = widths[w][2]
         local idx = (ts - math.fmod(ts, u)) / u
@@ -97,10 +102,15 @@ local function record(kt, kid, c, nev, ev)
     for w = 1, nw do
       local ring = held[w] or ''
       local grew = false
+      -- Every tile held lies at or before the key's newest event's (tiles and `n` are
+      -- written together): a later tile is new, with no search of the ring.
+      local top = newest0 and (newest0 - math.fmod(newest0, widths[w][2])) / widths[w][2]
       for idx, t in pairs(tiles[w]) do
         local needle, at = struct.pack('<d', idx), 0
         if #ring >= rs and ring:sub(#ring - rs + 1, #ring - rs + 8) == needle then
           at = #ring - rs + 1  -- the newest tile (live): the ring's last record
+        elseif top and idx > top then
+          at = nil  -- a tile after every held one: appended
         else
           repeat  -- the record of this tile, if held (a match must start a record)
             at = string.find(ring, needle, at + 1, true)
@@ -185,9 +195,11 @@ local function record(kt, kid, c, nev, ev)
     -- (the ids then span at most the horizon and a minute; the expiry, hours, moves at
     -- most a minute late).
     if not newest0 or math.floor(newest / 6e7) ~= math.floor(newest0 / 6e7) then
-      redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
       redis.call('PEXPIRE', kt, ttl)
-      redis.call('PEXPIRE', kid, ttl)
+      if kid then
+        redis.call('ZREMRANGEBYSCORE', kid, '-inf', '(' .. string.format('%d', newest - horizon))
+        redis.call('PEXPIRE', kid, ttl)
+      end
     end
   end
   return out

@@ -29,6 +29,7 @@ from typing import Any
 from fraud_scoring.declared.expressions import evaluate, value_names
 from fraud_scoring.declared.language import DISTINCT_CAP, NEWEST, US
 from fraud_scoring.declared.plan import Spec, _empty, value_code
+from fraud_scoring.redis_clients import is_cluster_pipeline
 
 # Per (spec, key), two keys sharing the hash tag {agg:<spec id>:<key>}:
 #   <p>:t   hash: field "<u>" per tile width u, that width's tiles as packed records of
@@ -39,7 +40,12 @@ from fraud_scoring.declared.plan import Spec, _empty, value_code
 #           them). Field "n": the NEWEST newest events, packed (ts µs, value) doubles in
 #           time order. Fields "f" and "b": the oldest event time recorded live and
 #           the newest recorded by a backfill (a backfill records only between them).
-#   <p>:ids zset transaction_id -> ts, the last ``horizon`` of the key (idempotency)
+#   <p>:ids zset transaction_id -> ts, the last ``horizon`` of the key (idempotency):
+#           only on a Redis Cluster and in a label state. Elsewhere a transaction state
+#           keeps no ids per key (its bytes do not grow with the key's traffic): one
+#           hash per transaction, fraud:seen:{<transaction_id>} (MARKER_PREFIX), has a
+#           field per state that recorded it, written by the same script call; it
+#           expires Limits.mark_ttl_ms (the horizon and an hour) after its last write.
 # Both expire ``ttl`` after the key's last write. A read is one HMGET of the hash
 # (:func:`queue_read`; no script), summed in the client, vectorized over a micro-batch
 # (:func:`parse_reads`).
@@ -55,10 +61,11 @@ def _lua(name: str) -> str:
     return resources.files("fraud_scoring.declared").joinpath(name).read_text(encoding="utf-8")
 
 
-# KEYS: t, ids of one or more keys of one spec. ARGV: horizon_us, newest, ttl_ms,
+# KEYS: t, ids of one or more keys of one spec (mark_ttl_ms 0); or (mark_ttl_ms > 0)
+# t of each key, then each event's marker (in order). ARGV: horizon_us, newest, ttl_ms,
 # backfill (1/0), dcap, dback_us, extremes (1/0: tiles of six doubles, with min and
 # max), nwidths, (u, slots)*, nhalf, half_life_us* (a decayed sum per tile each, after
-# the rest), then per key: nev,
+# the rest), mark_ttl_ms, the state's id, the number of markers, then per key: nev,
 # (id, ts, value)*. dcap > 0 (a state that keeps values): the events pushed out of the
 # newest list update field "d" (per value code its newest time among them; values older
 # than the key's newest by more than dback_us are dropped, then all but the dcap
@@ -70,12 +77,13 @@ def _lua(name: str) -> str:
 _RECORD_FN = "\n" + _lua("record.lua")
 APPLY_LUA = _RECORD_FN + "\n" + _lua("apply.lua")
 
-# KEYS: t, ids of each key of each state, in order. ARGV (lists as one text, each item
+# KEYS: t of each key of each state, in order, then the marker of each distinct
+# transaction id in order of its first row. ARGV (lists as one text, each item
 # followed by its separator): [1] n (rows), [2] the rows' transaction ids (each + "\x1f"),
 # [3] their times in µs (each + ","), [4] ncols, then per value column the rows' values
 # (each + ",", empty where a row has none), then nstates and per state: its settings
-# (APPLY_LUA's, up to the keys), delay_us, its value column (1..ncols; 0: each event
-# counts 1.0), then its keys' rows (1-based; per key "i,j,...;", in key order). Each
+# (APPLY_LUA's, up to mark_ttl_ms), delay_us, its value column (1..ncols; 0: each event
+# counts 1.0), its keys' rows (1-based; per key "i,j,...;", in key order), its id. Each
 # key's events are recorded exactly as APPLY_LUA records them (id, ts + delay, value).
 # Returns per state a string, one character per event of its keys in order: "1"
 # (added), "0" (duplicate, or held by a backfill already) or "-" (dropped).
@@ -95,12 +103,32 @@ class Limits:
     # A backfill's call: it records only events older than the key's oldest live one
     # and newer than the newest an earlier backfill recorded (each transaction once).
     backfill: bool = False
+    # How long a transaction's marker lives after its last write (ms): a duplicate that
+    # comes later than this (at a key whose newest event is still within the horizon of
+    # it: an idle key) is counted again. for_spec: the horizon and an hour.
+    mark_ttl_ms: int = 0
+    # False: no markers at all (a backfill's events further back than the live horizon:
+    # its watermarks f and b keep a rerun from counting them twice, and a marker per
+    # historical transaction would cost ~100 bytes each for nothing).
+    marks: bool = True
 
     @classmethod
     def for_spec(cls, spec: Spec, horizon_s: float) -> Limits:
         # A label state's events arrive out of time order by up to its ahead_us.
         back = int(horizon_s * US) + (spec.ahead_us if spec.arrivals else 0)
-        return cls(back, ((spec.longest_us + spec.ahead_us + back) // US + 3600) * 1000)
+        ttl = ((spec.longest_us + spec.ahead_us + back) // US + 3600) * 1000
+        return cls(back, ttl, mark_ttl_ms=int(horizon_s * 1000) + 3_600_000)
+
+    def mark_ttl(self, spec: Spec, per_key: bool) -> int:
+        """The markers' lifetime a call for ``spec`` sends: 0 (the key's id set) on a
+        Redis Cluster (one call's keys share a slot; a transaction's marker is elsewhere)
+        and for a label state (labels arrive days late: their ids are kept per key); -1:
+        none (``marks`` false)."""
+        if per_key or spec.arrivals:
+            return 0
+        if not self.marks:
+            return -1
+        return self.mark_ttl_ms or int(self.horizon_us // 1000) + 3_600_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,15 +352,23 @@ def label_events_for(spec: Spec, rows: Sequence[Mapping[str, Any]]) -> dict[str,
     return out
 
 
-def _apply_head(spec: Spec, limits: Limits) -> list[Any]:
-    """The ARGV of an :data:`APPLY_LUA` call before its keys' events."""
+def marker(transaction_id: str) -> str:
+    """The key of a transaction's marker: which transaction states recorded it."""
+    return MARKER_PREFIX + transaction_id + "}"
+
+
+MARKER_PREFIX = "fraud:seen:{"
+
+
+def _apply_head(spec: Spec, limits: Limits, mark_ttl_ms: int) -> list[Any]:
+    """A state's settings in an APPLY or APPLY_STATES call (ARGV up to mark_ttl_ms)."""
     head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
     dcap = DISTINCT_CAP if spec.keeps_values else 0
     head += [dcap, spec.distinct_back_us(limits.horizon_us), int(spec.keeps_extremes)]
     head.append(len(spec.widths))
     for u, slots in spec.widths.items():
         head += (u, slots)
-    head += (len(spec.half_lives), *spec.half_lives)
+    head += (len(spec.half_lives), *spec.half_lives, mark_ttl_ms)
     return head
 
 
@@ -345,15 +381,29 @@ def _state_head(spec: Spec, horizon_s: float) -> tuple[tuple[Any, ...], str]:
     every micro-batch, derived once (a state's id names its whole shape)."""
     got = _HEADS.get((spec.id, horizon_s))
     if got is None:
-        head = (*_apply_head(spec, Limits.for_spec(spec, horizon_s)), spec.delay_us)
+        limits = Limits.for_spec(spec, horizon_s)
+        head = (*_apply_head(spec, limits, limits.mark_ttl(spec, False)), spec.delay_us)
         got = _HEADS[(spec.id, horizon_s)] = (head, spec.prefix("")[:-1])
     return got
 
 
-def _queue_call(pipe: Any, spec: Spec, keys: Sequence[str], args: list[Any]) -> None:
-    """One APPLY call for ``keys`` (``args``: its whole ARGV)."""
-    names = [n for k in keys for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
-    pipe.execute_command("EVALSHA", APPLY_SHA, len(names), *names, *args)
+def _queue_call(
+    pipe: Any,
+    spec: Spec,
+    keys: Sequence[str],
+    head: list[Any],
+    events: Sequence[Any],
+    ids: Sequence[str] | None,
+) -> None:
+    """One APPLY call for ``keys`` (``head``: :func:`_apply_head`; ``events``: the keys'
+    part of ARGV; ``ids``: each event's transaction id in order, whose markers it
+    reads and writes, or None: the keys' id sets)."""
+    if head[-1] == 0:  # the keys' id sets
+        names = [n for k in keys for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
+    else:  # markers (ids), or none (-1)
+        names = [spec.prefix(k) + ":t" for k in keys] + [marker(i) for i in ids or ()]
+    n_marks = len(ids or ())
+    pipe.execute_command("EVALSHA", APPLY_SHA, len(names), *names, *head, spec.id, n_marks, *events)
 
 
 def queue_apply(
@@ -369,14 +419,16 @@ def queue_apply(
     Returns the keys in reply order (each call's reply: a list per key, of per event
     results)."""
 
-    head = _apply_head(spec, limits)
+    marks = limits.mark_ttl(spec, per_key or is_cluster_pipeline(pipe))
+    head = _apply_head(spec, limits, marks)
     for keys in [[k] for k in by_key] if per_key else [list(by_key)] if by_key else []:
-        args = list(head)
+        args: list[Any] = []
         for key in keys:
             args.append(len(by_key[key]))
             for e in by_key[key]:
                 args += (e.transaction_id, e.ts_us, repr(float(e.value)))
-        _queue_call(pipe, spec, keys, args)
+        ids = [e.transaction_id for k in keys for e in by_key[k]] if marks > 0 else None
+        _queue_call(pipe, spec, keys, head, args, ids)
     return list(by_key)
 
 
@@ -392,7 +444,8 @@ def queue_record(
     if not groups:
         return []
     rows = cols.args(spec)
-    head = _apply_head(spec, limits)
+    marks = limits.mark_ttl(spec, per_key or is_cluster_pipeline(pipe))
+    head = _apply_head(spec, limits, marks)
     flat = itertools.chain.from_iterable
     # Per key: its event count, then its events' (id, ts, value); most keys of a batch
     # hold one event (a tuple ready-made), a hot key many.
@@ -404,9 +457,10 @@ def queue_record(
     keys = list(groups)
     if per_key:
         for key, part in zip(keys, per, strict=True):
-            _queue_call(pipe, spec, [key], [*head, *part])
+            _queue_call(pipe, spec, [key], head, part, None)
     else:
-        _queue_call(pipe, spec, keys, [*head, *flat(per)])
+        ids = [cols.ids[i] for i in flat(groups.values())] if marks > 0 else None
+        _queue_call(pipe, spec, keys, head, list(flat(per)), ids)
     return keys
 
 
@@ -444,10 +498,9 @@ def queue_states(
             for idx in groups.values()
         ]
         args += head
-        args += (columns[spec.value_column], ";".join(places) + ";")
-        for k in groups:  # the key's hash and id set, as Spec.prefix names them
-            p = start + k + "}"
-            names += (p + ":t", p + ":ids")
+        args += (columns[spec.value_column], ";".join(places) + ";", spec.id)
+        names += [start + k + "}:t" for k in groups]  # the keys' hashes (Spec.prefix)
+    names += map(marker, dict.fromkeys(cols.ids))  # each distinct transaction's marker
     pipe.execute_command("EVALSHA", APPLY_STATES_SHA, len(names), *names, *args)
     return [(spec, list(groups)) for spec, groups in states]
 
