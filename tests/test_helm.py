@@ -310,6 +310,10 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
         "streaming.kafka.bootstrapServers is required",
     ),
     # As `fraud-scoring score-stream` refuses: the budget holds the wait and the model.
+    "score-stream output brokers without Kafka": (
+        {"scoreStream": {"enabled": True, "outputBootstrapServers": "k:9092"}},
+        "scoreStream.outputBootstrapServers is for a Kafka event log",
+    ),
     "score-stream wait at its budget": (
         {"scoreStream": {"enabled": True, "maxWaitMs": 250, "latencyBudgetMs": 250}},
         "scoreStream.maxWaitMs (250) must be below scoreStream.latencyBudgetMs (250)",
@@ -457,6 +461,7 @@ def test_score_stream_values_become_its_flags_probes_and_lag_autoscaling() -> No
         "--stream": "card-transactions",
         "--group": "fraud-score-stream",
         "--output": "card-transaction-decisions",
+        "--output-bootstrap": "decisions-kafka-0.decisions-kafka:9092",
         "--max-batch": "128",
         "--max-wait-ms": "2.5",
         "--latency-budget-ms": "100",
