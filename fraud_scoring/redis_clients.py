@@ -297,37 +297,114 @@ class Rest:
     """Replies still to come on a held connection, read by :meth:`replies` once (no task
     of their own: by the time the caller asks, they are usually in the socket's buffer),
     or, by nobody, drained in the background by :meth:`abandon`. The connection is held
-    again once they are read, or dropped if that failed or was cancelled."""
+    again once they are read, or dropped if that failed or was cancelled.
+
+    Before they are read, :meth:`follow` may send the next round trip's commands on the
+    same connection, behind these: the server runs them after these (one connection is
+    one ordered stream), so a micro-batch's reads can go out as soon as the previous
+    batch's writes are sent instead of once their replies are in. The connection (and its
+    place among the held ones) then passes to the follower; these replies are read by
+    whichever asks first, :meth:`replies` or the follower."""
 
     def __init__(self, held: HeldConnections, conn: Any, n: int, error: Exception | None) -> None:
         self._held, self._conn, self._n, self._error = held, conn, n, error
+        self._result: asyncio.Future[list[Any]] | None = None  # the replies, once read
+        self._passed = False  # the connection went on to a follower
+        self._asked = False
+        self._finished = False  # replies() is over: the connection held again or dropped
 
-    async def replies(self) -> list[Any]:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            raise RuntimeError("Rest.replies is called once")
-        held = self._held
+    async def _ensure(self) -> list[Any]:
+        """These replies, read once: by the first caller; later ones get the same. A
+        failed or interrupted read breaks the connection (its stream is out of step)."""
+        if self._result is not None:
+            return await asyncio.shield(self._result)
+        fut = self._result = asyncio.get_running_loop().create_future()
         try:
             if self._error is not None:
                 raise self._error
-            out = await _read(conn, self._n) if self._n else []
-        except BaseException:
-            try:
-                await held._drop(conn)
-            finally:
-                held._slots.release()
+            out = await _read(self._conn, self._n) if self._n else []
+        except BaseException as exc:
+            await self._conn.disconnect(nowait=True)
+            fut.set_exception(
+                exc if isinstance(exc, Exception) else redis.exceptions.ConnectionError("cancelled")
+            )
+            fut.exception()  # retrieved: a follower may never ask
             raise
-        held._idle.append(conn)
-        held._slots.release()
+        fut.set_result(out)
         return out
+
+    async def replies(self) -> list[Any]:
+        if self._asked:
+            raise RuntimeError("Rest.replies is called once")
+        self._asked = True
+        held = self._held
+        try:
+            out = await self._ensure()
+        except BaseException:
+            self._finished = True
+            if not self._passed:  # still ours: dropped
+                try:
+                    await held._drop(self._conn)
+                finally:
+                    held._slots.release()
+            raise
+        self._finished = True
+        if not self._passed:  # still ours: held again
+            held._idle.append(self._conn)
+            held._slots.release()
+        return out
+
+    def follow(self, commands: list[tuple[Any, ...]]) -> Followed | None:
+        """Send ``commands`` now on this connection, behind these replies' commands, and
+        pass the connection on to them (:class:`Followed`); None: it cannot be (these
+        replies were read already, the send failed, or it was followed before). While
+        :meth:`replies` waits for them it may still be followed."""
+        if self._finished or self._passed or self._error is not None:
+            return None
+        if self._result is not None and self._result.done() and self._result.exception():
+            return None
+        try:
+            self._conn._writer.writelines(_pack(commands))
+        except Exception:
+            return None
+        self._passed = True
+        return Followed(self, len(commands))
 
     def abandon(self, timeout_s: float, then: Callable[[], None]) -> None:
         """Read the replies in the background (nobody will), for at most ``timeout_s``,
         and call ``then`` once they are read or given up."""
-        if self._conn is None:
+        if self._asked:
             then()
             return
         drain_in_background(self.replies, timeout_s, then)
+
+
+class Followed:
+    """A round trip sent behind a :class:`Rest` (:meth:`Rest.follow`): its replies come
+    after that one's, and the connection is its own from now on."""
+
+    def __init__(self, before: Rest, n: int) -> None:
+        self._before, self._n = before, n
+
+    async def replies_then(self) -> tuple[list[Any], Then]:
+        """The earlier replies read first (kept for their owner), then these; with a
+        :class:`Then` for more, as :meth:`HeldConnections.round_trip_then`. A failure
+        (of either read) drops the connection."""
+        before = self._before
+        held, conn = before._held, before._conn
+        try:
+            try:
+                await before._ensure()
+            except BaseException as exc:
+                raise redis.exceptions.ConnectionError(
+                    f"the round trip ahead on this connection failed: {exc!r}"
+                ) from None
+            replies = await _read(conn, self._n)
+        except BaseException:
+            await held._drop(conn)
+            held._slots.release()
+            raise
+        return replies, Then(held, conn)
 
 
 _DRAINING: set[asyncio.Future[None]] = set()  # replies read in the background, nobody waiting

@@ -159,6 +159,64 @@ def test_held_connections_keep_replies_in_order_and_never_reuse_a_broken_one(
         wait_until(lambda: len(admin.client_list()) == 1, timeout=10, what="connections closed")
 
 
+def test_a_round_trip_follows_the_writes_ahead_of_it_on_their_connection(
+    stream_redis: str,
+) -> None:
+    """``Rest.follow``: the next micro-batch's commands go out behind the previous one's
+    writes on the same connection, before those writes' replies are read: the server runs
+    them after the writes (they see them), each side gets its own replies whoever reads
+    first, and the connection ends held once, by the last of the chain. A rest already
+    read cannot be followed; a failure ahead fails the follower and drops the connection."""
+    import asyncio
+
+    import redis
+    import redis.asyncio as aioredis
+
+    from fraud_scoring.redis_clients import HeldConnections, packed_by_hiredis
+
+    async def scenario() -> None:
+        pool = aioredis.BlockingConnectionPool.from_url(stream_redis, max_connections=2)
+        client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
+        held = HeldConnections(client)
+        await held.round_trip([("DEL", "f")])
+        head, then = await held.round_trip_then([("CLIENT", "ID")])
+        rest = then.send([("INCR", "f"), ("INCR", "f")])
+        followed = rest.follow([("GET", "f"), ("CLIENT", "ID")])
+        assert followed is not None and rest.follow([("GET", "f")]) is None  # once
+        got, then2 = await followed.replies_then()  # reads the writes' replies first
+        assert got == [b"2", head[0]]  # after the writes, on their connection
+        assert await rest.replies() == [1, 2]  # kept for their owner
+        rest2 = then2.send([("INCR", "f")])
+        # Followed while its owner waits for its replies (the owner asked first).
+        owner = asyncio.ensure_future(rest2.replies())
+        await asyncio.sleep(0)
+        followed2 = rest2.follow([("GET", "f")])
+        assert followed2 is not None
+        got2, then3 = await followed2.replies_then()
+        assert got2 == [b"3"] and await owner == [3]
+        assert await then3.send([]).replies() == []  # the chain's end: held again
+        assert (await held.round_trip([("CLIENT", "ID")]))[0] == head[0]  # one connection
+        # Read already: not followed (the connection went back).
+        _, then4 = await held.round_trip_then([("GET", "f")])
+        rest4 = then4.send([("GET", "f")])
+        assert await rest4.replies() == [b"3"]
+        assert rest4.follow([("GET", "f")]) is None
+        # A failure ahead (its reading cancelled) fails the follower, never hangs it.
+        _, then5 = await held.round_trip_then([("GET", "f")])
+        rest5 = then5.send([("BLPOP", "follow-nothing", 2)])
+        followed5 = rest5.follow([("GET", "f")])
+        assert followed5 is not None
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await rest5.replies()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await followed5.replies_then()
+        assert await held.round_trip([("GET", "f")]) == [b"3"]  # a fresh connection
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_held_connections_use_the_urls_password_and_database() -> None:
     """Held connections come from the client's pool, so REDIS_URL's options apply: a
     password-protected server answers them, and writes land in the URL's database."""

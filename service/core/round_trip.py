@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -226,33 +227,73 @@ class _Commands(list[tuple[Any, ...]]):
         self.append(args)
 
 
+# Per turn (its own future), the writes it sent on a held connection, once sent (None:
+# not on one, or failed first): what the next batch may follow (Turns.wait).
+_SENT: weakref.WeakKeyDictionary[asyncio.Future[None], asyncio.Future[Rest | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class Turns:
     """The order of the micro-batches' store round trips. Batches in flight at once
     (``FRAUD_BATCHES_IN_FLIGHT``) send their round trips one after another in the order
     they formed: a batch's reads see every earlier batch's recording, so a burst split
-    across two batches counts its earlier attempts, as with one batch at a time. A
-    batch waits for the previous batch to have read its writes' replies (which it does
-    after its decisions: :meth:`Scorer._written`)."""
+    across two batches counts its earlier attempts, as with one batch at a time. On one
+    server a batch sends its round trip as soon as the previous batch has sent its
+    writes, on the same connection behind them (:meth:`Rest.follow`: the server runs
+    one connection's commands in order), while that batch is still deciding; otherwise
+    (a Cluster, a failed batch, writes whose replies were read already) it waits for the
+    previous batch to have read its writes' replies (which it does after its decisions:
+    :meth:`Scorer._written`)."""
 
     def __init__(self) -> None:
         self._last: asyncio.Future[None] | None = None
 
     def take(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
         """This batch's turn: (the previous batch's, to wait for; its own, to pass on)."""
-        prev, mine = self._last, asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        prev, mine = self._last, loop.create_future()
+        _SENT[mine] = loop.create_future()
         self._last = mine
         return prev, mine
 
     @staticmethod
-    async def wait(prev: asyncio.Future[None] | None) -> None:
+    async def wait(prev: asyncio.Future[None] | None) -> Rest | None:
+        """Until this batch may send its round trip: the previous batch's turn passed
+        (None), or its writes sent on a held connection (their :class:`Rest`, to follow)."""
+        if prev is None or prev.done():
+            return None
+        sent = _SENT.get(prev)
+        if sent is not None:  # asyncio.wait cancels neither when we are cancelled
+            await asyncio.wait((sent, prev), return_when=asyncio.FIRST_COMPLETED)
+            if not prev.done() and sent.done() and sent.result() is not None:
+                return sent.result()
+        await Turns.passed(prev)
+        return None
+
+    @staticmethod
+    async def passed(prev: asyncio.Future[None] | None) -> None:
+        """Until the previous batch's turn has passed on."""
         if prev is not None and not prev.done():
             await asyncio.shield(prev)  # our cancellation must not end theirs
+
+    @staticmethod
+    def sent(turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]], rest: Any) -> bool:
+        """This batch's writes are sent (``rest``: their replies to come; followed only
+        on a held connection). Returns whether a later batch waits to follow them."""
+        got = _SENT.get(turn[1])
+        if got is None or got.done():
+            return False
+        waiting = isinstance(rest, Rest) and bool(getattr(got, "_callbacks", None))
+        got.set_result(rest if isinstance(rest, Rest) else None)
+        return waiting
 
     @staticmethod
     def done(turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]) -> None:
         """Pass the turn on: now, or (a batch that failed or was cancelled before its
         round trip) once the previous batch's has passed it on."""
         prev, mine = turn
+        Turns.sent(turn, None)  # a batch that never sent its writes: nothing to follow
         if mine.done():
             return
         if prev is None or prev.done():
@@ -354,8 +395,8 @@ class StoreRoundTrip:
             self.health.admit()  # an open breaker answers now, not after a timeout
         turn = turn if turn is not None else self._turns.take()
         try:
-            await Turns.wait(turn[0])
-            pending, claims = await self._round_trip(txns, record, turn, claim)
+            follow = await Turns.wait(turn[0])
+            pending, claims = await self._round_trip(txns, record, turn, claim, follow=follow)
             head, lay = pending.head, pending.lay
             if any(isinstance(r, NoScriptError) for r in head[lay.markers : lay.reads_end]):
                 # The server lost the scripts (restart, flush): load them and run the batch
@@ -482,6 +523,7 @@ class StoreRoundTrip:
         claim: bool,
         *,
         again: list[Claimed | None] | None = None,
+        follow: Rest | None = None,
     ) -> tuple[Pending, list[Claimed | None] | None]:
         """The batch's round trip: the reads (batch features, declared keys, lists) and
         the claims, then, on the same connection once their replies are in, the writes
@@ -512,7 +554,7 @@ class StoreRoundTrip:
         deadline = loop.time() + self.settings.redis_timeout_s
         try:
             async with asyncio.timeout_at(deadline):
-                head, then = await self._execute_then(pipe)
+                head, then = await self._execute_then(pipe, follow, turn[0])
         except STORE_OR_TIMEOUT as exc:
             log.warning("feature read failed: %s", exc)
             if self.health is not None:
@@ -544,6 +586,8 @@ class StoreRoundTrip:
             then(self._pipeline()).abandon(0.0, lambda: None)  # the connection goes back
             raise
         tail = then(writes)  # sent now (one server), read after the batch's decisions
+        if Turns.sent(turn, tail):  # the next batch may send its round trip behind them:
+            await asyncio.sleep(0)  # let it, before this one parses and decides
         states = list(self.health.states) if self.health is not None else []
         lay = _Layout(
             len(markers), n_reader, reads_end, reads_end + n_session, plan, states, list_reads
@@ -594,13 +638,24 @@ class StoreRoundTrip:
         return writes, n_session
 
     async def _execute_then(
-        self, pipe: Any
+        self,
+        pipe: Any,
+        follow: Rest | None = None,
+        prev: asyncio.Future[None] | None = None,
     ) -> tuple[list[Any], Callable[[Any], Rest | _PipelineRest]]:
         """:meth:`_execute`, and a function that sends more commands after these (on the
         same held connection, at once; on a Cluster, a pipeline of its own, sent when
         read) and returns their replies to come. It is called once on every path, and
-        what it returns is read or abandoned once."""
+        what it returns is read or abandoned once. ``follow``: the previous batch's writes
+        to send behind, on their connection; when that is no longer possible, it waits
+        for the previous batch's turn (``prev``) first."""
         if self._held is not None:
+            followed = follow.follow(pipe) if follow is not None else None
+            if followed is not None:
+                replies, then = await followed.replies_then()
+                return replies, then.send
+            if follow is not None:
+                await Turns.passed(prev)
             replies, then = await self._held.round_trip_then(pipe)
             return replies, then.send
         return list(await pipe.execute(raise_on_error=False)), _PipelineRest
