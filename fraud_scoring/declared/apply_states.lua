@@ -36,30 +36,46 @@ for j, id in ipairs(order) do
 end
 local code = {[1] = '1', [0] = '0', [-1] = '-'}
 local result = {}
+-- The key being recorded: its rows; its state's delay, value column and id (record's
+-- callbacks read them: three functions for the whole call, not three per key).
+local rows, delay, vals, sid
+local function ev(e)
+  local i = rows[e]
+  return ids[i], times[i] + delay, vals and vals[i] or 1.0
+end
+local function was_seen(e)
+  return seen[ids[rows[e]]][sid]
+end
+local function mark(e)
+  local id = ids[rows[e]]
+  seen[id][sid] = true
+  local a = added[id]
+  a[#a + 1] = sid
+  a[#a + 1] = '1'
+end
+local one = {}  -- the rows of a key with one (most keys): no table per key
+-- scratch: a key's results (record's out), a state's codes (entries past nc are stale)
+local out, codes = {}, {}
 for s, st in ipairs(states) do
-  local c, delay, vals, keys = st[1], st[2], st[3], st[4]
-  local sid = sids[s]
+  local c, keys = st[1], st[4]
+  delay, vals, sid = st[2], st[3], sids[s]
   if c[14] > markttl then markttl = c[14] end
-  local codes = {}
+  local nc = 0
   for key in string.gmatch(keys, '([^;]*);') do
-    local rows = {}
-    for i in string.gmatch(key, '%d+') do rows[#rows + 1] = tonumber(i) end
-    local out = record(KEYS[kpos], nil, c, #rows, function(e)
-      local i = rows[e]
-      return ids[i], times[i] + delay, vals and vals[i] or 1.0
-    end, function(e)
-      return seen[ids[rows[e]]][sid]
-    end, function(e)
-      local id = ids[rows[e]]
-      seen[id][sid] = true
-      local a = added[id]
-      a[#a + 1] = sid
-      a[#a + 1] = '1'
-    end)
-    for e = 1, #out do codes[#codes + 1] = code[out[e]] end
+    if string.find(key, '%D') then  -- not one position
+      rows = {}
+      for i in string.gmatch(key, '%d+') do rows[#rows + 1] = tonumber(i) end
+    else
+      rows = one
+      one[1] = tonumber(key)
+    end
+    local nev = #rows
+    record(KEYS[kpos], nil, c, nev, ev, was_seen, mark, out)
+    for e = 1, nev do codes[nc + e] = code[out[e]] end
+    nc = nc + nev
     kpos = kpos + 1
   end
-  result[s] = table.concat(codes)
+  result[s] = table.concat(codes, '', 1, nc)
 end
 for j, id in ipairs(order) do
   if #added[id] > 0 then
