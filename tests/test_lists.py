@@ -283,9 +283,9 @@ async def test_list_lookups_ride_the_micro_batch_s_one_round_trip(world: World) 
             Counting.round_trips += 1
             return await super()._execute(pipe)
 
-        async def _execute_then(self, pipe: Any) -> tuple[list[Any], Any]:
+        async def _execute_then(self, pipe: Any, *rest: Any) -> tuple[list[Any], Any]:
             Counting.round_trips += 1  # the reads (and claims); the writes follow on it
-            return await super()._execute_then(pipe)
+            return await super()._execute_then(pipe, *rest)
 
     settings = Settings(
         redis_url=world.redis_url,
