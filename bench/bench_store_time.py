@@ -1,0 +1,103 @@
+"""The scorer's micro-batch against the store's own time: ``Scorer.score_batch`` on the
+bench world's held-out transactions, ``--batch`` at a time, one after another (no HTTP,
+no batcher), this process pinned to core 0 and the Redis-protocol server it starts to
+core 1; then the store's ``INFO commandstats`` over the same calls, per command.
+
+    python -m bench.bench_store_time [--batch 24] [--batches 160]
+
+Per micro-batch: wall and CPU time of this process (the difference is mostly waiting
+for the store); per transaction: the store's time by command (the recording script is
+the largest ``evalsha``: the mean of a batch's three is printed; the commands a script
+runs are counted in their own rows too). What bench/README.md's
+"the recording script" figures were measured with (2026-12-07).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+import uvloop
+
+from bench.world import BenchWorld, bench_world
+from fraud_scoring.events import Transaction
+from fraud_scoring.feast_store import open_store
+from fraud_scoring.features import producible_features
+from fraud_scoring.redis_clients import packed_by_hiredis
+from service.core.model import ModelHolder, load_model
+from service.core.online_features import OnlineFeatureReader
+from service.core.scoring import Scorer
+from service.settings import ServiceSettings as Settings
+
+
+async def run(world: BenchWorld, batch: int, batches: int) -> None:
+    settings = Settings(
+        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    model = load_model(world.model_repo, "fraud", "latest", producible_features())
+    pool = aioredis.BlockingConnectionPool.from_url(world.redis_url, max_connections=64)
+    client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
+    scorer = Scorer(
+        client,
+        OnlineFeatureReader(store.project),
+        ModelHolder(model),
+        settings,
+        ThreadPoolExecutor(1),
+    )
+    warm = 20
+    rows = world.held_out((batches + warm) * batch)
+    txns = [Transaction.model_validate(r) for r in rows]
+    groups = [txns[i : i + batch] for i in range(0, len(txns) - batch + 1, batch)]
+    if len(groups) < warm + 1:
+        raise SystemExit(f"the world holds {len(txns)} held-out transactions: too few")
+    for g in groups[:warm]:
+        await scorer.score_batch(g)
+    measured = groups[warm:]
+    await client.config_resetstat()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for g in measured:
+        await scorer.score_batch(g)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n = len(measured)
+    stats = await client.info("commandstats")
+    await client.aclose()
+    each = f"wall {wall / n * 1e3:.2f} ms, CPU {cpu / n * 1e3:.2f} ms each"
+    print(f"{n} micro-batches of {batch}: {each}")
+    print(f"{'command':<24}{'calls/txn':>10}{'µs/call':>10}{'µs/txn':>10}")
+    total = 0.0
+    for name, v in sorted(stats.items(), key=lambda kv: -float(kv[1]["usec"])):
+        if name == "cmdstat_config|resetstat":
+            continue
+        per_txn = float(v["usec"]) / (n * batch)
+        total += per_txn
+        print(
+            f"{name.removeprefix('cmdstat_'):<24}{v['calls'] / (n * batch):>10.2f}"
+            f"{float(v['usec_per_call']):>10.1f}{per_txn:>10.1f}"
+        )
+    print(f"{'sum of the rows':<24}{'':>10}{'':>10}{total:>10.1f}")
+    print(
+        "(commands a script runs are counted in their own rows and in its evalsha's time: "
+        "the sum counts them twice; evalsha alone is the scripts with what they call)"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=24, help="transactions per micro-batch")
+    p.add_argument("--batches", type=int, default=160, help="micro-batches measured")
+    a = p.parse_args()
+    pin = (os.cpu_count() or 1) >= 2
+    if pin:
+        os.sched_setaffinity(0, {1})  # the Redis server started below inherits core 1
+    with bench_world() as world:
+        if pin:
+            os.sched_setaffinity(0, {0})
+        uvloop.run(run(world, a.batch, a.batches))
+
+
+if __name__ == "__main__":
+    main()
