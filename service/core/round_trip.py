@@ -232,6 +232,8 @@ class _Commands(list[tuple[Any, ...]]):
 _SENT: weakref.WeakKeyDictionary[asyncio.Future[None], asyncio.Future[Rest | None]] = (
     weakref.WeakKeyDictionary()
 )
+# The turns a later batch waits on to follow (Turns.wait): their batch lets it run once sent.
+_AWAITED: weakref.WeakSet[asyncio.Future[None]] = weakref.WeakSet()
 
 
 class Turns:
@@ -265,6 +267,7 @@ class Turns:
             return None
         sent = _SENT.get(prev)
         if sent is not None:  # asyncio.wait cancels neither when we are cancelled
+            _AWAITED.add(prev)
             await asyncio.wait((sent, prev), return_when=asyncio.FIRST_COMPLETED)
             if not prev.done() and sent.done() and sent.result() is not None:
                 return sent.result()
@@ -284,7 +287,7 @@ class Turns:
         got = _SENT.get(turn[1])
         if got is None or got.done():
             return False
-        waiting = isinstance(rest, Rest) and bool(getattr(got, "_callbacks", None))
+        waiting = isinstance(rest, Rest) and turn[1] in _AWAITED
         got.set_result(rest if isinstance(rest, Rest) else None)
         return waiting
 
