@@ -23,6 +23,7 @@ import numpy as np
 import redis
 
 from fraud_scoring import declared as D
+from fraud_scoring import session
 from fraud_scoring.features import declarations
 from fraud_scoring.redis_server import embedded_redis
 
@@ -59,6 +60,21 @@ def fill(client: Any, specs: list[D.Spec], key: str, ts: np.ndarray) -> None:
             evs = D.events_for(spec, rows, [int(t) for t in order[i : i + 2000]])
             D.queue_apply(pipe, spec, evs, limits)
             pipe.execute()
+
+
+def fill_history(client: Any, card: str, ts: np.ndarray) -> None:
+    """Apply ``ts``'s events (in time order) to ``card``'s history ({card:<id>}:ev/:ids),
+    as the updater does, with the service's default lateness."""
+    limits = session.SessionLimits(allowed_lateness_s=300)
+    order = np.sort(ts)
+    for i in range(0, len(order), 64):  # a micro-batch's events of one card at most
+        evs = [
+            session.SessionEvent(int(t), f"t{i + j}", 10.0, f"m{(i + j) % 500}", "US")
+            for j, t in enumerate(order[i : i + 64])
+        ]
+        pipe = client.pipeline(transaction=False)
+        session.queue_apply_many(pipe, {card: evs}, limits)
+        pipe.execute()
 
 
 def read(client: Any, specs: list[D.Spec], key: str) -> dict[str, float]:
@@ -108,8 +124,9 @@ def main() -> None:
     print(f"card states: {[s.feature_names() for s in card]}")
     print(
         f"{'events':>8} | {'merchant p50':>12} {'p99':>7} {'redis us':>8} {'bytes':>8} | "
-        f"{'card p50':>8} {'p99':>7} {'redis us':>8} {'bytes':>8} | {'per state':>9}   "
-        "(ms, one read; Redis's own time per read; bytes per key; the largest state's)"
+        f"{'card p50':>8} {'p99':>7} {'redis us':>8} {'bytes':>8} | {'per state':>9} "
+        f"{'history':>8}   (ms, one read; Redis's own time per read; bytes per key; the "
+        "largest state's; the card's history, {card:<id>}:ev + :ids)"
     )
     largest = 0
     base: tuple[float, float] | None = None
@@ -117,7 +134,7 @@ def main() -> None:
         client = redis.Redis.from_url(url)
         for n in sizes:
             client.flushdb()
-            for script in D.SCRIPTS:
+            for script in (*D.SCRIPTS, session.APPLY_MANY_LUA):
                 client.script_load(script)
             ts = times(n)
             rows = []
@@ -129,17 +146,20 @@ def main() -> None:
                 per = [memory(client, [s.prefix(key) + p for p in (":t", ":ids")]) for s in specs]
                 rows.append((p50, p99, srv, sum(per)))
                 largest = max(per)
+            fill_history(client, f"c{n}", ts)
+            history = memory(client, [session.events_key(f"c{n}"), session.ids_key(f"c{n}")])
             (m50, m99, msrv, mb), (c50, c99, csrv, cb) = rows
             base = base or (m50, c50)
             print(
                 f"{n:>8,} | {m50:>12.3f} {m99:>7.3f} {msrv:>8.1f} {mb:>8,} | "
-                f"{c50:>8.3f} {c99:>7.3f} {csrv:>8.1f} {cb:>8,} | {largest:>9,}   "
+                f"{c50:>8.3f} {c99:>7.3f} {csrv:>8.1f} {cb:>8,} | {largest:>9,} {history:>8,}   "
                 f"p50 {m50 / base[0]:.2f}x / {c50 / base[1]:.2f}x of 10"
             )
     print(
         "bytes: a key keeps its tiles (bounded by the windows) and its newest events and "
         "values (bounded); no ids (one marker per transaction instead; a Redis Cluster and "
-        "label states keep the ids of the last FRAUD_ALLOWED_LATENESS_S + 1 h per key)"
+        "label states keep the ids of the last FRAUD_ALLOWED_LATENESS_S + 1 h per key); "
+        f"the card's history keeps its last 24 h, at most its newest {session.HISTORY_CAP}"
     )
     with embedded_redis() as url:  # a transaction's marker, recorded in every card state
         client = redis.Redis.from_url(url)

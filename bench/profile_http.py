@@ -62,9 +62,10 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1500)
     p.add_argument("--seconds", type=float, default=6)
     p.add_argument("--naive", action="store_true", help="profile FRAUD_BATCHING=false")
+    p.add_argument("--stacks", type=Path, help="keep py-spy's raw stacks in this file")
     a = p.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    out = Path(tempfile.mkdtemp()) / "stacks.txt"
+    out = a.stacks or Path(tempfile.mkdtemp()) / "stacks.txt"
     pin = (os.cpu_count() or 1) >= 2
     if pin:
         os.sched_setaffinity(0, {1})

@@ -23,7 +23,12 @@ the hash tag ``{card:<id>}`` so a card's state lives on one Redis Cluster slot:
   event idempotent on ``transaction_id``.
 
 Both are trimmed to 24 h plus 900 s (an event may be stamped ahead) plus the allowed
-lateness behind the card's newest event, so state per card is bounded. Every write goes
+lateness behind the card's newest event, and to the card's newest :data:`HISTORY_CAP`
+events, so what a card keeps does not grow with its traffic (a card hit by a card-testing
+attack keeps its newest 100 events, not the day's tens of thousands). An event pushed
+out by the cap loses its id with it; applied again, it is added behind the newest 100
+and pushed out at once, so the history stays what it was (between events of one
+microsecond, which of them stays is the sorted set's order). Every write goes
 through one Lua script, :data:`APPLY_LUA` (one call per card, idempotent on
 ``transaction_id``), queued with :func:`queue_apply`: the streaming updater
 (``streaming/state.py``, which documents the late-event rule) and the scoring service
@@ -55,6 +60,9 @@ LONGEST_WINDOW_US = DAY_US
 # clock and is recorded: the history keeps this much more, so such an event never trims
 # an honest one that a 24 h window still reads.
 FUTURE_ROOM_US = 900 * US
+# The most events a card's history keeps (its newest): the review page shows 20, and the
+# scorer reads only the newest. ~18 KB per card at the cap (scale-sheet).
+HISTORY_CAP = 100
 
 SEP = "\x1f"  # unit separator: cannot occur in validated ids or country codes
 
@@ -173,19 +181,19 @@ def decode_member(member: bytes | str, score: float) -> SessionEvent:
 
 # --- the write side (updater and scorer alike) ---------------------------------------------
 
-# KEYS: events zset, ids hash. ARGV: retention_us, lateness_us, ttl_ms, then
+# KEYS: events zset, ids hash. ARGV: retention_us, lateness_us, ttl_ms, cap, then
 # (transaction_id, ts_us, member) per event. Returns {added, duplicates, late, dropped}:
 # an event already behind the retention horizon is dropped without touching state; one
-# that falls behind it within the same call (a newer event came along) is added, then
-# trimmed, and also counted as dropped.
+# that falls behind it, or out of the newest ``cap``, within the same call (newer events
+# came along) is added, then trimmed, and also counted as dropped.
 # Scores are formatted with %d: Lua's default number format (%.14g) would round µs.
 _APPLY_FN = """
-local function apply(ev, ids, retention, lateness, ttl, a, lo, hi)
+local function apply(ev, ids, retention, lateness, ttl, cap, a, lo, hi)
   local newest = redis.call('ZREVRANGE', ev, 0, 0, 'WITHSCORES')
   local maxts = nil
   if newest[2] then maxts = tonumber(newest[2]) end
   local added, dup, late, dropped = 0, 0, 0, 0
-  local new_ts = {}
+  local new_ts, new_ids = {}, {}
   for i = lo, hi, 3 do
     local id, ts = a[i], tonumber(a[i + 1])
     if maxts and ts < maxts - retention then
@@ -196,6 +204,7 @@ local function apply(ev, ids, retention, lateness, ttl, a, lo, hi)
       redis.call('ZADD', ev, a[i + 1], a[i + 2])
       added = added + 1
       new_ts[#new_ts + 1] = ts
+      new_ids[id] = true
       if (not maxts) or ts > maxts then maxts = ts end
     else
       dup = dup + 1
@@ -214,6 +223,15 @@ local function apply(ev, ids, retention, lateness, ttl, a, lo, hi)
         if ts < horizon then dropped = dropped + 1 end
       end
     end
+    local over = redis.call('ZCARD', ev) - cap
+    if over > 0 then  -- the oldest go, with their ids
+      for _, m in ipairs(redis.call('ZRANGE', ev, 0, over - 1)) do
+        local id = string.sub(m, 1, string.find(m, '\\31', 1, true) - 1)
+        redis.call('HDEL', ids, id)
+        if new_ids[id] then dropped = dropped + 1 end
+      end
+      redis.call('ZREMRANGEBYRANK', ev, 0, over - 1)
+    end
     redis.call('PEXPIRE', ev, ttl)
     redis.call('PEXPIRE', ids, ttl)
   end
@@ -224,21 +242,23 @@ APPLY_LUA = (
     _APPLY_FN
     + """
 local retention, lateness, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-return apply(KEYS[1], KEYS[2], retention, lateness, ttl, ARGV, 4, #ARGV)
+return apply(KEYS[1], KEYS[2], retention, lateness, ttl, tonumber(ARGV[4]), ARGV, 5, #ARGV)
 """
 )
 # Many cards in one call (one server: a Cluster needs one call per card's slot). KEYS:
-# (events zset, ids hash) per card. ARGV: retention_us, lateness_us, ttl_ms, then per card
+# (events zset, ids hash) per card. ARGV: retention_us, lateness_us, ttl_ms, cap, then per card
 # its event count and its (transaction_id, ts_us, member) triples. Returns APPLY_LUA's
 # reply per card, in order.
 APPLY_MANY_LUA = (
     _APPLY_FN
     + """
 local retention, lateness, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local out, pos = {}, 4
+local cap = tonumber(ARGV[4])
+local out, pos = {}, 5
 for k = 1, #KEYS, 2 do
   local n = tonumber(ARGV[pos])
-  out[#out + 1] = apply(KEYS[k], KEYS[k + 1], retention, lateness, ttl, ARGV, pos + 1, pos + 3 * n)
+  out[#out + 1] = apply(KEYS[k], KEYS[k + 1], retention, lateness, ttl, cap, ARGV, pos + 1,
+    pos + 3 * n)
   pos = pos + 1 + 3 * n
 end
 return out
@@ -279,7 +299,7 @@ class SessionLimits:
 
     def args(self, events: Sequence[SessionEvent]) -> list[str | int]:
         """ARGV of one :data:`APPLY_LUA` call for one card's events."""
-        return [self.retention_us, self.lateness_us, self.ttl_ms, *_event_args(events)]
+        return [self.retention_us, self.lateness_us, self.ttl_ms, HISTORY_CAP, *_event_args(events)]
 
 
 def _event_args(events: Sequence[SessionEvent]) -> list[str | int]:
@@ -335,7 +355,7 @@ def queue_apply_many(
     if not by_card:
         return 0
     keys: list[str] = []
-    args: list[str | int] = [limits.retention_us, limits.lateness_us, limits.ttl_ms]
+    args: list[str | int] = [limits.retention_us, limits.lateness_us, limits.ttl_ms, HISTORY_CAP]
     for card, evs in by_card.items():
         keys += (events_key(card), ids_key(card))
         args += (len(evs), *_event_args(evs))

@@ -7,6 +7,7 @@ import numpy as np
 from fraud_scoring.session import (
     DAY_US,
     FUTURE_ROOM_US,
+    HISTORY_CAP,
     US,
     SessionEvent,
     events_key,
@@ -49,3 +50,27 @@ def test_apply_is_idempotent_and_state_is_bounded(stream_redis: str) -> None:
     assert client.hexists(ids_key("c1"), "late")
     # Keys of a card share one hash tag (one Redis Cluster slot).
     assert events_key("c1").startswith("{card:c1}") and ids_key("c1").startswith("{card:c1}")
+
+
+def test_a_card_keeps_its_newest_events_up_to_the_cap(stream_redis: str) -> None:
+    """A card-testing burst (10x the cap in ten minutes) leaves the card's newest
+    HISTORY_CAP events and their ids, whatever the traffic; an event pushed out and
+    applied again changes nothing (it goes again at once, counted as dropped)."""
+    client = connect(stream_redis)
+    writer = SessionWriter(client, allowed_lateness_s=60)
+    n = 10 * HISTORY_CAP
+    evs = [ev(600 * i / n, f"b{i:05d}") for i in range(n)]
+    for start in range(0, n, 97):  # in calls of several events, as the updater applies
+        writer.apply([("c2", e) for e in evs[start : start + 97]])
+    kept = client.zrange(events_key("c2"), 0, -1)
+    assert len(kept) == HISTORY_CAP == client.hlen(ids_key("c2"))
+    newest = {f"b{i:05d}".encode() for i in range(n - HISTORY_CAP, n)}
+    assert {m.split(b"\x1f")[0] for m in kept} == newest == set(client.hkeys(ids_key("c2")))
+    before = client.zrange(events_key("c2"), 0, -1, withscores=True)
+    r = writer.apply([("c2", evs[0]), ("c2", evs[n - 1])])  # pushed out; still held
+    assert (r.added, r.duplicates, r.dropped) == (1, 1, 1)
+    assert client.zrange(events_key("c2"), 0, -1, withscores=True) == before
+    assert client.hlen(ids_key("c2")) == HISTORY_CAP
+    assert int(client.memory_usage(events_key("c2"))) + int(
+        client.memory_usage(ids_key("c2"))
+    ) < 64 * 1024
