@@ -175,13 +175,17 @@ def record_day_labels(
 ) -> int:
     """Record the labels that arrived on ``days`` in the declared label states (each
     counts from the midnight after its arrival day plus ``label_available_after_s``, or
-    later: the batch must run before then). Idempotent; returns the labels recorded."""
+    later: the batch must run before then), but those the service recorded when they
+    arrived (``live``: they count from their arrival and are in the states already).
+    Idempotent; returns the labels recorded."""
     decl = declarations()
     labels = declared_sql.labels_for(
         decl.specs, raw, label_available_after_s, first=min(days), last=max(days)
     )
     if labels is None:
         return 0
+    if "live" in labels:
+        labels = labels[~labels["live"].fillna(False).astype(bool)]
     client = sync_client(redis_url)
     try:
         n = declared_sql.record_labels(client, decl, labels, allowed_lateness_s + D.HORIZON_S)

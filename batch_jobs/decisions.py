@@ -156,6 +156,7 @@ def feedback_labels(payloads: Iterable[bytes]) -> pa.Table:
                 "is_fraud": bool(e["is_fraud"]),
                 "source": source,
                 "key_id": key_id,
+                "live": bool(e.get("live", False)),
             }
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(f"malformed feedback entry ({exc!r}): {raw[:200]!r}") from exc
@@ -170,11 +171,16 @@ def _merge(raw: Path, table: str, schema: pa.Schema, day: date, new: pa.Table) -
     once: a re-run adds nothing); returns the partition's row count."""
     if new.num_rows == 0:
         return 0
-    old = (
-        read_partition(raw, table, day).select(schema.names).cast(schema)
-        if partition_file(raw, table, day).exists()
-        else schema.empty_table()
-    )
+    old = schema.empty_table()
+    if partition_file(raw, table, day).exists():
+        held = read_partition(raw, table, day)
+        # a column added since the partition was written (label_sources' live): null there
+        old = pa.table(
+            {
+                f.name: held.column(f.name) if f.name in held.column_names else pa.nulls(len(held))
+                for f in schema
+            }
+        ).cast(schema)
     con = duckdb.connect()
     try:
         con.register("rows", pa.concat_tables([old, new.select(schema.names).cast(schema)]))

@@ -27,6 +27,7 @@ import pandas as pd
 from redis.cluster import RedisCluster
 
 from fraud_scoring import declared as D
+from fraud_scoring.labels import SOURCES_TABLE
 from fraud_scoring.session import epoch_us
 from fraud_scoring.storage import DataError, partition_days, partition_dir
 
@@ -391,15 +392,30 @@ def record_labels(client: Any, decl: D.Declarations, labels: pd.DataFrame, horiz
     return _send(pipe)
 
 
+def _columns(con: Any, relation: str, params: dict[str, Any]) -> set[str]:
+    probe = f"SELECT * FROM {relation} LIMIT 0"
+    used = {k: v for k, v in params.items() if "$" + k in probe}
+    return set(con.sql(probe, params=used).columns)
+
+
 def _label_join(
-    con: Any, lab_from: str, txn_from: str, params: dict[str, Any], after_s: float
+    con: Any,
+    lab_from: str,
+    txn_from: str,
+    params: dict[str, Any],
+    after_s: float,
+    live_from: str | None = None,
 ) -> pd.DataFrame:
     """Each labelled transaction's first label (arrived before ``$before``) with its
-    transaction's columns, from the relations ``lab_from`` and ``txn_from``."""
-    probe = f"SELECT * FROM {txn_from} LIMIT 0"
-    used = {k: v for k, v in params.items() if "$" + k in probe}
-    have = set(con.sql(probe, params=used).columns)
+    transaction's columns, from the relations ``lab_from`` and ``txn_from``, and when it
+    counts from (``available_us``): its arrival when the service recorded it live (a row
+    of ``live_from`` with ``live`` true at its ``transaction_id`` and ``label_time``: the
+    label sources), else the daily batch after its arrival day."""
+    have = _columns(con, txn_from, params)
     picked = [f"any_value(t.{c}) AS {c}" if c in have else f"NULL AS {c}" for c in D.KEY_COLUMNS]
+    live = "SELECT NULL::VARCHAR AS transaction_id, NULL::TIMESTAMPTZ AS label_time LIMIT 0"
+    if live_from is not None and "live" in _columns(con, live_from, params):
+        live = f"SELECT DISTINCT transaction_id, label_time FROM {live_from} WHERE live"
     got = con.execute(
         f"""
         WITH l AS (
@@ -407,16 +423,23 @@ def _label_join(
           FROM {lab_from} WHERE label_time < $before GROUP BY transaction_id
         ), t AS (
           SELECT * FROM {txn_from} WHERE transaction_id IN (SELECT transaction_id FROM l)
-        )
+        ), v AS ({live})
         SELECT l.transaction_id, epoch_us(any_value(t.event_time)) AS event_us,
                epoch_us(any_value(l.label_time)) AS label_us, any_value(l.is_fraud) AS is_fraud,
-               {", ".join(picked)}, any_value(t.amount) AS amount
-        FROM l JOIN t USING (transaction_id) GROUP BY l.transaction_id
+               {", ".join(picked)}, any_value(t.amount) AS amount,
+               bool_or(v.transaction_id IS NOT NULL) AS live
+        FROM l JOIN t USING (transaction_id)
+          LEFT JOIN v ON v.transaction_id = l.transaction_id AND v.label_time = l.label_time
+        GROUP BY l.transaction_id
         ORDER BY label_us, l.transaction_id
         """,
         params,
     ).df()
-    got["available_us"] = [D.label_available_us(int(x), after_s) for x in got["label_us"]]
+    got["live"] = got["live"].astype(bool)
+    got["available_us"] = [
+        int(us) if live else D.label_available_us(int(us), after_s)
+        for us, live in zip(got["label_us"], got["live"], strict=True)
+    ]
     return got
 
 
@@ -427,14 +450,19 @@ def label_events(
     arrived_before: datetime | None = None,
 ) -> pd.DataFrame:
     """:func:`load_label_events` over frames: ``labels`` (transaction_id, label_time,
-    is_fraud) joined to the transactions of ``history``."""
+    is_fraud, and optionally ``live``: the service recorded it when it arrived) joined to
+    the transactions of ``history``."""
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
         con.register("lab_frame", labels[["transaction_id", "label_time", "is_fraud"]])
         con.register("txn_frame", history)
+        live = None
+        if "live" in labels:
+            con.register("live_frame", labels[["transaction_id", "label_time", "live"]])
+            live = "live_frame"
         before = arrived_before or datetime.max.replace(tzinfo=UTC)
-        return _label_join(con, "lab_frame", "txn_frame", {"before": before}, after_s)
+        return _label_join(con, "lab_frame", "txn_frame", {"before": before}, after_s, live)
     finally:
         con.close()
 
@@ -558,12 +586,19 @@ def load_label_events(
     tx_days = partition_days(raw, "transactions")
     if not days or not tx_days:
         cols = ["transaction_id", "event_us", "label_us", "is_fraud", *D.KEY_COLUMNS, "amount"]
-        return pd.DataFrame(columns=[*cols, "available_us"])
+        return pd.DataFrame(columns=[*cols, "live", "available_us"])
     params = {
         "lab": [str(partition_dir(raw, "labels", d) / "part-0.parquet") for d in days],
         "txn": [str(partition_dir(raw, "transactions", d) / "part-0.parquet") for d in tx_days],
         "before": arrived_before or datetime.max.replace(tzinfo=UTC),
     }
+    # The label sources of those days (written by the compaction of the feedback log):
+    # which labels the service recorded live.
+    src_days = _days(raw, SOURCES_TABLE, first, last)
+    if src_days:
+        params["src"] = [
+            str(partition_dir(raw, SOURCES_TABLE, d) / "part-0.parquet") for d in src_days
+        ]
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
@@ -573,6 +608,7 @@ def load_label_events(
             "read_parquet($txn, union_by_name => true)",
             params,
             after_s,
+            "read_parquet($src, union_by_name => true)" if src_days else None,
         )
     except duckdb.Error as exc:
         raise DataError(f"reading labels under {raw / 'labels'}: {exc}") from exc

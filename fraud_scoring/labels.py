@@ -20,7 +20,7 @@ CLI's and the service's ``POST /v1/rules/test``) all take their labels from it.
 
 A label's source: ``raw/label_sources/date=<arrival day>/part-0.parquet`` (written by
 ``fraud-scoring decisions compact`` for every label that came through the feedback log:
-``transaction_id``, ``label_time``, ``is_fraud``, ``source``, ``key_id``), matched on
+``transaction_id``, ``label_time``, ``is_fraud``, ``source``, ``key_id``, ``live``), matched on
 (``transaction_id``, ``label_time``, ``is_fraud``). A label row without a match there (the
 chargeback files ``ingest`` and ``simulate`` write, feedback compacted before sources
 were kept) is a ``chargeback``. The label partitions themselves keep the data contract's
@@ -53,6 +53,10 @@ SOURCES_SCHEMA = pa.schema(
         pa.field("is_fraud", pa.bool_()),
         pa.field("source", pa.string()),
         pa.field("key_id", pa.string()),  # the key that sent it (None: before keys were kept)
+        # The service recorded it in the label states when it arrived (the transaction's
+        # first label, matched): it counts from its arrival, not from the next daily batch
+        # (declared_sql.load_label_events). None: not recorded live, or before this field.
+        pa.field("live", pa.bool_()),
     ]
 )
 # What :func:`standing_labels` answers, one row per transaction_id.

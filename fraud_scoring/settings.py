@@ -494,6 +494,14 @@ class ScoringSettings(_Group):
         "so the next attempt of a burst counts it even while the event log lags. A "
         "request can opt out with the header X-Fraud-Record: false (what-if, replay).",
     )
+    labels_live: bool = Field(
+        default=True,
+        description="A label sent to POST /v1/feedback (or marked on the review page) for a "
+        "transaction the service still holds is recorded in the declared label states when "
+        "it arrives, and counts from then online and in training; false: every label waits "
+        "for the daily batch (the UTC midnight after its arrival plus "
+        "FRAUD_BATCH_AVAILABLE_AFTER_S).",
+    )
     idempotency_ttl_s: int = Field(
         default=3600,
         ge=0,

@@ -90,7 +90,7 @@ def private_db(world: World, db: int) -> str:
     """A Redis database of the world's server holding a copy of the keys its batch runs
     left (not what tests wrote since: session and declared state, claims, logs),
     emptied first, for a module whose writes must leave other tests' state alone.
-    Databases 2-5, 7 and 8 are taken by tests."""
+    Databases 2-5, 7, 8 and 10 are taken by tests."""
     src = redis.Redis.from_url(world.redis_url)
     url = world.redis_url.rsplit("/", 1)[0] + f"/{db}"
     redis.Redis.from_url(url).flushdb()

@@ -46,7 +46,8 @@ def reference(
     ``labels`` are the raw labels (transaction_id, label_time, is_fraud) and
     ``decisions`` the service's decisions (transaction_id, decided_at, score, decision),
     which both reach the store ``label_after_s`` after the UTC midnight that follows
-    their arrival."""
+    their arrival; a label with ``live`` true (the service recorded it as it arrived:
+    the transaction's first) reaches it at its arrival."""
     hist = history.drop_duplicates("transaction_id").copy()
     hist["_us"] = _us(hist["event_time"])
     t_all = _us(rows[time_col])
@@ -66,6 +67,8 @@ def reference(
             if len(lab):
                 day = 86_400 * US
                 avail = (lab["_lus"] // day + 1) * day + int(label_after_s * US)
+                if "live" in lab:  # recorded by the service when it arrived
+                    avail = np.where(lab["live"].fillna(False).astype(bool), lab["_lus"], avail)
                 lab["_us"] = np.maximum(avail, lab["_us"] + delay)
                 if src == "labels":
                     lab["is_fraud"] = lab["is_fraud"].astype(float)

@@ -71,6 +71,7 @@ def test_a_card_keeps_its_newest_events_up_to_the_cap(stream_redis: str) -> None
     assert (r.added, r.duplicates, r.dropped) == (1, 1, 1)
     assert client.zrange(events_key("c2"), 0, -1, withscores=True) == before
     assert client.hlen(ids_key("c2")) == HISTORY_CAP
-    assert int(client.memory_usage(events_key("c2"))) + int(
-        client.memory_usage(ids_key("c2"))
-    ) < 64 * 1024
+    assert (
+        int(client.memory_usage(events_key("c2"))) + int(client.memory_usage(ids_key("c2")))
+        < 64 * 1024
+    )

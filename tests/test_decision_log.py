@@ -21,7 +21,15 @@ from batch_jobs.decisions import LABEL_SCHEMA
 from cli.settings import Settings
 from fraud_scoring.redis_server import embedded_redis
 from service.core.model import load_configured
-from tests.conftest import Server, World, start_server, stop_server, wait_until
+from tests.conftest import (
+    Server,
+    World,
+    mark_declared,
+    private_db,
+    start_server,
+    stop_server,
+    wait_until,
+)
 from tests.test_service import TXN, held_out_day
 
 
@@ -250,6 +258,107 @@ def test_compaction_is_idempotent_and_labels_join_by_arrival(
     assert labels_as_of(before_any) == dict.fromkeys(ids)
     assert labels_as_of(now) == {ids[0]: True, ids[1]: False, ids[2]: None, ids[3]: None}
     assert labels_as_of(tomorrow + timedelta(hours=2))[ids[2]] is True
+
+
+def test_a_matched_label_counts_in_the_label_states_when_it_arrives(
+    world: World, log_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """POST /v1/feedback for a transaction the service holds records the label in every
+    label state at once: the transaction's first label only, with ``live: true`` in the
+    log; the compaction keeps that in the label's source row, so training counts it from
+    its arrival and the daily batch does not record it again. A second label, and one for
+    a transaction the service never saw, wait for the batch (``live: false``)."""
+    from batch_jobs.batch import record_day_labels
+    from batch_jobs.declared_sql import load_label_events
+    from cli.main import main
+    from fraud_scoring import declared as D
+    from fraud_scoring import features as F
+    from fraud_scoring.labels import SOURCES_TABLE
+    from fraud_scoring.settings import read_settings
+    from fraud_scoring.storage import read_partition, write_partition
+    from service.core.live_labels import labelled_key
+
+    url = private_db(world, 10)  # its label states are this test's alone
+    mark_declared(url)
+    srv = start_server(
+        world,
+        tmp_path,
+        REDIS_URL=url,
+        FRAUD_DECISION_LOG_URL=log_url,
+        FRAUD_IDEMPOTENCY_TTL_S="3600",  # its claim holds the transaction (as deployed)
+    )
+    tid, txn = "live-1", {**TXN, "transaction_id": "live-1"}
+    label = {
+        "transaction_id": tid,
+        "label": "fraud",
+        "source": "analyst",
+        "time": TXN["event_time"],
+    }
+    try:
+        with srv.client() as c:
+            assert c.post("/v1/score", json=txn).status_code == 200
+            first = c.post("/v1/feedback", json=label)
+            second = c.post("/v1/feedback", json={**label, "source": "customer"})
+            unmatched = c.post("/v1/feedback", json={**label, "transaction_id": "live-never"})
+    finally:
+        stop_server(srv)
+    assert first.status_code == second.status_code == unmatched.status_code == 200
+    assert (first.json()["live"], second.json()["live"], unmatched.json()["live"]) == (
+        True,
+        False,
+        False,
+    )
+    assert unmatched.json()["matched"] is False
+    logged = [e for e in entries(log_url, "feedback") if e["transaction_id"] in (tid, "live-never")]
+    assert [(e["transaction_id"], e["source"], e["live"]) for e in logged] == [
+        (tid, "analyst", True),
+        (tid, "customer", False),
+        ("live-never", "analyst", False),
+    ]
+    arrived = logged[0]["label_time"]
+    client = redis.Redis.from_url(url)
+    assert client.get(labelled_key(tid)).startswith(b"1 ")  # recorded, the analyst's label
+    event_us = int(datetime.fromisoformat(TXN["event_time"]).timestamp() * 1e6)
+    specs = [s for s in F.declarations().specs if s.source == "labels"]
+    assert specs
+    for spec in specs:  # recorded once, at its arrival (or its transaction's time + delay)
+        key = spec.key_value(txn)
+        assert key is not None
+        ids = client.zrange(spec.prefix(key) + ":ids", 0, -1, withscores=True)
+        assert ids == [(tid.encode(), float(max(arrived, event_us + spec.delay_us)))], spec.id
+
+    # The compaction keeps it; training counts it from its arrival; the batch skips it.
+    raw = tmp_path / "raw"
+    day = datetime.fromtimestamp(arrived / 1e6, UTC).date()
+    event_time = datetime.fromisoformat(TXN["event_time"])
+    write_partition(
+        raw,
+        "transactions",
+        event_time.date(),
+        pa.Table.from_pylist([{**txn, "event_time": event_time, "is_fraud": False}]),
+    )
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("FRAUD_DECISION_LOG_URL", log_url)
+    read_settings.cache_clear()
+    try:
+        assert main(["decisions", "compact", "--date", day.isoformat()]) == 0
+    finally:
+        read_settings.cache_clear()
+    sources = [
+        r for r in read_partition(raw, SOURCES_TABLE, day).to_pylist() if r["transaction_id"] == tid
+    ]
+    assert sorted((r["source"], r["live"]) for r in sources) == [
+        ("analyst", True),
+        ("customer", False),
+    ]
+    got = load_label_events(raw, 300.0).set_index("transaction_id")
+    assert (
+        got.loc[tid, "live"] and got.loc[tid, "available_us"] == got.loc[tid, "label_us"] == arrived
+    )
+    before = {k: client.dump(k) for k in client.scan_iter(match="{agg:*")}
+    assert record_day_labels(raw, [day], url, 300.0) == 0
+    assert {k: client.dump(k) for k in client.scan_iter(match="{agg:*")} == before
+    assert D.label_available_us(arrived, 300.0) > arrived  # what the batch would have said
 
 
 def test_a_decision_logged_again_after_midnight_is_one_row(tmp_path: Path) -> None:

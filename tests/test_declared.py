@@ -166,7 +166,8 @@ def history(seed: int = 3) -> pd.DataFrame:
 
 def labels(hist: pd.DataFrame, seed: int = 8) -> pd.DataFrame:
     """Raw labels of ~8 % of ``hist``: arriving 6 hours to 5 days after the transaction
-    (some after the 2-day delay), mostly fraud; a few transactions labelled twice."""
+    (some after the 2-day delay), mostly fraud; a few transactions labelled twice; half
+    recorded by the service as they arrived (``live``: counted from their arrival)."""
     rng = np.random.default_rng(seed)
     picked = hist.sample(frac=0.08, random_state=seed)
     lab = pd.DataFrame(
@@ -175,9 +176,12 @@ def labels(hist: pd.DataFrame, seed: int = 8) -> pd.DataFrame:
             "label_time": picked["event_time"]
             + pd.to_timedelta(rng.uniform(0.25, 5, len(picked)), unit="D"),
             "is_fraud": rng.random(len(picked)) < 0.9,
+            "live": rng.random(len(picked)) < 0.5,
         }
     )
-    again = lab.head(20).assign(label_time=lambda d: d["label_time"] + pd.Timedelta(days=1))
+    again = lab.head(20).assign(
+        label_time=lambda d: d["label_time"] + pd.Timedelta(days=1), live=False
+    )
     return pd.concat([lab, again], ignore_index=True)
 
 

@@ -27,7 +27,7 @@ own route, which always stores ``analyst``), or this route with a key holding
 naming ``source``, and nothing is stored.
 
 **Matched or not.** A label is *matched* when the service still holds the decision of
-its ``transaction_id`` (:func:`scored_event_time`): its review-queue item (every
+its ``transaction_id`` (:func:`scored_transaction`): its review-queue item (every
 ``review`` decision, kept for the decision log's retention), else the id's claim
 (``service/core/idempotency.py``: every answered recorded decision, kept
 ``FRAUD_IDEMPOTENCY_TTL_S``). Both are already written by scoring, hold the event time,
@@ -57,17 +57,20 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import redis
 from fastapi import APIRouter, Request
 from prometheus_client import Counter
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
+from fraud_scoring import declared as D
 from fraud_scoring.event_log import LogRecord, LogUnavailable
 from fraud_scoring.events import ID_PATTERN
-from service.core import idempotency
+from fraud_scoring.session import to_us
+from service.core import idempotency, live_labels
 from service.edge import auth
 from service.edge.routes import json_model
 from service.edge.schemas import wire_ids
@@ -117,6 +120,10 @@ class FeedbackOut(BaseModel):
     # False: the service holds no decision for the id (never scored, or too long ago):
     # stored all the same, but it closes no review item.
     matched: bool
+    # True: recorded in the declared label states as it arrived (the matched transaction's
+    # first label): it counts from now, online and in training; False: from the daily
+    # batch after its arrival day.
+    live: bool = False
     label_time: float  # arrival, epoch seconds (UTC); for a duplicate, this call's arrival
 
 
@@ -187,15 +194,17 @@ def check_source(body: FeedbackIn, who: auth.Principal) -> None:
         )
 
 
-async def scored_event_time(res: Resources, transaction_id: str) -> float | None:
-    """The event time (epoch s, UTC) of the decision the service holds for
-    ``transaction_id``, None when it holds none: its review-queue item, else its claim
-    (kept ``FRAUD_IDEMPOTENCY_TTL_S``; a claim that cannot be read, with the feature
-    store down, counts as none). Raises LogUnavailable when the queue does not answer."""
+async def scored_transaction(res: Resources, transaction_id: str) -> dict[str, Any] | None:
+    """The transaction of the decision the service holds for ``transaction_id`` (its key
+    columns, ``amount``, ``transaction_id`` and ``event_us``: what a label state records),
+    None when it holds none: its review-queue item, else its claim (kept
+    ``FRAUD_IDEMPOTENCY_TTL_S``; a claim that cannot be read, with the feature store
+    down, counts as none). Raises LogUnavailable when the queue does not answer."""
     if res.review is not None:
         found = await res.review.get(transaction_id)
         if found is not None:
-            return datetime.fromisoformat(found.item["transaction"]["event_time"]).timestamp()
+            txn = found.item["transaction"]
+            return _columns(transaction_id, txn, to_us(datetime.fromisoformat(txn["event_time"])))
     if not res.settings.idempotency_ttl_s or (res.health is not None and res.health.is_open):
         return None
     try:
@@ -209,7 +218,17 @@ async def scored_event_time(res: Resources, transaction_id: str) -> float | None
     content, _, answer = text.partition(idempotency.SEP)
     if not answer:  # claimed, not answered (refused, or still in flight)
         return None
-    return int(json.loads(content)["event_time"]) / 1e6
+    txn = json.loads(content)
+    return _columns(transaction_id, txn, int(txn["event_time"]))
+
+
+def _columns(transaction_id: str, txn: Mapping[str, Any], event_us: int) -> dict[str, Any]:
+    return {
+        **{c: txn.get(c) for c in D.KEY_COLUMNS},
+        "amount": txn.get("amount"),
+        "transaction_id": transaction_id,
+        "event_us": event_us,
+    }
 
 
 def check_time(body: FeedbackIn, event_ts: float | None, now: float) -> None:
@@ -236,8 +255,10 @@ def _unavailable(exc: LogUnavailable) -> Rejected:
 
 async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> FeedbackOut:
     """The feedback path, for this route and the review page's marks: match the label to
-    the decision the service holds (:func:`scored_event_time`), check its time, append it
-    to the feedback log with ``key_id``, then, when matched, take the transaction out of
+    the decision the service holds (:func:`scored_transaction`), check its time, record it
+    in the label states when it is the matched transaction's first
+    (:mod:`service.core.live_labels`), append it to the feedback log with ``key_id`` and
+    ``live``, then, when matched, take the transaction out of
     the review queue (a queue that does not answer then is logged, not failed: the label
     is stored). Raises :class:`~service.errors.Rejected` (503 ``log_off``,
     ``log_unavailable``) when the log cannot take it, :class:`~service.errors.Invalid`
@@ -249,12 +270,25 @@ async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> Feedback
             retry_after_s=60,
         )
     try:
-        event_ts = await scored_event_time(res, body.transaction_id)
+        txn = await scored_transaction(res, body.transaction_id)
     except LogUnavailable as exc:
         raise _unavailable(exc) from None
-    matched = event_ts is not None
-    check_time(body, event_ts, time.time())
+    matched = txn is not None
+    check_time(body, txn["event_us"] / 1e6 if txn is not None else None, time.time())
     arrived_us = time.time_ns() // 1000
+    live = False
+    if txn is not None and res.settings.labels_live:
+        s = res.settings
+        live = await live_labels.record_label(
+            res.redis,
+            txn,
+            body.label == "fraud",
+            arrived_us,
+            feedback_key(body.transaction_id, body.source, key_id),
+            horizon_s=s.allowed_lateness_s + D.HORIZON_S,
+            ttl_s=max(s.idempotency_ttl_s, s.decision_log_retention_s) + 86_400,
+            timeout_s=s.redis_timeout_s,
+        )
     record = {
         "transaction_id": body.transaction_id,
         "is_fraud": body.label == "fraud",
@@ -262,6 +296,7 @@ async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> Feedback
         "reported_time": int(body.time.timestamp() * 1e6),
         "label_time": arrived_us,
         "matched": matched,
+        "live": live,
         "key_id": key_id,
     }
     payload = json.dumps(record, separators=(",", ":")).encode()
@@ -299,5 +334,6 @@ async def store_label(res: Resources, body: FeedbackIn, key_id: str) -> Feedback
         source=body.source,
         duplicate=new == 0,
         matched=matched,
+        live=live,
         label_time=arrived_us / 1e6,
     )
