@@ -379,7 +379,8 @@ def configure_evaluate(p: argparse.ArgumentParser) -> None:
 
 
 def run_evaluate(args: argparse.Namespace, settings: JobsSettings) -> None:
-    from batch_jobs.evaluate import REPORT_DIR, evaluate_version
+    from batch_jobs.evaluate import REPORT_DIR
+    from batch_jobs.evaluation_report import evaluate_version
     from fraud_scoring.model_repo import resolve
 
     if args.served and args.compare:

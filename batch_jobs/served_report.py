@@ -18,7 +18,7 @@ transaction is fraud when a fraud label (chargeback or feedback) had arrived bef
 are still coming) and the report counts how many rows had any label at all.
 
 Outputs (:func:`write_served_report`): ``served.json``, ``report.md`` and the PNG figures
-drawn by the training-time report's code (``batch_jobs.evaluate.figures``), plus one PSI
+drawn by the training-time report's code (``batch_jobs.evaluation_report.figures``), plus one PSI
 chart per version, in one folder replaced atomically.
 """
 
@@ -39,14 +39,11 @@ from batch_jobs.decisions import decisions_with_labels
 from batch_jobs.evaluate import (
     decision_metrics,
     expected_calibration_error,
-    figures,
-    png,
-    pyplot,
     quality,
     reliability,
     score_histogram,
-    write_report,
 )
+from batch_jobs.evaluation_report import figures, png, pyplot, write_report
 from fraud_scoring.drift import Binner, expected_shares, load_reference
 from fraud_scoring.model_repo import DecisionCosts, ModelError, ModelMetadata, load_metadata
 from fraud_scoring.storage import DataError

@@ -9,7 +9,8 @@ source, the newest within a source; a transaction without one is taken as legiti
 
 Days are split by time, never shuffled: warm-up (skipped: no batch history yet) |
 training | validation | holdout. The calibration is fitted on a pool of the
-validation slice and cross-fitted blocks of training days (``calibration_pool``); the
+validation slice and cross-fitted blocks of training days (``calibration_pool``; the fit:
+``batch_jobs.calibration``, the graphs: ``batch_jobs.onnx_export``); the
 thresholds are chosen on the validation slice; the holdout is only measured on, so its
 figures are out of sample. The holdout ends ``label_delay_days`` before
 ``labels_as_of``, so its labels are mostly in. The exported ONNX model outputs the
@@ -35,19 +36,17 @@ import duckdb
 import lightgbm as lgb
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pandas as pd
 import yaml
 from feast import FeatureStore
-from onnx import TensorProto, helper, numpy_helper
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
-from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 from tqdm import tqdm
 
 from batch_jobs import declared_sql
+from batch_jobs.calibration import CalibrationPool, fit_calibration
 from batch_jobs.daily_features import snapshot_time
 from batch_jobs.evaluate import (
     HOLDOUT_FILE,
@@ -58,12 +57,18 @@ from batch_jobs.evaluate import (
     quality,
     reliability,
     report_data,
-    report_files,
     served_metrics,
     served_scores,
 )
+from batch_jobs.evaluation_report import report_files
 from batch_jobs.feature_plan import history_days
 from batch_jobs.labels import known_frauds, newest_label_time
+from batch_jobs.onnx_export import (
+    lightgbm_margin_onnx,
+    onnx_margins,
+    tensor_margin_onnx,
+    with_calibration,
+)
 from batch_jobs.progress import phase
 from batch_jobs.training_set import point_in_time_join
 from feature_repo.definitions import apply_definitions
@@ -815,14 +820,6 @@ def train_tensor_model(x: np.ndarray, y: np.ndarray, seed: int) -> Pipeline:
     return mlp
 
 
-def fit_platt(margin: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
-    """Platt scaling: ``a, b`` with ``P(fraud) = sigmoid(a * margin + b)``, fitted by
-    weighted log loss on the validation slice (practically unregularised)."""
-    lr = LogisticRegression(C=1e6, max_iter=1000)
-    lr.fit(margin.reshape(-1, 1), y, sample_weight=w)
-    return float(lr.coef_[0, 0]), float(lr.intercept_[0])
-
-
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity where the platform has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -873,19 +870,6 @@ def calibration_blocks(split: Split, cfg: TrainConfig) -> list[tuple[date, date]
     return blocks[::-1]
 
 
-@dataclass(frozen=True)
-class CalibrationPool:
-    """Out-of-sample margins of one variant with their labels and weights, and what
-    they came from (``source``; the days ``first``..``end``)."""
-
-    margin: np.ndarray
-    label: np.ndarray
-    weight: np.ndarray
-    first: date
-    end: date
-    source: str
-
-
 def calibration_pool(
     ts: TrainingSet, cfg: TrainConfig, variant: str, graph: onnx.ModelProto
 ) -> CalibrationPool:
@@ -927,317 +911,3 @@ def calibration_pool(
         end=split.holdout_start,
         source=source,
     )
-
-
-def fit_calibration(pool: CalibrationPool, cfg: TrainConfig) -> Calibration:
-    """Platt scaling on the pool, then, when ``cfg.calibration_method`` asks for it or,
-    with "auto", once the pool holds ``cfg.min_piecewise_positives`` frauds, the
-    piecewise-linear logit (:func:`fit_piecewise`); ``reason`` says which and why (a
-    fallback to Platt names the shortfall)."""
-    frauds = int(pool.label.sum())
-    a, b = fit_platt(pool.margin, pool.label, pool.weight)
-    need = cfg.min_piecewise_positives
-    if a <= 0:
-        piecewise = False
-        reason = f"Platt: its slope {a:.3g} is not positive, so no knots can be placed"
-    elif cfg.calibration_method == "platt":
-        piecewise, reason = False, "Platt: configured (calibration_method: platt)"
-    elif cfg.calibration_method == "piecewise":
-        piecewise, reason = True, "piecewise: configured (calibration_method: piecewise)"
-    elif frauds >= need:
-        piecewise, reason = True, f"piecewise: the pool holds {frauds} frauds (at least {need})"
-    else:
-        piecewise = False
-        reason = (
-            f"Platt, not piecewise: the pool holds {frauds} frauds, fewer than the {need} "
-            "the piecewise fit needs (min_piecewise_positives)"
-        )
-    if not piecewise and cfg.calibration_method != "platt":
-        log.warning("calibration: %s", reason)
-    pw = fit_piecewise(pool.margin, pool.label, pool.weight, a, b) if piecewise else None
-    return Calibration(
-        method="piecewise" if pw else "platt",
-        a=a,
-        b=b,
-        fitted_on=(_midnight(pool.first), _midnight(pool.end)),
-        rows=float(pool.weight.sum()),
-        positives=frauds,
-        knots=pw.knots if pw else [],
-        knot_logits=pw.logits if pw else [],
-        slope_below=pw.below if pw else None,
-        slope_above=pw.above if pw else None,
-        source=pool.source,
-        reason=reason,
-    )
-
-
-def onnx_margins(margin_graph: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    """The graph's ``margin`` output in ONNX Runtime: calibration is fitted on exactly
-    the float32 numbers the served graph feeds into it."""
-    sess = ort.InferenceSession(
-        margin_graph.SerializeToString(), providers=["CPUExecutionProvider"]
-    )
-    return np.asarray(sess.run(["margin"], {"input": x})[0], np.float64)[:, 0]
-
-
-# The piecewise calibration's knots: where the pool's Platt fit gives these
-# probabilities (the decision bands lie between them).
-PIECEWISE_AT = (0.001, 0.01, 0.1, 0.5)
-# Ridge on the change of slope between neighbouring segments (per unit of weighted
-# log loss over the pool's rows, normalised to mean weight 1): tiny; it only keeps a
-# segment without data near its neighbours.
-PIECEWISE_RIDGE = 0.1
-
-
-@dataclass(frozen=True)
-class Piecewise:
-    """A monotone piecewise-linear logit: ``z`` through (``knots``, ``logits``),
-    slopes ``below`` and ``above`` beyond the end knots."""
-
-    knots: list[float]
-    logits: list[float]
-    below: float
-    above: float
-
-
-def fit_piecewise(
-    margin: np.ndarray, y: np.ndarray, w: np.ndarray, a: float, b: float
-) -> Piecewise:
-    """Platt scaling with hinges: the logit is linear in the margin between knots at
-    the margins where Platt (``a``, ``b``) gives :data:`PIECEWISE_AT`, each segment
-    (and each tail) with its own slope, every slope >= 0 (monotone: ranking is kept),
-    fitted by weighted log loss (L-BFGS-B) from Platt's line. One slope reads the whole
-    range; out of sample the frauds between 0.001 and 0.1 (the rarer, quieter patterns)
-    follow a flatter line than the obvious ones above."""
-    from scipy.optimize import minimize
-    from scipy.special import expit
-
-    k = np.asarray([(np.log(q / (1 - q)) - b) / a for q in PIECEWISE_AT])
-
-    def basis(m: np.ndarray) -> np.ndarray:
-        cols = [np.minimum(m - k[0], 0)]
-        cols += [np.clip(m - k[j - 1], 0, k[j] - k[j - 1]) for j in range(1, len(k))]
-        cols.append(np.maximum(m - k[-1], 0))
-        return np.stack(cols, 1)
-
-    x, ww = basis(margin), w / w.mean()
-
-    def loss(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        slopes = theta[1:]
-        z = theta[0] + x @ slopes
-        p = expit(z)
-        # log(1 + exp(-z)) and log(1 + exp(z)), stably
-        ll = float((ww * (np.logaddexp(0, -z) * y + np.logaddexp(0, z) * (1 - y))).sum())
-        d = np.diff(slopes)
-        grad_pen = np.zeros_like(slopes)
-        grad_pen[1:] += 2 * PIECEWISE_RIDGE * d
-        grad_pen[:-1] -= 2 * PIECEWISE_RIDGE * d
-        r = ww * (p - y)
-        return ll + PIECEWISE_RIDGE * float((d**2).sum()), np.r_[r.sum(), x.T @ r + grad_pen]
-
-    start = np.r_[a * k[0] + b, np.full(len(k) + 1, a)]
-    bounds = [(None, None)] + [(0.0, None)] * (len(k) + 1)
-    fit = minimize(loss, start, jac=True, method="L-BFGS-B", bounds=bounds)
-    c, slopes = float(fit.x[0]), fit.x[1:]
-    logits = c + np.r_[0.0, np.cumsum(slopes[1:-1] * np.diff(k))]
-    return Piecewise(
-        knots=[float(v) for v in k],
-        logits=[float(v) for v in logits],
-        below=float(slopes[0]),
-        above=float(slopes[-1]),
-    )
-
-
-def calibrated_logit(cal: Calibration, margin: np.ndarray) -> np.ndarray:
-    """The logit of the served probability for ``margin`` under ``cal`` (float64; the
-    ONNX graph of :func:`with_calibration` computes the same in float32)."""
-    if not cal.knots:
-        return cal.a * margin + cal.b
-    k = np.asarray(cal.knots)
-    z = np.interp(margin, k, np.asarray(cal.knot_logits))
-    below = cal.a if cal.slope_below is None else cal.slope_below
-    above = cal.a if cal.slope_above is None else cal.slope_above
-    return z + below * np.minimum(margin - k[0], 0) + above * np.maximum(margin - k[-1], 0)
-
-
-def with_platt(margin_graph: onnx.ModelProto, a: float, b: float) -> bytes:
-    """:func:`with_calibration` with Platt scaling ``p = sigmoid(a * margin + b)``."""
-    now = datetime.now(UTC)
-    return with_calibration(
-        margin_graph, Calibration(a=a, b=b, fitted_on=(now, now), rows=0, positives=0)
-    )
-
-
-def with_calibration(margin_graph: onnx.ModelProto, cal: Calibration) -> bytes:
-    """Append the calibration ``cal`` to a graph whose output is ``margin`` [N, 1] and
-    output ``probabilities`` [N, 2] = (1 - p, p), as the service reads.
-
-    Platt: ``z = a * margin + b``. Piecewise: ``z`` is linear between the knots
-    (``z_0 + sum_j dz_j * clip((margin - k_j) / (k_{j+1} - k_j), 0, 1)``: Sub, Mul,
-    Min, Max, MatMul) with its own slopes beyond the end knots. Then
-    ``p = 1 / (1 + exp(-z))``. Standard ops only, so the CUDA provider runs it all.
-
-    This keeps float32 resolution for small probabilities: LightGBM's own export
-    computes 1 - (1 - p), which is exactly 0 below about 6e-8."""
-    a, b, knots, knot_logits = cal.a, cal.b, cal.knots, cal.knot_logits
-    m = onnx.ModelProto()
-    m.CopyFrom(margin_graph)
-    g = m.graph
-
-    def const(name: str, value: Any) -> None:
-        g.initializer.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
-
-    const("platt_one", np.ones((1, 1)))
-    if not knots:
-        const("platt_a", [[a]])
-        const("platt_b", [[b]])
-        g.node.extend(
-            [
-                helper.make_node("Mul", ["margin", "platt_a"], ["platt_scaled"]),
-                helper.make_node("Add", ["platt_scaled", "platt_b"], ["platt_logit"]),
-            ]
-        )
-    else:
-        k = np.asarray(knots, np.float64)
-        z = np.asarray(knot_logits, np.float64)
-        const("cal_first_knot", [[k[0]]])
-        const("cal_last_knot", [[k[-1]]])
-        const("cal_first_logit", [[z[0]]])
-        const("cal_slope_below", [[a if cal.slope_below is None else cal.slope_below]])
-        const("cal_slope_above", [[a if cal.slope_above is None else cal.slope_above]])
-        const("cal_zero", 0.0)
-        g.node.extend(
-            [
-                # Beyond the end knots: the tails' own slopes.
-                helper.make_node("Sub", ["margin", "cal_first_knot"], ["cal_below"]),
-                helper.make_node("Min", ["cal_below", "cal_zero"], ["cal_below_part"]),
-                helper.make_node("Mul", ["cal_below_part", "cal_slope_below"], ["cal_low"]),
-                helper.make_node("Sub", ["margin", "cal_last_knot"], ["cal_above"]),
-                helper.make_node("Max", ["cal_above", "cal_zero"], ["cal_above_part"]),
-                helper.make_node("Mul", ["cal_above_part", "cal_slope_above"], ["cal_high"]),
-                helper.make_node("Add", ["cal_low", "cal_high"], ["cal_tail_logit"]),
-                helper.make_node("Add", ["cal_tail_logit", "cal_first_logit"], ["cal_base"]),
-            ]
-        )
-        if len(k) > 1:
-            const("cal_knots", k[:-1].reshape(1, -1))
-            const("cal_inv_width", (1 / np.diff(k)).reshape(1, -1))
-            const("cal_rise", np.diff(z).reshape(-1, 1))
-            const("cal_one", 1.0)
-            g.node.extend(
-                [
-                    helper.make_node("Sub", ["margin", "cal_knots"], ["cal_from_knot"]),
-                    helper.make_node("Mul", ["cal_from_knot", "cal_inv_width"], ["cal_pos"]),
-                    # Min/Max, not Clip: LightGBM's graph is opset 9 (Clip-6 has no
-                    # tensor bounds).
-                    helper.make_node("Min", ["cal_pos", "cal_one"], ["cal_upto_one"]),
-                    helper.make_node("Max", ["cal_upto_one", "cal_zero"], ["cal_share"]),
-                    helper.make_node("MatMul", ["cal_share", "cal_rise"], ["cal_rised"]),
-                    helper.make_node("Add", ["cal_base", "cal_rised"], ["platt_logit"]),
-                ]
-            )
-        else:
-            g.node.append(helper.make_node("Identity", ["cal_base"], ["platt_logit"]))
-    g.node.extend(
-        [
-            # 1 / (1 + exp(-z)) rather than Sigmoid: ONNX Runtime's Sigmoid is accurate
-            # only to about 1e-7 absolute and returns 0 below that.
-            helper.make_node("Neg", ["platt_logit"], ["platt_neg"]),
-            helper.make_node("Exp", ["platt_neg"], ["platt_exp"]),
-            helper.make_node("Add", ["platt_exp", "platt_one"], ["platt_denominator"]),
-            helper.make_node("Reciprocal", ["platt_denominator"], ["p1"]),
-            helper.make_node("Sub", ["platt_one", "p1"], ["p0"]),
-            helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1),
-        ]
-    )
-    del g.output[:]
-    g.output.append(helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 2]))
-    onnx.checker.check_model(m)
-    return bytes(m.SerializeToString())
-
-
-def tensor_margin_onnx(model: Pipeline, n_features: int) -> onnx.ModelProto:
-    """The MLP as a plain ONNX graph of standard ops (Sub, Div, MatMul, Add, Relu) that
-    the CUDA execution provider runs in full, ending in the logit ``margin`` [N, 1].
-    skl2onnx would emit ai.onnx.ml Scaler/ArrayFeatureExtractor nodes, which run only on
-    CPU."""
-    scaler: StandardScaler = model.named_steps["scale"]
-    mlp: MLPClassifier = model.named_steps["mlp"]
-    f32 = np.float32
-    inits = [
-        numpy_helper.from_array(np.asarray(scaler.mean_, f32), "mean"),
-        numpy_helper.from_array(np.asarray(scaler.scale_, f32), "scale"),
-    ]
-    nodes = [
-        helper.make_node("Sub", ["input", "mean"], ["centered"]),
-        helper.make_node("Div", ["centered", "scale"], ["h0"]),
-    ]
-    h = "h0"
-    layers = list(zip(mlp.coefs_, mlp.intercepts_, strict=True))
-    for k, (w, b) in enumerate(layers):
-        inits += [
-            numpy_helper.from_array(np.asarray(w, f32), f"w{k}"),
-            numpy_helper.from_array(np.asarray(b, f32), f"b{k}"),
-        ]
-        last = k == len(layers) - 1
-        nodes += [
-            helper.make_node("MatMul", [h, f"w{k}"], [f"m{k}"]),
-            helper.make_node("Add", [f"m{k}", f"b{k}"], ["margin" if last else f"a{k}"]),
-        ]
-        if not last:
-            h = f"h{k + 1}"
-            nodes.append(helper.make_node("Relu", [f"a{k}"], [h]))
-    graph = helper.make_graph(
-        nodes,
-        "fraud_mlp",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
-        [helper.make_tensor_value_info("margin", TensorProto.FLOAT, [None, 1])],
-        inits,
-    )
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    return m
-
-
-def lightgbm_margin_onnx(model: lgb.LGBMClassifier, n_features: int) -> onnx.ModelProto:
-    """LightGBM → ONNX with one float input ``input`` [N, F] and the raw margin (log-odds
-    before any sigmoid) as ``margin`` [N, 1].
-
-    The converter's tree ensemble applies its own logistic post-transform, which loses
-    small probabilities in float32; it is switched off here (the ensemble then outputs
-    ``[-margin, margin]``) and column 1 is taken."""
-    from onnxmltools import convert_lightgbm
-    from onnxmltools.convert.common.data_types import FloatTensorType
-
-    m = convert_lightgbm(
-        model,
-        initial_types=[("input", FloatTensorType([None, n_features]))],
-        zipmap=False,
-        target_opset=15,
-    )
-    ensembles = [n for n in m.graph.node if n.op_type == "TreeEnsembleClassifier"]
-    if len(ensembles) != 1:
-        raise ModelError(f"LightGBM export: expected one TreeEnsembleClassifier, got {ensembles}")
-    for attr in ensembles[0].attribute:
-        if attr.name == "post_transform":
-            attr.s = b"NONE"
-    # Keep only what leads to the probability tensor; the label output is not served.
-    wanted = {"probabilities"}
-    kept = []
-    for node in reversed(m.graph.node):
-        if wanted & set(node.output):
-            kept.append(node)
-            wanted |= set(node.input)
-    del m.graph.node[:]
-    m.graph.node.extend(reversed(kept))
-    for node in m.graph.node:
-        node.output[:] = ["raw_scores" if o == "probabilities" else o for o in node.output]
-    m.graph.initializer.append(numpy_helper.from_array(np.asarray([1], np.int64), "fraud_column"))
-    m.graph.node.append(
-        helper.make_node("Gather", ["raw_scores", "fraud_column"], ["margin"], axis=1)
-    )
-    del m.graph.output[:]
-    m.graph.output.append(helper.make_tensor_value_info("margin", TensorProto.FLOAT, [None, 1]))
-    onnx.checker.check_model(m)
-    return m

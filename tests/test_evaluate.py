@@ -14,6 +14,13 @@ import pandas as pd
 import pytest
 from sklearn.metrics import precision_recall_curve
 
+from batch_jobs.calibration import (
+    CalibrationPool,
+    calibrated_logit,
+    fit_calibration,
+    fit_piecewise,
+    fit_platt,
+)
 from batch_jobs.evaluate import (
     BAND_EDGES,
     BAND_MIN_FRAUDS,
@@ -25,29 +32,17 @@ from batch_jobs.evaluate import (
     decision_metrics,
     effective_rows,
     expected_calibration_error,
-    figure_objects,
-    figures,
     hours_with_rows,
     quality,
     reliability,
     report_data,
-    report_files,
     score_histogram,
     served_scores,
     wilson_interval,
 )
-from batch_jobs.train import (
-    CalibrationPool,
-    TrainConfig,
-    calibrated_logit,
-    fit_calibration,
-    fit_piecewise,
-    fit_platt,
-    lightgbm_margin_onnx,
-    onnx_margins,
-    with_calibration,
-    with_platt,
-)
+from batch_jobs.evaluation_report import figure_objects, figures, report_files
+from batch_jobs.onnx_export import lightgbm_margin_onnx, onnx_margins, with_calibration, with_platt
+from batch_jobs.train import TrainConfig
 from fraud_scoring.model_repo import (
     Calibration,
     DecisionCosts,

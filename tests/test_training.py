@@ -16,10 +16,10 @@ from batch_jobs.evaluate import (
     HOLDOUT_FILE,
     REPORT_DIR,
     Holdout,
-    evaluate_version,
     served_metrics,
     served_scores,
 )
+from batch_jobs.evaluation_report import evaluate_version
 from batch_jobs.simulate import PATTERNS as SIM_PATTERNS
 from batch_jobs.train import (
     TrainConfig,
