@@ -25,10 +25,10 @@ import logging
 import operator
 import re
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -213,6 +213,24 @@ class RuleSet:
         if program is None:
             program = self._programs[key] = _Program(chosen)
         return program.run(numbers, strings, members, n)
+
+
+@dataclass(frozen=True)
+class _Condition:
+    """A number expression as :class:`_Program` compiles a rule's (no string tests)."""
+
+    expr: str
+    tests: tuple[StringTest, ...] = ()
+
+
+def conditions(exprs: Sequence[str]) -> Callable[[Mapping[str, npt.ArrayLike], int], np.ndarray]:
+    """Checked number expressions compiled together as conditions, as rules are
+    (:class:`_Program`: each distinct sub-expression once; a NaN or a 0 does not hold):
+    the function of a micro-batch's columns and size that returns where each holds, a
+    (len(exprs), n) bool matrix. Every name an expression reads must be a column."""
+    # _Program reads a rule's expr and tests alone
+    program = _Program(cast("list[Rule]", [_Condition(e) for e in exprs]))
+    return lambda numbers, n: program.run(numbers, {}, {}, n)
 
 
 def member_column(list_name: str, fld: str) -> str:

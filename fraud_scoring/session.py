@@ -26,9 +26,9 @@ Both are trimmed to 24 h plus 900 s (an event may be stamped ahead) plus the all
 lateness behind the card's newest event, and to the card's newest :data:`HISTORY_CAP`
 events, so what a card keeps does not grow with its traffic (a card hit by a card-testing
 attack keeps its newest 100 events, not the day's tens of thousands). An event pushed
-out by the cap loses its id with it; applied again, it is added behind the newest 100
-and pushed out at once, so the history stays what it was (between events of one
-microsecond, which of them stays is the sorted set's order). Every write goes
+out by the cap loses its id with it; applied again, it is older than the card's oldest
+and dropped, so the history stays what it was (between events of one microsecond, which
+of them stays is the sorted set's order). Every write goes
 through one Lua script, :data:`APPLY_LUA` (one call per card, idempotent on
 ``transaction_id``), queued with :func:`queue_apply`: the streaming updater
 (``streaming/state.py``, which documents the late-event rule) and the scoring service
@@ -183,9 +183,10 @@ def decode_member(member: bytes | str, score: float) -> SessionEvent:
 
 # KEYS: events zset, ids hash. ARGV: retention_us, lateness_us, ttl_ms, cap, then
 # (transaction_id, ts_us, member) per event. Returns {added, duplicates, late, dropped}:
-# an event already behind the retention horizon is dropped without touching state; one
-# that falls behind it, or out of the newest ``cap``, within the same call (newer events
-# came along) is added, then trimmed, and also counted as dropped.
+# an event already behind the retention horizon, or older than the oldest of a card that
+# holds ``cap`` events, is dropped without touching state; one that falls behind it, or
+# out of the newest ``cap``, within the same call (newer events came along) is added,
+# then trimmed, and also counted as dropped.
 # Scores are formatted with %d: Lua's default number format (%.14g) would round µs.
 _APPLY_FN = """
 local function apply(ev, ids, retention, lateness, ttl, cap, a, lo, hi)
@@ -194,10 +195,18 @@ local function apply(ev, ids, retention, lateness, ttl, cap, a, lo, hi)
   if newest[2] then maxts = tonumber(newest[2]) end
   local added, dup, late, dropped = 0, 0, 0, 0
   local new_ts, new_ids = {}, {}
+  -- A card at its cap: an event older than its oldest would go again at once (its id
+  -- went with it when it was pushed out): dropped without touching state.
+  local floor = nil
+  if redis.call('ZCARD', ev) >= cap then
+    floor = tonumber(redis.call('ZRANGE', ev, 0, 0, 'WITHSCORES')[2])
+  end
   for i = lo, hi, 3 do
     local id, ts = a[i], tonumber(a[i + 1])
     if maxts and ts < maxts - retention then
       late = late + 1
+      dropped = dropped + 1
+    elseif floor and ts < floor then
       dropped = dropped + 1
     elseif redis.call('HSETNX', ids, id, a[i + 1]) == 1 then
       if maxts and ts < maxts - lateness then late = late + 1 end

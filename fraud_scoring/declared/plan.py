@@ -501,6 +501,8 @@ def derived_columns(
     cols = dict(columns)
     out = {}
     for d in decl.derived:
-        v = np.broadcast_to(evaluate(d.expr, cols), (n,)).astype(np.float64)
-        out[d.name] = cols[d.name] = v
+        v = evaluate(d.expr, cols)
+        if v.shape != (n,):  # a constant, or a constant's part
+            v = np.broadcast_to(v, (n,))
+        out[d.name] = cols[d.name] = v.astype(np.float64)  # its own (never another's)
     return out

@@ -84,10 +84,18 @@ def features_read() -> frozenset[str]:
 
 
 def fired(cols: Mapping[str, npt.ArrayLike], n: int, rules: bool = False) -> list[list[Indicator]]:
-    """The reasons that fire on each of ``n`` rows (``rules``: the rules-only ones)."""
-    inds = [i for i in indicators() if i.rules or not rules]
-    masks = [i.fires(cols, n) for i in inds]
-    return [[i for i, m in zip(inds, masks, strict=True) if m[k]] for k in range(n)]
+    """The reasons that fire on each of ``n`` rows (``rules``: the rules-only ones), as
+    :meth:`Indicator.fires` says (one whose features are not all in ``cols`` never
+    does), the conditions of those that can compiled together once (:func:`_conditions`)."""
+    inds = tuple(i for i in indicators() if (i.rules or not rules) and set(i.reads) <= cols.keys())
+    if not inds:
+        return [[] for _ in range(n)]
+    masks = _conditions(tuple(i.decl.when for i in inds))(cols, n)
+    rows: list[list[bool]] = masks.T.tolist()  # per row, whether each fires
+    return [[i for i, hit in zip(inds, row, strict=True) if hit] for row in rows]
+
+
+_conditions = functools.lru_cache(maxsize=16)(R.conditions)
 
 
 @dataclass(frozen=True)
