@@ -27,23 +27,15 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import hiredis
 import numpy as np
-import redis.asyncio as aioredis
 import uvloop
 
-from bench.world import BenchWorld, bench_world
+from bench.world import BenchWorld, bench_world, world_scorer
 from fraud_scoring.events import Transaction
-from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import producible_features
-from fraud_scoring.redis_clients import HeldConnections, packed_by_hiredis
-from service.core.model import ModelHolder, load_model
-from service.core.online_features import OnlineFeatureReader
-from service.core.scoring import Scorer
-from service.settings import ServiceSettings as Settings
+from fraud_scoring.redis_clients import HeldConnections
 
 PING = b"*1\r\n$4\r\nPING\r\n"
 
@@ -95,24 +87,10 @@ async def measure(
 
 
 async def run(world: BenchWorld, gaps: list[float], calls: int, spin: bool) -> None:
-    settings = Settings(
-        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
-    )
-    store = open_store(world.data_dir, world.redis_url)
-    model = load_model(world.model_repo, "fraud", "latest", producible_features())
-    # As the service builds the scorer's client (service/resources.py).
-    pool = aioredis.BlockingConnectionPool.from_url(world.redis_url, max_connections=64)
-    client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
+    scorer, client, model = world_scorer(world)  # as the service builds them
     held = HeldConnections(client)
     host, _, port = world.redis_url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
     _, raw = await asyncio.get_running_loop().create_connection(_RawPing, host, int(port))
-    scorer = Scorer(
-        client,
-        OnlineFeatureReader(store.project),
-        ModelHolder(model),
-        settings,
-        ThreadPoolExecutor(1),
-    )
     txns = [Transaction.model_validate(r) for r in world.held_out(calls * (len(gaps) + 1))]
     # A row of its own per call, as served: one row sent again and again walks the same
     # path down every tree, all in cache, and read ~25 µs where served rows cost ~250 µs

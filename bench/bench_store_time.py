@@ -17,37 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import redis.asyncio as aioredis
 import uvloop
 
-from bench.world import BenchWorld, bench_world
+from bench.world import BenchWorld, bench_world, world_scorer
 from fraud_scoring.events import Transaction
-from fraud_scoring.feast_store import open_store
-from fraud_scoring.features import producible_features
-from fraud_scoring.redis_clients import packed_by_hiredis
-from service.core.model import ModelHolder, load_model
-from service.core.online_features import OnlineFeatureReader
-from service.core.scoring import Scorer
-from service.settings import ServiceSettings as Settings
 
 
 async def run(world: BenchWorld, batch: int, batches: int) -> None:
-    settings = Settings(
-        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
-    )
-    store = open_store(world.data_dir, world.redis_url)
-    model = load_model(world.model_repo, "fraud", "latest", producible_features())
-    pool = aioredis.BlockingConnectionPool.from_url(world.redis_url, max_connections=64)
-    client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
-    scorer = Scorer(
-        client,
-        OnlineFeatureReader(store.project),
-        ModelHolder(model),
-        settings,
-        ThreadPoolExecutor(1),
-    )
+    scorer, client, _ = world_scorer(world)
     warm = 20
     rows = world.held_out((batches + warm) * batch)
     txns = [Transaction.model_validate(r) for r in rows]

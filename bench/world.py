@@ -10,9 +10,11 @@ import contextlib
 import logging
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from batch_jobs.batch import day_range, run_batch
 from batch_jobs.simulate import SimConfig, simulate
@@ -22,6 +24,10 @@ from fraud_scoring.features import default_model_features
 from fraud_scoring.model_repo import load_metadata, resolve, versions
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.storage import read_partition
+
+if TYPE_CHECKING:
+    from service.core.model import LoadedModel
+    from service.core.scoring import Scorer
 
 ROOT = Path(__file__).resolve().parent / "results" / "world"
 CFG = SimConfig(cards=3000, merchants=300, days=14, seed=21)
@@ -56,3 +62,30 @@ def bench_world(configured_redis: str | None = None) -> Iterator[BenchWorld]:
         if not versions(models, "fraud"):
             train(data, url, models, TrainConfig(holdout_days=3, warmup_days=5))
         yield BenchWorld(data, models, url)
+
+
+def world_scorer(world: BenchWorld) -> tuple[Scorer, Any, LoadedModel]:
+    """The service's scorer for ``world``, its asyncio client and its model, built as the
+    service builds them (``service/resources.py``: a pooled client whose replies hiredis
+    parses, the model of the repository's latest version): for benchmarks of the scorer
+    without HTTP. Call from a running event loop; close the client when done."""
+    import redis.asyncio as aioredis
+
+    from fraud_scoring.feast_store import open_store
+    from fraud_scoring.features import producible_features
+    from fraud_scoring.redis_clients import packed_by_hiredis
+    from service.core.model import ModelHolder, load_model
+    from service.core.online_features import OnlineFeatureReader
+    from service.core.scoring import Scorer
+    from service.settings import ServiceSettings
+
+    settings = ServiceSettings(
+        redis_url=world.redis_url, data_dir=world.data_dir, model_repo=world.model_repo
+    )
+    store = open_store(world.data_dir, world.redis_url)
+    model = load_model(world.model_repo, "fraud", "latest", producible_features())
+    pool = aioredis.BlockingConnectionPool.from_url(world.redis_url, max_connections=64)
+    client = aioredis.Redis.from_pool(packed_by_hiredis(pool))
+    reader = OnlineFeatureReader(store.project)
+    scorer = Scorer(client, reader, ModelHolder(model), settings, ThreadPoolExecutor(1))
+    return scorer, client, model
