@@ -145,3 +145,23 @@ def test_a_reason_over_a_new_state_is_read_but_does_not_hold_serving_up(
     held = {f for s in required for f in s.feature_names()}
     assert {"device_distinct_merchants_1h", "card_txn_count_10m", "card_txn_count_1h"} <= read
     assert "card_txn_count_1h" in held and "device_distinct_merchants_1h" not in held
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_the_reasons_compiled_together_fire_where_each_would_alone(n: int) -> None:
+    """``fired`` (the shipped reasons' conditions compiled together, as rules are) says
+    for every row what each reason's own ``fires`` says, NaN and zero-division rows and a
+    reason whose feature is not in the columns (it never fires) included."""
+    from service.core.decision import fired, indicators
+
+    rng = np.random.default_rng(n)
+    names = {f for i in indicators() for f in i.reads}
+    cols = {k: rng.choice([np.nan, 0.0, 0.5, 1.0, 3.0, 9.0, 1e3], n) for k in names}
+    for dropped in (None, sorted(names)[0]):
+        given = {k: v for k, v in cols.items() if k != dropped}
+        want = [[i.code for i in indicators() if i.fires(given, n)[k]] for k in range(n)]
+        assert [[i.code for i in row] for row in fired(given, n)] == want
+        rules_only = [
+            [i.code for i in indicators() if i.rules and i.fires(given, n)[k]] for k in range(n)
+        ]
+        assert [[i.code for i in row] for row in fired(given, n, rules=True)] == rules_only
