@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,7 +32,7 @@ import hiredis
 import numpy as np
 import uvloop
 
-from bench.world import BenchWorld, bench_world, world_scorer
+from bench.world import BenchWorld, pinned_world, world_scorer
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import HeldConnections
 
@@ -136,12 +135,7 @@ def main() -> None:
     p.add_argument("--spin", action="store_true", help="pause by spinning, not sleeping")
     a = p.parse_args()
     gaps = [float(g) / 1e3 for g in a.gaps.split(",")]
-    pin = (os.cpu_count() or 1) >= 2
-    if pin:
-        os.sched_setaffinity(0, {1})  # the Redis server started below inherits core 1
-    with bench_world() as world:
-        if pin:
-            os.sched_setaffinity(0, {0})
+    with pinned_world() as (world, pin):
         print(f"(pinned: this process to core 0, Redis to core 1: {pin}; event loop: uvloop)")
         uvloop.run(run(world, gaps, a.calls, a.spin))
 

@@ -15,12 +15,11 @@ runs are counted in their own rows too). What bench/README.md's
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import uvloop
 
-from bench.world import BenchWorld, bench_world, world_scorer
+from bench.world import BenchWorld, pinned_world, world_scorer
 from fraud_scoring.events import Transaction
 
 
@@ -68,12 +67,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=24, help="transactions per micro-batch")
     p.add_argument("--batches", type=int, default=160, help="micro-batches measured")
     a = p.parse_args()
-    pin = (os.cpu_count() or 1) >= 2
-    if pin:
-        os.sched_setaffinity(0, {1})  # the Redis server started below inherits core 1
-    with bench_world() as world:
-        if pin:
-            os.sched_setaffinity(0, {0})
+    with pinned_world() as (world, _):
         uvloop.run(run(world, a.batch, a.batches))
 
 

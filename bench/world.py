@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -89,3 +90,17 @@ def world_scorer(world: BenchWorld) -> tuple[Scorer, Any, LoadedModel]:
     reader = OnlineFeatureReader(store.project)
     scorer = Scorer(client, reader, ModelHolder(model), settings, ThreadPoolExecutor(1))
     return scorer, client, model
+
+
+@contextlib.contextmanager
+def pinned_world() -> Iterator[tuple[BenchWorld, bool]]:
+    """:func:`bench_world` with its Redis-protocol server on core 1 and this process on
+    core 0 (when the machine has two cores or more; the second value says whether it
+    does), as the scorer benchmarks measure."""
+    pin = (os.cpu_count() or 1) >= 2
+    if pin:
+        os.sched_setaffinity(0, {1})  # the Redis server started below inherits core 1
+    with bench_world() as world:
+        if pin:
+            os.sched_setaffinity(0, {0})
+        yield world, pin
