@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from fraud_scoring.declared import kernels as K
 from fraud_scoring.declared import window_table as W
 from fraud_scoring.declared.kinds import KINDS, Sums
 from fraud_scoring.declared.language import NEEDS_CATEGORY, NEWEST, US
@@ -210,9 +211,8 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
         newest.append(fields[nw])
         if spec.keeps_values:
             kept[s] = fields[nw + 1]
-    ts_s, vs_s = W.newest_events(_flat(newest), pairs)  # stored
-    # Whole tiles end before the tile holding t: what lies ahead is never read.
-    ahead = (ts_s >= t[:, None]) & ~ix.pair_whole[:, None]
+    # Stored; whole tiles end before the tile holding t: what lies ahead is never read.
+    ts_s, vs_s, ahead = W.newest_events(_flat(newest), t, ix.pair_whole)
     n_ahead = ahead.sum(axis=1)
     exact = n_ahead < NEWEST
     # The events this micro-batch recorded in the key before t (a burst): with the
@@ -222,12 +222,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     if mates is not None:
         m_ts, m_vs = W.by_pair(mates[0], mates[1], mates[2], pairs)
         ts_n, vs_n = np.concatenate([ts_s, m_ts], axis=1), np.concatenate([vs_s, m_vs], axis=1)
-    before = ts_n < t[:, None]
-    last_ts = np.where(before, ts_n, -np.inf).max(axis=1, initial=-np.inf)
-    tied = before & (ts_n == last_ts[:, None])
-    last_v = np.where(tied, vs_n, -np.inf).max(axis=1, initial=-np.inf)
-    last_v = np.where(last_ts > -np.inf, last_v, 0.0)
-    since = np.where(last_ts > -np.inf, (t - last_ts) / US, np.inf)
+    _, last_v, since = K.last_events(ts_n, vs_n, t, float(US))
     cols: dict[str, np.ndarray] = {}
     fix: set[tuple[int, int]] = set()  # (state, pair): by the row-by-row definition
     counts: dict[tuple[int, int], np.ndarray] = {}  # (state, window): a values state's counts
@@ -328,31 +323,22 @@ def _values(
         if vc not in mine_by:
             mine_by[vc] = _own(comp.specs[s], plan.cols)
     own = np.concatenate([mine_by[comp.specs[s].value_column] for s in ix.values])
-    vp, vk = ix.val_pair, ix.val_kept
-    tn, vn, tv = ts_n[vp], vs_n[vp], t[vp][:, None]
-    tk, ck, mine = ts_k[vk], codes_k[vk], own[vk][:, None]
-    width = ix.val_width[:, None]
-    # The window's first tile starts here (times are whole µs: exact as doubles).
-    start_tile = (np.floor_divide(tv, width) - ix.val_tiles[:, None]) * width
-    before, before_k = tn < tv, tk < tv
-    sel_n = before & (tn >= start_tile)
-    sel_k = before_k & (tk >= start_tile)
-    both = np.concatenate([np.where(sel_n, vn, np.nan), np.where(sel_k, ck, np.nan)], axis=1)
-    both.sort(axis=1)
-    new = ~np.isnan(both)
-    new[:, 1:] &= both[:, 1:] != both[:, :-1]
-    start = tv - ix.val_us[:, None]
-    latest = np.maximum(
-        np.where(before & (tn >= start), tn, -np.inf).max(axis=1, initial=-np.inf),
-        np.where(before_k & (tk >= start), tk, -np.inf).max(axis=1, initial=-np.inf),
-    )[:, None]
-    same = ((tn == latest) & (vn == mine)).any(axis=1) | ((tk == latest) & (ck == mine)).any(axis=1)
-    changed = np.where((latest[:, 0] > -np.inf) & ~np.isnan(mine[:, 0]) & ~same, 1.0, 0.0)
-    sums = Sums(
-        0.0, 0.0, 0.0, 0.0, 0.0, distinct=new.sum(axis=1).astype(np.float64), changed=changed
+    distinct, changed = K.values(
+        ts_n,
+        vs_n,
+        ts_k,
+        codes_k,
+        own,
+        ix.val_pair,
+        ix.val_kept,
+        ix.val_width,
+        ix.val_tiles,
+        ix.val_us,
+        t,
     )
+    sums = Sums(0.0, 0.0, 0.0, 0.0, 0.0, distinct=distinct, changed=changed)
     values = {a: KINDS[a].finish(sums) for a in NEEDS_CATEGORY}
-    since = since_p[vp]
+    since = since_p[ix.val_pair]
     for (s, j), at in ix.val_block.items():
         w = comp.specs[s].windows[j]
         for f in comp.by_window.get((s, j), ()):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from fraud_scoring.declared import kernels as K
 from fraud_scoring.declared import kinds
 from fraud_scoring.declared.kinds import Sums
 from fraud_scoring.declared.language import NEWEST, US
@@ -246,30 +247,22 @@ def expand(counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return seg, pos
 
 
-def newest_events(blobs: list[bytes], pairs: int) -> tuple[np.ndarray, np.ndarray]:
+def newest_events(
+    blobs: list[bytes], t: np.ndarray, whole: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The newest events of each pair as (pairs, NEWEST) arrays of times (µs; -inf:
-    none) and values, left-aligned in time order (a blob holds at most NEWEST)."""
-    size = 16 * NEWEST
-    raw = b"".join(b[:size].ljust(size, b"\0") for b in blobs)
-    held = np.frombuffer(raw, dtype="<f8").reshape(pairs, NEWEST, 2)
-    counts = np.fromiter(map(len, blobs), dtype=np.intp, count=len(blobs)) // 16
-    valid = np.arange(NEWEST) < counts[:, None]
-    return np.where(valid, held[:, :, 0], -np.inf), np.where(valid, held[:, :, 1], 0.0)
+    none) and values, left-aligned in time order (a blob holds at most NEWEST), and
+    which of them lie at or after the pair's t ``t`` in a state that reads the tile
+    holding t (``whole`` False)."""
+    flat, counts = records(blobs, 2)
+    return K.newest_events(flat, counts, NEWEST, t, whole)  # type: ignore[no-any-return]
 
 
 def kept_values(blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """The values pushed out of each pair's newest events (field "d": code, newest
     time) as (pairs, most held) arrays of codes and times (-inf: none)."""
     flat, counts = records(blobs, 2)
-    width = max(int(counts.max(initial=0)), 1)
-    codes = np.full((len(blobs), width), np.nan)
-    ts = np.full((len(blobs), width), -np.inf)
-    if len(flat):
-        seg, pos = expand(counts, offsets(counts))
-        dest = seg * width + (pos - np.repeat(offsets(counts), counts))
-        codes.ravel()[dest] = flat[pos, 0]
-        ts.ravel()[dest] = flat[pos, 1]
-    return codes, ts
+    return K.kept_values(flat, counts)  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -286,47 +279,26 @@ class Windows:
 
 
 def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
+    """The window rows of ``tab`` summed over their rings (``blobs``, one per ring) as
+    of each pair's t (``t``): :func:`fraud_scoring.declared.kernels.sum_windows`."""
     flat, counts = records(blobs, tile_doubles(tab.shape))
-    rstart = offsets(counts)
-    m = len(tab.win_ring)
-    cnt = counts[tab.win_ring]
-    seg, pos = expand(cnt, rstart[tab.win_ring])
-    last = np.floor_divide(t[tab.win_pair], tab.win_width)  # the tile holding t
-    first = last - tab.win_tiles
-    end = last - tab.win_whole
-    rec = flat[pos]  # each window row's ring records, one after the other
-    inside = (rec[:, 0] >= first[seg]) & (rec[:, 0] <= end[seg])
-    some = cnt > 0
-    at = offsets(cnt)[some]
-    sums = np.zeros((m, 3))
-    if len(pos):
-        sums[some] = np.add.reduceat(rec[:, 1:4] * inside[:, None], at, axis=0)
-    c, s, q = sums[:, 0], sums[:, 1], sums[:, 2]
-    # The ring keeps the indexes above its top's minus its slots: one this read needs
-    # may have been dropped once the top reached that far past it.
-    top = np.full(len(counts), -np.inf)
-    held = counts > 0
-    if held.any():
-        top[held] = np.maximum.reduceat(
-            np.where(flat[:, 1] != 0, flat[:, 0], -np.inf), rstart[held]
-        )
-    covered = top[tab.win_ring] - tab.win_slots < first
-    lo = np.full(m, np.inf)
-    hi = np.full(m, -np.inf)
-    if tab.shape[0] and len(pos):
-        lo[some] = np.minimum.reduceat(np.where(inside, rec[:, 4], np.inf), at)
-        hi[some] = np.maximum.reduceat(np.where(inside, rec[:, 5], -np.inf), at)
-    decayed = {}
-    if tab.shape[1]:  # each tile's sum, decayed from its end to t
-        width = tab.win_width[seg]
-        gap = np.where(inside, (rec[:, 0] + 1) * width - t[tab.win_pair][seg], -np.inf)
-        dcol = 4 + 2 * tab.shape[0]
-        for j, h in enumerate(tab.shape[1]):
-            d = np.zeros(m)
-            if len(pos):
-                d[some] = np.add.reduceat(rec[:, dcol + j] * np.exp2(gap / h), at)
-            decayed[h] = d
-    return Windows(c, s, q, covered, lo, hi, decayed)
+    halves = np.asarray(tab.shape[1], dtype=np.float64)
+    c, s, q, covered, lo, hi, dec = K.sum_windows(
+        flat,
+        offsets(counts),
+        counts,
+        tab.win_ring,
+        tab.win_pair,
+        tab.win_width,
+        tab.win_tiles,
+        tab.win_whole,
+        tab.win_slots,
+        t,
+        tab.shape[0],
+        4 + 2 * tab.shape[0],
+        halves,
+    )
+    return Windows(c, s, q, covered, lo, hi, dict(zip(tab.shape[1], dec, strict=True)))
 
 
 def finish(
