@@ -189,3 +189,19 @@ def test_a_batch_of_keys_the_store_never_saw(store: Any) -> None:
     for f in decl.specs[0].features:
         assert len(got[f.name]) == 16
     assert pd.Series(got["card_txn_count_1h"]).eq(0).all()
+
+
+def test_the_warm_up_compiles_what_serving_runs(store: Any) -> None:
+    """``C.warm`` (the service runs it as it starts) compiles every kernel for the
+    array types a served micro-batch passes: live rows, bursts and replays compile
+    nothing more, so no request pays a compilation (a second or more)."""
+    from fraud_scoring.declared import kernels as K
+
+    kernels = [K.sum_windows, K.newest_events, K.last_events, K.kept_values, K.values]
+    for decl in (_test_decl(), F.declarations()):
+        C.warm(decl)
+        compiled = [len(k.signatures) for k in kernels]
+        assert all(compiled)
+        for seed, n in ((1, 1), (2, 8), (3, 64)):
+            _both(store, decl, 12_000 + seed, n)
+        assert [len(k.signatures) for k in kernels] == compiled

@@ -347,6 +347,7 @@ class StoreRoundTrip:
         for what in ("claim", "record"):
             _writes_refused().labels(what=what)
         self._turns = Turns()
+        C.warm(F.declarations())  # the kernels compiled now, not in the first request
         self._declared_for: tuple[
             LoadedModel | None, LoadedModel | None, D.Declarations, R.RuleSet | None
         ] = (None, None, D.EMPTY, None)
