@@ -160,6 +160,17 @@ class BatchColumns:
         self._args_one: dict[tuple[int, str | None], list[tuple[int, str, int, str]]] = {}
         self._texts: dict[str | None, list[str]] = {}
 
+    def at_times(self, ts_us: Sequence[int]) -> BatchColumns:
+        """The same rows at ``ts_us`` (e.g. recorded at their effective times): this
+        batch when the times are its own, else one sharing what does not depend on the
+        times (keys, filters, groups, values), computed once per micro-batch."""
+        if list(ts_us) == list(self.ts_us):
+            return self
+        other = BatchColumns(self.rows, ts_us)
+        other._cols, other._keys, other._masks = self._cols, self._keys, self._masks
+        other._groups, other._values, other._texts = self._groups, self._values, self._texts
+        return other
+
     @cached_property
     def ids(self) -> list[str]:
         return [str(r["transaction_id"]) for r in self.rows]

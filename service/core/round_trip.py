@@ -636,7 +636,7 @@ class StoreRoundTrip:
             decl,
             batch.recorded if decl.specs else [],
             self.settings.allowed_lateness_s + DECLARED_HORIZON_S,
-            cols=D.BatchColumns(batch.rows, batch.ts_us if decl.specs else []),
+            cols=plan.cols.at_times(batch.ts_us if decl.specs else []),
             per_key=per_key,
         )
         return writes, n_session
