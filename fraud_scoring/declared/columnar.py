@@ -212,8 +212,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
         if spec.keeps_values:
             kept[s] = fields[nw + 1]
     # Stored; whole tiles end before the tile holding t: what lies ahead is never read.
-    ts_s, vs_s, ahead = W.newest_events(_flat(newest), t, ix.pair_whole)
-    n_ahead = ahead.sum(axis=1)
+    ts_s, vs_s, ahead, n_ahead = W.newest_events(_flat(newest), t, ix.pair_whole)
     exact = n_ahead < NEWEST
     # The events this micro-batch recorded in the key before t (a burst): with the
     # stored ones for the newest event and the values, added to the windows below.
@@ -229,7 +228,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     for tab in ix.tables:
         win = W.sum_windows(tab, _flat(ring_blobs[tab.shape]), t)
         wp = tab.win_pair
-        exact &= np.bincount(wp, weights=(~win.covered).astype(np.float64), minlength=pairs) == 0
+        exact &= win.uncovered == 0
         c, s_, q = win.c, win.s, win.q
         if n_ahead.any():  # a replay: later events in t's tile are not before t
             edge = (np.floor_divide(t[wp], tab.win_width) * tab.win_width)[:, None]

@@ -29,7 +29,6 @@ def _jit(fn: Callable[..., Any]) -> Any:
 @_jit
 def sum_windows(
     flat: np.ndarray,
-    rstart: np.ndarray,
     counts: np.ndarray,
     win_ring: np.ndarray,
     win_pair: np.ndarray,
@@ -45,11 +44,16 @@ def sum_windows(
     """Per window row: the count, sum and sum of squares of its ring's tiles inside the
     window (``first <= index <= end``), whether the ring still covers the window, the
     min and max (``minmax``) and each half-life's sum decayed from each tile's end to t
-    (``halves``, record columns from ``dcol``). Returns c, s, q, covered, lo, hi,
-    decayed (half-lives x window rows)."""
+    (``halves``, record columns from ``dcol``); the rings' records one ring after the
+    other (``counts`` each). Returns c, s, q, covered, lo, hi, decayed (half-lives x
+    window rows) and per pair (``t``'s) how many of its window rows are not covered."""
     m = win_ring.shape[0]
+    rstart = np.zeros(counts.shape[0], np.intp)
+    for i in range(1, counts.shape[0]):
+        rstart[i] = rstart[i - 1] + counts[i - 1]
     c, s, q = np.zeros(m), np.zeros(m), np.zeros(m)
     covered = np.empty(m, np.bool_)
+    uncovered = np.zeros(t.shape[0], np.intp)
     lo, hi = np.full(m, np.inf), np.full(m, -np.inf)
     decayed = np.zeros((halves.shape[0], m))
     for r in range(m):
@@ -75,29 +79,34 @@ def sum_windows(
                 decayed[j, r] += flat[i, dcol + j] * np.exp2(gap / halves[j])
         # The ring keeps the indexes above its top's minus its slots.
         covered[r] = top - win_slots[r] < first
-    return c, s, q, covered, lo, hi, decayed
+        if not covered[r]:
+            uncovered[win_pair[r]] += 1
+    return c, s, q, covered, lo, hi, decayed, uncovered
 
 
 @_jit
 def newest_events(
     flat: np.ndarray, counts: np.ndarray, newest: int, t: np.ndarray, whole: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Each pair's first ``newest`` stored events (``flat``: (time, value) records, each
     pair's ``counts`` of them one after the other) as (pairs, newest) arrays of times
-    (-inf: none) and values (0), and which lie at or after the pair's t where its state
-    reads the tile holding t (``~whole``)."""
+    (-inf: none) and values (0), which lie at or after the pair's t where its state
+    reads the tile holding t (``~whole``), and how many do per pair."""
     pairs = counts.shape[0]
     ts = np.full((pairs, newest), -np.inf)
     vs = np.zeros((pairs, newest))
     ahead = np.zeros((pairs, newest), np.bool_)
+    n_ahead = np.zeros(pairs, np.intp)
     at = 0
     for p in range(pairs):
         for k in range(min(counts[p], newest)):
             ts[p, k] = flat[at + k, 0]
             vs[p, k] = flat[at + k, 1]
-            ahead[p, k] = ts[p, k] >= t[p] and not whole[p]
+            if ts[p, k] >= t[p] and not whole[p]:
+                ahead[p, k] = True
+                n_ahead[p] += 1
         at += counts[p]
-    return ts, vs, ahead
+    return ts, vs, ahead, n_ahead
 
 
 @_jit

@@ -249,11 +249,11 @@ def expand(counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 def newest_events(
     blobs: list[bytes], t: np.ndarray, whole: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The newest events of each pair as (pairs, NEWEST) arrays of times (µs; -inf:
-    none) and values, left-aligned in time order (a blob holds at most NEWEST), and
-    which of them lie at or after the pair's t ``t`` in a state that reads the tile
-    holding t (``whole`` False)."""
+    none) and values, left-aligned in time order (a blob holds at most NEWEST), which
+    of them lie at or after the pair's t ``t`` in a state that reads the tile holding t
+    (``whole`` False), and how many do per pair."""
     flat, counts = records(blobs, 2)
     return K.newest_events(flat, counts, NEWEST, t, whole)  # type: ignore[no-any-return]
 
@@ -276,6 +276,7 @@ class Windows:
     lo: np.ndarray  # min (inf: none)
     hi: np.ndarray  # max (-inf: none)
     decayed: dict[int, np.ndarray]  # per half-life (µs): the sum decayed to t
+    uncovered: np.ndarray  # per pair: its window rows the rings no longer cover
 
 
 def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
@@ -283,9 +284,8 @@ def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
     of each pair's t (``t``): :func:`fraud_scoring.declared.kernels.sum_windows`."""
     flat, counts = records(blobs, tile_doubles(tab.shape))
     halves = np.asarray(tab.shape[1], dtype=np.float64)
-    c, s, q, covered, lo, hi, dec = K.sum_windows(
+    c, s, q, covered, lo, hi, dec, uncovered = K.sum_windows(
         flat,
-        offsets(counts),
         counts,
         tab.win_ring,
         tab.win_pair,
@@ -298,7 +298,8 @@ def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
         4 + 2 * tab.shape[0],
         halves,
     )
-    return Windows(c, s, q, covered, lo, hi, dict(zip(tab.shape[1], dec, strict=True)))
+    decayed = dict(zip(tab.shape[1], dec, strict=True))
+    return Windows(c, s, q, covered, lo, hi, decayed, uncovered)
 
 
 def finish(
