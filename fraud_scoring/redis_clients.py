@@ -150,8 +150,16 @@ def async_client(url: str, **kwargs: Any) -> Any:
 
 def is_cluster_pipeline(pipe: Any) -> bool:
     """Whether ``pipe`` (sync or asyncio) sends to a Redis Cluster, where one command's
-    keys must share a slot."""
-    return isinstance(pipe, (ClusterPipeline, AsyncClusterPipeline))
+    keys must share a slot. Answered once per type: redis-py's pipelines are typing
+    protocols, whose ``isinstance`` costs microseconds on every micro-batch."""
+    kind = type(pipe)
+    got = _CLUSTER_PIPELINE.get(kind)
+    if got is None:
+        got = _CLUSTER_PIPELINE[kind] = issubclass(kind, (ClusterPipeline, AsyncClusterPipeline))
+    return got
+
+
+_CLUSTER_PIPELINE: dict[type, bool] = {}
 
 
 def drop_connections(client: Any) -> None:
