@@ -152,6 +152,21 @@ def kept_values(flat: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 @_jit
+def _add_distinct(seen: np.ndarray, held: int, v: float) -> int:
+    """Insert ``v`` into ``seen[:held]`` (the distinct values so far, in order) unless it
+    is there; returns how many are held. No allocation: a row holds a few dozen."""
+    at = held
+    while at > 0 and seen[at - 1] > v:
+        at -= 1
+    if at > 0 and seen[at - 1] == v:
+        return held
+    for j in range(held, at, -1):
+        seen[j] = seen[j - 1]
+    seen[at] = v
+    return held + 1
+
+
+@_jit
 def values(
     tn: np.ndarray,
     vn: np.ndarray,
@@ -182,25 +197,17 @@ def values(
             x = tn[p, k]
             if x < tv:
                 if x >= start_tile and not math.isnan(vn[p, k]):
-                    seen[held] = vn[p, k]
-                    held += 1
+                    held = _add_distinct(seen, held, vn[p, k])
                 if x >= start and x > latest:
                     latest = x
         for k in range(tk.shape[1]):
             x = tk[kr, k]
             if x < tv:
                 if x >= start_tile and not math.isnan(ck[kr, k]):
-                    seen[held] = ck[kr, k]
-                    held += 1
+                    held = _add_distinct(seen, held, ck[kr, k])
                 if x >= start and x > latest:
                     latest = x
-        if held:
-            got = np.sort(seen[:held])
-            n = 1
-            for k in range(1, held):
-                if got[k] != got[k - 1]:
-                    n += 1
-            distinct[r] = n
+        distinct[r] = held
         mine = own[kr]
         if latest == -np.inf or math.isnan(mine):
             continue

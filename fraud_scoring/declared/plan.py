@@ -311,9 +311,11 @@ def _empty(v: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=1 << 16)  # merchants, countries and cards recur
+@functools.lru_cache(maxsize=1 << 16, typed=True)  # 1 and 1.0 are "1" and "1.0"
 def value_code(v: Any) -> float:
     """A categorical value as the number a state records: 48 bits of its BLAKE2b hash
-    (exact in a double; two values share a code with probability ~2**-48 per pair)."""
+    (exact in a double; two values share a code with probability ~2**-48 per pair).
+    The codes of recent values are kept (a busy merchant's, a country's)."""
     digest = hashlib.blake2b(str(v).encode(), digest_size=6).digest()
     return float(int.from_bytes(digest, "big"))
 

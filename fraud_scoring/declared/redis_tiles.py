@@ -319,7 +319,7 @@ class BatchColumns:
         ]
 
 
-@functools.lru_cache(maxsize=1 << 16)  # merchants, countries and cards recur
+@functools.lru_cache(maxsize=1 << 16, typed=True)  # merchants, countries, cards recur
 def _code_text(v: Any) -> str:
     return repr(value_code(v))
 
