@@ -269,8 +269,9 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
         exact[st * n + i] = _by_row(plan, writes, reads, ts_us, st, i, cols)
     inexact: dict[int, list[str]] = {}
     if not exact.all():
+        names = [spec.feature_names() for spec in comp.specs]
         for p in np.flatnonzero(~exact).tolist():
-            inexact.setdefault(p % n, []).extend(comp.specs[p // n].feature_names())
+            inexact.setdefault(p % n, []).extend(names[p // n])
     return Read(cols, int(pairs - exact.sum()), inexact)
 
 
