@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -299,8 +300,14 @@ class Declarations:
                 todo += [x.id for x in ast.walk(tree) if isinstance(x, ast.Name)]
         return out
 
-    def defaults(self) -> dict[str, float]:
-        return {f.name: f.fallback for s in self.specs for f in s.features}
+    def defaults(self) -> Mapping[str, float]:
+        """Each aggregation's value without a key (read-only; kept: every micro-batch
+        asks)."""
+        return self._defaults
+
+    @cached_property
+    def _defaults(self) -> Mapping[str, float]:
+        return MappingProxyType({f.name: f.fallback for s in self.specs for f in s.features})
 
 
 EMPTY = Declarations((), (), "nothing declared")
