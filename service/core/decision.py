@@ -86,16 +86,23 @@ def features_read() -> frozenset[str]:
 def fired(cols: Mapping[str, npt.ArrayLike], n: int, rules: bool = False) -> list[list[Indicator]]:
     """The reasons that fire on each of ``n`` rows (``rules``: the rules-only ones), as
     :meth:`Indicator.fires` says (one whose features are not all in ``cols`` never
-    does), the conditions of those that can compiled together once (:func:`_conditions`)."""
-    inds = tuple(i for i in indicators() if (i.rules or not rules) and set(i.reads) <= cols.keys())
+    does), the conditions of those that can compiled together once (:func:`_firing`)."""
+    inds, program = _firing(indicators(), frozenset(cols), rules)
     if not inds:
         return [[] for _ in range(n)]
-    masks = _conditions(tuple(i.decl.when for i in inds))(cols, n)
+    masks = program(cols, n)
     rows: list[list[bool]] = masks.T.tolist()  # per row, whether each fires
     return [[i for i, hit in zip(inds, row, strict=True) if hit] for row in rows]
 
 
-_conditions = functools.lru_cache(maxsize=16)(R.conditions)
+@functools.lru_cache(maxsize=16)  # the same few sets of columns, micro-batch after batch
+def _firing(
+    every: tuple[Indicator, ...], given: frozenset[str], rules: bool
+) -> tuple[tuple[Indicator, ...], Any]:
+    """The indicators that can fire with the columns ``given`` (``rules``: the rules-only
+    ones) and their conditions compiled together."""
+    inds = tuple(i for i in every if (i.rules or not rules) and set(i.reads) <= given)
+    return inds, (R.conditions(tuple(i.decl.when for i in inds)) if inds else None)
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,13 @@ class Verdict:
     shadow: list[Reason]  # the shadow rules that matched
 
 
+def _per_row(x: npt.ArrayLike, n: int) -> np.ndarray:
+    """``x`` (a value or one per row) as one float64 per row (``broadcast_to`` costs more
+    than the rest of a micro-batch of one's decision)."""
+    a = np.asarray(x, dtype=np.float64)
+    return a if a.shape == (n,) else np.full(n, a)
+
+
 class Verdicts:
     """A micro-batch's decisions by the documented order, vectorized: allow rules, then
     decline rules, then the model's decline threshold, then review rules, then the
@@ -146,8 +160,8 @@ class Verdicts:
     ) -> None:
         self.rules, self.masks, self.scores = tuple(rules), masks, scores
         self._plan = _plan(self.rules)
-        self.review_th = np.broadcast_to(np.asarray(review_th, dtype=np.float64), (n,))
-        self.decline_th = np.broadcast_to(np.asarray(decline_th, dtype=np.float64), (n,))
+        self.review_th = _per_row(review_th, n)
+        self.decline_th = _per_row(decline_th, n)
         self.code = np.full(n, APPROVE, dtype=np.int8)
         self.decider = np.full(n, -1, dtype=np.int64)  # the deciding rule; -1: the model
         self._open = np.ones(n, dtype=bool)
