@@ -167,6 +167,39 @@ def _add_distinct(seen: np.ndarray, held: int, v: float) -> int:
 
 
 @_jit
+def _scan(
+    ts: np.ndarray,
+    vs: np.ndarray,
+    row: int,
+    tv: float,
+    start_tile: float,
+    start: float,
+    seen: np.ndarray,
+    held: int,
+    latest: float,
+) -> tuple[int, float]:
+    """Row ``row`` of ``ts``/``vs`` before ``tv``: its values from ``start_tile`` on added
+    to the distinct ones in ``seen[:held]``, and the newest time from ``start`` on."""
+    for k in range(ts.shape[1]):
+        x = ts[row, k]
+        if x < tv:
+            if x >= start_tile and not math.isnan(vs[row, k]):
+                held = _add_distinct(seen, held, vs[row, k])
+            if x >= start and x > latest:
+                latest = x
+    return held, latest
+
+
+@_jit
+def _holds(ts: np.ndarray, vs: np.ndarray, row: int, at: float, v: float) -> bool:
+    """Whether row ``row`` holds value ``v`` at time ``at``."""
+    for k in range(ts.shape[1]):  # noqa: SIM110 (numba compiles loops, not generators)
+        if ts[row, k] == at and vs[row, k] == v:
+            return True
+    return False
+
+
+@_jit
 def values(
     tn: np.ndarray,
     vn: np.ndarray,
@@ -192,31 +225,12 @@ def values(
         p, kr, tv, width = vp[r], vk[r], t[vp[r]], val_width[r]
         start_tile = (tv // width - val_tiles[r]) * width
         start = tv - val_us[r]
-        held, latest = 0, -np.inf
-        for k in range(tn.shape[1]):
-            x = tn[p, k]
-            if x < tv:
-                if x >= start_tile and not math.isnan(vn[p, k]):
-                    held = _add_distinct(seen, held, vn[p, k])
-                if x >= start and x > latest:
-                    latest = x
-        for k in range(tk.shape[1]):
-            x = tk[kr, k]
-            if x < tv:
-                if x >= start_tile and not math.isnan(ck[kr, k]):
-                    held = _add_distinct(seen, held, ck[kr, k])
-                if x >= start and x > latest:
-                    latest = x
+        held, latest = _scan(tn, vn, p, tv, start_tile, start, seen, 0, -np.inf)
+        held, latest = _scan(tk, ck, kr, tv, start_tile, start, seen, held, latest)
         distinct[r] = held
         mine = own[kr]
         if latest == -np.inf or math.isnan(mine):
             continue
-        same = False
-        for k in range(tn.shape[1]):
-            if tn[p, k] == latest and vn[p, k] == mine:
-                same = True
-        for k in range(tk.shape[1]):
-            if tk[kr, k] == latest and ck[kr, k] == mine:
-                same = True
+        same = _holds(tn, vn, p, latest, mine) or _holds(tk, ck, kr, latest, mine)
         changed[r] = 0.0 if same else 1.0
     return distinct, changed
