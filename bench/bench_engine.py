@@ -7,6 +7,7 @@ landed commit before the columnar path: the reference) in the same run, batch by
 interleaved.
 
     python -m bench.bench_engine [--batches 300] [--sizes 1,8,64] [--cards 2000]
+        [--baseline REF [--rounds 2]]
 
 The store (an embedded Redis-protocol server unless ``REDIS_URL``) holds two days of
 history for ``--cards`` cards, 200 merchants and 500 devices. *live*: transactions just
@@ -17,12 +18,20 @@ turning the replies into the declared columns; process CPU time, so Redis's own 
 and the wait are not in it), the transport's (``redis-py``: packing the commands and
 parsing the replies, the same for both paths), and the goal: engine <= 15 us at 64 and
 <= 150 us at 1 (issue 37).
+
+``--baseline REF``: the same benchmark of commit REF (a temporary git worktree) and of
+this checkout, each in a process of its own, alternated ``--rounds`` times; per row both
+columnar figures and how much faster this checkout's is once each is divided by its own
+run's row-by-row figure (the same code in both: what a noisy machine did to one run cancels
+out).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -143,7 +152,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=300)
     ap.add_argument("--sizes", default="1,8,64")
     ap.add_argument("--cards", type=int, default=2000)
+    ap.add_argument("--baseline", metavar="REF", help="also run commit REF's, alternated")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations with --baseline")
     args = ap.parse_args()
+    if args.baseline:
+        own = ["--batches", str(args.batches), "--sizes", args.sizes, "--cards", str(args.cards)]
+        against(args.baseline, own, args.rounds)
+        return
     decl = declarations()
     print(f"{len(decl.specs)} declared states, {len(decl.aggregate_names())} features")
     fns = {"columnar": run_columnar, "row-by-row (2ec2c63)": run_rows}
@@ -174,6 +189,41 @@ def main() -> None:
                     f"{mode:>6} {size:>5} | {col:>15.1f} {ref:>10.1f} {ref / col:>5.1f}x | "
                     f"{tr:>15.1f} | {verdict}"
                 )
+
+
+def against(ref: str, own_args: list[str], rounds: int) -> None:
+    """This benchmark of ``ref`` and of this checkout, alternated ``rounds`` times."""
+    from bench.bench_http import ROOT, worktree
+
+    rows: dict[str, dict[tuple[str, str], list[tuple[float, float]]]] = {ref: {}, "now": {}}
+    with worktree(ref) as tree:
+        for r in range(rounds):
+            for name, where in ((ref, tree), ("now", ROOT)):
+                env = {**os.environ, "PYTHONPATH": str(where)}
+                out = subprocess.run(
+                    [sys.executable, "-m", "bench.bench_engine", *own_args],
+                    cwd=where, env=env, capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+                print(f"-- round {r + 1}, {name}:\n{out}", flush=True)
+                for line in out.splitlines():
+                    part = line.split("|")
+                    if len(part) >= 3 and part[0].split()[:1] in (["live"], ["replay"]):
+                        mode, size = part[0].split()
+                        col, ref_rows = part[1].split()[:2]
+                        rows[name].setdefault((mode, size), []).append(
+                            (float(col), float(ref_rows))
+                        )
+    print(f"columnar us/txn, {ref} -> this checkout; faster: each divided by its run's row-by-row")
+    for key, now in rows["now"].items():
+        was = rows[ref].get(key, [])
+        if not was:
+            continue
+        speed = [(b[0] / b[1]) / (a[0] / a[1]) for a, b in zip(now, was, strict=False)]
+        print(
+            f"{key[0]:>6} {key[1]:>5} | "
+            f"{' '.join(f'{b[0]:.0f}' for b in was)} -> {' '.join(f'{a[0]:.0f}' for a in now)} | "
+            f"faster {' '.join(f'{x:.2f}x' for x in speed)}"
+        )
 
 
 class _given:
