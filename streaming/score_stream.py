@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import random
 import time
@@ -46,6 +45,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from pydantic_core import to_json
 
 from fraud_scoring.event_log import LogRecord, LogUnavailable, Producer
 from fraud_scoring.events import Transaction
@@ -361,7 +362,8 @@ class ScoreStream:
             records = [
                 LogRecord(
                     t.transaction_id,
-                    json.dumps({**out, "source": source_ref(m.ref)}).encode(),
+                    # pydantic-core's encoder (~4x json.dumps here); NaN as json writes it
+                    to_json({**out, "source": source_ref(m.ref)}, inf_nan_mode="constants"),
                 )
                 for m, t, out in batch
             ]

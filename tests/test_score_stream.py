@@ -144,12 +144,23 @@ def same_state(a: dict[bytes, Any], b: dict[bytes, Any]) -> None:
                 )
 
 
-def same_decision(a: dict[str, Any], b: dict[str, Any]) -> None:
+def same_decision(a: dict[str, Any], b: dict[str, Any], *, replayed: bool = False) -> None:
+    """``a`` and ``b`` are the same decision. ``replayed``: ``a`` decided again later (a
+    moved partition or a restart replays what its owner decided but had not committed;
+    answered from the id's kept answer, or, when the owner died before keeping it, scored
+    again): scored again seconds later, behind keys that took more events since (a busy
+    merchant), its reads may be flagged inexact where the first were not, never the
+    reverse."""
     assert a["transaction_id"] == b["transaction_id"]
     assert a["decision"] == b["decision"], (a, b)
     assert [r["code"] for r in a["reasons"]] == [r["code"] for r in b["reasons"]], (a, b)
     assert a["model_version"] == b["model_version"]
-    assert a["features"] == b["features"]
+    if replayed:
+        fa, fb = dict(a["features"]), dict(b["features"])
+        assert set(fb.pop("inexact", [])) <= set(fa.pop("inexact", [])), (a, b)
+        assert fa == fb
+    else:
+        assert a["features"] == b["features"]
     assert a["degraded"] == b["degraded"]
     assert a["score"] == pytest.approx(b["score"], rel=1e-5, abs=1e-7)
 
@@ -571,7 +582,7 @@ def test_kafka_rebalance_a_consumer_joins_one_is_killed_and_restarts(
     assert twice, "no transaction decided twice: no rebalance or kill replayed anything"
     for values in twice.values():
         for d in values[1:]:
-            same_decision(d, values[0])
+            same_decision(d, values[0], replayed=True)
             assert d["source"] == values[0]["source"]  # the same event read again
     assert decision_log_ids(url) == Counter({t["transaction_id"]: 1 for t in txns})
     committed, ends = offsets(kafka_bootstrap, group, topic)
@@ -775,7 +786,7 @@ def test_kafka_broker_gone_then_back_keeps_running_and_decides_everything(
     assert sorted(per_key) == sorted(t["transaction_id"] for t in txns)
     for values in per_key.values():
         for d in values[1:]:
-            same_decision(d, values[0])
+            same_decision(d, values[0], replayed=True)
     assert committed == ends and sum(ends) == len(txns)
     assert decision_log_ids(url) == Counter({t["transaction_id"]: 1 for t in txns})
     assert "score-stream stopping" in log.read_text()
@@ -992,7 +1003,7 @@ def test_kafka_output_broker_gone_commits_nothing_pauses_then_decides_everything
     assert sorted(per_key) == sorted(t["transaction_id"] for t in txns)
     for values in per_key.values():
         for d in values[1:]:
-            same_decision(d, values[0])
+            same_decision(d, values[0], replayed=True)
     assert decision_log_ids(url) == Counter({t["transaction_id"]: 1 for t in txns})
     summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln][-1]
     assert f"in flight at most {bound};" in summary, summary
