@@ -42,17 +42,16 @@ def sum_windows(
     halves: np.ndarray,
 ) -> tuple[np.ndarray, ...]:
     """Per window row: the count, sum and sum of squares of its ring's tiles inside the
-    window (``first <= index <= end``), whether the ring still covers the window, the
-    min and max (``minmax``) and each half-life's sum decayed from each tile's end to t
-    (``halves``, record columns from ``dcol``); the rings' records one ring after the
-    other (``counts`` each). Returns c, s, q, covered, lo, hi, decayed (half-lives x
-    window rows) and per pair (``t``'s) how many of its window rows are not covered."""
+    window (``first <= index <= end``), the min and max (``minmax``) and each
+    half-life's sum decayed from each tile's end to t (``halves``, record columns from
+    ``dcol``); the rings' records one ring after the other (``counts`` each). Returns c,
+    s, q, lo, hi, decayed (half-lives x window rows) and per pair (``t``'s) how many of
+    its window rows its ring no longer covers."""
     m = win_ring.shape[0]
     rstart = np.zeros(counts.shape[0], np.intp)
     for i in range(1, counts.shape[0]):
         rstart[i] = rstart[i - 1] + counts[i - 1]
     c, s, q = np.zeros(m), np.zeros(m), np.zeros(m)
-    covered = np.empty(m, np.bool_)
     uncovered = np.zeros(t.shape[0], np.intp)
     lo, hi = np.full(m, np.inf), np.full(m, -np.inf)
     decayed = np.zeros((halves.shape[0], m))
@@ -78,10 +77,9 @@ def sum_windows(
                 gap = (at + 1) * width - tp
                 decayed[j, r] += flat[i, dcol + j] * np.exp2(gap / halves[j])
         # The ring keeps the indexes above its top's minus its slots.
-        covered[r] = top - win_slots[r] < first
-        if not covered[r]:
+        if top - win_slots[r] >= first:
             uncovered[win_pair[r]] += 1
-    return c, s, q, covered, lo, hi, decayed, uncovered
+    return c, s, q, lo, hi, decayed, uncovered
 
 
 @_jit

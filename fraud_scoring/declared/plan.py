@@ -317,12 +317,11 @@ def _empty(v: Any) -> bool:
     return v is None or v != v or v == ""
 
 
-@functools.lru_cache(maxsize=1 << 16)  # merchants, countries and cards recur
-@functools.lru_cache(maxsize=1 << 16, typed=True)  # 1 and 1.0 are "1" and "1.0"
+# Merchants, countries and cards recur; typed: 1 and 1.0 are "1" and "1.0".
+@functools.lru_cache(maxsize=1 << 16, typed=True)
 def value_code(v: Any) -> float:
     """A categorical value as the number a state records: 48 bits of its BLAKE2b hash
-    (exact in a double; two values share a code with probability ~2**-48 per pair).
-    The codes of recent values are kept (a busy merchant's, a country's)."""
+    (exact in a double; two values share a code with probability ~2**-48 per pair)."""
     digest = hashlib.blake2b(str(v).encode(), digest_size=6).digest()
     return float(int.from_bytes(digest, "big"))
 

@@ -272,7 +272,6 @@ class Windows:
     c: np.ndarray
     s: np.ndarray
     q: np.ndarray
-    covered: np.ndarray
     lo: np.ndarray  # min (inf: none)
     hi: np.ndarray  # max (-inf: none)
     decayed: dict[int, np.ndarray]  # per half-life (µs): the sum decayed to t
@@ -284,7 +283,7 @@ def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
     of each pair's t (``t``): :func:`fraud_scoring.declared.kernels.sum_windows`."""
     flat, counts = records(blobs, tile_doubles(tab.shape))
     halves = np.asarray(tab.shape[1], dtype=np.float64)
-    c, s, q, covered, lo, hi, dec, uncovered = K.sum_windows(
+    c, s, q, lo, hi, dec, uncovered = K.sum_windows(
         flat,
         counts,
         tab.win_ring,
@@ -299,7 +298,7 @@ def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
         halves,
     )
     decayed = dict(zip(tab.shape[1], dec, strict=True))
-    return Windows(c, s, q, covered, lo, hi, decayed, uncovered)
+    return Windows(c, s, q, lo, hi, decayed, uncovered)
 
 
 def finish(
