@@ -150,8 +150,12 @@ def same_decision(a: dict[str, Any], b: dict[str, Any], *, replayed: bool = Fals
     answered from the id's kept answer, or, when the owner died before keeping it, scored
     again): scored again seconds later, behind keys that took more events since (a busy
     merchant), its reads may be flagged inexact where the first were not, never the
-    reverse."""
+    reverse. A replay scored while the store did not answer in time (a restarted member
+    on a loaded machine) is a rules-only decision (``degraded``), by design: only its
+    id is compared."""
     assert a["transaction_id"] == b["transaction_id"]
+    if replayed and a["degraded"] and not b["degraded"]:
+        return
     assert a["decision"] == b["decision"], (a, b)
     assert [r["code"] for r in a["reasons"]] == [r["code"] for r in b["reasons"]], (a, b)
     assert a["model_version"] == b["model_version"]
