@@ -589,7 +589,7 @@ def test_a_burst_split_across_batches_in_flight_sees_its_earlier_attempts(
 def test_turns_pass_in_the_order_taken() -> None:
     """A later batch's round trip waits for the earlier one's even when it is ready
     first; a failed or cancelled batch passes its turn on (once the earlier has)."""
-    from service.core.round_trip import Turns
+    from service.core.turns import Turns
 
     async def run() -> list[str]:
         turns, done, claimed = Turns(), [], asyncio.Event()

@@ -21,7 +21,8 @@ from typing import Any
 
 from fraud_scoring.events import Transaction
 from fraud_scoring.redis_clients import STORE_ERRORS
-from fraud_scoring.session import to_us
+from fraud_scoring.session import events_key, to_us
+from service.core.store_health import FeatureStoreUnavailable, write_refused
 
 SEP = "\x1e"  # between the content and the answer in one value
 
@@ -75,15 +76,79 @@ class Claim:
     reused: IdReused | None = None
 
 
-def queue_claims(pipe: Any, txns: Sequence[Transaction], ttl_s: int) -> list[str]:
-    """Queue one claim per transaction; returns the encoded contents (for
-    :func:`outcome` and :func:`queue_answers`)."""
-    out = []
-    for t in txns:
-        c = encode(content(t))
-        pipe.execute_command("SET", key(t.transaction_id), c, "NX", "GET", "EX", ttl_s)
-        out.append(c)
-    return out
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A recorded transaction's claim and its encoded content (for :func:`queue_answers`)."""
+
+    claim: Claim
+    content: str
+
+
+@dataclass(frozen=True)
+class Claiming:
+    """The claims a micro-batch's round trip carries (:func:`queue_claims`)."""
+
+    asked: list[Transaction]  # the transactions claimed, in batch order
+    cards: list[str]  # their cards, whose newest recorded time is read first
+    contents: list[str]  # each claim's content (:func:`outcome`)
+    claims: bool  # whether ids are claimed at all (FRAUD_IDEMPOTENCY_TTL_S > 0)
+
+
+def queue_claims(
+    pipe: Any, txns: Sequence[Transaction], recorded: Sequence[bool], ttl_s: int, *, bounded: bool
+) -> Claiming | None:
+    """Queue the claims of the ids of the transactions a micro-batch records (``ttl_s``
+    <= 0: none) and, with a live event-time bound (``bounded``), the reads of the newest
+    recorded event time of their cards (:func:`fraud_scoring.session.effective_times`,
+    which moves backdated attempts); None: nothing to claim or read."""
+    if not any(recorded) or (ttl_s <= 0 and not bounded):
+        return None
+    asked = [t for t, r in zip(txns, recorded, strict=True) if r]
+    cards = list(dict.fromkeys(t.card_id for t in asked)) if bounded else []
+    for card in cards:
+        pipe.execute_command("ZREVRANGE", events_key(card), 0, 0, "WITHSCORES")
+    contents = []
+    if ttl_s > 0:
+        for t in asked:
+            c = encode(content(t))
+            pipe.execute_command("SET", key(t.transaction_id), c, "NX", "GET", "EX", ttl_s)
+            contents.append(c)
+    return Claiming(asked, cards, contents, ttl_s > 0)
+
+
+def claimed(
+    claiming: Claiming, replies: Sequence[Any], recorded: Sequence[bool]
+) -> tuple[list[Claimed | None] | None, dict[str, int], list[Any]]:
+    """From the replies to :func:`queue_claims`'s commands: per transaction its claim
+    (None: not recorded, or the store refused the claim; the list None: no claims were
+    made), the cards' newest recorded times (µs), and the store's refusals (a full
+    store still decides: those transactions are not recorded). Raises
+    :class:`FeatureStoreUnavailable` when a read or claim failed otherwise."""
+    cards = claiming.cards
+    newest: dict[str, int] = {}
+    for card, top in zip(cards, replies, strict=False):
+        if isinstance(top, Exception):
+            raise FeatureStoreUnavailable("feature store unavailable: a read failed")
+        if top:
+            newest[card] = int(float(top[1]))
+    if not claiming.claims:
+        return None, newest, []
+    got = iter(zip(claiming.asked, claiming.contents, replies[len(cards) :], strict=True))
+    out: list[Claimed | None] = []
+    refused: list[Any] = []
+    for r in recorded:
+        if not r:
+            out.append(None)
+            continue
+        t, c, reply = next(got)
+        if write_refused(reply):
+            refused.append(reply)
+            out.append(None)
+            continue
+        if isinstance(reply, Exception):
+            raise FeatureStoreUnavailable("feature store unavailable: a claim failed")
+        out.append(Claimed(outcome(t, c, reply), c))
+    return out, newest, refused
 
 
 def outcome(txn: Transaction, mine: str, reply: Any) -> Claim:

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,7 @@ from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.rules import RulesHolder
 from service.core.store_health import FeatureStoreUnavailable, StoreHealth, write_refused
+from service.core.turns import Turns
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -110,12 +110,6 @@ def id_reused() -> Counter:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    claim: idempotency.Claim
-    content: str
-
-
 @dataclass(frozen=True)
 class _Batch:
     """A micro-batch's transactions as the round trip reads and records them (their
@@ -136,16 +130,6 @@ class _Batch:
             if r:
                 by_card.setdefault(t.card_id, []).append(session.to_session_event(t))
         return cls(txns, recorded, [session.to_us(t.event_time) for t in txns], by_card, rows)
-
-
-@dataclass(frozen=True)
-class _Claiming:
-    """The claims a round trip carries (:meth:`Scorer._queue_claims`), after its reads."""
-
-    asked: list[Transaction]  # the transactions claimed, in batch order
-    cards: list[str]  # their cards, whose newest recorded time is read first
-    contents: list[str]  # each claim's content (idempotency.outcome)
-    claims: bool  # whether ids are claimed at all (FRAUD_IDEMPOTENCY_TTL_S > 0)
 
 
 # A micro-batch's features: the columns, per row the missing and stale batch features,
@@ -225,84 +209,6 @@ class _Commands(list[tuple[Any, ...]]):
 
     def execute_command(self, *args: Any, **options: Any) -> None:
         self.append(args)
-
-
-# Per turn (its own future), the writes it sent on a held connection, once sent (None:
-# not on one, or failed first): what the next batch may follow (Turns.wait).
-_SENT: weakref.WeakKeyDictionary[asyncio.Future[None], asyncio.Future[Rest | None]] = (
-    weakref.WeakKeyDictionary()
-)
-# The turns a later batch waits on to follow (Turns.wait): their batch lets it run once sent.
-_AWAITED: weakref.WeakSet[asyncio.Future[None]] = weakref.WeakSet()
-
-
-class Turns:
-    """The order of the micro-batches' store round trips. Batches in flight at once
-    (``FRAUD_BATCHES_IN_FLIGHT``) send their round trips one after another in the order
-    they formed: a batch's reads see every earlier batch's recording, so a burst split
-    across two batches counts its earlier attempts, as with one batch at a time. On one
-    server a batch sends its round trip as soon as the previous batch has sent its
-    writes, on the same connection behind them (:meth:`Rest.follow`: the server runs
-    one connection's commands in order), while that batch is still deciding; otherwise
-    (a Cluster, a failed batch, writes whose replies were read already) it waits for the
-    previous batch to have read its writes' replies (which it does after its decisions:
-    :meth:`Scorer._written`)."""
-
-    def __init__(self) -> None:
-        self._last: asyncio.Future[None] | None = None
-
-    def take(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
-        """This batch's turn: (the previous batch's, to wait for; its own, to pass on)."""
-        loop = asyncio.get_running_loop()
-        prev, mine = self._last, loop.create_future()
-        _SENT[mine] = loop.create_future()
-        self._last = mine
-        return prev, mine
-
-    @staticmethod
-    async def wait(prev: asyncio.Future[None] | None) -> Rest | None:
-        """Until this batch may send its round trip: the previous batch's turn passed
-        (None), or its writes sent on a held connection (their :class:`Rest`, to follow)."""
-        if prev is None or prev.done():
-            return None
-        sent = _SENT.get(prev)
-        if sent is not None:  # asyncio.wait cancels neither when we are cancelled
-            _AWAITED.add(prev)
-            await asyncio.wait((sent, prev), return_when=asyncio.FIRST_COMPLETED)
-            if not prev.done() and sent.done() and sent.result() is not None:
-                return sent.result()
-        await Turns.passed(prev)
-        return None
-
-    @staticmethod
-    async def passed(prev: asyncio.Future[None] | None) -> None:
-        """Until the previous batch's turn has passed on."""
-        if prev is not None and not prev.done():
-            await asyncio.shield(prev)  # our cancellation must not end theirs
-
-    @staticmethod
-    def sent(turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]], rest: Any) -> bool:
-        """This batch's writes are sent (``rest``: their replies to come; followed only
-        on a held connection). Returns whether a later batch waits to follow them."""
-        got = _SENT.get(turn[1])
-        if got is None or got.done():
-            return False
-        waiting = isinstance(rest, Rest) and turn[1] in _AWAITED
-        got.set_result(rest if isinstance(rest, Rest) else None)
-        return waiting
-
-    @staticmethod
-    def done(turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]) -> None:
-        """Pass the turn on: now, or (a batch that failed or was cancelled before its
-        round trip) once the previous batch's has passed it on."""
-        prev, mine = turn
-        Turns.sent(turn, None)  # a batch that never sent its writes: nothing to follow
-        if mine.done():
-            return
-        if prev is None or prev.done():
-            mine.set_result(None)
-        else:
-            prev.add_done_callback(lambda _: None if mine.done() else mine.set_result(None))
 
 
 def declared_reads(
@@ -388,11 +294,11 @@ class StoreRoundTrip:
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]] | None,
         *,
         claim: bool,
-    ) -> tuple[_Features, Pending, list[Claimed | None] | None]:
+    ) -> tuple[_Features, Pending, list[idempotency.Claimed | None] | None]:
         """:meth:`read_features`, returning once the reads' replies are in and parsed,
         with the batch's writes still running on the server (:class:`Pending`:
         :meth:`_written` waits for them and passes the turn on). ``claim``: the same round
-        trip claims the ids of the transactions it records (:meth:`_claimed`; returned,
+        trip claims the ids of the transactions it records (:func:`idempotency.claimed`; returned,
         None when nothing was claimed), and only those it records. A batch whose features
         need the writes' replies (attempts of one key in it) waits for them first."""
         if self.health is not None:
@@ -526,9 +432,9 @@ class StoreRoundTrip:
         turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]],
         claim: bool,
         *,
-        again: list[Claimed | None] | None = None,
+        again: list[idempotency.Claimed | None] | None = None,
         follow: Rest | None = None,
-    ) -> tuple[Pending, list[Claimed | None] | None]:
+    ) -> tuple[Pending, list[idempotency.Claimed | None] | None]:
         """The batch's round trip: the reads (batch features, declared keys, lists) and
         the claims, then, on the same connection once their replies are in, the writes
         (the card's history, the declared keys) of the transactions it records: a retry
@@ -553,7 +459,15 @@ class StoreRoundTrip:
         plan = C.queue_reads(pipe, decl, D.BatchColumns(rows, ts_us if decl.specs else []))
         reads_end = len(pipe)
         recorded = self._to_record(txns, record)
-        claiming = self._queue_claims(pipe, txns, recorded) if claim and again is None else None
+        claiming = None
+        if claim and again is None:
+            claiming = idempotency.queue_claims(
+                pipe,
+                txns,
+                recorded,
+                self.settings.idempotency_ttl_s,
+                bounded=self.settings.max_event_skew_s > 0,
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.redis_timeout_s
         try:
@@ -567,7 +481,9 @@ class StoreRoundTrip:
         try:
             claims, newest = again, dict[str, int]()
             if claiming is not None:
-                claims, newest = self._claimed(claiming, head[reads_end:], recorded)
+                claims, newest, refused = idempotency.claimed(claiming, head[reads_end:], recorded)
+                if refused:
+                    self._refused("claim", refused[0], len(refused))
             if claims is not None:
                 # A reused id records nothing, nor does a retry of an answered one. A retry
                 # whose answer is not kept yet records again (idempotent on the id): its
@@ -704,59 +620,6 @@ class StoreRoundTrip:
             if isinstance(r, Exception):
                 log.warning("recording scored transactions in the card history failed: %s", r)
                 return
-
-    def _queue_claims(
-        self, pipe: Any, txns: Sequence[Transaction], recorded: list[bool]
-    ) -> _Claiming | None:
-        """Queue the claims of the ids of the transactions this batch records (see
-        service/core/idempotency.py) and the reads of the newest recorded event time of
-        their cards (:func:`fraud_scoring.session.effective_times`); None: nothing to
-        claim or read."""
-        ttl = self.settings.idempotency_ttl_s
-        # The cards' newest recorded times move backdated attempts (effective_times),
-        # which only a live event-time bound turns on.
-        bounded = self.settings.max_event_skew_s > 0
-        if not any(recorded) or (ttl <= 0 and not bounded):
-            return None
-        asked = [t for t, r in zip(txns, recorded, strict=True) if r]
-        cards = list(dict.fromkeys(t.card_id for t in asked)) if bounded else []
-        for card in cards:
-            pipe.execute_command("ZREVRANGE", session.events_key(card), 0, 0, "WITHSCORES")
-        contents = idempotency.queue_claims(pipe, asked, ttl) if ttl > 0 else []
-        return _Claiming(asked, cards, contents, ttl > 0)
-
-    def _claimed(
-        self, claiming: _Claiming, replies: Sequence[Any], recorded: list[bool]
-    ) -> tuple[list[Claimed | None] | None, dict[str, int]]:
-        """The claims (None: none was made) and the cards' newest recorded times, from
-        the replies to :meth:`_queue_claims`'s commands."""
-        cards = claiming.cards
-        newest: dict[str, int] = {}
-        for card, top in zip(cards, replies, strict=False):
-            if isinstance(top, Exception):
-                raise FeatureStoreUnavailable("feature store unavailable: a read failed")
-            if top:
-                newest[card] = int(float(top[1]))
-        if not claiming.claims:
-            return None, newest
-        got = iter(zip(claiming.asked, claiming.contents, replies[len(cards) :], strict=True))
-        out: list[Claimed | None] = []
-        refused: list[Any] = []
-        for r in recorded:
-            if not r:
-                out.append(None)
-                continue
-            t, c, reply = next(got)
-            if write_refused(reply):  # a full store still decides: not recorded
-                refused.append(reply)
-                out.append(None)
-                continue
-            if isinstance(reply, Exception):
-                raise FeatureStoreUnavailable("feature store unavailable: a claim failed")
-            out.append(Claimed(idempotency.outcome(t, c, reply), c))
-        if refused:
-            self._refused("claim", refused[0], len(refused))
-        return out, newest
 
     def _refused(self, what: str, reply: Any, n: int) -> None:
         """The store refused ``n`` writes of ``what``: counted; logged and shown on

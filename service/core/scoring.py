@@ -54,10 +54,8 @@ from service.core.results import (
 )
 from service.core.round_trip import (
     STORE_OR_TIMEOUT,
-    Claimed,
     Pending,
     StoreRoundTrip,
-    Turns,
     id_reused,
 )
 from service.core.rules import RulesHolder
@@ -66,6 +64,7 @@ from service.core.store_health import (
     NoBatchFeatures,
     StoreHealth,
 )
+from service.core.turns import Turns
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -276,7 +275,9 @@ class Scorer(StoreRoundTrip):
         self._observe(txns, model, x, cols, route, out)
         return out
 
-    def _settle(self, out: list[ScoreResult], claims: list[Claimed | None]) -> list[ScoreResult]:
+    def _settle(
+        self, out: list[ScoreResult], claims: list[idempotency.Claimed | None]
+    ) -> list[ScoreResult]:
         """Retries get their original answer (or, before it is stored, this one, marked
         a repeat); reused ids their refusal; new claims keep their answer for retries
         (written after the answers, off the answer's path)."""
