@@ -67,9 +67,10 @@ def configure_ingest(p: argparse.ArgumentParser) -> None:
 
 def run_ingest(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs.ingest import ingest
+    from fraud_scoring.fields import door_for
 
     t0 = time.perf_counter()
-    report = ingest(args.mapping, settings.data_dir, args.rejects)
+    report = ingest(args.mapping, settings.data_dir, args.rejects, door_for(settings))
     print(report.text())
     print(f"into {settings.data_dir / 'raw'} in {time.perf_counter() - t0:.1f}s")
 

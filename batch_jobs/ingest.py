@@ -35,10 +35,19 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from tqdm import tqdm
 
 from fraud_scoring import contract as C
+from fraud_scoring import fields as F
 from fraud_scoring.events import CHANNELS, ID_MAX_LEN, country_codes, currency_codes
 from fraud_scoring.storage import (
     partition_days,
@@ -52,6 +61,10 @@ log = logging.getLogger(__name__)
 
 TIME_FIELDS = ("event_time", "label_time")
 LABEL_FIELDS = ("transaction_id", "is_fraud", "label_time")
+# A label attribute: mapped in the labels (or the transactions), kept on the transaction's
+# row (the simulator's ground truth too), where the evaluation report reads it.
+PATTERN = "fraud_pattern"
+
 _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
 _HAS_OFFSET = re.compile(r"(?:Z|[+-]\d\d:?\d\d)$")
@@ -99,14 +112,20 @@ class Files(BaseModel):
 
 class TransactionFiles(Files):
     @model_validator(mode="after")
-    def _fields(self) -> TransactionFiles:
-        known = {c.name for c in C.TRANSACTION_COLUMNS} | {"is_fraud"}
+    def _fields(self, info: ValidationInfo) -> TransactionFiles:
+        declared: tuple[F.FieldDecl, ...] = (info.context or {}).get("fields", ())
+        known = {c.name for c in C.TRANSACTION_COLUMNS} | {"is_fraud", PATTERN}
+        known |= {f.name for f in declared}
         unknown = sorted(set(self.columns) - known)
         if unknown:
-            raise ValueError(f"columns: not contract fields: {unknown} (known: {sorted(known)})")
+            raise ValueError(
+                f"columns: not contract fields: {unknown} (known: {sorted(known)}; declare "
+                "a field of your own in the declarations file's fields: section)"
+            )
         missing = [
             c.name for c in C.TRANSACTION_COLUMNS if c.required and c.name not in self.columns
         ]
+        missing += [f.name for f in declared if f.required and f.name not in self.columns]
         if missing:
             raise ValueError(
                 f"columns: required fields not mapped: {missing} (map a column, or a const "
@@ -124,9 +143,11 @@ class LabelFiles(Files):
 
     @model_validator(mode="after")
     def _fields(self) -> LabelFiles:
-        unknown = sorted(set(self.columns) - set(LABEL_FIELDS))
+        unknown = sorted(set(self.columns) - {*LABEL_FIELDS, PATTERN})
         if unknown:
-            raise ValueError(f"columns: not label fields: {unknown} (known: {list(LABEL_FIELDS)})")
+            raise ValueError(
+                f"columns: not label fields: {unknown} (known: {[*LABEL_FIELDS, PATTERN]})"
+            )
         missing = [f for f in ("transaction_id", "is_fraud") if f not in self.columns]
         if missing and self.files:
             raise ValueError(
@@ -178,11 +199,12 @@ def zone(name: str) -> ZoneInfo | timezone:
         raise ValueError(f"time_zone: unknown zone {name!r} (an IANA name or +HH:MM)") from None
 
 
-def load_mapping(path: Path) -> Mapping:
-    """Read and validate a mapping file; errors name the file and the field."""
+def load_mapping(path: Path, fields: tuple[F.FieldDecl, ...] = ()) -> Mapping:
+    """Read and validate a mapping file (``fields``: the declared ones, which it may map
+    too); errors name the file and the field."""
     try:
         raw = yaml.safe_load(path.read_text())
-        return Mapping.model_validate(raw)
+        return Mapping.model_validate(raw, context={"fields": fields})
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the mapping ({exc})") from exc
     except yaml.YAMLError as exc:
@@ -202,6 +224,8 @@ class Rejects:
     """Rows refused, with their reason: a category (the summary counts them) and a detail."""
 
     rows: list[dict[str, str]] = field(default_factory=list)
+    # A mapped PII field's clear value must not land here: malformed lines are not shown.
+    hide_lines: bool = False
 
     def add(self, source: str, row: object, category: str, detail: str, record: object) -> None:
         self.rows.append(
@@ -286,6 +310,8 @@ def _read_csv(path: Path, spec: Files, rejects: Rejects) -> pd.DataFrame:
             text: object = row.text
         except ValueError:  # UnicodeDecodeError: not after _check_text, but never a crash
             text = "(not UTF-8)"
+        if rejects.hide_lines:
+            text = "(not shown: the mapping maps a pii field)"
         rejects.add(
             str(path),
             "?",
@@ -511,9 +537,12 @@ def _bad(mask: pd.Series, reasons: pd.Series, category: str, detail: str) -> Non
     reasons[new] = category + "\x1f" + detail
 
 
-def cast_transactions(df: pd.DataFrame, spec: TransactionFiles) -> tuple[pd.DataFrame, pd.Series]:
-    """The contract's columns from a source frame, and each row's first reason to refuse
-    it ("" for none): missing required values, unparsable values, rule breaks."""
+def cast_transactions(
+    df: pd.DataFrame, spec: TransactionFiles, door: F.Door = F.PLAIN
+) -> tuple[pd.DataFrame, pd.Series]:
+    """The contract's columns and the declared fields (``door``) from a source frame, and
+    each row's first reason to refuse it ("" for none): missing required values,
+    unparsable values, rule breaks."""
     reasons = pd.Series("", index=df.index, dtype=object)
     where = str(df["_source"].iloc[0]) if len(df) else "transactions"
     out: dict[str, pd.Series] = {}
@@ -595,8 +624,67 @@ def cast_transactions(df: pd.DataFrame, spec: TransactionFiles) -> tuple[pd.Data
         flag = _flags(_raw(df, spec.columns["is_fraud"]))
         _bad(flag.isna(), reasons, "unparsable value: is_fraud", "not true/false or 1/0")
         out["is_fraud"] = flag
+    if PATTERN in spec.columns:
+        out[PATTERN] = _text(_raw(df, spec.columns[PATTERN]))
+    for f in door.fields:
+        out[f.name] = cast_field(df, spec, f, reasons, where, door)
     frame = pd.DataFrame(out, index=df.index)
     return frame, reasons
+
+
+def cast_field(
+    df: pd.DataFrame,
+    spec: TransactionFiles,
+    f: F.FieldDecl,
+    reasons: pd.Series,
+    where: str,
+    door: F.Door,
+) -> pd.Series:
+    """A declared field's column from its source (unmapped: its default, or null), each
+    value checked by the declaration as the API checks it (``rule: <field>``, the check's
+    message), a PII field's then hashed."""
+    src = spec.columns.get(f.name)
+    if src is None:
+        return pd.Series([f.default] * len(df), index=df.index, dtype=object)
+    raw = _raw(df, src)
+    name = f.name
+    if f.type == "timestamp":
+        values, _, bad, gap = _times(raw, src, spec.time_zone, None, name, where)
+        _bad(
+            gap,
+            reasons,
+            f"rule: {name}",
+            f"the local time is skipped or repeated in {spec.time_zone}",
+        )
+        _bad(bad & _text(raw).notna(), reasons, f"unparsable value: {name}", "not a time")
+        missing = _text(raw).isna() if not pd.api.types.is_datetime64_any_dtype(raw) else raw.isna()
+    else:
+        text = _text(raw)
+        missing = text.isna()
+        if f.type == "number":
+            values = pd.to_numeric(text, errors="coerce")
+            _bad(~missing & values.isna(), reasons, f"unparsable value: {name}", "not a number")
+        elif f.type == "bool":
+            values = _flags(raw)
+            _bad(~missing & values.isna(), reasons, f"unparsable value: {name}", "not true/false")
+        else:
+            values = text
+        check = TypeAdapter(f.annotation())
+        refused: dict[Any, str] = {}
+        for v in pd.unique(values[~missing & values.notna()]):  # each distinct value once
+            try:
+                check.validate_python(v)
+            except ValidationError as exc:
+                refused[v] = exc.errors()[0]["msg"]
+        for v, msg in refused.items():
+            _bad(values == v, reasons, f"rule: {name}", msg)
+    if f.required:
+        _bad(missing, reasons, f"missing value: {name}", "empty")
+    elif f.default is not None:
+        values = values.where(~missing, f.default)
+    if f.pii:
+        values = values.map(lambda v: None if v is None or v != v else door.pii(v))
+    return values
 
 
 def _flags(s: pd.Series) -> pd.Series:
@@ -664,27 +752,39 @@ def _dedupe(
     return frame[reasons == ""]
 
 
-def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None) -> IngestReport:
+def ingest(
+    mapping_path: Path,
+    data_dir: Path,
+    rejects_path: Path | None = None,
+    door: F.Door = F.PLAIN,
+) -> IngestReport:
     """Read the export the mapping names and write its raw partitions under
     ``data_dir/raw``, the refused rows to ``rejects_path`` (default
     ``data_dir/ingest/rejects.csv``) and a manifest beside it (the mapping, the label
-    rule, the counts). Raises ContractError (nothing written) on a break of the mapping or
-    of the contract, and naming the file on one that is empty (or, for the transactions,
-    headers only), not UTF-8 or not readable; ValueError naming the field for an invalid
-    mapping file."""
-    mapping = load_mapping(mapping_path)
+    rule, the counts). ``door``: the declared fields the mapping may map (a PII field's
+    values are hashed before they reach a partition or the rejects file). Raises
+    ContractError (nothing written) on a break of the mapping or of the contract, and
+    naming the file on one that is empty (or, for the transactions, headers only), not
+    UTF-8 or not readable; ValueError naming the field for an invalid mapping file."""
+    mapping = load_mapping(mapping_path, door.fields)
     base = mapping_path.parent
     raw = data_dir / "raw"
     rejects_path = rejects_path or data_dir / "ingest" / "rejects.csv"
-    rejects = Rejects()
     tspec = mapping.transactions
+    pii = [tspec.columns[f.name] for f in door.fields if f.pii and f.name in tspec.columns]
+    rejects = Rejects(hide_lines=bool(pii))
 
     frames: list[pd.DataFrame] = []
     sources: list[pd.DataFrame] = []
     tfiles = _files(tspec, base)
     for path in tqdm(tfiles, desc="read transactions", unit="file", disable=None):
         src = read_file(path, tspec, rejects)
-        frame, reasons = cast_transactions(src, tspec)
+        frame, reasons = cast_transactions(src, tspec, door)
+        for p in pii:  # the rejects file shows the source row: its PII hashed too
+            if p.column is not None:
+                src[p.column] = _text(src[p.column]).map(
+                    lambda v: None if v is None else door.pii(v)
+                )
         _reject(rejects, src, src.index[reasons != ""], reasons)
         frames.append(frame[reasons == ""].assign(_file=len(sources)))
         sources.append(src)
@@ -733,7 +833,11 @@ def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None)
     txns = txns[~clash]
 
     labels, rule = _labels(mapping, base, txns, src_all, rejects)
-    tables = _day_tables(txns, labels)
+    if PATTERN in labels.columns:  # a label attribute, kept on its transaction's row
+        given = txns["transaction_id"].map(labels.set_index("transaction_id")[PATTERN])
+        mapped = txns[PATTERN] if PATTERN in txns.columns else None
+        txns = txns.assign(**{PATTERN: given if mapped is None else given.fillna(mapped)})
+    tables = _day_tables(txns, labels, door.fields)
     emptied = _keep_other_labels(raw, set(txns["transaction_id"]), tables)
     problems = [
         p
@@ -744,6 +848,12 @@ def ingest(mapping_path: Path, data_dir: Path, rejects_path: Path | None = None)
             f"{table} {d}",
             d,
         )
+    ]
+    problems += [
+        p
+        for (table, d), t in tables.items()
+        if table == "transactions"
+        for p in C.check_fields(t, door.fields, f"{table} {d}")
     ]
     if problems:
         raise C.ContractError(problems)
@@ -828,6 +938,8 @@ def _labels(
             "not true/false or 1/0 (label)",
         )
         f = pd.DataFrame({"transaction_id": tid, "is_fraud": flag}, index=src.index)
+        if PATTERN in spec.columns:
+            f[PATTERN] = _text(_raw(src, spec.columns[PATTERN]))
         if delay is None:
             s = spec.columns["label_time"]
             lt, _, bad, _ = _times(
@@ -869,16 +981,24 @@ def _labels(
             "before the transaction's event time",
         )
     _reject(rejects, lsrc, lab.index[reasons != ""], reasons)
-    return lab[reasons == ""][cols].reset_index(drop=True), rule
+    keep = [*cols, PATTERN] if PATTERN in lab.columns else cols
+    return lab[reasons == ""][keep].reset_index(drop=True), rule
 
 
-def _day_tables(txns: pd.DataFrame, labels: pd.DataFrame) -> dict[tuple[str, date], pa.Table]:
+def _day_tables(
+    txns: pd.DataFrame, labels: pd.DataFrame, fields: tuple[F.FieldDecl, ...] = ()
+) -> dict[tuple[str, date], pa.Table]:
     out: dict[tuple[str, date], pa.Table] = {}
+    schema = C.TRANSACTIONS
+    for f in fields:  # the declared fields' columns, after the contract's
+        schema = schema.append(pa.field(f.name, f.arrow_type(), f.nullable))
+    if PATTERN in txns.columns:
+        schema = schema.append(pa.field(PATTERN, pa.string()))
     t = txns.sort_values(["event_time", "transaction_id"], kind="stable")
     for d, g in t.groupby("_day", sort=True):
         g = g.assign(utc_offset_min=g["utc_offset_min"].astype(np.int16))
         out[("transactions", d)] = pa.Table.from_pandas(
-            g[C.TRANSACTIONS.names], schema=C.TRANSACTIONS, preserve_index=False
+            g[schema.names], schema=schema, preserve_index=False
         )
     if len(labels):
         lab = labels.sort_values(["label_time", "transaction_id"], kind="stable")

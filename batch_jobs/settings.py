@@ -6,6 +6,7 @@ from __future__ import annotations
 from fraud_scoring.settings import (
     DecisionLogSettings,
     EventLogSettings,
+    FieldSettings,
     JobSettings,
     ModelSettings,
     StoreSettings,
@@ -14,7 +15,13 @@ from fraud_scoring.settings import (
 
 
 class JobsSettings(
-    StoreSettings, ModelSettings, TimeSettings, JobSettings, EventLogSettings, DecisionLogSettings
+    StoreSettings,
+    ModelSettings,
+    TimeSettings,
+    JobSettings,
+    EventLogSettings,
+    DecisionLogSettings,
+    FieldSettings,
 ):
     """What ``fraud-scoring simulate/ingest/batch/decisions/train/evaluate/features``
     read."""

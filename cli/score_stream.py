@@ -156,6 +156,7 @@ async def _score_stream(args: argparse.Namespace, settings: ScoreStreamSettings)
             commit_interval_s=s.score_stream_commit_interval_ms / 1e3,
             poll_batch=s.score_stream_poll_batch,
             max_future_s=s.max_future_skew_s,
+            model=res.door.model,  # the declared fields, PII hashed
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

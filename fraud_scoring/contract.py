@@ -15,7 +15,7 @@ the job writes anything. The value rules are the event model's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -23,7 +23,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pydantic import ValidationError
 
+from fraud_scoring import fields as F
 from fraud_scoring.events import (
     AMOUNT_MAX,
     CHANNELS,
@@ -32,6 +34,7 @@ from fraud_scoring.events import (
     country_codes,
     currency_codes,
 )
+from fraud_scoring.features import declarations_path
 from fraud_scoring.storage import partition_days, partition_file
 
 TS = pa.timestamp("us", tz="UTC")
@@ -248,6 +251,51 @@ def check_table(
     return out
 
 
+def check_fields(table: pa.Table, fields: Sequence[F.FieldDecl], source: str) -> list[Problem]:
+    """Every break of the declared ``fields`` (``fraud_scoring/fields.py``) in one
+    transactions table: a required one missing (an optional one missing reads as its
+    default), a wrong type, nulls where the field has a value, values its declaration
+    refuses, and for a PII field any value that is not its hash. A value is never
+    shown (it may be PII): the rows are."""
+    out: list[Problem] = []
+    for f in fields:
+        if f.name not in table.column_names:
+            if f.required:
+                out.append(Problem(source, f.name, "missing", "map it (a required declared field)"))
+            continue
+        col = Column(f.name, f.arrow_type(), f"declared {f.type}", nullable=f.nullable)
+        values = table.column(f.name)
+        wrong = _type_problem(col, values.type)
+        if wrong:
+            out.append(Problem(source, f.name, *wrong))
+            continue
+        if not f.nullable and values.null_count:
+            what = f"null values ({_first_rows(pc.is_null(values))})"
+            out.append(Problem(source, f.name, what, "give every row a value"))
+        check = F.stored(f)
+        bad, why = [], ""
+        for v in pc.unique(values.drop_null()).to_pylist():  # each distinct value once
+            try:
+                check.validate_python(v)
+            except ValidationError as exc:
+                bad.append(v)
+                why = why or exc.errors()[0]["msg"]
+        if bad:
+            what = (
+                "clear values, not their hash"
+                if f.pii
+                else f"values the declaration refuses ({why})"
+            )
+            rows = _first_rows(pc.is_in(values, pa.array(bad, values.type)))
+            fix = (
+                "ingest it again with FRAUD_PII_KEY_FILE set"
+                if f.pii
+                else "fix or reject those rows"
+            )
+            out.append(Problem(source, f.name, f"{what} ({rows})", fix))
+    return out
+
+
 def duplicate_ids(ids: pa.ChunkedArray | pa.Array) -> list[str]:
     """The values that occur more than once (nulls ignored), sorted."""
     counts = pc.value_counts(
@@ -257,11 +305,19 @@ def duplicate_ids(ids: pa.ChunkedArray | pa.Array) -> list[str]:
     return sorted(str(v) for v in dup.field("values").to_pylist())
 
 
-def check_raw(raw: Path, until: date | None = None, need: Iterable[date] = ()) -> None:
+def check_raw(
+    raw: Path,
+    until: date | None = None,
+    need: Iterable[date] = (),
+    fields: Sequence[F.FieldDecl] | None = None,
+) -> None:
     """Check the raw partitions a job reads: transactions and labels of every day up to
-    ``until`` (None: all), and that each day of ``need`` has a transactions partition.
-    Raises :class:`ContractError` naming every file and column that breaks the contract;
-    returns quietly when all hold. Reads every such file once (the columns it checks)."""
+    ``until`` (None: all), and that each day of ``need`` has a transactions partition;
+    the transactions hold the declared ``fields`` too (None: this process's, from its
+    declarations file). Raises :class:`ContractError` naming every file and column that
+    breaks the contract; returns quietly when all hold. Reads every such file once."""
+    if fields is None:
+        fields = F.declared_fields(declarations_path())
     problems: list[Problem] = []
     for day in need:
         path = partition_file(raw, "transactions", day)
@@ -291,6 +347,8 @@ def check_raw(raw: Path, until: date | None = None, need: Iterable[date] = ()) -
                 )
                 continue
             problems.extend(check_table(data, columns, str(path), day))
+            if table == "transactions":
+                problems.extend(check_fields(data, fields, str(path)))
             if first_names is None:
                 first_names = (str(path), sorted(data.column_names))
             elif sorted(data.column_names) != first_names[1]:

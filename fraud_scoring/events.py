@@ -8,7 +8,7 @@ Validation errors name the field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from functools import cache
 from typing import Annotated, Any, Literal
@@ -102,10 +102,14 @@ def local_iso(ts: datetime, utc_offset_min: int) -> str:
     return ts.astimezone(timezone(timedelta(minutes=utc_offset_min))).isoformat()
 
 
-def raw_row_to_event(row: Mapping[str, Any]) -> dict[str, Any]:
+def raw_row_to_event(row: Mapping[str, Any], fields: Iterable[str] = ()) -> dict[str, Any]:
     """One row of raw history (a dict, as pyarrow's ``to_pylist`` gives it) as an event
-    or request body: the schema's fields only, ``event_time`` in RFC 3339 with the row's
-    own UTC offset (``utc_offset_min``, 0 when absent), no null ``device_id``."""
-    ev = {k: row[k] for k in Transaction.model_fields if row.get(k) is not None}
+    or request body: the schema's fields and the declared ``fields`` (their names,
+    ``fraud_scoring.fields``) only, ``event_time`` in RFC 3339 with the row's own UTC
+    offset (``utc_offset_min``, 0 when absent), a declared time in RFC 3339, no nulls."""
+    ev = {k: row[k] for k in (*Transaction.model_fields, *fields) if row.get(k) is not None}
+    for k, v in ev.items():
+        if isinstance(v, datetime):
+            ev[k] = v.isoformat()
     ev["event_time"] = local_iso(row["event_time"], int(row.get("utc_offset_min") or 0))
     return ev

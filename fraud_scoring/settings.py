@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 from urllib.parse import parse_qsl, quote, urlsplit
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fraud_scoring.redis_clients import CLUSTER_PARAM, check_cluster_url, is_cluster
@@ -150,6 +150,50 @@ class StoreSettings(_Group):
         if is_cluster(url):
             check_cluster_url(url)
         return self
+
+
+PII_KEY_MIN_BYTES = 16
+
+
+class FieldSettings(_Group):
+    """The key that hashes a team's ``pii: true`` fields at every door (API, event log,
+    ingest): HMAC-SHA256, so the clear value is stored nowhere (docs/data-contract.md,
+    "Your own fields"). Every process that takes transactions needs the same key;
+    without one, a declaration with a PII field is refused at start."""
+
+    pii_key_file: Path | None = Field(
+        default=None,
+        description="File holding the PII hash key (a mounted Secret; trailing newlines "
+        f"are ignored), at least {PII_KEY_MIN_BYTES} bytes, e.g. `openssl rand -hex 32`.",
+    )
+    pii_key: SecretStr | None = Field(
+        default=None,
+        description="The PII hash key itself, when no file holds it (FRAUD_PII_KEY_FILE "
+        "is preferred: an environment variable shows in process listings and dumps).",
+    )
+
+    @model_validator(mode="after")
+    def _one_key(self) -> FieldSettings:
+        if self.pii_key is not None and self.pii_key_file is not None:
+            raise ValueError("give one of FRAUD_PII_KEY_FILE and FRAUD_PII_KEY, not both")
+        return self
+
+    def pii_key_bytes(self) -> bytes | None:
+        """The PII hash key (None: none configured). Raises ValueError naming the
+        setting for a file that cannot be read or a key under 16 bytes."""
+        if self.pii_key_file is not None:
+            try:
+                key = self.pii_key_file.read_bytes().rstrip(b"\r\n")
+            except OSError as exc:
+                raise ValueError(f"FRAUD_PII_KEY_FILE: cannot read: {exc.strerror}") from None
+            name = "FRAUD_PII_KEY_FILE"
+        elif self.pii_key is not None:
+            key, name = self.pii_key.get_secret_value().encode(), "FRAUD_PII_KEY"
+        else:
+            return None
+        if len(key) < PII_KEY_MIN_BYTES:
+            raise ValueError(f"{name}: the key is {len(key)} bytes; at least {PII_KEY_MIN_BYTES}")
+        return key
 
 
 class ModelSettings(_Group):

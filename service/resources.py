@@ -27,6 +27,7 @@ from fraud_scoring.event_log import KafkaProducer, Producer, RedisStreamProducer
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import open_store
 from fraud_scoring.features import views
+from fraud_scoring.fields import PLAIN, Door, door_for
 from fraud_scoring.model_repo import ModelError, ModelNotFound
 from fraud_scoring.redis_clients import async_client, is_cluster, packed_by_hiredis
 from fraud_scoring.redis_server import redis_url
@@ -69,6 +70,8 @@ class Resources:
     challenger: Challenger | None = None
     # Transactions decided 'review', for the analysts' page (None: the log is off).
     review: ReviewQueue | None = None
+    # The request body's model: the contract's fields and the declared ones (PII hashed).
+    door: Door = PLAIN
 
     def count_rejection(self, reason: RejectReason) -> None:
         self.instruments.rejections.labels(
@@ -98,14 +101,19 @@ def resources(scope: Mapping[str, Any]) -> Resources:
 
 
 @contextlib.asynccontextmanager
-async def open_resources(settings: ServiceSettings) -> AsyncIterator[Resources]:
+async def open_resources(
+    settings: ServiceSettings, door: Door | None = None
+) -> AsyncIterator[Resources]:
     """Create the service's resources and close them on exit (queued micro-batches get
     ``drain_seconds``). Raises ``RedisNotConfigured`` without REDIS_URL unless
-    ``embedded_redis`` is set. A model that is missing or cannot load does not stop the
-    start: the service is not ready, answers 503 and keeps looking.
+    ``embedded_redis`` is set, and ``FieldError`` for a declared PII field without a hash
+    key (``door``: the bodies' model, by default from the declarations file). A model
+    that is missing or cannot load does not stop the start: the service is not ready,
+    answers 503 and keeps looking.
 
     Each builder registers its own closing on the stack; the order below is the closing
     order reversed (the batcher drains first, then shadow runs, then the decision log)."""
+    door = door or door_for(settings)
     instruments = telemetry.setup()
     async with contextlib.AsyncExitStack() as stack:
         url = stack.enter_context(
@@ -150,6 +158,7 @@ async def open_resources(settings: ServiceSettings) -> AsyncIterator[Resources]:
             health,
             challenger,
             review=event_log.review,
+            door=door,
         )
 
 

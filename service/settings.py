@@ -10,6 +10,7 @@ from fraud_scoring.settings import (
     DecisionLogSettings,
     EdgeSettings,
     EventLogSettings,
+    FieldSettings,
     ModelSettings,
     RulesSettings,
     ScoringSettings,
@@ -29,6 +30,7 @@ class ServiceSettings(
     RulesSettings,
     EventLogSettings,
     DecisionLogSettings,
+    FieldSettings,
 ):
     """What ``fraud-scoring serve`` reads."""
 

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from fraud_scoring.commands import Command, add_embedded_redis
+from fraud_scoring.fields import door_for
 from fraud_scoring.redis_clients import drop_connections, sync_client
 from fraud_scoring.redis_server import redis_url
 from fraud_scoring.settings import UpdaterSettings
@@ -60,6 +61,7 @@ def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
     from streaming.updater import Updater
 
     declarations()  # a bad declarations file refuses to start, naming the field
+    model = door_for(settings).model  # so does a PII field without a hash key
     source_kind = args.source or settings.stream_source
     stream = args.stream or settings.stream_name
     group = args.group or settings.consumer_group
@@ -90,6 +92,7 @@ def run_stream(args: argparse.Namespace, settings: StreamSettings) -> None:
             max_future_s=settings.max_future_skew_s,
             # After a failover, reconnect so the retry reaches the new primary.
             on_readonly=lambda: drop_connections(client),
+            model=model,
         )
 
         def on_term(signum: int, _frame: FrameType | None) -> None:

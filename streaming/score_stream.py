@@ -186,12 +186,14 @@ class ScoreStream:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         lag_interval_s: float = 1.0,
+        model: type[Transaction] = Transaction,
     ) -> None:
         self.source, self.decide, self.output, self.metrics = source, decide, output, metrics
         self.max_in_flight = max_in_flight
         self.commit_interval_s = commit_interval_s
         self.poll_batch, self.poll_timeout_s = poll_batch, poll_timeout_s
         self.max_future_s = max_future_s
+        self.model = model  # the events' schema, declared fields included
         self.max_attempts = max_attempts
         self.write_batch = write_batch
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
@@ -302,7 +304,7 @@ class ScoreStream:
             if not self.in_flight.add(m, now):
                 continue
             new += 1
-            txn = parse_transaction(m.raw)
+            txn = parse_transaction(m.raw, self.model)
             if isinstance(txn, str):
                 bad.append((m, txn))
             elif txn.event_time.timestamp() > latest:

@@ -3,8 +3,14 @@ the same ``FRAUD_`` variables."""
 
 from __future__ import annotations
 
-from fraud_scoring.settings import EventLogSettings, StoreSettings, TimeSettings, UpdaterSettings
+from fraud_scoring.settings import (
+    EventLogSettings,
+    FieldSettings,
+    StoreSettings,
+    TimeSettings,
+    UpdaterSettings,
+)
 
 
-class StreamSettings(StoreSettings, TimeSettings, EventLogSettings, UpdaterSettings):
+class StreamSettings(StoreSettings, TimeSettings, EventLogSettings, UpdaterSettings, FieldSettings):
     """What ``fraud-scoring stream`` reads."""

@@ -3,7 +3,8 @@
 One loop, one batch at a time, read top to bottom in :meth:`Updater.step`:
 
 1. **poll** a batch of raw messages from the source (Redis Streams or Kafka);
-2. **validate** each with ``Transaction.model_validate_event``; a malformed one goes to
+2. **validate** each with ``Transaction.model_validate_event`` (or the model with a team's
+   declared fields, PII hashed: ``fraud_scoring.fields``); a malformed one goes to
    the dead letter with the reason (and is counted), never stopping the loop;
 3. **apply** the valid ones to Redis in one pipelined round trip (idempotent);
 4. **acknowledge** the whole batch, only now that its effect is in Redis.
@@ -63,15 +64,17 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 
 
-def decode(msg: Message, latest_us: int | None = None) -> tuple[CardEvent, dict[str, Any]] | str:
+def decode(
+    msg: Message, latest_us: int | None = None, model: type[Transaction] = Transaction
+) -> tuple[CardEvent, dict[str, Any]] | str:
     """The (card_id, event) of a message with the fields the declared aggregations read,
-    or the reason it is malformed.
+    or the reason it is malformed (``model``: the events' schema, declared fields included).
 
     ``latest_us`` (epoch µs) is the newest event time accepted: an event from further in
     the future (a producer's clock far ahead, a typo'd year) would move its card's
     newest time forward and trim away every genuine event, so it is refused instead.
     """
-    txn = parse_transaction(msg.raw)
+    txn = parse_transaction(msg.raw, model)
     if isinstance(txn, str):
         return txn
     try:
@@ -83,25 +86,28 @@ def decode(msg: Message, latest_us: int | None = None) -> tuple[CardEvent, dict[
     return (card, event), transaction_row(txn)
 
 
-def parse_transaction(raw: bytes | str) -> Transaction | str:
-    """The transaction an event's bytes hold, or the reason it is malformed (what the
-    updater and ``score-stream`` dead-letter)."""
+def parse_transaction(
+    raw: bytes | str, model: type[Transaction] = Transaction
+) -> Transaction | str:
+    """The transaction an event's bytes hold, as ``model`` (the contract's fields, or
+    with a team's declared ones: ``fraud_scoring.fields.Door``), or the reason it is
+    malformed (what the updater and ``score-stream`` dead-letter)."""
     try:
         # Parsed and validated in one pass (pydantic's JSON parser, ~2.5x faster than
         # json.loads then validating the dict). It accepts what the two steps accept,
         # with the same values; whatever it refuses goes through the two steps below,
         # which decide and name the reason (a byte-order mark, which only they accept,
         # included).
-        return Transaction.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except Exception:  # the two steps below decide, and say why
         pass
     try:
-        return _validate_slowly(raw)
+        return _validate_slowly(raw, model)
     except Exception as exc:  # anything else about one event must not stop the consumer
         return f"invalid event: {type(exc).__name__}: {exc}"
 
 
-def _validate_slowly(raw_bytes: bytes | str) -> Transaction | str:
+def _validate_slowly(raw_bytes: bytes | str, model: type[Transaction]) -> Transaction | str:
     """JSON, then :meth:`Transaction.model_validate_event`: the transaction, or the reason
     it is malformed."""
     try:
@@ -113,7 +119,7 @@ def _validate_slowly(raw_bytes: bytes | str) -> Transaction | str:
     if not isinstance(raw, dict):
         return f"event must be a JSON object, got {type(raw).__name__}"
     try:
-        return Transaction.model_validate_event(raw)
+        return model.model_validate_event(raw)
     except ValidationError as exc:
         return "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'event'}: {e['msg']}" for e in exc.errors()
@@ -140,15 +146,18 @@ class Updater:
         lag_interval_s: float = 1.0,
         max_future_s: float = 600.0,
         on_readonly: Callable[[], None] | None = None,
+        model: type[Transaction] = Transaction,
     ) -> None:
         """``on_readonly`` is called after Redis answered ``READONLY``, before the retry
-        (the command passes the client's ``connection_pool.disconnect``)."""
+        (the command passes the client's ``connection_pool.disconnect``); ``model``
+        validates the events (``fraud_scoring.fields.Door.model``)."""
         self.source, self.writer, self.metrics = source, writer, metrics
         self.batch_size, self.poll_timeout_s = batch_size, poll_timeout_s
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.lag_interval_s = lag_interval_s
         self.max_future_s = max_future_s
         self.on_readonly = on_readonly
+        self.model = model
         self.totals = Totals()
         self.stopping = threading.Event()
         self._next_lag = 0.0
@@ -180,7 +189,7 @@ class Updater:
         bad: list[tuple[Message, str]] = []
         latest_us = to_us(time.time() + self.max_future_s)
         for m in msgs:
-            d = decode(m, latest_us)
+            d = decode(m, latest_us, self.model)
             if isinstance(d, str):
                 bad.append((m, d))
             else:

@@ -370,6 +370,7 @@ class DeclarationsFile(_Strict):
     derived: tuple[DerivedDecl, ...] = ()
     reasons: tuple[ReasonDecl, ...] = ()
     snapshots: Any = ()  # the daily snapshot views: fraud_scoring/snapshots.py checks them
+    fields: Any = ()  # a team's own transaction fields: fraud_scoring/fields.py checks them
 
 
 def read(path: Path) -> object:

@@ -30,12 +30,14 @@ from fastapi_offline import FastAPIOffline
 from starlette.routing import Match
 from starlette.types import ASGIApp, Scope
 
+from fraud_scoring import fields
 from service import telemetry
 from service.edge import auth, feedback, lists_api, oip, oip_grpc, review, rules_api
 from service.edge.admission import AdmissionLimit, WorkShares
 from service.edge.errors_http import EXCEPTION_HANDLERS
 from service.edge.feedback import router as feedback_router
 from service.edge.routes import DirectDispatch, DirectRoute, router
+from service.edge.schemas import document_declared_fields
 from service.resources import STATE_KEY, open_resources
 from service.settings import ServiceSettings, get_settings
 
@@ -46,6 +48,9 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     ``embedded_redis`` is set, and with ``auth`` 'required' it refuses a keys file it
     cannot read (KeysFileError)."""
     settings = settings or get_settings()
+    # The request bodies' model (the declared fields; refused here, naming the field, when
+    # a PII field has no hash key): validated by the routes, documented in /openapi.json.
+    door = fields.door_for(settings)
     # One admission state for both transports: REST's admission layer and the gRPC
     # server's calls are bounded together (one per process: both run on its event loop).
     shares = WorkShares(settings.admission_capacity)
@@ -55,7 +60,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         # The keys first: a bad keys file stops the start before anything connects.
         keyring = auth.keyring_for(settings)
         async with (
-            open_resources(settings) as res,
+            open_resources(settings, door) as res,
             # The OIP gRPC server (FRAUD_GRPC_PORT; none unless set), stopped first.
             oip_grpc.serving(settings, res, keyring, started.version, shares),
         ):
@@ -84,7 +89,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     _offline_redoc(app)
-    _openapi_as_answered(app, auth_on=settings.auth == "required")
+    _openapi_as_answered(app, auth_on=settings.auth == "required", door=door)
     app.include_router(router)
     app.include_router(oip.router)
     # Labels steer training and the review queue: their own `label` scope (admin implies
@@ -219,7 +224,7 @@ SECURITY_SCHEMES: dict[str, dict[str, str]] = {
 }
 
 
-def _openapi_as_answered(app: FastAPI, auth_on: bool) -> None:
+def _openapi_as_answered(app: FastAPI, auth_on: bool, door: fields.Door) -> None:
     """``/openapi.json`` as the wire answers, after FastAPI builds it (once):
 
     * the ``/v2`` operations list no 422: their path parameters are plain strings and
@@ -229,7 +234,8 @@ def _openapi_as_answered(app: FastAPI, auth_on: bool) -> None:
     * the key schemes (:data:`SECURITY_SCHEMES`) in ``components.securitySchemes``; with
       auth on (``FRAUD_AUTH=required``) every operation that answers 401 requires one of
       them (the others are open). With auth off no operation requires a key, as none is
-      asked for (a client, or schemathesis, would otherwise expect a 401)."""
+      asked for (a client, or schemathesis, would otherwise expect a 401);
+    * the scoring routes' bodies with the declared fields of ``door``, when there are."""
     standard = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -245,6 +251,8 @@ def _openapi_as_answered(app: FastAPI, auth_on: bool) -> None:
                 if auth_on and "401" in op["responses"]:
                     op["security"] = [{name: []} for name in SECURITY_SCHEMES]
         doc.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+        if door.fields:
+            document_declared_fields(doc, door.model)
         app.openapi_schema = doc
         return doc
 

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from opentelemetry import trace
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import from_json, to_json
 from starlette import types as asgi
 
@@ -98,7 +98,6 @@ _DRAINING = (
 _TXN_SCHEMA = transaction_schema()
 
 
-_TRANSACTIONS = TypeAdapter(list[Transaction])
 _UNPARSED = object()
 
 
@@ -291,11 +290,12 @@ async def score(request: Request) -> Response:
     """
     check_scope(request, Scope.SCORE)
     record = _record(request)
+    res = resources(request)
     try:
-        txn = Transaction.model_validate_json(await _json_body(request))
+        # The contract's fields and the declared ones (PII hashed here): res.door.
+        txn = res.door.model.model_validate_json(await _json_body(request))
     except ValidationError as exc:
         raise Invalid.from_errors(exc.errors(include_url=False)) from None
-    res = resources(request)
     if record:
         _check_clock(txn, res.settings)
     deadline = request_deadline(request, res)
@@ -360,7 +360,7 @@ async def score_many(request: Request) -> Response:
     if len(items) > limit:
         raise TooLarge(f"{len(items)} transactions; at most {limit} per call", "transactions")
     try:
-        transactions = _TRANSACTIONS.validate_python(items)
+        transactions = res.door.many.validate_python(items)
     except ValidationError as exc:
         raise Invalid.from_errors(exc.errors(include_url=False), "transactions") from None
     if not transactions:

@@ -89,12 +89,13 @@ def wire_ids(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def transaction_schema() -> dict[str, Any]:
-    """:class:`Transaction`'s JSON schema as the API documents it: ``currency`` and
+def transaction_schema(model: type[Transaction] = Transaction) -> dict[str, Any]:
+    """:class:`Transaction`'s JSON schema as the API documents it (``model``: with a
+    team's declared fields, ``fraud_scoring.fields``): ``currency`` and
     ``country`` list the codes their validators accept (``currency_codes()`` and
     ``country_codes()``, the same lists), and ``event_time`` is also epoch seconds or
     milliseconds, as the model reads it. Ids: :func:`wire_ids`."""
-    schema = wire_ids(Transaction.model_json_schema())
+    schema = wire_ids(model.model_json_schema())
     schema["description"] += " Strings lose surrounding whitespace before they are checked."
     props = schema["properties"]
     props["currency"] |= {
@@ -118,6 +119,23 @@ def transaction_schema() -> dict[str, Any]:
         ],
     }
     return schema
+
+
+def document_declared_fields(doc: dict[str, Any], model: type[Transaction]) -> None:
+    """The OpenAPI document ``doc`` with ``model`` (the contract's fields and a team's
+    declared ones) as the scoring routes' request body, one transaction and the batch's
+    items; a field not declared in a body is ignored, as the description says."""
+    schema = transaction_schema(model)
+    schema["description"] += (
+        " Besides the contract's fields, the fields the declarations file declares "
+        "(docs/data-contract.md, Your own fields); a field declared nowhere is ignored."
+    )
+    for path in ("/v1/score", "/v1/score/batch"):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        if path == "/v1/score":
+            body["schema"] = schema
+        else:
+            body["schema"]["properties"]["transactions"]["items"] = schema
 
 
 class HealthzOut(BaseModel):

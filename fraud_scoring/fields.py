@@ -1,0 +1,309 @@
+"""A team's own transaction fields, declared once: the ``fields`` section of the
+declarations file (``feature_repo/features.yaml`` or ``FRAUD_FEATURES_FILE``), read by
+every door. The page a user reads: ``docs/data-contract.md``, "Your own fields".
+
+A declared field is a column of the raw transactions beside the contract's, a top-level
+field of the API's body and of an event, each checked by its declaration (type, range,
+pattern, length, allowed values) and refused naming the field. :class:`Door` holds the
+one pydantic model every door validates with (the contract's
+:class:`~fraud_scoring.events.Transaction` plus the declared fields; without fields, that
+model itself). A field marked ``pii`` is replaced there, after its checks, by its keyed
+hash (:func:`pii_hash`: ``pii:`` and the hex HMAC-SHA256 under the process's key), so the
+clear value reaches no store, log or file; a value already in that form passes as it is
+(raw history sent again as events, a decision logged and compacted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pyarrow as pa
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    create_model,
+    model_validator,
+)
+
+from fraud_scoring import declared
+from fraud_scoring.events import Transaction
+from fraud_scoring.features import declarations_path
+from fraud_scoring.settings import FieldSettings
+
+FieldType = Literal["string", "number", "bool", "timestamp", "category"]
+# Names the contract and the jobs already use: the raw columns, the labels', the
+# simulator's ground truth, the training set's own.
+RESERVED = frozenset(
+    (
+        *Transaction.model_fields,
+        "utc_offset_min",
+        "label_time",
+        "is_fraud",
+        "fraud_pattern",
+        "event_timestamp",
+        "label",
+        "weight",
+    )
+)
+STRING_MAX = 256  # a string field's max_length unless it declares one
+HASHED = re.compile(r"^pii:[0-9a-f]{64}$")
+_TS = pa.timestamp("us", tz="UTC")
+
+
+class FieldError(ValueError):
+    """The ``fields`` section breaks the language, or a PII field has no hash key; the
+    message names the file and the field (exit status 2)."""
+
+
+class FieldDecl(BaseModel):
+    """One declared field. ``min``/``max`` (inclusive) for a number, ``pattern`` (the
+    whole value) and ``max_length`` for a string, ``values`` for a category; ``default``:
+    an absent optional field's value (else null); ``pii``: hashed at every door."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,62}$")
+    type: FieldType
+    required: bool = False
+    values: tuple[str, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    pattern: str | None = None
+    max_length: int | None = Field(default=None, ge=1, le=65_536)
+    default: str | float | bool | None = None
+    pii: bool = False
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _options_fit_the_type(self) -> FieldDecl:
+        given = {k for k in ("values", "min", "max", "pattern", "max_length") if getattr(self, k)}
+        allowed = {
+            "category": {"values"},
+            "number": {"min", "max"},
+            "string": {"pattern", "max_length"},
+        }.get(self.type, set())
+        if extra := sorted(given - allowed):
+            raise ValueError(f"{', '.join(extra)}: not for a {self.type} field")
+        if self.type == "category" and not self.values:
+            raise ValueError("a category lists its values (values: [a, b])")
+        if self.values is not None and len(set(self.values)) != len(self.values):
+            raise ValueError("values: listed twice")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min:g} is above max {self.max:g}")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern: not a regular expression ({exc})") from None
+        try:
+            TypeAdapter(self.annotation())
+        except Exception as exc:  # pydantic's regex engine refuses what re accepts
+            raise ValueError(f"pattern: {' '.join(str(exc).split())}") from None
+        if self.pii and self.type != "string":
+            raise ValueError("pii: only a string field is hashed")
+        if self.default is not None:
+            if self.required:
+                raise ValueError("default: a required field takes none")
+            if self.pii or self.type == "timestamp":
+                raise ValueError(
+                    f"default: a {'pii' if self.pii else 'timestamp'} field takes none"
+                )
+            try:
+                TypeAdapter(self.annotation()).validate_python(self.default, strict=True)
+            except ValidationError as exc:
+                raise ValueError(f"default: {exc.errors()[0]['msg']}") from None
+        return self
+
+    def annotation(self, hasher: Callable[[str], str] | None = None) -> Any:
+        """The field's type with its checks, as pydantic validates it (``hasher``: a PII
+        field's values, once checked, become their hash)."""
+        if self.type == "string":
+            check = StringConstraints(
+                max_length=self.max_length or STRING_MAX,
+                pattern=None if self.pattern is None else f"^(?:{self.pattern})$",
+            )
+            if hasher is None:
+                return Annotated[str, check]
+            return Annotated[str, check, WrapValidator(_hashing(hasher))]
+        if self.type == "number":
+            return Annotated[
+                float, Field(ge=self.min, le=self.max, allow_inf_nan=False, strict=True)
+            ]
+        if self.type == "bool":
+            return Annotated[bool, Field(strict=True)]
+        if self.type == "timestamp":
+            return AwareDatetime
+        return Literal[self.values]
+
+    def arrow_type(self) -> pa.DataType:
+        """The raw column's type (a PII field: its hash, text)."""
+        return {"number": pa.float64(), "bool": pa.bool_(), "timestamp": _TS}.get(
+            self.type, pa.string()
+        )
+
+    @property
+    def nullable(self) -> bool:
+        """Whether the raw column holds nulls: an optional field without a default."""
+        return not self.required and self.default is None
+
+
+def _no_key(v: str) -> str:
+    raise AssertionError("a model built for its schema validated a PII value")
+
+
+def _hashing(hasher: Callable[[str], str]) -> Callable[[Any, ValidatorFunctionWrapHandler], str]:
+    def check_then_hash(v: Any, handler: ValidatorFunctionWrapHandler) -> str:
+        if isinstance(v, str) and HASHED.match(v):
+            return v  # hashed at an earlier door (raw history sent again as events)
+        return hasher(handler(v))
+
+    return check_then_hash
+
+
+def pii_hash(key: bytes) -> Callable[[str], str]:
+    """The keyed hash of a PII value: ``pii:`` and HMAC-SHA256(key, UTF-8 value) in hex."""
+
+    def hashed(v: str) -> str:
+        return "pii:" + hmac.new(key, v.encode(), hashlib.sha256).hexdigest()
+
+    return hashed
+
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    fields: tuple[FieldDecl, ...] = ()
+
+
+def parse(raw: object, source: str) -> tuple[FieldDecl, ...]:
+    """The ``fields`` section of the declarations document ``raw``, checked: each field
+    once, none named like a contract field. :class:`FieldError` names the field."""
+    section = raw.get("fields") if isinstance(raw, dict) else None
+    try:
+        fields = _Fields.model_validate({"fields": section or ()}).fields
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        loc = [str(p) for p in e["loc"]]
+        if len(loc) >= 2 and isinstance(section, list):
+            item = section[int(loc[1])]
+            name = item.get("name") if isinstance(item, dict) else None
+            loc[1] = f"{loc[1]} ({name})" if name else loc[1]
+        msg = e["msg"].removeprefix("Value error, ")
+        raise FieldError(f"{source}: {'.'.join(loc)}: {msg}") from None
+    seen: set[str] = set()
+    for i, f in enumerate(fields):
+        where = f"{source}: fields.{i} ({f.name})"
+        if f.name in RESERVED:
+            raise FieldError(f"{where}: name: {f.name!r} is a contract field or column")
+        if f.name in seen:
+            raise FieldError(f"{where}: name: {f.name!r} is declared twice")
+        seen.add(f.name)
+    return fields
+
+
+def load(path: Path) -> tuple[FieldDecl, ...]:
+    """The fields declared in the declarations file ``path``."""
+    return parse(declared.read(path), str(path))
+
+
+@cache
+def stored(f: FieldDecl) -> TypeAdapter[Any]:
+    """What a raw column of ``f`` holds: its values as declared, or for a PII field
+    their hashes."""
+    if f.pii:
+        return TypeAdapter(Annotated[str, StringConstraints(pattern=HASHED.pattern)])
+    return TypeAdapter(f.annotation())
+
+
+@dataclass(frozen=True)
+class Door:
+    """What a door validates with: ``model`` (one transaction, the declared fields
+    included and PII hashed) and ``many`` (a list of them)."""
+
+    fields: tuple[FieldDecl, ...]
+    model: type[Transaction]
+    many: TypeAdapter[list[Transaction]]
+    hasher: Callable[[str], str] = _no_key
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def pii(self, value: str) -> str:
+        """A PII field's checked value as it is stored: its hash (a hash stays as it is)."""
+        return value if HASHED.match(value) else self.hasher(value)
+
+
+PLAIN = Door((), Transaction, TypeAdapter(list[Transaction]))
+
+
+def transaction_model(
+    fields: Sequence[FieldDecl], hasher: Callable[[str], str] = _no_key
+) -> type[Transaction]:
+    """The contract's :class:`Transaction` with ``fields`` beside its own (itself when
+    there are none): an optional field absent from a body takes its default (or null);
+    a PII field's value becomes ``hasher``'s (the default serves a model built for its
+    JSON schema only)."""
+    if not fields:
+        return Transaction
+    defs: dict[str, Any] = {}
+    for f in fields:
+        kind = f.annotation(hasher if f.pii else None)
+        pii = "PII: stored as its keyed hash, pii:<64 hex>" if f.pii else ""
+        info = Field(description="; ".join(d for d in (f.description, pii) if d) or None)
+        if f.required:
+            defs[f.name] = (kind, info)
+        else:
+            info = Field(default=f.default, description=info.description)
+            defs[f.name] = (kind | None, info)
+    model: type[Transaction] = create_model(  # type: ignore[call-overload]
+        "Transaction",
+        __base__=Transaction,
+        __module__=__name__,
+        __doc__=Transaction.__doc__,
+        **defs,
+    )
+    return model
+
+
+def door(fields: Sequence[FieldDecl], key: bytes | None, source: str = "fields") -> Door:
+    """The door for ``fields``, hashing PII under ``key``. Raises :class:`FieldError`
+    naming the field when one is ``pii`` and there is no key."""
+    if not fields:
+        return PLAIN
+    pii = [f.name for f in fields if f.pii]
+    if pii and key is None:
+        raise FieldError(
+            f"{source}: {', '.join(pii)}: pii: true needs a hash key; set FRAUD_PII_KEY_FILE "
+            "(or FRAUD_PII_KEY) in every process that takes transactions"
+        )
+    hasher = pii_hash(key) if key is not None else _no_key
+    model = transaction_model(fields, hasher)
+    return Door(tuple(fields), model, TypeAdapter(list[model]), hasher)  # type: ignore[valid-type]
+
+
+@cache
+def declared_fields(path: Path) -> tuple[FieldDecl, ...]:
+    """The fields of the declarations file ``path``, read once per process."""
+    return load(path)
+
+
+def door_for(settings: FieldSettings) -> Door:
+    """This process's door: the fields of its declarations file, hashed under the key of
+    ``settings``."""
+    path = declarations_path()
+    fields = declared_fields(path)
+    return door(fields, settings.pii_key_bytes() if fields else None, str(path))

@@ -1,0 +1,440 @@
+"""A team's own fields (``fraud_scoring/fields.py``, docs/data-contract.md "Your own
+fields"): declared once in the declarations file, checked at every door (API, event log,
+ingest, the raw partitions) and refused there naming the field; a PII field hashed at the
+door and stored in clear nowhere."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import redis
+from pydantic import ValidationError
+
+from batch_jobs.ingest import ingest
+from cli.main import main
+from fraud_scoring import contract as C
+from fraud_scoring import fields as F
+from fraud_scoring.events import Transaction, raw_row_to_event
+from fraud_scoring.features import declarations_path
+from fraud_scoring.settings import read_settings
+from fraud_scoring.storage import partition_file
+from service.edge.app import create_app
+from service.settings import ServiceSettings
+from streaming.sources import Message
+from streaming.updater import decode, parse_transaction
+from tests.conftest import World, private_db, start_server, stop_server
+
+KEY = b"a test key of 32 bytes, not real"
+FIELDS = """\
+fields:
+  - {name: email, type: string, pii: true, max_length: 200, pattern: '[^@\\s]+@[^@\\s]+'}
+  - {name: three_ds, type: category, values: [passed, failed, none], default: none}
+  - {name: account_age_days, type: number, min: 0, max: 36500}
+  - {name: ip_matches_country, type: bool}
+  - {name: signup_time, type: timestamp}
+  - {name: bin, type: string, pattern: '[0-9]{6}', description: the card's issuer number}
+"""
+BODY: dict[str, Any] = {
+    "transaction_id": "t-1",
+    "card_id": "c-1",
+    "merchant_id": "m-1",
+    "amount": 12.5,
+    "currency": "EUR",
+    "event_time": "2026-01-16T10:00:00+01:00",
+    "country": "DE",
+    "channel": "ecom",
+    "mcc": "5411",
+}
+CLEAR = "alice.clear@example.com"
+DAY = date(2025, 3, 24)  # the export's day
+
+
+def declarations_with_fields(folder: Path, fields: str = FIELDS) -> Path:
+    """The shipped declarations file with a ``fields`` section, in ``folder``."""
+    path = folder / "features.yaml"
+    path.write_text(declarations_path().read_text() + "\n" + fields)
+    return path
+
+
+@pytest.fixture
+def declared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[F.Door]:
+    """FRAUD_FEATURES_FILE with :data:`FIELDS`, the PII key set; the door they make."""
+    path = declarations_with_fields(tmp_path)
+    monkeypatch.setenv("FRAUD_FEATURES_FILE", str(path))
+    monkeypatch.setenv("FRAUD_PII_KEY", KEY.decode())
+    read_settings.cache_clear()
+    yield F.door(F.load(path), KEY, str(path))
+    read_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        (
+            "[{name: ip, type: string}, {name: ip, type: number}]",
+            "fields.1 (ip): name: 'ip' is declared twice",
+        ),
+        ("[{name: amount, type: number}]", "fields.0 (amount): name: 'amount' is a contract field"),
+        ("[{name: fraud_pattern, type: string}]", "fraud_pattern' is a contract field or column"),
+        ("[{name: ip, type: ipv4}]", "fields.0 (ip).type: Input should be 'string', 'number'"),
+        (
+            "[{name: age, type: number, default: old}]",
+            "fields.0 (age): default: Input should be a valid number",
+        ),
+        (
+            "[{name: age, type: number, min: 0, default: -1}]",
+            "fields.0 (age): default: Input should be greater than or equal to 0",
+        ),
+        (
+            "[{name: tds, type: category, values: [a], default: b}]",
+            "fields.0 (tds): default: Input should be 'a'",
+        ),
+        ("[{name: tds, type: category}]", "fields.0 (tds): a category lists its values"),
+        ("[{name: ip, type: string, min: 3}]", "fields.0 (ip): min: not for a string field"),
+        ("[{name: age, type: number, pii: true}]", "fields.0 (age): pii: only a string field"),
+        (
+            "[{name: ip, type: string, pattern: '('}]",
+            "fields.0 (ip): pattern: not a regular expression",
+        ),
+        ("[{name: ip, type: string, pattern: '(?=a)b'}]", "look-around"),
+        (
+            "[{name: ip, type: string, required: true, default: x}]",
+            "fields.0 (ip): default: a required field takes none",
+        ),
+        (
+            "[{name: email, type: string, pii: true, default: x}]",
+            "fields.0 (email): default: a pii field takes none",
+        ),
+        ("[{name: IP, type: string}]", "fields.0 (IP).name: String should match pattern"),
+        (
+            "[{name: ip, type: string, colour: red}]",
+            "fields.0 (ip).colour: Extra inputs are not permitted",
+        ),
+    ],
+)
+def test_a_declaration_that_breaks_the_language_is_refused_naming_the_field(
+    tmp_path: Path, fields: str, said: str
+) -> None:
+    path = declarations_with_fields(tmp_path, f"fields: {fields}\n")
+    with pytest.raises(F.FieldError) as exc:
+        F.load(path)
+    assert str(exc.value).startswith(f"{path}: ") and said in str(exc.value), exc.value
+
+
+def test_the_shipped_declarations_declare_no_fields_and_serve_the_contract_model() -> None:
+    """Without fields the door is the contract's own model: no extra work per request."""
+    assert F.load(declarations_path()) == ()
+    door = F.door((), None)
+    assert door.model is Transaction and door is F.PLAIN
+
+
+def test_a_pii_field_without_a_key_is_refused_at_start_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = declarations_with_fields(tmp_path)
+    monkeypatch.setenv("FRAUD_FEATURES_FILE", str(path))
+    monkeypatch.delenv("FRAUD_PII_KEY", raising=False)
+    with pytest.raises(F.FieldError, match=r"email: pii: true needs a hash key"):
+        create_app(ServiceSettings(embedded_redis=True))
+    read_settings.cache_clear()
+    assert main(["ingest", str(tmp_path / "mapping.yaml")]) == 2  # before it reads anything
+    too_short = ServiceSettings(embedded_redis=True, pii_key="short")
+    with pytest.raises(ValueError, match="FRAUD_PII_KEY: the key is 5 bytes; at least 16"):
+        F.door_for(too_short)
+
+
+@pytest.mark.parametrize(
+    ("given", "field", "said"),
+    [
+        ({"three_ds": "maybe"}, "three_ds", "Input should be 'passed', 'failed' or 'none'"),
+        ({"three_ds": 1}, "three_ds", "Input should be 'passed', 'failed' or 'none'"),
+        ({"account_age_days": "12"}, "account_age_days", "valid number"),
+        ({"account_age_days": True}, "account_age_days", "valid number"),
+        ({"account_age_days": -1}, "account_age_days", "greater than or equal to 0"),
+        ({"ip_matches_country": "yes"}, "ip_matches_country", "valid boolean"),
+        ({"signup_time": "2026-01-01T10:00:00"}, "signup_time", "timezone"),
+        ({"bin": "12345"}, "bin", "should match pattern"),
+        ({"bin": "1" * (10 << 20)}, "bin", "at most 256 characters"),
+        ({"email": "not an address"}, "email", "should match pattern"),
+        ({"email": 7}, "email", "valid string"),
+    ],
+)
+def test_a_body_that_breaks_a_declared_field_is_refused_naming_it(
+    declared: F.Door, given: dict[str, Any], field: str, said: str
+) -> None:
+    with pytest.raises(ValidationError) as exc:
+        declared.model.model_validate_json(json.dumps(BODY | given))
+    (err,) = exc.value.errors()
+    assert err["loc"] == (field,) and said in err["msg"], err["msg"]
+
+
+def test_a_body_carries_declared_fields_pii_hashed_and_undeclared_ones_ignored(
+    declared: F.Door,
+) -> None:
+    body = BODY | {"email": f"  {CLEAR} ", "bin": "412345", "ip_address": "10.0.0.1"}
+    txn = declared.model.model_validate_json(json.dumps(body))
+    hashed = F.pii_hash(KEY)(CLEAR)  # after the whitespace is stripped, as every string
+    assert txn.email == hashed and F.HASHED.match(hashed)  # type: ignore[attr-defined]
+    assert txn.three_ds == "none" and txn.account_age_days is None  # type: ignore[attr-defined]
+    assert "ip_address" not in txn.model_dump() and CLEAR not in txn.model_dump_json()
+    # A hash passes every later door as it is (raw history sent again as events).
+    again = declared.model.model_validate_json(txn.model_dump_json())
+    assert again == txn
+    assert F.pii_hash(b"another key of 16 bytes")(CLEAR) != hashed
+
+
+def test_events_carry_declared_fields_and_a_break_is_dead_lettered_naming_it(
+    declared: F.Door,
+) -> None:
+    good = parse_transaction(json.dumps(BODY | {"email": CLEAR}).encode(), declared.model)
+    assert isinstance(good, Transaction) and good.email == declared.pii(CLEAR)  # type: ignore[attr-defined]
+    raw = json.dumps(BODY | {"three_ds": "maybe", "email": CLEAR}).encode()
+    reason = decode(Message(raw, 0.0, "1-0"), None, declared.model)
+    assert isinstance(reason, str) and reason.startswith("three_ds: Input should be")
+    assert CLEAR not in reason
+    # The contract's model ignores them, as before.
+    plain = parse_transaction(raw)
+    assert isinstance(plain, Transaction) and not hasattr(plain, "three_ds")
+
+
+def test_the_openapi_document_lists_the_declared_fields_with_their_types(
+    declared: F.Door,
+) -> None:
+    doc = create_app().openapi()
+    one = doc["paths"]["/v1/score"]["post"]["requestBody"]["content"]["application/json"]
+    many = doc["paths"]["/v1/score/batch"]["post"]["requestBody"]["content"]["application/json"]
+    props = one["schema"]["properties"]
+    assert many["schema"]["properties"]["transactions"]["items"] == one["schema"]
+    assert props["three_ds"]["anyOf"][0] == {"enum": ["passed", "failed", "none"], "type": "string"}
+    assert props["three_ds"]["default"] == "none"
+    assert props["account_age_days"]["anyOf"][0] == {
+        "maximum": 36500.0,
+        "minimum": 0.0,
+        "type": "number",
+    }
+    assert props["ip_matches_country"]["anyOf"][0] == {"type": "boolean"}
+    assert props["signup_time"]["anyOf"][0] == {"format": "date-time", "type": "string"}
+    assert props["bin"]["description"] == "the card's issuer number"
+    assert props["email"]["anyOf"][0]["maxLength"] == 200
+    assert "PII" in props["email"]["description"]
+    assert "ignored" in one["schema"]["description"]
+    # The contract's fields as documented without declared fields.
+    assert props["currency"]["enum"] and props["event_time"]["anyOf"]
+
+
+MAPPING = """\
+transactions:
+  files: [tx.csv]
+  time_zone: Europe/Berlin
+  columns:
+    transaction_id: TX_ID
+    card_id: CUSTOMER_ID
+    merchant_id: TERMINAL_ID
+    amount: TX_AMOUNT
+    event_time: {column: TX_DATETIME, format: "%Y-%m-%d %H:%M:%S"}
+    channel: {column: TX_TYPE, map: {STORE: pos, ONLINE: ecom}}
+    country: {const: DE}
+    email: EMAIL
+    three_ds: {column: THREE_DS, map: {Y: passed, N: failed}}
+    account_age_days: AGE
+    signup_time: SIGNUP
+labels:
+  files: [fr.csv]
+  arrival_delay_days: 30
+  columns:
+    transaction_id: TX_ID
+    is_fraud: FRAUD
+    fraud_pattern: KIND
+"""
+ROWS = [
+    # id, customer, terminal, amount, time, type, email, 3ds, age, signup
+    [
+        "1",
+        "17",
+        "42",
+        "23.90",
+        "2025-03-24 08:15:42",
+        "STORE",
+        CLEAR,
+        "Y",
+        "100",
+        "2024-01-02 10:00:00",
+    ],
+    ["2", "17", "42", "4.50", "2025-03-24 08:16:03", "STORE", CLEAR, "", "", ""],
+    ["3", "230", "7", "129.00", "2025-03-24 12:01:59", "ONLINE", "bob@example.com", "N", "3", ""],
+    ["4", "230", "7", "9.00", "2025-03-24 12:02:59", "ONLINE", "no address", "N", "3", ""],
+    ["5", "230", "7", "9.00", "2025-03-24 12:03:59", "ONLINE", CLEAR, "maybe", "3", ""],
+    ["6", "230", "7", "9.00", "2025-03-24 12:04:59", "ONLINE", CLEAR, "N", "-1", ""],
+    ["7", "230", "7", "9.00", "2025-03-24 12:05:59", "ONLINE", CLEAR, "N", "x", ""],
+    ["8", CLEAR, "7", "9.00"],  # malformed: the line is not shown in the rejects
+]
+
+
+def write_export(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "tx.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(
+            [
+                "TX_ID",
+                "CUSTOMER_ID",
+                "TERMINAL_ID",
+                "TX_AMOUNT",
+                "TX_DATETIME",
+                "TX_TYPE",
+                "EMAIL",
+                "THREE_DS",
+                "AGE",
+                "SIGNUP",
+            ]
+        )
+        w.writerows(ROWS)
+    (folder / "fr.csv").write_text("TX_ID,FRAUD,KIND\n3,1,account_takeover\n")
+    (folder / "mapping.yaml").write_text(MAPPING)
+    return folder / "mapping.yaml"
+
+
+def test_ingest_maps_declared_fields_hashes_pii_and_keeps_the_fraud_pattern(
+    declared: F.Door, tmp_path: Path
+) -> None:
+    mapping = write_export(tmp_path / "in")
+    data = tmp_path / "data"
+    report = ingest(mapping, data, door=declared)
+    assert report.transactions == 3
+    assert report.rejected == {
+        "malformed line": 1,
+        "rule: email": 1,
+        "rule: three_ds": 1,
+        "rule: account_age_days": 1,
+        "unparsable value: account_age_days": 1,
+    }
+    t = pq.read_table(partition_file(data / "raw", "transactions", DAY))
+    assert t.schema.names[-7:] == [*declared.names, "fraud_pattern"]
+    assert t.schema.field("signup_time").type == pa.timestamp("us", tz="UTC")
+    assert t.column("email").to_pylist() == [declared.pii(CLEAR)] * 2 + [
+        declared.pii("bob@example.com")
+    ]
+    assert t.column("three_ds").to_pylist() == ["passed", "none", "failed"]  # the default
+    assert t.column("account_age_days").to_pylist() == [100.0, None, 3.0]
+    assert t.column("fraud_pattern").to_pylist() == [None, None, "account_takeover"]
+    assert t.column("signup_time")[0].as_py().isoformat() == "2024-01-02T09:00:00+00:00"
+    C.check_raw(data / "raw", fields=declared.fields)  # the partitions keep the contract
+    # The rejects name the field and show the source row with its PII hashed.
+    rejects = (data / "ingest" / "rejects.csv").read_text()
+    assert CLEAR not in rejects and declared.pii(CLEAR) in rejects
+    # A raw row is an event with its declared fields, and the model takes it back as is.
+    row = raw_row_to_event(t.to_pylist()[0], declared.names)
+    assert row["email"] == declared.pii(CLEAR) and row["signup_time"].startswith("2024-01-02")
+    assert declared.model.model_validate(row).email == declared.pii(CLEAR)  # type: ignore[attr-defined]
+
+
+def test_a_raw_partition_that_breaks_a_declared_field_is_refused_naming_it(
+    declared: F.Door, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    ingest(write_export(tmp_path / "in"), data, door=declared)
+    path = partition_file(data / "raw", "transactions", DAY)
+    good = pq.read_table(path)
+
+    def refused(table: pa.Table) -> str:
+        pq.write_table(table, path)
+        with pytest.raises(C.ContractError) as exc:
+            C.check_raw(data / "raw", fields=declared.fields)
+        return str(exc.value)
+
+    emails = pa.array([CLEAR, *good.column("email").to_pylist()[1:]])
+    said = refused(good.set_column(good.schema.get_field_index("email"), "email", emails))
+    assert "column 'email': clear values, not their hash (1 row(s), first at row 0)" in said
+    assert CLEAR not in said
+    tds = pa.array(["maybe", "none", "failed"])
+    said = refused(good.set_column(good.schema.get_field_index("three_ds"), "three_ds", tds))
+    assert "column 'three_ds': values the declaration refuses (Input should be" in said
+    # An optional field's column may be absent (it reads as its default): only bin's break.
+    bins = pa.array(["1", None, None], pa.string())
+    no_signup = good.drop_columns(["signup_time"])
+    said = refused(no_signup.set_column(no_signup.schema.get_field_index("bin"), "bin", bins))
+    assert "column 'bin': values the declaration refuses (String should match pattern" in said
+    assert "signup_time" not in said
+    ages = pa.array(["1", "2", "3"])
+    said = refused(
+        good.set_column(good.schema.get_field_index("account_age_days"), "account_age_days", ages)
+    )
+    assert "column 'account_age_days': is string, not a number" in said
+
+
+def test_pii_is_in_clear_nowhere_after_ingest_and_scoring(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export through ingest, then the world's held-out transactions scored over HTTP
+    with a clear PII value (one refused for another field's break), the decisions
+    compacted into raw files: the clear value is in no Redis key or value (the decision
+    log's stream included), no spool file, no parquet file, no rejects or manifest."""
+    path = declarations_with_fields(tmp_path)
+    url = private_db(world, 9)
+    env = {"FRAUD_FEATURES_FILE": str(path), "FRAUD_PII_KEY": KEY.decode(), "REDIS_URL": url}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    data = tmp_path / "data"
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(data))
+    read_settings.cache_clear()
+    assert main(["ingest", str(write_export(tmp_path / "in"))]) == 0
+
+    day = world.last_day
+    rows = pq.read_table(partition_file(world.data_dir / "raw", "transactions", day)).to_pylist()
+    bodies = [raw_row_to_event(r) | {"email": CLEAR, "three_ds": "passed"} for r in rows[:40]]
+    spool = tmp_path / "spool"
+    srv = start_server(world, tmp_path, **env, FRAUD_DECISION_SPOOL_DIR=str(spool))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            r = http.post("/v1/score", json=bodies[0])
+            assert r.status_code == 200, r.text
+            r = http.post("/v1/score/batch", json={"transactions": bodies[1:]})
+            assert r.status_code == 200, r.text
+            bad = bodies[0] | {"transaction_id": "t-bad", "three_ds": "maybe"}
+            r = http.post("/v1/score/batch", json={"transactions": [bad]})
+            assert r.status_code == 422, r.text
+            assert r.json()["detail"][0]["field"] == "transactions.0.three_ds"
+            assert CLEAR not in r.text
+    finally:
+        stop_server(srv)
+    monkeypatch.setenv("FRAUD_DECISION_SPOOL_DIR", str(spool))
+    read_settings.cache_clear()
+    assert main(["decisions", "compact", "--date", str(datetime.now(UTC).date())]) == 0
+
+    clear = CLEAR.encode()
+    client = redis.Redis.from_url(url)
+    logged = repr(client.xrange("decisions")).encode()
+    assert logged.count(F.pii_hash(KEY)(CLEAR).encode()) == len(bodies)  # with its hash
+    for key in client.scan_iter(count=1000):
+        assert clear not in key
+        kind = client.type(key)
+        if kind == b"string":
+            values: list[Any] = [client.get(key)]
+        elif kind == b"hash":
+            values = list(client.hgetall(key).items())
+        elif kind == b"list":
+            values = client.lrange(key, 0, -1)
+        elif kind == b"set":
+            values = list(client.smembers(key))
+        elif kind == b"zset":
+            values = client.zrange(key, 0, -1)
+        elif kind == b"stream":
+            values = client.xrange(key)
+        else:
+            raise AssertionError((key, kind))
+        assert clear not in repr(values).encode(), key
+    assert list(data.glob("raw/decisions/*/*.parquet")), "the decisions were compacted"
+    for p in data.rglob("*.parquet"):
+        assert CLEAR not in json.dumps(pq.read_table(p).to_pylist(), default=str), p
+    for p in [*data.rglob("*"), *spool.rglob("*")]:
+        if p.is_file():
+            assert clear not in p.read_bytes(), p
