@@ -28,6 +28,7 @@ from batch_jobs.labels import known_frauds
 from cli.main import main
 from fraud_scoring import contract as C
 from fraud_scoring.events import Transaction, raw_row_to_event
+from fraud_scoring.features import declarations_path
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import partition_days, partition_file, write_partition
@@ -56,6 +57,19 @@ labels:
   columns:
     transaction_id: TX_ID
     is_fraud: FRAUD
+"""
+
+
+# The export's own fields (docs/data-contract.md, "Your own fields"): its customer id
+# again as a PII field (hashed at every door), and a category read from its type column.
+OWN_FIELDS = """
+fields:
+  - {name: customer_ref, type: string, pii: true, pattern: '[0-9]+'}
+  - {name: three_ds, type: category, values: [passed, failed, none], default: none}
+"""
+OWN_COLUMNS = """\
+    customer_ref: CUSTOMER_ID
+    three_ds: {column: TX_TYPE, map: {STORE: none, ONLINE: passed, CASH: none}}
 """
 
 
@@ -345,9 +359,16 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     redis_url = redis_server.rsplit("/", 1)[0] + "/11"
     redis.Redis.from_url(redis_url).flushdb()
     monkeypatch.setenv("REDIS_URL", redis_url)
+    # Its own fields declared and mapped: every step below runs with them present.
+    features = tmp_path / "features.yaml"
+    features.write_text(declarations_path().read_text() + OWN_FIELDS)
+    monkeypatch.setenv("FRAUD_FEATURES_FILE", str(features))
+    monkeypatch.setenv("FRAUD_PII_KEY", "the export's key, 16 bytes or more")
     read_settings.cache_clear()
     good = other_company_export(tmp_path / "in")
     mapping = str(tmp_path / "in" / "mapping.yaml")
+    own = MAPPING.replace("    country: {const: DE}\n", "    country: {const: DE}\n" + OWN_COLUMNS)
+    Path(mapping).write_text(own)
     assert main(["ingest", mapping]) == 0
     summary = capsys.readouterr().out
     raw = cli_env / "raw"
@@ -363,6 +384,9 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     assert txns.num_rows == good and len(set(txns.column("transaction_id").to_pylist())) == good
     assert set(txns.column("utc_offset_min").to_pylist()) == {60, 120}  # CET, then CEST
     assert set(txns.column("country").to_pylist()) == {"DE"}
+    assert set(txns.column("three_ds").to_pylist()) == {"none", "passed"}
+    refs = txns.column("customer_ref").to_pylist()
+    assert all(r.startswith("pii:") for r in refs) and len(set(refs)) > 100
     with open(cli_env / "ingest" / "rejects.csv") as f:
         rejects = list(csv.DictReader(f))
     reasons = {r["reason"] for r in rejects}
@@ -412,7 +436,7 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
         pq.read_table(partition_file(raw, "transactions", last)).to_pylist(),
         key=lambda r: (r["event_time"], r["transaction_id"]),
     )
-    bodies = [raw_row_to_event(r) for r in day_rows]
+    bodies = [raw_row_to_event(r, ("customer_ref", "three_ds")) for r in day_rows]
     first = next(
         i for i, r in enumerate(day_rows) if r["card_id"] in cards and r["merchant_id"] in terminals
     )
