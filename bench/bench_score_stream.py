@@ -9,6 +9,9 @@ core 1; the candidate and the baseline to core 0 with ``taskset``):
    of B transactions each, two calls in flight (its admission capacity, two
    micro-batches), closed loop, for the backlog's N held-out transactions: decisions/s
    and decisions per service CPU-second (user + system of the pinned process);
+   and the same service answering ``POST /v1/score``, one transaction per call, 2B
+   callers in flight (the way a consumer calling the API per event does; the batcher
+   re-batches them up to B): the API a payment system calls, HTTP in the way per event;
 2. **candidate**: ``fraud-scoring score-stream`` (the same B and max wait) on a Redis
    stream holding the same N transactions as a backlog: it is started, warmed on
    ``--warm`` transactions, stopped (SIGSTOP) while the backlog is appended, and let go;
@@ -77,13 +80,18 @@ def redis_cpu_s(client: Any) -> float:
 
 
 async def post_all(url: str, txns: Sequence[dict[str, Any]], batch: int, concurrency: int) -> int:
-    """``txns`` in calls of ``batch``, ``concurrency`` calls in flight; the errors."""
+    """``txns`` in calls of ``batch`` to ``/v1/score/batch`` (``batch`` 0: one per call to
+    ``/v1/score``), ``concurrency`` calls in flight; the errors."""
     host, port = url.removeprefix("http://").split(":")
     wires = []
-    for s in range(0, len(txns), batch):
-        body = json.dumps({"transactions": list(txns[s : s + batch])}).encode()
+    for s in range(0, len(txns), batch or 1):
+        if batch:
+            path, doc = "/v1/score/batch", {"transactions": list(txns[s : s + batch])}
+        else:
+            path, doc = "/v1/score", txns[s]
+        body = json.dumps(doc).encode()
         wires.append(
-            f"POST /v1/score/batch HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
             f"\r\nX-Request-Timeout-Ms: 30000\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
@@ -106,8 +114,16 @@ async def post_all(url: str, txns: Sequence[dict[str, Any]], batch: int, concurr
 
 
 def api_step(
-    world: BenchWorld, txns: Sequence[dict[str, Any]], b: int, a: argparse.Namespace, pin: bool
+    world: BenchWorld,
+    txns: Sequence[dict[str, Any]],
+    b: int,
+    a: argparse.Namespace,
+    pin: bool,
+    single: bool = False,
 ) -> dict[str, float]:
+    """The service with max batch ``b``: calls of ``b`` transactions, two in flight, or
+    (``single``) one transaction per call, ``2b`` in flight (its admission capacity)."""
+    per_call, callers = (0, 2 * b) if single else (b, 2)
     spool = tempfile.mkdtemp(prefix="bench-api-spool-")
     svc = start(
         world,
@@ -125,11 +141,12 @@ def api_step(
     try:
         proc = psutil.Process(svc.proc.pid)
         store = redis.Redis.from_url(world.redis_url)
-        warm = fresh(txns[: a.warm], f"api{b}w")
-        assert asyncio.run(post_all(svc.url, warm, b, 2)) == 0, "warm-up calls failed"
-        run = fresh(txns, f"api{b}")
+        tag = f"api{'1' if single else ''}{b}"
+        warm = fresh(txns[: a.warm], f"{tag}w")
+        assert asyncio.run(post_all(svc.url, warm, per_call, callers)) == 0, "warm-up failed"
+        run = fresh(txns, tag)
         c0, r0, t0 = cpu_s(proc), redis_cpu_s(store), time.perf_counter()
-        errors = asyncio.run(post_all(svc.url, run, b, 2))
+        errors = asyncio.run(post_all(svc.url, run, per_call, callers))
         wall = time.perf_counter() - t0
         cpu, rcpu = cpu_s(proc) - c0, redis_cpu_s(store) - r0
     finally:
@@ -292,16 +309,19 @@ def main() -> None:
             f"{len(txns)} held-out transactions per step; score-stream and the API pinned to "
             f"core {'0' if pin else 'any'}, Redis and this generator to core "
             f"{'1' if pin else 'any'}; max wait {a.max_wait_ms:g} ms, commit interval "
-            f"{a.commit_interval_ms:g} ms; baseline: POST /v1/score/batch, B per call, "
-            "2 calls in flight",
+            f"{a.commit_interval_ms:g} ms; baselines: POST /v1/score/batch, B per call, "
+            "2 calls in flight; POST /v1/score, one per call, 2B in flight",
             flush=True,
         )
         for b in (int(x) for x in a.max_batch.split(",")):
             print(f"max batch {b}:", flush=True)
             base = api_step(world, txns, b, a, pin)
             print(line("API /v1/score/batch", base, None), flush=True)
+            single = api_step(world, txns, b, a, pin, single=True)
+            print(line("API /v1/score, one per call", single, None), flush=True)
             cand = stream_step(world, txns, b, a, pin)
             print(line("score-stream (Redis Streams)", cand, base), flush=True)
+            print(line("  the same, against /v1/score", cand, single), flush=True)
             for frac, rate, sent, lag, queue in cand["paced"]:
                 print(
                     f"    at {frac:.0%} of its rate ({rate:.0f}/s, {sent} events): event-time lag "
