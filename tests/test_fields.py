@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
+import yaml
 from pydantic import ValidationError
 
 from batch_jobs.ingest import ingest
@@ -438,3 +439,14 @@ def test_pii_is_in_clear_nowhere_after_ingest_and_scoring(
     for p in [*data.rglob("*"), *spool.rglob("*")]:
         if p.is_file():
             assert clear not in p.read_bytes(), p
+
+
+def test_the_documented_declaration_loads() -> None:
+    """docs/data-contract.md's "Your own fields" declares what it shows."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "data-contract.md").read_text()
+    block = page.split("## Your own fields", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    fields = F.parse(yaml.safe_load(block), "docs/data-contract.md")
+    assert [f.name for f in fields] == ["email", "three_ds", "account_age_days", "signup_time"]
+    door = F.door(fields, KEY)
+    body = BODY | {"email": "alice@example.com", "three_ds": "failed"}
+    assert door.model.model_validate(body).email.startswith("pii:")  # type: ignore[attr-defined]
