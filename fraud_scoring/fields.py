@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -40,6 +40,7 @@ from pydantic import (
 )
 
 from fraud_scoring import declared
+from fraud_scoring.declared.file_errors import field_lines, line_of
 from fraud_scoring.events import Transaction
 from fraud_scoring.features import declarations_path
 from fraud_scoring.settings import FieldSettings
@@ -188,35 +189,43 @@ class _Fields(BaseModel):
     fields: tuple[FieldDecl, ...] = ()
 
 
-def parse(raw: object, source: str) -> tuple[FieldDecl, ...]:
+def parse(
+    raw: object, source: str, lines: Mapping[str, int] | None = None
+) -> tuple[FieldDecl, ...]:
     """The ``fields`` section of the declarations document ``raw``, checked: each field
-    once, none named like a contract field. :class:`FieldError` names the field."""
+    once, none named like a contract field. :class:`FieldError` names the file, the line
+    (``lines``: each field's, as :func:`~fraud_scoring.declared.file_errors.field_lines`
+    gives them) and the field."""
     section = raw.get("fields") if isinstance(raw, dict) else None
+
+    def error(loc: Sequence[str | int], what: str) -> FieldError:
+        parts = [str(p) for p in loc]
+        line = line_of(dict(lines or {}), ".".join(parts))
+        if len(parts) >= 2 and isinstance(section, list) and parts[1].isdigit():
+            item = section[int(parts[1])] if int(parts[1]) < len(section) else None
+            name = item.get("name") if isinstance(item, dict) else None
+            parts[1] += f" ({name})" if isinstance(name, str) else ""
+        where = f"{source}:{line}" if line else source
+        return FieldError(f"{where}: {'.'.join(parts)}: {what.removeprefix('Value error, ')}")
+
     try:
         fields = _Fields.model_validate({"fields": section or ()}).fields
     except ValidationError as exc:
         e = exc.errors()[0]
-        loc = [str(p) for p in e["loc"]]
-        if len(loc) >= 2 and isinstance(section, list):
-            item = section[int(loc[1])]
-            name = item.get("name") if isinstance(item, dict) else None
-            loc[1] = f"{loc[1]} ({name})" if name else loc[1]
-        msg = e["msg"].removeprefix("Value error, ")
-        raise FieldError(f"{source}: {'.'.join(loc)}: {msg}") from None
+        raise error(e["loc"], e["msg"]) from None
     seen: set[str] = set()
     for i, f in enumerate(fields):
-        where = f"{source}: fields.{i} ({f.name})"
         if f.name in RESERVED:
-            raise FieldError(f"{where}: name: {f.name!r} is a contract field or column")
+            raise error(("fields", i, "name"), f"{f.name!r} is a contract field or column")
         if f.name in seen:
-            raise FieldError(f"{where}: name: {f.name!r} is declared twice")
+            raise error(("fields", i, "name"), f"{f.name!r} is declared twice")
         seen.add(f.name)
     return fields
 
 
 def load(path: Path) -> tuple[FieldDecl, ...]:
     """The fields declared in the declarations file ``path``."""
-    return parse(declared.read(path), str(path))
+    return parse(declared.read(path), str(path), field_lines(path.read_text()))
 
 
 @cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Iterator
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -82,9 +83,9 @@ def declared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[F.Door
     [
         (
             "[{name: ip, type: string}, {name: ip, type: number}]",
-            "fields.1 (ip): name: 'ip' is declared twice",
+            "fields.1 (ip).name: 'ip' is declared twice",
         ),
-        ("[{name: amount, type: number}]", "fields.0 (amount): name: 'amount' is a contract field"),
+        ("[{name: amount, type: number}]", "fields.0 (amount).name: 'amount' is a contract field"),
         ("[{name: fraud_pattern, type: string}]", "fraud_pattern' is a contract field or column"),
         ("[{name: ip, type: ipv4}]", "fields.0 (ip).type: Input should be 'string', 'number'"),
         (
@@ -128,7 +129,9 @@ def test_a_declaration_that_breaks_the_language_is_refused_naming_the_field(
     path = declarations_with_fields(tmp_path, f"fields: {fields}\n")
     with pytest.raises(F.FieldError) as exc:
         F.load(path)
-    assert str(exc.value).startswith(f"{path}: ") and said in str(exc.value), exc.value
+    # file:line: field: what, the line the field's item (or key) is on.
+    assert re.match(rf"{re.escape(str(path))}:\d+: fields\.", str(exc.value)), exc.value
+    assert said in str(exc.value), exc.value
 
 
 def test_the_shipped_declarations_declare_no_fields_and_serve_the_contract_model() -> None:
