@@ -29,6 +29,7 @@ from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.features import declarations_path
 from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import partition_file
+from service.core import idempotency
 from service.edge.app import create_app
 from service.settings import ServiceSettings
 from streaming.sources import Message
@@ -453,3 +454,21 @@ def test_the_documented_declaration_loads() -> None:
     door = F.door(fields, KEY)
     body = BODY | {"email": "alice@example.com", "three_ds": "failed"}
     assert door.model.model_validate(body).email.startswith("pii:")  # type: ignore[attr-defined]
+
+
+def test_a_declared_field_is_part_of_what_makes_a_transaction_the_same_one(
+    declared: F.Door,
+) -> None:
+    """One id, one transaction: a retry that changes a declared field is another
+    transaction (409 naming it), one that sends the same values is the same."""
+    first = declared.model.model_validate(BODY | {"email": CLEAR, "three_ds": "passed"})
+    same = declared.model.model_validate(BODY | {"email": f" {CLEAR}", "three_ds": "passed"})
+    other = declared.model.model_validate(BODY | {"email": CLEAR, "three_ds": "failed"})
+    assert idempotency.content(first) == idempotency.content(same)
+    differ = {
+        k for k, v in idempotency.content(first).items() if idempotency.content(other)[k] != v
+    }
+    assert differ == {"three_ds"}
+    assert CLEAR not in idempotency.encode(idempotency.content(first))
+    plain = Transaction.model_validate(BODY)
+    assert set(idempotency.content(plain)) == set(Transaction.model_fields) - {"transaction_id"}

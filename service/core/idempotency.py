@@ -47,8 +47,9 @@ def key(transaction_id: str) -> str:
 
 def content(t: Transaction) -> dict[str, Any]:
     """What makes a transaction the same one (the event time as µs, so an equal instant
-    written with another offset is the same)."""
-    return {
+    written with another offset is the same), a team's declared fields included (a PII
+    one as its hash)."""
+    c = {
         "card_id": t.card_id,
         "merchant_id": t.merchant_id,
         "amount": t.amount,
@@ -59,6 +60,12 @@ def content(t: Transaction) -> dict[str, Any]:
         "mcc": t.mcc,
         "device_id": t.device_id,
     }
+    if type(t) is not Transaction:  # the declared fields' model (fraud_scoring.fields)
+        c.update(t.model_dump(mode="json", exclude=_CONTRACT_FIELDS))
+    return c
+
+
+_CONTRACT_FIELDS = frozenset(Transaction.model_fields)
 
 
 def encode(c: dict[str, Any]) -> str:
