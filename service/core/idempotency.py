@@ -65,7 +65,7 @@ def content(t: Transaction) -> dict[str, Any]:
     return c
 
 
-_CONTRACT_FIELDS = frozenset(Transaction.model_fields)
+_CONTRACT_FIELDS = set(Transaction.model_fields)
 
 
 def encode(c: dict[str, Any]) -> str:
