@@ -32,9 +32,14 @@ from fraud_scoring.storage import partition_file
 from service.core import idempotency
 from service.edge.app import create_app
 from service.settings import ServiceSettings
-from streaming.sources import Message
-from streaming.updater import decode, parse_transaction
+from streaming.metrics import UpdaterMetrics
+from streaming.sources import Message, RedisStreamSource
+from streaming.state import SessionWriter
+from streaming.updater import Updater, decode, parse_transaction
 from tests.conftest import World, private_db, start_server, stop_server
+from tests.conftest_streaming import connect, encode, feed, stream_redis, xadd_all
+
+__all__ = ["stream_redis"]
 
 KEY = b"a test key of 32 bytes, not real"
 FIELDS = """\
@@ -209,6 +214,32 @@ def test_events_carry_declared_fields_and_a_break_is_dead_lettered_naming_it(
     # The contract's model ignores them, as before.
     plain = parse_transaction(raw)
     assert isinstance(plain, Transaction) and not hasattr(plain, "three_ds")
+
+
+def test_the_updater_takes_declared_fields_and_dead_letters_a_break_naming_it(
+    declared: F.Door, stream_redis: str
+) -> None:
+    """Events with declared fields through the streaming updater on a real Redis stream:
+    applied, a break dead-lettered with the field named, and the clear PII value in no
+    key the updater wrote (only in the log the producer wrote, and the dead letter that
+    keeps a refused event as it came)."""
+    good = [e | {"email": CLEAR, "three_ds": "passed"} for e in feed(cards=40)[:60]]
+    bad = good[0] | {"transaction_id": "t-bad", "three_ds": "maybe"}
+    client = connect(stream_redis)
+    xadd_all(client, "transactions", encode([*good, bad]))
+    source = RedisStreamSource(client, "transactions", "g", "test")
+    updater = Updater(
+        source, SessionWriter(client, 300), UpdaterMetrics.create(), model=declared.model
+    )
+    updater.run(max_messages=len(good) + 1)
+    assert updater.totals.dead_letters == 1
+    assert updater.totals.applied.added == len({e["transaction_id"] for e in good})
+    ((_, dead),) = client.xrange("transactions:dead-letter")
+    assert dead[b"reason"].decode().startswith("three_ds: Input should be")
+    written = [k for k in client.scan_iter(count=1000) if not k.startswith(b"transactions")]
+    assert written
+    for k in written:
+        assert CLEAR.encode() not in repr(_values(client, k)).encode(), k
 
 
 def test_the_openapi_document_lists_the_declared_fields_with_their_types(
@@ -420,23 +451,7 @@ def test_pii_is_in_clear_nowhere_after_ingest_and_scoring(
     logged = repr(client.xrange("decisions")).encode()
     assert logged.count(F.pii_hash(KEY)(CLEAR).encode()) == len(bodies)  # with its hash
     for key in client.scan_iter(count=1000):
-        assert clear not in key
-        kind = client.type(key)
-        if kind == b"string":
-            values: list[Any] = [client.get(key)]
-        elif kind == b"hash":
-            values = list(client.hgetall(key).items())
-        elif kind == b"list":
-            values = client.lrange(key, 0, -1)
-        elif kind == b"set":
-            values = list(client.smembers(key))
-        elif kind == b"zset":
-            values = client.zrange(key, 0, -1)
-        elif kind == b"stream":
-            values = client.xrange(key)
-        else:
-            raise AssertionError((key, kind))
-        assert clear not in repr(values).encode(), key
+        assert clear not in key and clear not in repr(_values(client, key)).encode(), key
     assert list(data.glob("raw/decisions/*/*.parquet")), "the decisions were compacted"
     for p in data.rglob("*.parquet"):
         assert CLEAR not in json.dumps(pq.read_table(p).to_pylist(), default=str), p
@@ -472,3 +487,17 @@ def test_a_declared_field_is_part_of_what_makes_a_transaction_the_same_one(
     assert CLEAR not in idempotency.encode(idempotency.content(first))
     plain = Transaction.model_validate(BODY)
     assert set(idempotency.content(plain)) == set(Transaction.model_fields) - {"transaction_id"}
+
+
+def _values(client: Any, key: bytes) -> Any:
+    """Everything a Redis key holds, whatever its type."""
+    kind = client.type(key)
+    read = {
+        b"string": client.get,
+        b"hash": client.hgetall,
+        b"list": lambda k: client.lrange(k, 0, -1),
+        b"set": client.smembers,
+        b"zset": lambda k: client.zrange(k, 0, -1, withscores=True),
+        b"stream": client.xrange,
+    }
+    return read[kind](key)
