@@ -477,12 +477,18 @@ def configure_features(p: argparse.ArgumentParser) -> None:
 def run_features(args: argparse.Namespace, settings: JobsSettings) -> None:
     from batch_jobs import feature_plan
     from fraud_scoring import features as F
+    from fraud_scoring.fields import declared_fields
 
     decl = F.declarations()
+    # The same file's own fields, checked too (a bad one refuses, naming it).
+    fields = declared_fields(F.declarations_path())
     the_plan = feature_plan.plan(
         decl, settings.data_dir, settings.model_repo, settings.model_name, F.producible_features()
     )
     print(the_plan.text(decl))
+    if fields:
+        kinds = (f"{f.name} ({f.type}{', pii' if f.pii else ''})" for f in fields)
+        print(f"declared fields: {', '.join(kinds)}")
     if args.action == "plan":
         return
     from batch_jobs.declared_sql import backfill_tiles, labels_for

@@ -26,7 +26,7 @@ from cli.main import main
 from fraud_scoring import contract as C
 from fraud_scoring import fields as F
 from fraud_scoring.events import Transaction, raw_row_to_event
-from fraud_scoring.features import declarations_path
+from fraud_scoring.features import declarations, declarations_path
 from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import partition_file
 from service.core import idempotency
@@ -68,6 +68,7 @@ DAY = date(2025, 3, 24)  # the export's day
 
 def declarations_with_fields(folder: Path, fields: str = FIELDS) -> Path:
     """The shipped declarations file with a ``fields`` section, in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "features.yaml"
     path.write_text(declarations_path().read_text() + "\n" + fields)
     return path
@@ -82,6 +83,7 @@ def declared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[F.Door
     read_settings.cache_clear()
     yield F.door(F.load(path), KEY, str(path))
     read_settings.cache_clear()
+    declarations.cache_clear()  # read from this file by a command the test ran
 
 
 @pytest.mark.parametrize(
@@ -501,3 +503,19 @@ def _values(client: Any, key: bytes) -> Any:
         b"stream": client.xrange,
     }
     return read[kind](key)
+
+
+def test_features_plan_checks_and_lists_the_declared_fields(
+    declared: F.Door,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("FRAUD_DATA_DIR", str(tmp_path / "data"))
+    read_settings.cache_clear()
+    assert main(["features", "plan"]) == 0
+    out = capsys.readouterr().out
+    assert "declared fields: email (string, pii), three_ds (category), account_age_days" in out
+    broken = declarations_with_fields(tmp_path / "broken", "fields: [{name: x, type: ipv4}]\n")
+    monkeypatch.setenv("FRAUD_FEATURES_FILE", str(broken))
+    assert main(["features", "plan"]) == 2
