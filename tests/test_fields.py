@@ -410,17 +410,19 @@ def test_a_raw_partition_that_breaks_a_declared_field_is_refused_naming_it(
 
 
 def test_pii_is_in_clear_nowhere_after_ingest_and_scoring(
-    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    declared: F.Door, world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An export through ingest, then the world's held-out transactions scored over HTTP
     with a clear PII value (one refused for another field's break), the decisions
     compacted into raw files: the clear value is in no Redis key or value (the decision
     log's stream included), no spool file, no parquet file, no rejects or manifest."""
-    path = declarations_with_fields(tmp_path)
     url = private_db(world, 9)
-    env = {"FRAUD_FEATURES_FILE": str(path), "FRAUD_PII_KEY": KEY.decode(), "REDIS_URL": url}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    env = {
+        "FRAUD_FEATURES_FILE": str(declarations_path()),  # the declared fixture's file
+        "FRAUD_PII_KEY": KEY.decode(),
+        "REDIS_URL": url,
+    }
+    monkeypatch.setenv("REDIS_URL", url)
     data = tmp_path / "data"
     monkeypatch.setenv("FRAUD_DATA_DIR", str(data))
     read_settings.cache_clear()
