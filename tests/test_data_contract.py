@@ -144,9 +144,9 @@ def other_company_export(folder: Path, customers: int = 700, days: int = 16, see
             w.writerows(part)
     with open(out / "frauds.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["TX_ID", "FRAUD"])
-        w.writerows([[t, 1] for t in frauds])
-        w.writerow([frauds[0], 1])  # a repeated label
+        w.writerow(["TX_ID", "FRAUD", "KIND"])  # KIND: the fraud's type, mapped or not
+        w.writerows([[t, 1, "night_burst"] for t in frauds])
+        w.writerow([frauds[0], 1, "night_burst"])  # a repeated label
     (folder / "mapping.yaml").write_text(MAPPING)
     return good - 1  # the clash refuses rows[7] and its twin
 
@@ -368,6 +368,7 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     good = other_company_export(tmp_path / "in")
     mapping = str(tmp_path / "in" / "mapping.yaml")
     own = MAPPING.replace("    country: {const: DE}\n", "    country: {const: DE}\n" + OWN_COLUMNS)
+    own += "    fraud_pattern: KIND\n"  # the labels' fraud type, kept on each transaction
     Path(mapping).write_text(own)
     assert main(["ingest", mapping]) == 0
     summary = capsys.readouterr().out
@@ -425,6 +426,7 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     assert str(report) in capsys.readouterr().out
     text = report.read_text()
     assert "labels as of" in text.lower(), text[:500]
+    assert re.search(r"^\| night_burst \| \d+ \|", text, re.M), text  # not "unknown"
     assert {p.name for p in report.parent.glob("*.png")} >= {"pr_curve.png", "reliability.png"}
 
     # serve: the held-out day's transactions, as the API's requests (the mapped fields),
