@@ -179,7 +179,7 @@ class Batcher(Generic[T, R]):
     @property
     def depth(self) -> int:
         """Requests waiting for a batch (cancelled ones, not yet swept out, excluded)."""
-        return self._ready_size()
+        return sum(1 for it in self._queue if not it.future.done())
 
     # -- request side --------------------------------------------------------------
     async def submit(
@@ -241,7 +241,16 @@ class Batcher(Generic[T, R]):
         return None
 
     def _ready_size(self) -> int:
-        return sum(1 for it in self._queue if not it.future.done())
+        """The live items queued, counted up to ``max_batch_size`` (all a batch can take):
+        a deep queue (score-stream's backlog holds thousands) is not walked whole at
+        every wake-up."""
+        n = 0
+        for it in self._queue:
+            if not it.future.done():
+                n += 1
+                if n >= self.max_batch_size:
+                    break
+        return n
 
     async def _loop(self) -> None:
         while True:
