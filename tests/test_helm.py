@@ -314,6 +314,11 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], str]] = {
         {"scoreStream": {"enabled": True, "outputBootstrapServers": "k:9092"}},
         "scoreStream.outputBootstrapServers is for a Kafka event log",
     ),
+    # As every process refuses to start: a PII field is hashed with a key from a Secret.
+    "a pii field without its key": (
+        {"features": "fields:\n  - name: email\n    type: string\n    pii: true\n"},
+        "features declares a pii: true field: set piiKey.existingSecret",
+    ),
     "score-stream wait at its budget": (
         {"scoreStream": {"enabled": True, "maxWaitMs": 250, "latencyBudgetMs": 250}},
         "scoreStream.maxWaitMs (250) must be below scoreStream.latencyBudgetMs (250)",
@@ -636,6 +641,35 @@ def test_redis_password_from_existing_secret() -> None:
         spec = pod["spec"]["jobTemplate"]["spec"] if pod["kind"] == "CronJob" else pod["spec"]
         volumes = spec["template"]["spec"]["volumes"]
         assert {"name": "redis-ca", "secret": {"secretName": "fraud-redis-ca"}} in volumes
+
+
+def test_pii_key_from_an_existing_secret_in_every_pod() -> None:
+    features = "fields:\n  - name: email\n    type: string\n    pii: true\n"
+    values = {
+        "features": features,
+        "piiKey": {"existingSecret": "fraud-pii", "existingSecretKey": "k"},
+        "scoreStream": {"enabled": True},
+    }
+    docs = render(values)
+    assert not [d for d in find(docs, "Secret") if "pii" in d["metadata"]["name"]]
+    seen = set()
+    for workload, c in app_containers(docs, values):
+        env = env_of(c)
+        assert "FRAUD_PII_KEY" not in env, "never the key itself in the environment"
+        path = env["FRAUD_PII_KEY_FILE"]["value"]
+        (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert mount["readOnly"]
+        (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"] == {
+            "secretName": "fraud-pii",
+            "items": [{"key": "k", "path": "pii-key"}],
+            "defaultMode": 0o440,
+        }
+        assert path == f"{mount['mountPath']}/pii-key"
+        seen.add(workload["kind"])
+    assert {"Deployment", "CronJob"} <= seen
+    plain = render({})
+    assert all("FRAUD_PII_KEY_FILE" not in env_of(c) for _, c in app_containers(plain, {}))
 
 
 def test_in_chart_redis_uses_the_official_valkey_image_and_a_generated_secret() -> None:

@@ -212,6 +212,12 @@ environment variable. */}}
 - name: FRAUD_DECISION_LOG_BUFFER
   value: {{ .buffer | int64 | quote }}
 {{- end }}
+{{- if $.Values.piiKey.existingSecret }}
+- name: FRAUD_PII_KEY_FILE
+  value: {{ printf "%s/pii-key" (include "fraud-scoring.piiKeyMountPath" $) | quote }}
+{{- else if regexMatch "(?m)^\\s*pii:\\s*true\\b" (toString $.Values.features) }}
+{{- fail "features declares a pii: true field: set piiKey.existingSecret to a Secret holding the PII hash key (docs/data-contract.md, Your own fields)" }}
+{{- end }}
 - name: HOME
   value: /tmp
 - name: K8S_POD_NAME
@@ -253,7 +259,14 @@ environment variable. */}}
   mountPath: {{ include "fraud-scoring.redisAuthMountPath" . }}
   readOnly: true
 {{- end }}
+{{- if .Values.piiKey.existingSecret }}
+- name: pii-key
+  mountPath: {{ include "fraud-scoring.piiKeyMountPath" . }}
+  readOnly: true
 {{- end }}
+{{- end }}
+
+{{- define "fraud-scoring.piiKeyMountPath" -}}/etc/fraud-scoring-pii{{- end }}
 
 {{- define "fraud-scoring.storageClaimName" -}}
 {{- default (printf "%s-storage" (include "fraud-scoring.fullname" .)) .Values.storage.pvc.existingClaim }}
@@ -288,6 +301,15 @@ environment variable. */}}
     items:
       - key: {{ include "fraud-scoring.redisSecretKey" . }}
         path: password
+    defaultMode: 0440
+{{- end }}
+{{- with .Values.piiKey.existingSecret }}
+- name: pii-key
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: {{ $.Values.piiKey.existingSecretKey }}
+        path: pii-key
     defaultMode: 0440
 {{- end }}
 {{- end }}
