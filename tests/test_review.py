@@ -563,3 +563,28 @@ def test_the_page_lists_opens_and_marks_in_a_browser(reviewing: Reviewing, world
     assert stored["label_time"] >= stored["reported_time"] - 1_000_000
     assert target not in queued_ids(r)
     assert txns[0]["transaction_id"] in queued_ids(r)  # the other one waits
+
+
+def test_the_detail_shows_declared_fields_and_a_pii_hash_by_its_prefix_only() -> None:
+    """The review page's item lists the team's declared fields as logged; a PII field,
+    hashed at the door, only by its hash's first characters."""
+    from types import SimpleNamespace
+
+    from fraud_scoring.fields import FieldDecl, door
+    from service.edge.review import PII_SHOWN, declared_fields
+
+    d = door(
+        [
+            FieldDecl(name="email", type="string", pii=True),
+            FieldDecl(name="three_ds", type="category", values=("ok", "failed")),
+            FieldDecl(name="account_age_days", type="number"),
+        ],
+        b"k" * 32,
+    )
+    hashed = d.pii("ana@example.com")
+    logged = {"email": hashed, "three_ds": "failed", "card_id": "c1"}
+    shown = declared_fields(SimpleNamespace(door=d), logged)  # type: ignore[arg-type]
+    assert list(shown) == ["email", "three_ds", "account_age_days"]
+    assert shown["email"] == hashed[:PII_SHOWN] + "…" and hashed.startswith("pii:")
+    assert "ana" not in str(shown) and hashed not in str(shown)
+    assert shown["three_ds"] == "failed" and shown["account_age_days"] is None

@@ -128,6 +128,9 @@ class ReviewDetail(ReviewItem):
     queued: bool  # False once a label arrived (the item is kept for the log's retention)
     label: Label | None
     device_id: str | None
+    # The team's declared fields (docs/data-contract.md, "Your own fields"), in their
+    # declared order; a PII field as its hash's prefix ("pii:1f3a9c0e…"), never more.
+    fields: dict[str, str | float | bool | None] = {}
     features: dict[str, float | None]  # every feature, in the model's order
     missing: list[str]
     stale: list[str]
@@ -204,6 +207,19 @@ def _summary(entry: dict[str, Any], importance: dict[str, float]) -> dict[str, A
         "reasons": entry["reasons"],
         "key_features": key_features(entry, importance),
     }
+
+
+PII_SHOWN = 12  # characters of a PII field's stored hash the page shows: "pii:" and 8 hex
+
+
+def declared_fields(res: Resources, t: dict[str, Any]) -> dict[str, str | float | bool | None]:
+    """The transaction's declared fields as logged; a PII field's hash cut to its
+    prefix (enough to tell two values apart on the page, too little to look one up)."""
+    out: dict[str, str | float | bool | None] = {}
+    for f in res.door.fields:
+        v = t.get(f.name)
+        out[f.name] = f"{v[:PII_SHOWN]}…" if f.pii and isinstance(v, str) else v
+    return out
 
 
 def _importance(res: Resources) -> dict[str, float]:
@@ -283,6 +299,7 @@ async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDet
                 "key_id": label.get("key_id"),
             },
             "device_id": t.get("device_id"),
+            "fields": declared_fields(res, t),
             "features": entry["features"],
             "missing": entry["missing"],
             "stale": entry["stale"],

@@ -176,6 +176,8 @@ async function openItem(id) {
     ["model", d.model_version],
     ["missing / stale", [d.missing.join(", ") || "—", d.stale.join(", ") || "—"].join(" / ")],
   ];
+  // the team's declared fields (a PII one as its hash's prefix: the service never has more)
+  for (const [k, v] of Object.entries(d.fields || {})) facts.push([k, v === null ? "—" : String(v)]);
   for (const [k, v] of facts) dl.append(el("dt", k), el("dd", v));
 
   const reasons = $("d-reasons");
