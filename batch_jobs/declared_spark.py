@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from batch_jobs.declared_sql import Dialect, decayed_columns, frames, window_sql
+from batch_jobs.declared_sql import Dialect, decayed_columns, field_columns, frames, window_sql
 from fraud_scoring import declared as D
 
 # Temporary views of one call: the query rows and the history's events.
@@ -91,8 +91,14 @@ def spark_training_columns(
         c: pa.float64() for c in (*D.VALUE_COLUMNS, *D.ARRIVAL_VALUE_COLUMNS, *exprs)
     }
     values |= {c: pa.string() for c in D.ARRIVAL_FILTER_COLUMNS}
+    # The declared fields (frames: a number as float64, the others as text).
+    fields = {
+        c: pa.float64() if t == "number" else pa.string()
+        for c, t in field_columns(decl.specs).items()
+    }
+    values |= fields
     spark.createDataFrame(
-        _arrow(q, {"row_id": pa.int64(), "ts_us": pa.int64()})
+        _arrow(q, {"row_id": pa.int64(), "ts_us": pa.int64(), **fields})
     ).createOrReplaceTempView(_Q)
     e_types = {**values, "src": pa.string(), "ev_us": pa.int64(), "avail_us": pa.int64()}
     spark.createDataFrame(_arrow(e, e_types)).createOrReplaceTempView(_E)

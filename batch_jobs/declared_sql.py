@@ -84,8 +84,13 @@ def _key_sql(spec: D.Spec, alias: str, d: Dialect) -> str:
 
 
 def _present_sql(spec: D.Spec, alias: str, d: Dialect, *, value: bool = False) -> str:
-    cols = [*spec.entity, spec.value_column] if value and spec.categorical else spec.entity
-    return " AND ".join(f"{alias}.{c} IS NOT NULL AND {d.text(f'{alias}.{c}')} <> ''" for c in cols)
+    """The key's columns (``value``: and the columns an event needs, :attr:`Spec.required`)
+    are there: not null, and a text not empty."""
+    texts = [*spec.entity, spec.value_column] if value and spec.categorical else spec.entity
+    parts = [f"{alias}.{c} IS NOT NULL AND {d.text(f'{alias}.{c}')} <> ''" for c in texts]
+    if value and not spec.categorical:  # declared number fields the value reads
+        parts += [f"{alias}.{c} IS NOT NULL" for c in spec.required]
+    return " AND ".join(parts)
 
 
 def _filter_sql(spec: D.Spec, alias: str, d: Dialect, params: dict[str, Any]) -> str:
@@ -204,7 +209,9 @@ def frames(
     :attr:`~fraud_scoring.declared.Spec.value_sql`, by :func:`fraud_scoring.declared.evaluate`,
     as the updater computes it)."""
     cols = [*D.KEY_COLUMNS, *D.VALUE_COLUMNS]
+    fields = field_columns(specs)
     q = pd.DataFrame({c: rows.get(c) for c in D.KEY_COLUMNS})
+    q = q.assign(**{c: _field(rows, c, t) for c, t in fields.items()})
     q["row_id"] = np.arange(len(rows))
     q["ts_us"] = epoch_us(rows[[time_col]])
     e_src = history.drop_duplicates("transaction_id")
@@ -213,7 +220,11 @@ def frames(
         D.ARRIVAL_FILTER_COLUMNS, None
     )
     e = pd.DataFrame({c: e_src.get(c) for c in cols}).assign(
-        **own, src="t", ev_us=ev_us, avail_us=ev_us
+        **own,
+        **{c: _field(e_src, c, t) for c, t in fields.items()},
+        src="t",
+        ev_us=ev_us,
+        avail_us=ev_us,
     )
     if labels is not None and len(labels):
         source = labels["source"] if "source" in labels else pd.Series("labels", labels.index)
@@ -235,6 +246,28 @@ def frames(
             with np.errstate(all="ignore"):  # a label's column is NaN on transactions
                 e[spec.value_sql] = D.evaluate(spec.value_column, numbers)
     return q, e
+
+
+def field_columns(specs: Sequence[D.Spec]) -> dict[str, str]:
+    """The team's declared fields ``specs`` read, by name, their types (the raw
+    partitions keep them; the events frame carries them)."""
+    return {n: t for s in specs for n, t in s.fields}
+
+
+def _field(frame: pd.DataFrame, name: str, kind: str) -> np.ndarray:
+    """A declared field's column as every SQL engine reads it: a number as float64 (NaN:
+    absent), a bool as the text ``true``/``false`` (what a filter names), else text
+    (None: absent). A frame without the column: all absent."""
+    n = len(frame)
+    col = frame[name].to_numpy(object) if name in frame else np.full(n, None, object)
+    absent = np.asarray(pd.isna(col), dtype=bool)
+    if kind == "number":
+        return np.where(absent, np.nan, col).astype(np.float64)
+    out = np.empty(n, object)
+    for i, (v, gone) in enumerate(zip(col, absent, strict=True)):
+        if not gone:
+            out[i] = ("true" if v else "false") if kind == "bool" else str(v)
+    return out
 
 
 def training_columns(

@@ -52,6 +52,9 @@ def reference(
     hist["_us"] = _us(hist["event_time"])
     t_all = _us(rows[time_col])
     out: dict[str, list[float]] = {}
+    # A team's declared fields: a string, category or bool one is categorical.
+    kinds = {f["name"]: f["type"] for f in declarations.get("fields") or []}
+    keys = (*_KEYS, *(n for n, t in kinds.items() if t != "number"))
     for decl in declarations.get("aggregations", []):
         entity = [decl["entity"]] if isinstance(decl["entity"], str) else decl["entity"]
         delay = _window_s(decl["delay"]) * US if decl.get("delay") else 0
@@ -79,10 +82,13 @@ def reference(
             allowed = [allowed] if isinstance(allowed, str) else allowed
             ev = ev[ev[col].isin(allowed)]
         value = decl.get("value")
-        categorical = value in _KEYS
+        categorical = value in keys
         default = decl.get("default")
         for c in [*entity, value] if categorical else entity:
             ev = ev[ev[c].notna() & (ev[c].astype(str) != "")]
+        # An event without a declared number field its value reads is not counted.
+        for c in _names(value) & {n for n, t in kinds.items() if t == "number"}:
+            ev = ev[ev[c].notna()]
         # Each event's number (a column or an expression, evaluated per event) and
         # categorical value, once.
         # (without a value each event counts 1.0, as a decayed count reads it)
@@ -155,11 +161,19 @@ def reference(
     return out
 
 
+def _names(value: str | None) -> set[str]:
+    """The columns a declaration's value reads."""
+    if not value:
+        return set()
+    tree = ast.parse(value, mode="eval")
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in _FUNCS}
+
+
 def _numbers(events: pd.DataFrame, value: str) -> list[float]:
     """The events' values: a number column, or an expression over them per event."""
     if value.isidentifier():
         return [float(v) for v in events[value]]
-    names = [c for c in ("amount", "is_fraud", "score") if c in events]
+    names = [c for c in sorted(_names(value)) if c in events]
     rows = events[names].astype(float).to_dict("records")
     return [derived_reference(value, r) for r in rows]
 

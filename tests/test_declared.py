@@ -32,7 +32,32 @@ from fraud_scoring.redis_server import EmbeddedCluster
 from tests.declared_reference import derived_reference, reference
 
 DECL = """
+fields:
+  - {name: ip_address, type: string}
+  - {name: shipping_distance_km, type: number, min: 0}
+  - {name: three_ds, type: category, values: [passed, failed, skipped]}
+  - {name: is_prepaid, type: bool}
 aggregations:
+  - entity: ip_address
+    windows: [10m, 1d]
+    features: {count: ip_count, seconds_since_last: ip_since}
+  - entity: card_id
+    value: shipping_distance_km
+    windows: [1h, 1d]
+    features: {count: c_ship_count, mean: c_ship_mean, max: c_ship_max, last: c_ship_last}
+  - entity: [ip_address, merchant_id]
+    filter: {three_ds: [failed]}
+    windows: [1h, 1d]
+    features: {count: ipm_3ds_failed}
+  - entity: card_id
+    value: ip_address
+    windows: [1d]
+    features: {distinct_count: c_ips, changed: c_ip_changed}
+  - entity: merchant_id
+    value: log1p(shipping_distance_km)
+    filter: {is_prepaid: [true]}
+    windows: [1d]
+    features: {sum: m_prepaid_ship_log}
   - entity: merchant_id
     value: amount
     windows: [1m, 10m, 1h, 1d, 7d]
@@ -160,6 +185,17 @@ def history(seed: int = 3) -> pd.DataFrame:
             "channel": rng.choice(["pos", "ecom", "atm"], n),
             "country": rng.choice(["US", "US", "GB", "FR"], n),
             "event_time": T0 + pd.to_timedelta(offs, unit="s"),
+            # The declared fields (DECL's), each absent on some rows.
+            "ip_address": np.where(
+                rng.random(n) < 0.9, [f"10.0.0.{k}" for k in rng.integers(0, 40, n)], None
+            ),
+            "shipping_distance_km": np.where(
+                rng.random(n) < 0.8, rng.lognormal(2, 1.5, n).round(3), np.nan
+            ),
+            "three_ds": np.where(
+                rng.random(n) < 0.9, rng.choice(["passed", "failed", "skipped"], n), None
+            ),
+            "is_prepaid": np.where(rng.random(n) < 0.9, rng.random(n) < 0.3, None),
         }
     ).sort_values("event_time", ignore_index=True)
 
@@ -300,6 +336,33 @@ def test_the_language_names_the_field_it_refuses() -> None:
             "card_txn_count_1h",
             "declared twice",
         ),
+    }
+    # A team's declared fields: their types decide what a declaration may do with them.
+    fields = (
+        "fields: [{name: ip, type: string}, {name: km, type: number}, "
+        "{name: seen, type: timestamp}]\n"
+    )
+    cases |= {
+        fields + "aggregations: [{entity: km, windows: [1h], features: {count: x}}]": (
+            "aggregations.0.entity",
+            "'km' is a number field: a key is a string or category or bool field",
+        ),
+        fields + "aggregations: [{entity: card_id, filter: {seen: [x]}, windows: [1h], "
+        "features: {count: x}}]": ("aggregations.0.filter", "'seen' is a timestamp field"),
+        fields + "aggregations: [{entity: card_id, value: ip, windows: [1h], "
+        "features: {sum: x}}]": ("aggregations.0.value", "need a number column (amount, km)"),
+        fields + "aggregations: [{entity: card_id, value: 'log1p(ip)', windows: [1h], "
+        "features: {sum: x}}]": ("aggregations.0.value", "'ip' is a string field"),
+        fields + "aggregations: [{entity: card_id, value: km, windows: [1h], "
+        "features: {distinct_count: x}}]": ("aggregations.0.value", "need a categorical"),
+        fields + "aggregations: [{entity: card_id, value: seen, windows: [1h], "
+        "features: {max: x}}]": ("aggregations.0.value", "'seen' is a timestamp field"),
+        fields + "aggregations: [{entity: nope, windows: [1h], features: {count: x}}]": (
+            "aggregations.0.entity",
+            "unknown column 'nope'",
+        ),
+        fields + "aggregations: [{source: labels, entity: ip, windows: [1h], "
+        "features: {count: x}}]": ("aggregations.0", "ip: a declared field is read by"),
     }
     for text, (where, what) in cases.items():
         with pytest.raises(D.DeclarationError) as err:
@@ -488,7 +551,7 @@ def test_late_shuffled_and_duplicated_events_land_at_their_own_time(
                 same = np.ones(len(hist), bool)
                 for c in spec.entity:
                     same &= hist[c].to_numpy() == row[c]
-                for c, allowed in spec.filter.items():
+                for c, allowed in spec.row_filter:
                     same &= hist[c].isin(allowed).to_numpy()
                 newest = int(hist_us[same].max()) + spec.delay_us
                 dropped = any(  # the ring's top past the slots it keeps
@@ -604,6 +667,13 @@ def test_every_declared_aggregation_served_equals_training_equals_reference(
         assert 0.3 * trained["m_count_10m"][hot] < trained["m_decayed_count_10m"][hot]
         assert trained["m_decayed_count_10m"][hot] < trained["m_count_10m"][hot]
         assert max(trained["c_amount_decayed_1d"]) > 0 and max(trained["m_frauds_decayed_7d"]) > 0
+        # declared fields: a key (an IP, with rows without one), a number value absent
+        # on some events, a category filter, a categorical value and a bool filter
+        assert max(trained["ip_count_1d"]) > 50 and min(trained["ip_since_10m"]) < 600
+        assert q["ip_address"].isna().any() and 0 in trained["ip_count_1d"]
+        assert 0 < min(trained["c_ship_count_1d"]) < min(trained["c_count_1d"])
+        assert max(trained["ipm_3ds_failed_1d"]) > 5 and max(trained["c_ips_1d"]) > 20
+        assert max(trained["c_ip_changed_1d"]) == 1 and max(trained["m_prepaid_ship_log_1d"]) > 10
 
     # Derived features: the shared evaluator = the reference's on every row.
     from fraud_scoring.declared import derived_columns
@@ -820,14 +890,28 @@ def test_the_documented_example_declares_what_it_says() -> None:
     """docs/features.md's example is a valid declaration (read beside the project's own
     features, which its derived expressions read)."""
     import re
+    import textwrap
 
     text = (Path(__file__).parents[1] / "docs" / "features.md").read_text()
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "aggregations:" in b]
+    blocks = [
+        textwrap.dedent(b)
+        for b in re.findall(r"```yaml\n(.*?) *```", text, re.S)
+        if "aggregations:" in b
+    ]
+    (block,) = [b for b in blocks if "fields:" not in b]
     doc = yaml.safe_load(block)
     own = D.parse({"aggregations": doc["aggregations"]}, "docs").aggregate_names()
     own += [d["name"] for d in doc.get("derived", [])]
     decl = D.parse(doc, "docs/features.md", taken=sorted(set(F.all_features()) - set(own)))
     assert {s.source for s in decl.specs} == {"transactions", "labels", "decisions"}
+    # "Over your own fields": features over declared fields
+    (block,) = [b for b in blocks if "fields:" in b]
+    decl = D.parse(yaml.safe_load(block), "docs/features.md")
+    assert {n for s in decl.specs for n, _ in s.fields} == {
+        "ip_address",
+        "three_ds",
+        "shipping_distance_km",
+    }
 
 
 def test_the_shipped_declarations_say_what_their_names_do_not() -> None:

@@ -82,6 +82,13 @@ def _batch(seed: int, n: int) -> tuple[list[dict[str, Any]], list[int], list[boo
                 "channel": str(rng.choice(["pos", "ecom", "atm"])),
                 "country": "" if rng.random() < 0.1 else str(rng.choice(["US", "GB", "FR"])),
                 "mcc": "5411",
+                # the declared fields (DECL's), absent on some rows
+                "ip_address": None if rng.random() < 0.2 else f"10.0.0.{rng.integers(0, 6)}",
+                "shipping_distance_km": None
+                if rng.random() < 0.2
+                else round(float(rng.lognormal(2, 1)), 3),
+                "three_ds": None if rng.random() < 0.1 else str(rng.choice(["passed", "failed"])),
+                "is_prepaid": None if rng.random() < 0.1 else bool(rng.random() < 0.5),
             }
         )
         ts.append(t)

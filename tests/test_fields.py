@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -21,9 +23,11 @@ import redis
 import yaml
 from pydantic import ValidationError
 
+from batch_jobs.declared_sql import training_columns
 from batch_jobs.ingest import ingest
 from cli.main import main
 from fraud_scoring import contract as C
+from fraud_scoring import declared as D
 from fraud_scoring import fields as F
 from fraud_scoring.events import Transaction, raw_row_to_event
 from fraud_scoring.features import declarations, declarations_path
@@ -473,6 +477,16 @@ def test_the_documented_declaration_loads() -> None:
     door = F.door(fields, KEY)
     body = BODY | {"email": "alice@example.com", "three_ds": "failed"}
     assert door.model.model_validate(body).email.startswith("pii:")  # type: ignore[attr-defined]
+    # "Use it in a feature": its declarations file's fields and features over them
+    use = page.split("### Use it in a feature", 1)[1].split("### ", 1)[0]
+    doc = yaml.safe_load(use.split("```yaml\n", 2)[2].split("```", 1)[0])
+    assert [f.name for f in F.parse(doc, "docs")] == ["ip_address", "three_ds"]
+    decl = D.parse(doc, "docs/data-contract.md")
+    assert decl.aggregate_names() == [
+        "ip_txn_count_10m",
+        "ip_txn_count_1d",
+        "card_3ds_failed_count_1h",
+    ]
 
 
 def test_a_declared_field_is_part_of_what_makes_a_transaction_the_same_one(
@@ -521,3 +535,91 @@ def test_features_plan_checks_and_lists_the_declared_fields(
     broken = declarations_with_fields(tmp_path / "broken", "fields: [{name: x, type: ipv4}]\n")
     monkeypatch.setenv("FRAUD_FEATURES_FILE", str(broken))
     assert main(["features", "plan"]) == 2
+
+
+# Features over declared fields (docs/features.md, "Over your own fields"): a key over a
+# PII field (its hash), a category filter, a number value absent on some events.
+OVER_FIELDS = [
+    {
+        "entity": "email",
+        "filter": {"three_ds": ["failed"]},
+        "windows": ["1d"],
+        "features": {"count": "email_3ds_failed", "seconds_since_last": "email_3ds_since"},
+    },
+    {
+        "entity": "merchant_id",
+        "value": "account_age_days",
+        "windows": ["1d"],
+        "features": {"count": "m_aged", "max": "m_age_max", "mean": "m_age_mean"},
+    },
+]
+
+
+def test_the_updater_records_features_over_declared_fields_as_training_computes_them(
+    declared: F.Door, stream_redis: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events with declared fields through the streaming updater on a real Redis stream
+    into states keyed by a PII field (its hash), filtered by a category and reading a
+    number absent on some events; read back after the last event they equal training's
+    DuckDB over the same events as the door stored them."""
+    raw = yaml.safe_load(declarations_path().read_text())
+    raw["fields"] = yaml.safe_load(FIELDS)["fields"]
+    raw["aggregations"] = [*raw["aggregations"], *OVER_FIELDS]
+    path = tmp_path / "over" / "features.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("FRAUD_FEATURES_FILE", str(path))
+    declarations.cache_clear()
+    door = F.door(F.load(path), KEY, str(path))
+    decl = declarations()
+    events = feed(cards=40)[:400]
+    for e in events:  # a few emails; some events without a field (a retry: the same)
+        i = int(e["transaction_id"].rsplit("-", 1)[1])
+        e["email"] = f"buyer{i % 7}@example.com"
+        e["three_ds"] = ("failed", "passed", "none")[i % 3]
+        if i % 4:
+            e["account_age_days"] = float(i % 50)
+    client = connect(stream_redis)
+    for script in D.SCRIPTS:
+        client.script_load(script)
+    xadd_all(client, "transactions", encode(events))
+    source = RedisStreamSource(client, "transactions", "g", "test")
+    updater = Updater(source, SessionWriter(client, 300), UpdaterMetrics.create(), model=door.model)
+    updater.run(max_messages=len(events))
+    assert updater.totals.dead_letters == 0
+    stored = [door.model.model_validate(e) for e in events]
+    hist = pd.DataFrame(D.transaction_rows(stored)).assign(
+        event_time=[t.event_time for t in stored]
+    )
+    hist["event_time"] = pd.to_datetime(hist["event_time"], utc=True)
+    q = hist.drop_duplicates("transaction_id").sort_values("event_time").tail(60)
+    # read as of a second after the newest event (every event before it)
+    end = hist["event_time"].max() + pd.Timedelta(seconds=1)
+    q = q.assign(event_timestamp=end).reset_index(drop=True)
+    names = ["email_3ds_failed_1d", "email_3ds_since_1d", "m_aged_1d", "m_age_max_1d"]
+    specs = [s for s in decl.specs if set(s.feature_names()) & set(names)]
+    served: dict[str, list[float]] = {}
+    rows = q.to_dict("records")
+    t_us = [int(t.value // 1000) for t in q["event_timestamp"]]
+    for spec in specs:
+        pipe = client.pipeline(transaction=False)
+        keys = [spec.key_value(r) for r in rows]
+        for key, t in zip(keys, t_us, strict=True):
+            if key is not None:
+                D.queue_read(pipe, spec, key, t)
+        read = [t for k, t in zip(keys, t_us, strict=True) if k is not None]
+        got = iter(D.parse_reads(spec, pipe.execute(), read))
+        for key, t in zip(keys, t_us, strict=True):
+            state = next(got) if key is not None else None
+            feats, exact = D.online_row(spec, state, t)
+            assert exact, (spec.feature_names(), key, state)
+            for k, v in feats.items():
+                served.setdefault(k, []).append(v)
+    trained = training_columns(decl, q, hist)
+    for n in names:
+        assert np.allclose(served[n], trained[n]), (n, served[n], list(trained[n]))
+    assert max(served["email_3ds_failed_1d"]) > 5 and max(served["m_age_max_1d"]) > 0
+    emails = {k for s in specs for k in client.scan_iter(match=f"{{agg:{s.id}:*", count=1000)}
+    assert emails and all(CLEAR.encode() not in k for k in emails)
+    assert any(b"pii:" in k for k in emails)  # keyed by the hash
+    declarations.cache_clear()

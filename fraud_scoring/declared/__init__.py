@@ -74,6 +74,7 @@ from fraud_scoring.declared.microbatch import (
     parse_reads,
     queue_batch,
     transaction_row,
+    transaction_rows,
 )
 from fraud_scoring.declared.plan import (
     DEFAULT_PATH,
@@ -199,6 +200,7 @@ __all__ = [
     "tile_of",
     "tile_width",
     "transaction_row",
+    "transaction_rows",
     "value_code",
     "value_names",
     "window_label",

@@ -16,9 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from fraud_scoring.declared.expressions import _FUNCS, _check_expr, _parsed
+from fraud_scoring.declared.expressions import _FUNCS, _check_expr, _parsed, value_names
 from fraud_scoring.declared.kinds import DECAY_TILES, KINDS, kinds_where
 from fraud_scoring.declared.kinds import DISTINCT_CAP as DISTINCT_CAP
 
@@ -41,6 +48,11 @@ UNITS = {"s": US, "m": 60 * US, "h": 3600 * US, "d": 86_400 * US}
 # The transaction columns a declaration may read (entity, filter, value).
 KEY_COLUMNS = ("card_id", "merchant_id", "device_id", "country", "channel", "mcc")
 VALUE_COLUMNS = ("amount",)
+# A team's declared fields (the ``fields`` section, ``fraud_scoring/fields.py``) are read
+# by type: a string, category or bool field as a key, a filter or a categorical value,
+# a number field as a value (or a name in a value's expression).
+FIELD_KEY_TYPES = ("string", "category", "bool")
+FIELD_VALUE_TYPES = ("number",)
 # What a declaration counts: the transactions as they happen, or events that arrive
 # later and that the daily batch records ("arrivals"), each counted from when the online
 # store has it: labels (chargebacks, analysts' marks) and the service's own decisions
@@ -82,13 +94,47 @@ class DeclarationError(ValueError):
     the file and the field."""
 
 
-def known_filter(v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+def field_types(raw: object) -> dict[str, str]:
+    """The declared fields of a declarations document ``raw`` by name, their types (the
+    ``fields`` section as written; ``fraud_scoring/fields.py`` checks it whole): what a
+    declaration may read besides the contract's columns."""
+    section = raw.get("fields") if isinstance(raw, dict) else None
+    out: dict[str, str] = {}
+    for f in section if isinstance(section, list) else ():
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            out[f["name"]] = str(f.get("type"))
+    return out
+
+
+def _fields(info: ValidationInfo | None) -> Mapping[str, str]:
+    """The declared fields a validation was given (:func:`field_types`; none: {})."""
+    ctx = info.context if info is not None else None
+    return ctx.get("fields", {}) if isinstance(ctx, dict) else {}
+
+
+def _field_use(name: str, types: Mapping[str, str], allowed: Sequence[str], what: str) -> bool:
+    """Whether ``name`` is a declared field usable as ``what`` (its type among
+    ``allowed``); a declared field of another type is refused naming it."""
+    if name not in types:
+        return False
+    if types[name] not in allowed:
+        raise ValueError(
+            f"{name!r} is a {types[name]} field: {what} is a {' or '.join(allowed)} field"
+        )
+    return True
+
+
+def known_filter(
+    v: dict[str, tuple[str, ...]], fields: Mapping[str, str] | None = None
+) -> dict[str, tuple[str, ...]]:
     """A declaration's ``filter``, refused when it names a column that is not a key
-    column (or a decision's own: ``source: decisions`` is checked by :func:`parse`)."""
+    column, a declared string/category/bool field (``fields``: name -> type) or a
+    decision's own (``source: decisions`` is checked by :func:`parse`)."""
     known = (*KEY_COLUMNS, *ARRIVAL_FILTER_COLUMNS)
     for c in v:
-        if c not in known:
-            raise ValueError(f"unknown column {c!r}; one of {', '.join(known)}")
+        if c not in known and not _field_use(c, fields or {}, FIELD_KEY_TYPES, "a filter"):
+            extra = f", or a declared {'/'.join(FIELD_KEY_TYPES)} field" if fields else ""
+            raise ValueError(f"unknown column {c!r}; one of {', '.join(known)}{extra}")
     return v
 
 
@@ -179,37 +225,56 @@ class AggregationDecl(_Strict):
     @field_validator("filter", mode="before")
     @classmethod
     def _values(cls, v: Any) -> Any:
+        # A bool field's values as text: true, false (what every engine compares).
         if isinstance(v, dict):
-            return {k: (x,) if isinstance(x, str) else x for k, x in v.items()}
+            return {
+                k: tuple(str(y).lower() if isinstance(y, bool) else y for y in x)
+                if isinstance(x, list | tuple)
+                else (str(x).lower() if isinstance(x, bool) else x,)
+                for k, x in v.items()
+            }
         return v
 
     @field_validator("entity")
     @classmethod
-    def _known_key(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+    def _known_key(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
         if not v:
             raise ValueError("needs at least one column")
+        fields = _fields(info)
         for c in v:
-            if c not in KEY_COLUMNS:
-                raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}")
+            if c not in KEY_COLUMNS and not _field_use(c, fields, FIELD_KEY_TYPES, "a key"):
+                extra = f", or a declared {'/'.join(FIELD_KEY_TYPES)} field" if fields else ""
+                raise ValueError(f"unknown column {c!r}; one of {', '.join(KEY_COLUMNS)}{extra}")
         return v
 
     @field_validator("filter")
     @classmethod
-    def _known_filter(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-        return known_filter(v)
+    def _known_filter(
+        cls, v: dict[str, tuple[str, ...]], info: ValidationInfo
+    ) -> dict[str, tuple[str, ...]]:
+        return known_filter(v, _fields(info))
 
     @field_validator("value")
     @classmethod
-    def _known_value(cls, v: str | None) -> str | None:
-        known = (*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS, *KEY_COLUMNS)
+    def _known_value(cls, v: str | None, info: ValidationInfo) -> str | None:
+        fields = _fields(info)
+        numbers = (*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS)
+        known = (*numbers, *KEY_COLUMNS)
         if v is None or v in known:
             return v
+        if v in fields:
+            _field_use(v, fields, (*FIELD_VALUE_TYPES, *FIELD_KEY_TYPES), "a value")
+            return v
+        declared = [n for n, t in fields.items() if t in FIELD_VALUE_TYPES]
         if v.isidentifier():
+            more = ", a declared field" if fields else ""
             raise ValueError(
-                f"unknown column {v!r}; one of {', '.join(known)}, or an expression over "
-                f"{', '.join((*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS))}"
+                f"unknown column {v!r}; one of {', '.join(known)}{more}, or an expression "
+                f"over {', '.join((*numbers, *declared))}"
             )
-        _check_expr(v, {*VALUE_COLUMNS, *ARRIVAL_VALUE_COLUMNS})
+        _check_expr(v, {*numbers, *fields})
+        for name in sorted(value_names(v) & set(fields)):
+            _field_use(name, fields, FIELD_VALUE_TYPES, "a name in a value's expression")
         return v
 
     @model_validator(mode="after")

@@ -49,6 +49,8 @@ from fraud_scoring.declared.kinds import Sums
 from fraud_scoring.declared.language import (
     ARRIVALS,
     EXTREMES,
+    FIELD_KEY_TYPES,
+    FIELD_VALUE_TYPES,
     FUTURE_ROOM_US,
     KEY_COLUMNS,
     LABEL_ROOM_US,
@@ -64,6 +66,7 @@ from fraud_scoring.declared.language import (
     DeclarationsFile,
     DerivedDecl,
     ReasonDecl,
+    field_types,
     parse_window,
     read,
     tile_width,
@@ -127,6 +130,8 @@ class Spec:
     delay_us: int = 0
     # The half-lives of its decayed sums: its tiles keep one decayed sum per half-life.
     half_lives: tuple[int, ...] = ()
+    # The team's declared fields it reads (key, value, filter), with their types.
+    fields: tuple[tuple[str, str], ...] = ()
 
     @property
     def whole_tiles(self) -> bool:
@@ -163,9 +168,32 @@ class Spec:
 
     @cached_property  # read per event: derived once
     def categorical(self) -> bool:
-        """The value is a key column (a merchant, a country): its values are kept, not
-        summed."""
-        return self.value_column in KEY_COLUMNS
+        """The value is a key column (a merchant, a country) or a declared string,
+        category or bool field: its values are kept, not summed."""
+        return (
+            self.value_column in KEY_COLUMNS
+            or dict(self.fields).get(self.value_column or "") in FIELD_KEY_TYPES
+        )
+
+    @cached_property
+    def required(self) -> tuple[str, ...]:
+        """The columns an event must have to be recorded: a categorical value, and the
+        declared number fields its value reads (an event without one is not counted)."""
+        if self.categorical:
+            return (self.value_column,)  # type: ignore[return-value]
+        numbers = {n for n, t in self.fields if t in FIELD_VALUE_TYPES}
+        return tuple(sorted(value_names(self.value_column) & numbers))
+
+    @cached_property
+    def row_filter(self) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """The filter as the row engines compare it: a bool field's ``true``/``false``
+        also as Python's bools (the SQL engines compare it as text)."""
+        bools = {n for n, t in self.fields if t == "bool"}
+        out = []
+        for c, allowed in self.filter.items():
+            extra = tuple(v == "true" for v in allowed) if c in bools else ()
+            out.append((c, (*allowed, *extra)))
+        return tuple(out)
 
     @cached_property
     def keeps_values(self) -> bool:
@@ -236,9 +264,9 @@ class Spec:
     def passes(self, row: Mapping[str, Any]) -> bool:
         """Inside the filter, and (a categorical value) with a value: an event without
         one is not recorded in this state."""
-        if self.categorical and _empty(row.get(self.value_column)):  # type: ignore[arg-type]
+        if any(_empty(row.get(c)) for c in self.required):
             return False
-        return not self.filter or all(row.get(c) in allowed for c, allowed in self.filter.items())
+        return all(row.get(c) in allowed for c, allowed in self.row_filter)
 
     def value(self, row: Mapping[str, Any]) -> float:
         """The number recorded for an event: its value column, or (categorical) the
@@ -326,8 +354,12 @@ def value_code(v: Any) -> float:
     return float(int.from_bytes(digest, "big"))
 
 
-def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
-    """Group declarations by (entity, value, filter) into the states they share."""
+def compile_decls(
+    decls: Sequence[AggregationDecl], fields: Mapping[str, str] | None = None
+) -> tuple[Spec, ...]:
+    """Group declarations by (entity, value, filter) into the states they share;
+    ``fields``: the declared fields by name, their types (:func:`field_types`)."""
+    fields = fields or {}
     groups: dict[str, list[AggregationDecl]] = {}
     for d in decls:
         shape: dict[str, Any] = {
@@ -366,6 +398,8 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
                     name = f"{d.prefix(agg)}_{label}"
                     feats.append(Declared(agg, name, win, d.default_of(agg), d.half_life_us(agg)))
         first = ds[0]
+        reads = {*first.entity, *value_names(first.value), *first.filter}
+        used = tuple((n, t) for n, t in fields.items() if n in reads)
         specs.append(
             Spec(
                 first.entity,
@@ -378,6 +412,7 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
                 first.source,
                 parse_window(first.delay) if first.delay else 0,
                 half_lives,
+                used,
             )
         )
     return tuple(specs)
@@ -386,15 +421,28 @@ def compile_decls(decls: Sequence[AggregationDecl]) -> tuple[Spec, ...]:
 def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
     """Check and compile declarations (the YAML document ``raw``); ``taken`` are the
     feature names already declared elsewhere. Raises :class:`DeclarationError`."""
+    fields = field_types(raw)
     try:
-        doc = DeclarationsFile.model_validate(raw if raw is not None else {})
+        doc = DeclarationsFile.model_validate(
+            raw if raw is not None else {}, context={"fields": fields}
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         raise DeclarationError(f"{source}: {loc}: {first['msg']}") from None
+    field_numbers = tuple(n for n, t in fields.items() if t in FIELD_VALUE_TYPES)
+    field_cats = tuple(n for n, t in fields.items() if t in FIELD_KEY_TYPES)
+    categories = (*KEY_COLUMNS, *field_cats)
     for i, d in enumerate(doc.aggregations):
-        numbers = (*VALUE_COLUMNS, *SOURCE_VALUES.get(d.source, ()))
+        numbers = (*VALUE_COLUMNS, *SOURCE_VALUES.get(d.source, ()), *field_numbers)
         reads = value_names(d.value)
+        own = sorted(({*d.entity, *d.filter} | reads) & set(fields))
+        if own and d.source != "transactions":
+            raise DeclarationError(
+                f"{source}: aggregations.{i}: {', '.join(own)}: a declared field is read "
+                f"by a state of transactions only (source: {d.source} carries the contract's "
+                "columns)"
+            )
         for other, cols in SOURCE_VALUES.items():
             if reads & set(cols) and d.source != other:
                 raise DeclarationError(
@@ -419,17 +467,19 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
                 f"{'/'.join(ARRIVALS)} only "
                 f"{', '.join(sorted(WHOLE_TILE_AGGS))} (whole tiles)"
             )
-        if "decayed_sum" in d.features and d.value in KEY_COLUMNS:
+        if "decayed_sum" in d.features and d.value in categories:
             raise DeclarationError(
                 f"{source}: aggregations.{i}.value: decayed_sum needs a number column "
                 f"({', '.join(numbers)}), an expression over them, or none (each event 1)"
             )
-        if NEEDS_CATEGORY & set(d.features) and d.value not in KEY_COLUMNS:
+        if NEEDS_CATEGORY & set(d.features) and d.value not in categories:
             raise DeclarationError(
                 f"{source}: aggregations.{i}.value: distinct_count/changed need a "
-                f"categorical column ({', '.join(KEY_COLUMNS)})"
+                f"categorical column ({', '.join(categories)})"
             )
-    decl = Declarations(compile_decls(doc.aggregations), doc.derived, source, reasons=doc.reasons)
+    decl = Declarations(
+        compile_decls(doc.aggregations, fields), doc.derived, source, reasons=doc.reasons
+    )
     seen = set(taken)
     for n in decl.names():
         if n in seen:

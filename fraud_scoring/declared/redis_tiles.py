@@ -200,20 +200,22 @@ class BatchColumns:
 
     @staticmethod
     def _filter_sig(spec: Spec) -> tuple[Any, ...]:
-        cat = spec.value_column if spec.categorical else None
-        return (cat, tuple(sorted(spec.filter.items())))
+        return (spec.required, tuple(sorted(spec.row_filter)))
 
     def mask(self, spec: Spec) -> list[bool] | None:
-        """Which rows pass ``spec``'s filter and (a categorical value) have a value;
-        None: all of them."""
+        """Which rows pass ``spec``'s filter and have the columns it requires
+        (:attr:`Spec.required`: a categorical value, a declared number field its value
+        reads); None: all of them."""
         sig = self._filter_sig(spec)
         if sig in self._masks:
             return self._masks[sig]
-        cat, _ = sig
-        ok = [True] * len(self.rows)
-        if cat is not None:
-            ok = [not (v is None or v != v or v == "") for v in self.column(cat)]
-        for c, allowed in spec.filter.items():
+        ok: list[bool] | None = None
+        for c in spec.required:
+            has = [not (v is None or v != v or v == "") for v in self.column(c)]
+            ok = has if ok is None else [a and b for a, b in zip(ok, has, strict=True)]
+        if ok is None:
+            ok = [True] * len(self.rows)
+        for c, allowed in spec.row_filter:
             ok = [a and v in allowed for a, v in zip(ok, self.column(c), strict=True)]
         out = None if all(ok) else ok
         self._masks[sig] = out
@@ -254,17 +256,20 @@ class BatchColumns:
             out = [0.0 if _empty(v) else value_code(v) for v in self.column(vc)]
         elif spec.value_expr:  # evaluated column-wise, as every engine does
             cols = {
-                c: [self._number(c, i, v) for i, v in enumerate(self.column(c))]
+                c: [self._number(c, i, v, spec.required) for i, v in enumerate(self.column(c))]
                 for c in value_names(vc)
             }
             out = evaluate(vc, cols).tolist()
         else:
-            out = [self._number(vc, i, v) for i, v in enumerate(self.column(vc))]
+            out = [self._number(vc, i, v, spec.required) for i, v in enumerate(self.column(vc))]
         self._values[vc] = out
         return out
 
-    def _number(self, column: str, i: int, v: Any) -> float:
+    def _number(self, column: str, i: int, v: Any, optional: Sequence[str] = ()) -> float:
         if v is None:
+            # A declared field may be absent: such a row is not recorded (mask).
+            if column in optional:
+                return float("nan")
             raise ValueError(f"{column}: missing in transaction {self.ids[i]!r}")
         return float(v)
 

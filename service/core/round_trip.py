@@ -454,7 +454,7 @@ class StoreRoundTrip:
         self.reader.queue(pipe, txns)
         n_reader = len(pipe)
         list_reads = lists.queue_reads(pipe, self.rules.current, txns)
-        rows = [D.transaction_row(t) for t in txns] if decl.specs else []
+        rows = D.transaction_rows(txns) if decl.specs else []
         ts_us = [session.to_us(t.event_time) for t in txns]
         plan = C.queue_reads(pipe, decl, D.BatchColumns(rows, ts_us if decl.specs else []))
         reads_end = len(pipe)
