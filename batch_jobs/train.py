@@ -318,6 +318,10 @@ def feature_columns(
         country=joined["country"].to_numpy(object),
         channel=joined["channel"].to_numpy(object),
         has_device=joined["device_id"].notna().to_numpy(),
+        fields={
+            n: joined[n].to_numpy(np.float64) if n in joined else np.full(len(joined), np.nan)
+            for n in F.declarations().field_reads
+        },
     )
     src = (
         history if history is not None else joined.rename(columns={"event_timestamp": "event_time"})

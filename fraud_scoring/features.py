@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -128,7 +129,7 @@ def _declarations(raw: object, source: str, known: Sequence[str]) -> declared.De
     decl = dataclasses.replace(declared.parse(raw, source, taken), views=views)
     strings = {f.name for v in views for f in v.features if f.dtype == "string"}
     strings |= {f.name for f in REQUEST_FEATURES if f.dtype == "string"}
-    numbers = {*taken, *decl.names(), *declared.REQUEST_FIELDS} - strings
+    numbers = {*taken, *decl.names(), *declared.REQUEST_FIELDS, *decl.number_fields} - strings
     declared.check_reasons(decl.reasons, numbers, source)
     missing = [n for n in REQUEST_READS if n not in taken]
     if missing:
@@ -289,6 +290,9 @@ class RequestColumns:
     country: npt.ArrayLike
     channel: npt.ArrayLike
     has_device: npt.ArrayLike
+    # The declared number fields the derived features and reasons read
+    # (``Declarations.field_reads``), NaN (or None) where a transaction has none.
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def build_features(
@@ -318,6 +322,8 @@ def build_features(
     # The request fields expressions read besides the amount (declared.REQUEST_FIELDS).
     cols["event_time_s"] = event_s
     cols["utc_offset_s"] = np.asarray(request.utc_offset_s, dtype=np.float64)
+    for k, v in request.fields.items():  # declared number fields (None: NaN)
+        cols[k] = np.asarray(v, dtype=np.float64)
     decl = declarations()
     n = len(event_s)
     given = aggregations or {}

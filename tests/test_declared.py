@@ -1026,3 +1026,21 @@ def test_a_busy_key_keeps_no_ids_and_counts_each_transaction_once(redis_server: 
     (state,) = D.parse_reads(merchant, pipe.execute(), [t0])
     feats, exact = D.online_row(merchant, state, t0)
     assert exact and feats["n_1h"] == len(rows)
+
+
+def test_a_derived_feature_or_reason_reads_a_declared_number_field() -> None:
+    """A declared number field is a request field of the derived features and reasons
+    (NaN where a transaction has none); a declared string field is not a number."""
+    text = (
+        "fields: [{name: km, type: number}, {name: ip, type: string}]\n"
+        "derived: [{name: far, expr: 'where(km > 100, 1, 0)'}]\n"
+        "reasons: [{code: FAR, when: 'km > 500', message: '{km:.0f} km away'}]\n"
+    )
+    decl = D.parse(yaml.safe_load(text), "t")
+    assert decl.number_fields == decl.field_reads == ("km",)
+    got = D.derived_columns(decl, {"km": np.array([50.0, 150.0, np.nan])}, 3)
+    assert got["far"].tolist() == [0.0, 1.0, 0.0]
+    assert D.parse(yaml.safe_load(DECL), "t").field_reads == ()  # none read: none passed
+    bad = "fields: [{name: ip, type: string}]\nderived: [{name: x, expr: 'ip + 1'}]\n"
+    with pytest.raises(D.DeclarationError, match=r"derived\.0\.expr: unknown name 'ip'"):
+        D.parse(yaml.safe_load(bad), "t")

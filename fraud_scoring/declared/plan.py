@@ -305,6 +305,27 @@ class Declarations:
     # The daily snapshot views (fraud_scoring/snapshots.py), when loaded with them.
     views: tuple[BatchView, ...] = ()
     reasons: tuple[ReasonDecl, ...] = ()
+    # The team's declared fields (the file's ``fields`` section), by name and type.
+    fields: tuple[tuple[str, str], ...] = ()
+
+    @cached_property
+    def number_fields(self) -> tuple[str, ...]:
+        """The declared number fields: request fields a derived expression or a reason
+        may read (NaN where a transaction has none)."""
+        return tuple(n for n, t in self.fields if t in FIELD_VALUE_TYPES)
+
+    @cached_property
+    def field_reads(self) -> tuple[str, ...]:
+        """The declared number fields the derived features and reasons read: the request
+        columns :func:`derived_columns` needs beside the contract's (none: nothing to
+        read per transaction)."""
+        names: set[str] = set()
+        for expr in [*(d.expr for d in self.derived), *(r.when for r in self.reasons)]:
+            names |= {
+                n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)
+            }
+        names |= {n for r in self.reasons for n in r.reads()}
+        return tuple(n for n in self.number_fields if n in names)
 
     def aggregate_names(self) -> list[str]:
         return [n for s in self.specs for n in s.feature_names()]
@@ -478,7 +499,11 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
                 f"categorical column ({', '.join(categories)})"
             )
     decl = Declarations(
-        compile_decls(doc.aggregations, fields), doc.derived, source, reasons=doc.reasons
+        compile_decls(doc.aggregations, fields),
+        doc.derived,
+        source,
+        reasons=doc.reasons,
+        fields=tuple(fields.items()),
     )
     seen = set(taken)
     for n in decl.names():
@@ -486,6 +511,7 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
             raise DeclarationError(f"{source}: feature {n!r} is declared twice")
         seen.add(n)
     known = set(taken) | set(decl.aggregate_names()) | set(REQUEST_FIELDS)
+    known |= set(decl.number_fields)
     for i, dd in enumerate(decl.derived):
         try:
             _check_expr(dd.expr, known)

@@ -348,6 +348,7 @@ class StoreRoundTrip:
             country=[t.country for t in txns],
             channel=[t.channel for t in txns],
             has_device=[t.device_id is not None for t in txns],
+            fields={n: [getattr(t, n, None) for t in txns] for n in F.declarations().field_reads},
         )
         cols = F.build_features(rows.columns, request, read.columns)
         cols.update(lists.members(lay.list_reads, head[lay.reader : lay.declared_start]))
