@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import math
+from datetime import UTC, datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import pandas as pd
@@ -186,8 +188,9 @@ _FUNCS = {
     "minimum": min,
     "maximum": max,
     "where": lambda c, a, b: a if c else b,
-    "hour_of_day": lambda s: float(math.floor((s % 86_400) / 3600)),
-    "day_of_week": lambda s: float((math.floor(s / 86_400) + 3) % 7),
+    "hour_of_day": lambda s, zone=None: float(_wall(s, zone).hour),
+    "day_of_week": lambda s, zone=None: float(_wall(s, zone).weekday()),
+    "speed_kmh": lambda km, seconds: km * 3600.0 / max(seconds, 1.0),
     "distance_km": lambda a, b, c, d: (
         2
         * 6371.0088
@@ -201,6 +204,11 @@ _FUNCS = {
         )
     ),
 }
+
+
+def _wall(s: float, zone: str | None) -> datetime:
+    """Epoch seconds as a wall clock: UTC, or in the IANA ``zone`` (zoneinfo)."""
+    return datetime.fromtimestamp(s, ZoneInfo(zone) if zone else UTC)
 
 
 def derived_reference(expr: str, row: dict[str, float]) -> float:

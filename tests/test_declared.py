@@ -7,6 +7,7 @@ including a hot key with thousands of events."""
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,8 @@ derived:
     expr: hour_of_day(event_time_s + utc_offset_s)
   - name: local_weekend
     expr: where(day_of_week(event_time_s + utc_offset_s) >= 5, 1, 0)
+  - name: paris_night
+    expr: where(hour_of_day(event_time_s, 'Europe/Paris') < 6, 1, 0)
   - name: m_fraud_rate_7d
     expr: m_frauds_7d / m_count_2d_ago_7d
 """
@@ -898,20 +901,37 @@ def test_the_documented_example_declares_what_it_says() -> None:
         for b in re.findall(r"```yaml\n(.*?) *```", text, re.S)
         if "aggregations:" in b
     ]
-    (block,) = [b for b in blocks if "fields:" not in b]
+    (block,) = [b for b in blocks if "source: labels" in b]
     doc = yaml.safe_load(block)
     own = D.parse({"aggregations": doc["aggregations"]}, "docs").aggregate_names()
     own += [d["name"] for d in doc.get("derived", [])]
     decl = D.parse(doc, "docs/features.md", taken=sorted(set(F.all_features()) - set(own)))
     assert {s.source for s in decl.specs} == {"transactions", "labels", "decisions"}
     # "Over your own fields": features over declared fields
-    (block,) = [b for b in blocks if "fields:" in b]
+    (block,) = [b for b in blocks if "ip_address" in b]
     decl = D.parse(yaml.safe_load(block), "docs/features.md")
     assert {n for s in decl.specs for n, _ in s.fields} == {
         "ip_address",
         "three_ds",
         "shipping_distance_km",
     }
+    # "impossible travel": last over declared coordinates, then distance and speed
+    (block,) = [b for b in blocks if "card_jump_kmh" in b]
+    doc = yaml.safe_load(block) | {
+        "fields": [{"name": "lat", "type": "number"}, {"name": "lon", "type": "number"}]
+    }
+    decl = D.parse(doc, "docs/features.md")
+    paris, london = (48.8566, 2.3522), (51.5074, -0.1278)
+    cols = {
+        "card_prev_lat_1d": np.array([paris[0], 0.0]),
+        "card_prev_lon_1d": np.array([paris[1], 0.0]),
+        "card_gap_1d": np.array([1800.0, 86400.0]),  # the second: no earlier transaction
+        "lat": np.array([london[0], london[0]]),
+        "lon": np.array([london[1], london[1]]),
+    }
+    got = D.derived_columns(decl, cols, 2)
+    assert abs(got["card_jump_km"][0] - 343.5) < 0.5 and got["card_jump_km"][1] == 0
+    assert abs(got["card_jump_kmh"][0] - 687.1) < 1 and got["card_jump_kmh"][1] == 0
 
 
 def test_the_shipped_declarations_say_what_their_names_do_not() -> None:
@@ -971,6 +991,34 @@ def test_distance_and_calendar_functions() -> None:
         {"t": np.array([t, t]), "off": np.array([0.0, 5 * 3600.0])},
     )
     assert list(got) == [236.0, 40.0]
+    # In a declared zone, its daylight saving time included: 23:30 UTC is 00:30 on
+    # Monday in Paris in December (UTC+1) and 01:30 on Tuesday in July (UTC+2); a
+    # missing time stays missing.
+    summer = pd.Timestamp("2026-07-06T23:30:00Z").value / 1e9
+    zoned = "hour_of_day(t, 'Europe/Paris') * 10 + day_of_week(t, 'Europe/Paris')"
+    times = np.array([t, summer, np.nan])
+    got = D.evaluate(zoned, {"t": times})
+    assert got[:2].tolist() == [0.0, 11.0] and np.isnan(got[2])
+    for i in range(2):
+        assert derived_reference(zoned, {"t": float(times[i])}) == got[i]
+    # The implied speed from the previous transaction ("impossible travel").
+    speed = "speed_kmh(distance_km(lat1, lon1, lat2, lon2), gap)"
+    cols["gap"] = np.array([1800.0, 0.0, 60.0, 60.0])
+    got = D.evaluate(speed, cols)
+    assert abs(got[0] - 687.1) < 1 and got[1] == km[1] * 3600 and got[2] == 0.0
+    for i in range(3):
+        want = derived_reference(speed, {k: float(v[i]) for k, v in cols.items()})
+        assert got[i] == pytest.approx(want, rel=1e-12)
+    # Checked at load, naming what is wrong.
+    for expr, said in {
+        "hour_of_day(t, 'Mars/Olympus')": "unknown time zone 'Mars/Olympus'",
+        "hour_of_day(t, 1, 2)": "hour_of_day takes 1 or 2 arguments",
+        "distance_km(t, t, t)": "distance_km takes 4 arguments",
+        "where(t > 'a', 1, 0)": "constants must be numbers",
+        "log1p('Europe/Paris')": "constants must be numbers",
+    }.items():
+        with pytest.raises(D.DeclarationError, match=re.escape(said)):
+            D.parse({"derived": [{"name": "x", "expr": expr}]}, "t", taken=["t"])
 
 
 def test_a_busy_key_keeps_no_ids_and_counts_each_transaction_once(redis_server: str) -> None:

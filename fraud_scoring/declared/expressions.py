@@ -1,6 +1,7 @@
 """Expressions over number columns: a declaration's value (``log1p(amount)``), a derived
 feature's ``expr`` and a reason's ``when``. :func:`_check_expr` refuses anything but
-numbers, names, ``+ - * /``, comparisons and the functions of :data:`_FUNCS`; a checked
+numbers, names, ``+ - * /``, comparisons and the functions of :data:`_FUNCS` with their
+number of arguments (a text constant only as a time zone's name); a checked
 expression is compiled once to numpy calls (:func:`evaluate`; ``a / b`` is 0 where
 ``b`` is 0).
 """
@@ -28,16 +29,44 @@ def _clip(x: Any, lo: Any, hi: Any) -> Any:
     return np.minimum(np.maximum(x, lo), hi)
 
 
-def _hour_of_day(s: Any) -> Any:
-    """The hour (0-23) of epoch seconds ``s``: ``hour_of_day(event_time_s +
-    utc_offset_s)`` is the local hour."""
-    return np.floor(np.mod(s, 86_400.0) / 3600.0)
+def _in_zone(s: Any, zone: str | None) -> Any:
+    """Epoch seconds ``s`` as the wall clock of the IANA time zone ``zone`` (seconds
+    since the epoch of that zone's local time; its daylight saving time included), or
+    ``s`` itself without one. Vectorized (pandas' conversion of the whole column); NaN
+    stays NaN."""
+    if zone is None:
+        return s
+    import pandas as pd  # the batch and the service have it loaded already
+
+    x = np.asarray(s, dtype=np.float64)
+    flat = np.atleast_1d(x)
+    ok = np.isfinite(flat)
+    us = np.where(ok, flat, 0.0) * 1e6  # µs: exact for an event time's microseconds
+    utc = pd.DatetimeIndex(pd.to_datetime(np.round(us).astype(np.int64), unit="us", utc=True))
+    wall = utc.tz_convert(zone).tz_localize(None).as_unit("us").asi8
+    local = np.where(ok, flat + (wall - utc.as_unit("us").asi8) / 1e6, np.nan)
+    return local.reshape(x.shape) if x.ndim else local[0]
 
 
-def _day_of_week(s: Any) -> Any:
-    """The weekday of epoch seconds ``s``, Monday 0 to Sunday 6 (1970-01-01 was a
-    Thursday)."""
-    return np.mod(np.floor(np.asarray(s, dtype=np.float64) / 86_400.0) + 3.0, 7.0)
+def _hour_of_day(s: Any, zone: str | None = None) -> Any:
+    """The hour (0-23) of epoch seconds ``s`` (UTC), or in the IANA ``zone``:
+    ``hour_of_day(event_time_s + utc_offset_s)`` is the hour in the offset the event was
+    sent with, ``hour_of_day(event_time_s, "Europe/Paris")`` the hour in Paris."""
+    return np.floor(np.mod(_in_zone(s, zone), 86_400.0) / 3600.0)
+
+
+def _day_of_week(s: Any, zone: str | None = None) -> Any:
+    """The weekday of epoch seconds ``s`` (UTC, or in the IANA ``zone``), Monday 0 to
+    Sunday 6 (1970-01-01 was a Thursday)."""
+    local = np.asarray(_in_zone(s, zone), dtype=np.float64)
+    return np.mod(np.floor(local / 86_400.0) + 3.0, 7.0)
+
+
+def _speed_kmh(km: Any, seconds: Any) -> Any:
+    """The speed that covers ``km`` in ``seconds``, km/h, the time taken as at least one
+    second (two transactions at one instant: the distance per second): "impossible
+    travel" is ``speed_kmh(distance_km(...), card_gap_1d) > 900``."""
+    return np.asarray(km, dtype=np.float64) * 3600.0 / np.maximum(seconds, 1.0)
 
 
 def _distance_km(lat1: Any, lon1: Any, lat2: Any, lon2: Any) -> Any:
@@ -60,7 +89,24 @@ _FUNCS: dict[str, Callable[..., Any]] = {
     "hour_of_day": _hour_of_day,
     "day_of_week": _day_of_week,
     "distance_km": _distance_km,
+    "speed_kmh": _speed_kmh,
 }
+# Each function's number of arguments (least, most), checked at load.
+_ARITY = {
+    "log1p": (1, 1),
+    "abs": (1, 1),
+    "sqrt": (1, 1),
+    "clip": (3, 3),
+    "minimum": (2, 2),
+    "maximum": (2, 2),
+    "where": (3, 3),
+    "hour_of_day": (1, 2),
+    "day_of_week": (1, 2),
+    "distance_km": (4, 4),
+    "speed_kmh": (2, 2),
+}
+# The functions whose last argument may be a time zone's name (a text constant).
+_ZONED = ("hour_of_day", "day_of_week")
 _BINOPS = {ast.Add: np.add, ast.Sub: np.subtract, ast.Mult: np.multiply}
 _CMPS = {
     ast.Gt: np.greater,
@@ -72,12 +118,44 @@ _CMPS = {
 }
 
 
+def _zones(tree: ast.AST) -> set[int]:
+    """The text constants of ``tree`` that name a time zone (a zoned function's second
+    argument), checked: an unknown zone is refused naming it."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        arg = node.args[-1] if node.func.id in _ZONED and len(node.args) == 2 else None
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            _zone(arg.value)
+            out.add(id(arg))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _zone(name: str) -> str:
+    """``name`` when it is an IANA time zone this machine knows (``Europe/Paris``)."""
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {name!r} (an IANA name: Europe/Paris)") from None
+    return name
+
+
 def _check_expr(expr: str, known: set[str]) -> None:
     try:
         tree = ast.parse(expr, mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not an expression: {exc.msg}") from None
+    zones = _zones(tree)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            lo, hi = _ARITY.get(node.func.id, (0, 99))
+            if not lo <= len(node.args) <= hi or node.keywords:
+                want = f"{lo}" if lo == hi else f"{lo} or {hi}"
+                raise ValueError(f"{node.func.id} takes {want} arguments")
         if isinstance(node, ast.Name) and node.id not in known and node.id not in _FUNCS:
             raise ValueError(f"unknown name {node.id!r}")
         if isinstance(node, ast.Call) and not (
@@ -90,8 +168,15 @@ def _check_expr(expr: str, known: set[str]) -> None:
         )  # fmt: skip
         if not isinstance(node, ok):
             raise ValueError(f"{type(node).__name__} is not allowed")
-        if isinstance(node, ast.Constant) and not isinstance(node.value, int | float):
-            raise ValueError("constants must be numbers")
+        if isinstance(node, ast.Constant) and id(node) in zones:
+            continue
+        if isinstance(node, ast.Constant) and (
+            not isinstance(node.value, int | float) or isinstance(node.value, bool)
+        ):
+            raise ValueError(
+                "constants must be numbers (a text only as hour_of_day's or day_of_week's "
+                "time zone)"
+            )
 
 
 def evaluate(expr: str, columns: Mapping[str, npt.ArrayLike]) -> np.ndarray:
@@ -139,6 +224,8 @@ class _Compile(ast.NodeTransformer):
         return self._call("_col", ast.Name("c", ast.Load()), ast.Constant(node.id))
 
     def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        if isinstance(node.value, str):  # a time zone's name (checked)
+            return node
         return ast.Constant(float(node.value))  # type: ignore[arg-type]  # numbers only
 
     def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
