@@ -256,7 +256,8 @@ def plan_split(
 def load_transactions(
     raw: Path, first: date, last: date, labels_as_of: datetime | None = None
 ) -> pd.DataFrame:
-    """Raw transactions of ``first..last`` with ``label`` = 1 for every transaction whose
+    """Raw transactions of ``first..last`` (the contract's columns and the declared
+    fields) with ``label`` = 1 for every transaction whose
     standing label among those that had arrived before ``labels_as_of`` (default: now)
     is fraud (``batch_jobs.labels.known_frauds``: analyst > chargeback > other), and
     ``fraud_pattern`` when the raw history has it (the simulator's ground truth; else
@@ -265,15 +266,20 @@ def load_transactions(
     if not days:
         raise DataError(f"no raw transactions under {raw / 'transactions'} in {first}..{last}")
     files = [str(partition_dir(raw, "transactions", d) / "part-0.parquet") for d in days]
+    # A team's declared fields (the declarations' and updater's columns; a day written
+    # before one was declared lacks it: null there).
+    own = [n for n, _ in F.declarations().fields]
+    reader = "read_parquet($f, union_by_name = true)" if own else "read_parquet($f)"
     con = duckdb.connect()
     try:
         con.execute("SET TimeZone='UTC'")
-        src = con.sql("SELECT * FROM read_parquet($f) LIMIT 0", params={"f": files})
+        src = con.sql(f"SELECT * FROM {reader} LIMIT 0", params={"f": files})
         pattern = "fraud_pattern" if "fraud_pattern" in src.columns else "NULL AS fraud_pattern"
         mcc = "mcc" if "mcc" in src.columns else "NULL AS mcc"
+        fields = "".join(f', "{c}"' if c in src.columns else f', NULL AS "{c}"' for c in own)
         txns = con.sql(
             "SELECT transaction_id, card_id, merchant_id, amount, event_time, utc_offset_min,"
-            f" country, channel, device_id, {mcc}, {pattern} FROM read_parquet($f)"
+            f" country, channel, device_id, {mcc}, {pattern}{fields} FROM {reader}"
             " ORDER BY event_time",
             params={"f": files},
         ).df()
@@ -319,7 +325,9 @@ def feature_columns(
         channel=joined["channel"].to_numpy(object),
         has_device=joined["device_id"].notna().to_numpy(),
         fields={
-            n: joined[n].to_numpy(np.float64) if n in joined else np.full(len(joined), np.nan)
+            n: pd.to_numeric(joined[n], errors="coerce").to_numpy(np.float64)
+            if n in joined
+            else np.full(len(joined), np.nan)
             for n in F.declarations().field_reads
         },
     )

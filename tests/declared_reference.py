@@ -32,7 +32,7 @@ def _width_s(window_s: int) -> int:
 
 
 def _us(col: pd.Series) -> np.ndarray:
-    return (pd.to_datetime(col, utc=True).astype("int64") // 1000).to_numpy()
+    return pd.to_datetime(col, utc=True).dt.as_unit("us").astype("int64").to_numpy()
 
 
 def reference(

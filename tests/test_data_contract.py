@@ -17,10 +17,12 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
+import yaml
 from pydantic import ValidationError
 
 from batch_jobs.evaluate import HOLDOUT_FILE, Holdout
@@ -28,11 +30,12 @@ from batch_jobs.labels import known_frauds
 from cli.main import main
 from fraud_scoring import contract as C
 from fraud_scoring.events import Transaction, raw_row_to_event
-from fraud_scoring.features import declarations_path
+from fraud_scoring.features import declarations, declarations_path
 from fraud_scoring.model_repo import load_metadata, resolve
 from fraud_scoring.settings import read_settings
 from fraud_scoring.storage import partition_days, partition_file, write_partition
 from service.edge.server import spawn
+from tests.declared_reference import derived_reference, reference
 
 BERLIN = ZoneInfo("Europe/Berlin")
 START = date(2025, 3, 24)  # a DST change (Mar 30) inside the export
@@ -61,92 +64,161 @@ labels:
 
 
 # The export's own fields (docs/data-contract.md, "Your own fields"): its customer id
-# again as a PII field (hashed at every door), and a category read from its type column.
+# again as a PII field (hashed at every door), a category read from its type column, the
+# customer's home and the terminal's coordinates, the client's IP (online payments only)
+# and the e-mail's domain.
 OWN_FIELDS = """
 fields:
   - {name: customer_ref, type: string, pii: true, pattern: '[0-9]+'}
   - {name: three_ds, type: category, values: [passed, failed, none], default: none}
+  - {name: customer_lat, type: number, min: -90, max: 90}
+  - {name: customer_lon, type: number, min: -180, max: 180}
+  - {name: terminal_lat, type: number, min: -90, max: 90}
+  - {name: terminal_lon, type: number, min: -180, max: 180}
+  - {name: ip_address, type: string, max_length: 45}
+  - {name: email_domain, type: string}
 """
 OWN_COLUMNS = """\
     customer_ref: CUSTOMER_ID
     three_ds: {column: TX_TYPE, map: {STORE: none, ONLINE: passed, CASH: none}}
+    customer_lat: CUST_LAT
+    customer_lon: CUST_LON
+    terminal_lat: TERM_LAT
+    terminal_lon: TERM_LON
+    ip_address: IP
+    email_domain: EMAIL_DOMAIN
 """
+OWN_NAMES = ("customer_ref", "three_ds", "customer_lat", "customer_lon", "terminal_lat")
+OWN_NAMES += ("terminal_lon", "ip_address", "email_domain")
+# Features over them (docs/features.md, "Over your own fields"): a velocity per IP, the
+# distance from the customer's home to the terminal, and a card's farthest of the day.
+DISTANCE = "distance_km(customer_lat, customer_lon, terminal_lat, terminal_lon)"
+OWN_FEATURES = {
+    "aggregations": [
+        {"entity": "ip_address", "windows": ["1h", "1d"], "features": {"count": "ip_txn_count"}},
+        {
+            "entity": "card_id",
+            "value": DISTANCE,
+            "windows": ["1d"],
+            "features": {"max": "card_distance_max"},
+        },
+    ],
+    "derived": [{"name": "home_distance_km", "expr": DISTANCE}],
+}
+HEADER = ["TX_ID", "CUSTOMER_ID", "TERMINAL_ID", "TX_AMOUNT", "TX_DATETIME", "TX_TYPE"]
+HEADER += ["CUST_LAT", "CUST_LON", "TERM_LAT", "TERM_LON", "IP", "EMAIL_DOMAIN"]
+
+
+def own_declarations() -> str:
+    """The shipped declarations with the export's fields and the features over them."""
+    raw = yaml.safe_load(declarations_path().read_text())
+    raw |= yaml.safe_load(OWN_FIELDS)
+    for section, items in OWN_FEATURES.items():
+        raw[section] = [*raw.get(section, []), *items]
+    return yaml.safe_dump(raw, sort_keys=False)
 
 
 def other_company_export(folder: Path, customers: int = 700, days: int = 16, seed: int = 3) -> int:
     """Write a CSV export in another company's shape under ``folder/export``; returns the
-    number of good transactions. Fraud: a stolen customer's burst of large online
-    payments at a few terminals in the night. Some lines are repeated, one id comes back
-    with other content, and a few lines are malformed."""
+    number of good transactions. Customers shop at terminals near their home, online
+    from their own IP. Fraud (its type in the labels' KIND): a stolen customer's burst of
+    large online payments at a few terminals in the night (``night_burst``); a cloned
+    card used at a store far from its customer's home in the day (``far_store``); one IP
+    testing several customers' cards with small online payments (``ip_burst``). Some
+    lines are repeated, one id comes back with other content, and a few lines are
+    malformed."""
     rng = np.random.default_rng(seed)
     out = folder / "export"
     out.mkdir(parents=True)
     rows: list[list[str]] = []
-    frauds: list[int] = []
+    frauds: list[tuple[int, str]] = []
     tx = 100_000
     terminals = 150
+    home = np.column_stack([rng.uniform(47.5, 54.5, customers), rng.uniform(6, 15, customers)])
+    place = np.column_stack([rng.uniform(47.5, 54.5, terminals), rng.uniform(6, 15, terminals)])
+    far_away = np.array([[40.42, -3.70], [41.01, 28.98], [38.72, -9.14]])  # fraud terminals
+    place = np.vstack([place, far_away])
+    gap = ((home[:, None, :] - place[None, :terminals, :]) ** 2).sum(axis=2)
+    near = np.argsort(gap, axis=1)[:, :8]  # each customer's usual terminals
+    domains = rng.choice(["gmail.com", "web.de", "gmx.de", "t-online.de"], customers)
+
+    def line(c: int, term: int, amount: float, t: datetime, kind: str, ip: str) -> list[str]:
+        if t.replace(tzinfo=BERLIN).utcoffset() != t.replace(tzinfo=BERLIN, fold=1).utcoffset():
+            t += timedelta(hours=1)  # a night in the DST change's missing hour: after it
+        return [
+            str(tx),
+            str(c),
+            str(term),
+            f"{amount:.2f}",
+            f"{t:%Y-%m-%d %H:%M:%S}",
+            kind,
+            f"{home[c, 0]:.5f}",
+            f"{home[c, 1]:.5f}",
+            f"{place[term, 0]:.5f}",
+            f"{place[term, 1]:.5f}",
+            ip if kind == "ONLINE" else "",  # a store or cash payment has no IP
+            str(domains[c]),
+        ]
+
     for d in range(days):
         day = START + timedelta(days=d)
+        midnight = datetime.combine(day, datetime.min.time())
         for c in range(customers):
             for _ in range(rng.poisson(2.0)):
-                local = datetime.combine(day, datetime.min.time()) + timedelta(
-                    seconds=int(rng.integers(7 * 3600, 23 * 3600))
-                )
-                kind = rng.choice(["STORE", "ONLINE", "CASH"], p=[0.6, 0.35, 0.05])
-                rows.append(
-                    [
-                        str(tx),
-                        str(c),
-                        str(int(rng.integers(0, terminals))),
-                        f"{rng.lognormal(3.2, 0.6):.2f}",
-                        f"{local:%Y-%m-%d %H:%M:%S}",
-                        str(kind),
-                    ]
-                )
+                local = midnight + timedelta(seconds=int(rng.integers(7 * 3600, 23 * 3600)))
+                kind = str(rng.choice(["STORE", "ONLINE", "CASH"], p=[0.6, 0.35, 0.05]))
+                term = int(rng.choice(near[c]) if rng.random() < 0.9 else rng.integers(terminals))
+                ip = f"10.{c // 250}.{c % 250}.{1 + int(rng.random() < 0.1)}"
+                rows.append(line(c, term, rng.lognormal(3.2, 0.6), local, kind, ip))
                 tx += 1
         for c in rng.choice(customers, size=4, replace=False):  # stolen cards
-            t = datetime.combine(day, datetime.min.time()) + timedelta(
-                seconds=int(rng.integers(0, 5 * 3600))
-            )
+            t = midnight + timedelta(seconds=int(rng.integers(0, 5 * 3600)))
             for _ in range(int(rng.integers(3, 7))):
                 t += timedelta(seconds=int(rng.integers(20, 400)))
-                rows.append(
-                    [
-                        str(tx),
-                        str(c),
-                        str(terminals + int(rng.integers(0, 3))),  # a few fraud terminals
-                        f"{rng.uniform(300, 1500):.2f}",
-                        f"{t:%Y-%m-%d %H:%M:%S}",
-                        "ONLINE",
-                    ]
-                )
-                frauds.append(tx)
+                term = terminals + int(rng.integers(0, 3))  # a few fraud terminals
+                ip = f"203.0.113.{int(rng.integers(1, 4))}"
+                rows.append(line(c, term, rng.uniform(300, 1500), t, "ONLINE", ip))
+                frauds.append((tx, "night_burst"))
                 tx += 1
+        for c in rng.choice(customers, size=3, replace=False):  # cloned cards, far away
+            t = midnight + timedelta(seconds=int(rng.integers(9 * 3600, 20 * 3600)))
+            term = int(np.argsort(gap[c])[-int(rng.integers(1, 10))])  # a far terminal
+            rows.append(line(c, term, rng.lognormal(4.0, 0.5), t, "STORE", ""))
+            frauds.append((tx, "far_store"))
+            tx += 1
+        ip = f"198.51.100.{d + 1}"  # one IP tests several cards within minutes
+        t = midnight + timedelta(seconds=int(rng.integers(8 * 3600, 22 * 3600)))
+        for c in rng.choice(customers, size=6, replace=False):
+            t += timedelta(seconds=int(rng.integers(10, 120)))
+            term = int(rng.choice(near[c]))
+            rows.append(line(c, term, rng.uniform(1, 5), t, "ONLINE", ip))
+            frauds.append((tx, "ip_burst"))
+            tx += 1
     good = len(rows)
     rows.sort(key=lambda r: r[4])
     dup = [rows[i] for i in rng.choice(len(rows), size=25, replace=False)]
-    clash = [rows[7][0], rows[8][1], rows[8][2], rows[8][3], rows[8][4], rows[8][5]]
+    clash = [rows[7][0], *rows[8][1:]]
+    rest = ["", "", "", "", "", ""]  # the own columns, empty
     bad = [
         ["999000001", "5", "7", "12.00"],  # too few fields
-        ["999000002", "5", "7", "n/a", "2025-03-25 10:00:00", "STORE"],
-        ["999000003", "", "7", "9.99", "2025-03-25 10:00:00", "STORE"],
-        ["999000004", "5", "7", "9.99", "25/03/2025 10:00", "STORE"],
-        ["999000005", "5", "7", "9.99", "2025-03-30 02:30:00", "STORE"],  # no such Berlin time
+        ["999000002", "5", "7", "n/a", "2025-03-25 10:00:00", "STORE", *rest],
+        ["999000003", "", "7", "9.99", "2025-03-25 10:00:00", "STORE", *rest],
+        ["999000004", "5", "7", "9.99", "25/03/2025 10:00", "STORE", *rest],
+        # no such Berlin time
+        ["999000005", "5", "7", "9.99", "2025-03-30 02:30:00", "STORE", *rest],
     ]
     lines = rows + dup + [clash] + bad
     half = len(lines) // 2
     for i, part in enumerate((lines[:half], lines[half:])):
         with open(out / f"transactions_{i}.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(
-                ["TX_ID", "CUSTOMER_ID", "TERMINAL_ID", "TX_AMOUNT", "TX_DATETIME", "TX_TYPE"]
-            )
+            w.writerow(HEADER)
             w.writerows(part)
     with open(out / "frauds.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["TX_ID", "FRAUD", "KIND"])  # KIND: the fraud's type, mapped or not
-        w.writerows([[t, 1, "night_burst"] for t in frauds])
-        w.writerow([frauds[0], 1, "night_burst"])  # a repeated label
+        w.writerows([[t, 1, kind] for t, kind in frauds])
+        w.writerow([frauds[0][0], 1, frauds[0][1]])  # a repeated label
     (folder / "mapping.yaml").write_text(MAPPING)
     return good - 1  # the clash refuses rows[7] and its twin
 
@@ -347,13 +419,18 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     redis_server: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     """The export, through the CLI as a user runs it: ingest, batch (the last day held
     out of the online store, as if scored live the day after the nightly run), train,
     evaluate, then the real service scores the export's held-out day over HTTP (a known
     customer's first transaction with every batch feature read from the store), the
     served report reads the decisions it logged with the export's labels, and every
-    logged vector equals the training row of its transaction."""
+    logged vector equals the training row of its transaction. The export's own fields
+    (coordinates, an IP, an e-mail domain) come in through the mapping, and the features
+    over them (an IP velocity, a distance) are model inputs whose served values equal
+    the naive reference; the evaluation report's recall per fraud pattern names the
+    export's three fraud types."""
     # A database of its own: the export's ids ("5", "DE", "ecom") must not meet the
     # world's state in the shared server.
     redis_url = redis_server.rsplit("/", 1)[0] + "/11"
@@ -361,8 +438,10 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     monkeypatch.setenv("REDIS_URL", redis_url)
     # Its own fields declared and mapped: every step below runs with them present.
     features = tmp_path / "features.yaml"
-    features.write_text(declarations_path().read_text() + OWN_FIELDS)
+    features.write_text(own_declarations())
     monkeypatch.setenv("FRAUD_FEATURES_FILE", str(features))
+    declarations.cache_clear()  # this process's commands read it (cleared again below)
+    request.addfinalizer(declarations.cache_clear)
     monkeypatch.setenv("FRAUD_PII_KEY", "the export's key, 16 bytes or more")
     read_settings.cache_clear()
     good = other_company_export(tmp_path / "in")
@@ -426,7 +505,8 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
     assert str(report) in capsys.readouterr().out
     text = report.read_text()
     assert "labels as of" in text.lower(), text[:500]
-    assert re.search(r"^\| night_burst \| \d+ \|", text, re.M), text  # not "unknown"
+    for pattern in ("night_burst", "far_store", "ip_burst"):  # not "unknown"
+        assert re.search(rf"^\| {pattern} \| \d+ \|", text, re.M), text
     assert {p.name for p in report.parent.glob("*.png")} >= {"pr_curve.png", "reliability.png"}
 
     # serve: the held-out day's transactions, as the API's requests (the mapped fields),
@@ -438,7 +518,7 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
         pq.read_table(partition_file(raw, "transactions", last)).to_pylist(),
         key=lambda r: (r["event_time"], r["transaction_id"]),
     )
-    bodies = [raw_row_to_event(r, ("customer_ref", "three_ds")) for r in day_rows]
+    bodies = [raw_row_to_event(r, OWN_NAMES) for r in day_rows]
     first = next(
         i for i, r in enumerate(day_rows) if r["card_id"] in cards and r["merchant_id"] in terminals
     )
@@ -518,6 +598,27 @@ def test_another_companys_export_goes_ingest_batch_train_evaluate_serve(
         holdout.names[j]: (logged[i]["transaction_id"], served_x[i, j], trained_x[i, j])
         for i, j in zip(*np.nonzero(bad), strict=True)
     }
+
+    # The features over the export's own fields are model inputs, and what was served
+    # equals the naive reference over the raw history (tests/declared_reference.py).
+    mine = ["ip_txn_count_1h", "ip_txn_count_1d", "card_distance_max_1d", "home_distance_km"]
+    assert set(mine) <= set(holdout.names)
+    history = pa.concat_tables(
+        pq.read_table(partition_file(raw, "transactions", d)) for d in days
+    ).to_pandas()
+    by_id = {r["transaction_id"]: r for r in day_rows}
+    q = pd.DataFrame([by_id[d["transaction_id"]] for d in logged])
+    q = q.rename(columns={"event_time": "event_timestamp"})
+    ref = reference(OWN_FEATURES | yaml.safe_load(OWN_FIELDS), q, history, "event_timestamp")
+    ref["home_distance_km"] = [
+        derived_reference(DISTANCE, {k: float(r[k]) for k in OWN_NAMES[2:6]})
+        for r in q.to_dict("records")
+    ]
+    for name in mine:
+        got = np.array([dict(d["features"])[name] for d in logged], np.float64)
+        assert np.allclose(got, ref[name], rtol=1e-5, atol=1e-3), name
+    served_ip = np.array([dict(d["features"])["ip_txn_count_1h"] for d in logged])
+    assert served_ip.max() >= 3 and (served_ip == 0).any()  # bursts; store payments: no IP
 
 
 def test_the_documented_example_ingests(cli_env: Path) -> None:
