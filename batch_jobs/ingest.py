@@ -640,13 +640,19 @@ def cast_field(
     where: str,
     door: F.Door,
 ) -> pd.Series:
-    """A declared field's column from its source (unmapped: its default, or null), each
-    value checked by the declaration as the API checks it (``rule: <field>``, the check's
-    message), a PII field's then hashed."""
+    """A declared field's column from its source (unmapped: taken from its ``from``
+    field's column, else its default, or null), each value checked by the declaration as
+    the API checks it (``rule: <field>``, the check's message), a PII field's then
+    hashed."""
     src = spec.columns.get(f.name)
-    if src is None:
+    if src is None and f.source is not None and f.source in spec.columns:
+        # taken from its source's clear values (before that one's hash), as at the API
+        src = spec.columns[f.source]
+        raw = _text(_raw(df, src)).map(lambda v: None if v is None else f.derive(v))
+    elif src is None:
         return pd.Series([f.default] * len(df), index=df.index, dtype=object)
-    raw = _raw(df, src)
+    else:
+        raw = _raw(df, src)
     name = f.name
     if f.type == "timestamp":
         values, _, bad, gap = _times(raw, src, spec.time_zone, None, name, where)

@@ -76,7 +76,7 @@ class FieldDecl(BaseModel):
     whole value) and ``max_length`` for a string, ``values`` for a category; ``default``:
     an absent optional field's value (else null); ``pii``: hashed at every door."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,62}$")
     type: FieldType
@@ -89,6 +89,15 @@ class FieldDecl(BaseModel):
     default: str | float | bool | None = None
     pii: bool = False
     description: str = ""
+    # A field taken at the door from another string field's clear value (before that
+    # one's PII hash) when the transaction does not carry it: the text ``after`` or
+    # ``before`` a separator (an e-mail's domain: ``after: "@"``), or its first
+    # ``prefix`` or last ``suffix`` characters (a card number's BIN: ``prefix: 6``).
+    source: str | None = Field(default=None, alias="from")
+    after: str | None = Field(default=None, min_length=1)
+    before: str | None = Field(default=None, min_length=1)
+    prefix: int | None = Field(default=None, ge=1, le=256)
+    suffix: int | None = Field(default=None, ge=1, le=256)
 
     @model_validator(mode="after")
     def _options_fit_the_type(self) -> FieldDecl:
@@ -116,6 +125,16 @@ class FieldDecl(BaseModel):
                 raise ValueError(f"pattern: {' '.join(str(exc).split())}") from None
         if self.pii and self.type != "string":
             raise ValueError("pii: only a string field is hashed")
+        parts = [k for k in ("after", "before", "prefix", "suffix") if getattr(self, k)]
+        if self.source is None and parts:
+            raise ValueError(f"{parts[0]}: only with from: <a string field>")
+        if self.source is not None:
+            if len(parts) != 1:
+                raise ValueError("from: takes one of after, before, prefix, suffix")
+            if self.type not in ("string", "category"):
+                raise ValueError("from: a field taken from another is a string or category")
+            if self.required:
+                raise ValueError("from: a field taken from another is optional")
         if self.default is not None:
             if self.required:
                 raise ValueError("default: a required field takes none")
@@ -128,6 +147,20 @@ class FieldDecl(BaseModel):
             except ValidationError as exc:
                 raise ValueError(f"default: {exc.errors()[0]['msg']}") from None
         return self
+
+    def derive(self, value: str) -> str | None:
+        """This field's value taken from its source's clear ``value`` (``from``; None:
+        the separator is not in it, or the value is shorter than the part)."""
+        if self.after is not None:
+            head, sep, tail = value.rpartition(self.after)
+            return tail if sep else None
+        if self.before is not None:
+            head, sep, _ = value.partition(self.before)
+            return head if sep else None
+        n = self.prefix or self.suffix or 0
+        if len(value) < n:
+            return None
+        return value[:n] if self.prefix else value[-n:]
 
     def annotation(self, hasher: Callable[[str], str] | None = None) -> Any:
         """The field's type with its checks, as pydantic validates it (``hasher``: a PII
@@ -214,12 +247,15 @@ def parse(
         e = exc.errors()[0]
         raise error(e["loc"], e["msg"]) from None
     seen: set[str] = set()
+    types = {f.name: f.type for f in fields}
     for i, f in enumerate(fields):
         if f.name in RESERVED:
             raise error(("fields", i, "name"), f"{f.name!r} is a contract field or column")
         if f.name in seen:
             raise error(("fields", i, "name"), f"{f.name!r} is declared twice")
         seen.add(f.name)
+        if f.source is not None and (types.get(f.source) != "string" or f.source == f.name):
+            raise error(("fields", i, "from"), f"{f.source!r} is not another declared string field")
     return fields
 
 
@@ -268,6 +304,8 @@ def transaction_model(
     JSON schema only)."""
     if not fields:
         return Transaction
+    derived = tuple(f for f in fields if f.source is not None)
+    base = _deriving(derived) if derived else Transaction
     defs: dict[str, Any] = {}
     for f in fields:
         kind = f.annotation(hasher if f.pii else None)
@@ -280,12 +318,34 @@ def transaction_model(
             defs[f.name] = (kind | None, info)
     model: type[Transaction] = create_model(  # type: ignore[call-overload]
         "Transaction",
-        __base__=Transaction,
+        __base__=base,
         __module__=__name__,
         __doc__=Transaction.__doc__,
         **defs,
     )
     return model
+
+
+def _deriving(derived: tuple[FieldDecl, ...]) -> type[Transaction]:
+    """The contract's model that first takes ``derived``'s values from their sources'
+    clear values where a transaction does not carry them (a source already hashed, or
+    absent: none)."""
+
+    class Deriving(Transaction):
+        @model_validator(mode="before")
+        @classmethod
+        def _derive(cls, data: Any) -> Any:
+            if not isinstance(data, dict):
+                return data
+            out = data
+            for f in derived:
+                v = data.get(f.source)  # type: ignore[arg-type]
+                if data.get(f.name) in (None, "") and isinstance(v, str) and not HASHED.match(v):
+                    out = {**out, f.name: f.derive(v.strip())}
+            return out
+
+    Deriving.__doc__ = Transaction.__doc__
+    return Deriving
 
 
 def door(fields: Sequence[FieldDecl], key: bytes | None, source: str = "fields") -> Door:

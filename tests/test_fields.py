@@ -473,10 +473,12 @@ def test_the_documented_declaration_loads() -> None:
     page = (Path(__file__).resolve().parent.parent / "docs" / "data-contract.md").read_text()
     block = page.split("## Your own fields", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
     fields = F.parse(yaml.safe_load(block), "docs/data-contract.md")
-    assert [f.name for f in fields] == ["email", "three_ds", "account_age_days", "signup_time"]
+    names = ["email", "three_ds", "account_age_days", "signup_time", "email_domain"]
+    assert [f.name for f in fields] == names
     door = F.door(fields, KEY)
     body = BODY | {"email": "alice@example.com", "three_ds": "failed"}
-    assert door.model.model_validate(body).email.startswith("pii:")  # type: ignore[attr-defined]
+    t = door.model.model_validate(body)
+    assert t.email.startswith("pii:") and t.email_domain == "example.com"  # type: ignore[attr-defined]
     # "Use it in a feature": its declarations file's fields and features over them
     use = page.split("### Use it in a feature", 1)[1].split("### ", 1)[0]
     doc = yaml.safe_load(use.split("```yaml\n", 2)[2].split("```", 1)[0])
@@ -623,3 +625,48 @@ def test_the_updater_records_features_over_declared_fields_as_training_computes_
     assert emails and all(CLEAR.encode() not in k for k in emails)
     assert any(b"pii:" in k for k in emails)  # keyed by the hash
     declarations.cache_clear()
+
+
+DERIVED = """\
+  - {name: email_domain, type: string, from: email, after: '@', max_length: 100}
+  - {name: bin6, type: string, from: bin, prefix: 4}
+"""
+
+
+def test_a_field_taken_from_another_at_the_door_is_clear_where_its_source_is_hashed(
+    tmp_path: Path,
+) -> None:
+    """``from:`` (an e-mail's domain, a number's prefix) is taken from the source's clear
+    value at every door, before the source's hash: the API's model and an event, and
+    ingest's columns; a transaction that carries it keeps its own, and one whose source is
+    already hashed (raw history sent again) brings the column it was stored with. A
+    velocity per domain is then an ordinary key."""
+    fields = F.parse(yaml.safe_load(FIELDS + DERIVED), "features.yaml")
+    door = F.door(fields, KEY)
+    body = BODY | {"email": CLEAR, "bin": "411111"}
+    for t in (
+        door.model.model_validate(body),
+        parse_transaction(json.dumps(body).encode(), door.model),
+    ):
+        assert isinstance(t, Transaction)
+        assert (t.email, t.email_domain, t.bin6) == (door.pii(CLEAR), "example.com", "4111")  # type: ignore[attr-defined]
+    again = door.model.model_validate(BODY | {"email": door.pii(CLEAR), "email_domain": "x.org"})
+    assert again.email_domain == "x.org"  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError, match="email_domain"):  # its own checks hold
+        door.model.model_validate(BODY | {"email": "a@" + "d" * 120 + ".com"})
+
+    data = tmp_path / "data"
+    assert ingest(write_export(tmp_path / "in"), data, door=door).transactions == 3
+    t = pq.read_table(partition_file(data / "raw", "transactions", DAY))
+    assert t.column("email_domain").to_pylist() == ["example.com"] * 3
+    assert CLEAR not in json.dumps(t.to_pylist(), default=str)
+
+    doc = yaml.safe_load(FIELDS + DERIVED) | {
+        "aggregations": [
+            {"entity": "email_domain", "windows": ["1h"], "features": {"count": "domain_count"}}
+        ]
+    }
+    (spec,) = D.parse(doc, "features.yaml").specs
+    assert spec.fields == (("email_domain", "string"),)
+    with pytest.raises(F.FieldError, match=r"fields\.6 \(email_domain\)\.from: 'three_ds'"):
+        F.parse(yaml.safe_load(FIELDS + DERIVED.replace("from: email", "from: three_ds")), "f")
