@@ -28,7 +28,10 @@ A key without a transaction in a feature's window gets 0 for ``count``, ``sum``,
 ``distinct_count`` and ``fraud_count`` and no value (its default, listed as missing)
 for the others. Transactions without a key (an empty ``device_id``, say) are in no
 view. A ``filter`` (column -> allowed values) restricts a feature's
-transactions like an aggregation's.
+transactions like an aggregation's. A team's declared fields (the ``fields`` section)
+are values and filters as in an aggregation: a number field for ``sum`` ... ``max`` (a
+transaction without one is not in them), a string, category or bool field for
+``distinct_count``, ``most_frequent`` and a filter; a view's entity is a contract key.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from fraud_scoring.declared import (
     KEY_COLUMNS,
@@ -47,6 +50,7 @@ from fraud_scoring.declared import (
     known_filter,
     parse_window,
 )
+from fraud_scoring.declared.language import FIELD_KEY_TYPES, FIELD_VALUE_TYPES, field_types
 from fraud_scoring.feature_specs import BatchView, Feature, SnapshotAgg
 
 SnapshotAggName = Literal[
@@ -85,14 +89,24 @@ class SnapshotFeatureDecl(_Strict):
     @field_validator("filter", mode="before")
     @classmethod
     def _values(cls, v: Any) -> Any:
+        # A bool field's values as text: true, false (what the SQL compares).
+        def text(x: Any) -> Any:
+            return str(x).lower() if isinstance(x, bool) else x
+
         if isinstance(v, dict):
-            return {k: (x,) if isinstance(x, str) else x for k, x in v.items()}
+            return {
+                k: tuple(map(text, x)) if isinstance(x, list | tuple) else (text(x),)
+                for k, x in v.items()
+            }
         return v
 
     @field_validator("filter")
     @classmethod
-    def _known_filter(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-        return known_filter(v)
+    def _known_filter(
+        cls, v: dict[str, tuple[str, ...]], info: ValidationInfo
+    ) -> dict[str, tuple[str, ...]]:
+        ctx = info.context if isinstance(info.context, dict) else {}
+        return known_filter(v, ctx.get("fields", {}))
 
     @field_validator("window")
     @classmethod
@@ -157,8 +171,11 @@ def parse(raw: object, source: str) -> tuple[BatchView, ...]:
     """Check and compile the ``snapshots`` section of the declarations document ``raw``.
     Raises :class:`DeclarationError` naming the field."""
     section = raw.get("snapshots", ()) if isinstance(raw, dict) else ()
+    fields = field_types(raw)
+    numbers = (*VALUE_COLUMNS, *(n for n, t in fields.items() if t in FIELD_VALUE_TYPES))
+    categories = (*KEY_COLUMNS, *(n for n, t in fields.items() if t in FIELD_KEY_TYPES))
     try:
-        doc = SnapshotsFile.model_validate({"snapshots": section or ()})
+        doc = SnapshotsFile.model_validate({"snapshots": section or ()}, context={"fields": fields})
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
@@ -176,14 +193,17 @@ def parse(raw: object, source: str) -> tuple[BatchView, ...]:
         feats, aggs = [], []
         for j, f in enumerate(v.features):
             at = f"{where}.features.{j}"
-            if f.agg in NUMBER_AGGS and f.value not in VALUE_COLUMNS:
+            if f.agg in NUMBER_AGGS and f.value not in numbers:
                 raise DeclarationError(
-                    f"{at}.value: {f.agg} needs a number column ({', '.join(VALUE_COLUMNS)})"
+                    f"{at}.value: {f.agg} needs a number column ({', '.join(numbers)})"
                 )
-            if f.agg in CATEGORY_AGGS and f.value not in KEY_COLUMNS:
+            if f.agg in CATEGORY_AGGS and f.value not in categories:
                 raise DeclarationError(
-                    f"{at}.value: {f.agg} needs a key column ({', '.join(KEY_COLUMNS)})"
+                    f"{at}.value: {f.agg} needs a key column or a declared "
+                    f"{'/'.join(FIELD_KEY_TYPES)} field ({', '.join(categories)})"
                 )
+            if f.agg == "most_frequent" and fields.get(f.value or "") == "bool":
+                raise DeclarationError(f"{at}.value: most_frequent reads a text, not a bool")
             if f.agg not in NUMBER_AGGS | CATEGORY_AGGS and f.value is not None:
                 raise DeclarationError(f"{at}.value: {f.agg} reads no value")
             if f.agg in NO_WINDOW and (f.window is not None or f.filter):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -297,3 +298,79 @@ def _new_entity_round_trip(raw_world: Path, declare: object, redis_server: str) 
     # None of them known: all null, not Feast's error.
     alone = point_in_time_join(store, extra.assign(device_id=["d-a", "d-b"]))
     assert alone["dev_amount_max_7d"].isna().all() and alone["card_txn_count_30d"].notna().all()
+
+
+OWN_FIELDS = [
+    {"name": "basket_items", "type": "number", "min": 0},
+    {"name": "wallet", "type": "category", "values": ["apple", "google", "none"]},
+]
+OWN_VIEW = {
+    "view": "device_own_7d",
+    "entity": "device_id",
+    "window": "7d",
+    "features": [
+        {"name": "dev_basket_mean_7d", "agg": "mean", "value": "basket_items"},
+        {"name": "dev_basket_max_1d", "agg": "max", "value": "basket_items", "window": "1d"},
+        {"name": "dev_wallets_7d", "agg": "distinct_count", "value": "wallet"},
+        {"name": "dev_top_wallet_7d", "agg": "most_frequent", "value": "wallet"},
+        {"name": "dev_apple_count_7d", "agg": "count", "filter": {"wallet": ["apple"]}},
+    ],
+}
+
+
+def test_a_snapshot_view_reads_declared_fields_as_values_and_filters(
+    raw_world: Path, declare: object, tmp_path: Path
+) -> None:
+    """A view's value (a number field, absent on some transactions: not in the mean) and
+    its categorical value and filter (a category field), on raw partitions that keep the
+    declared columns, equal a reference from the raw rows."""
+    rng = np.random.default_rng(4)
+    raw = tmp_path / "raw"
+    for table in ("transactions", "labels"):
+        for d in partition_days(raw_world / "raw", table):
+            t = read_partition(raw_world / "raw", table, d)
+            if table == "transactions":
+                n = t.num_rows
+                basket = np.where(rng.random(n) < 0.8, rng.integers(1, 9, n), np.nan)
+                t = t.append_column(
+                    "basket_items", pa.array(basket, pa.float64(), from_pandas=True)
+                )
+                wallet = np.where(rng.random(n) < 0.9, rng.choice(["apple", "google"], n), None)
+                t = t.append_column("wallet", pa.array(wallet.tolist(), pa.string()))
+            out = partition_dir(raw, table, d)
+            out.mkdir(parents=True)
+            pq.write_table(t, out / "part-0.parquet")
+    declare(with_views(OWN_VIEW) | {"fields": OWN_FIELDS})  # type: ignore[operator]
+    day = date(2026, 3, 11)
+    got = compute_day(raw, day)["device_own_7d"].to_pandas().set_index("device_id")
+    snap = pd.Timestamp(snapshot_time(day))
+    tx = pd.concat(
+        [
+            read_partition(raw, "transactions", d).to_pandas()
+            for d in partition_days(raw, "transactions")
+        ]
+    )
+    tx = tx[(tx["event_time"] < snap) & tx["device_id"].notna() & (tx["device_id"] != "")]
+    w7 = tx[tx["event_time"] >= snap - pd.Timedelta(days=7)]
+    assert len(got) == w7["device_id"].nunique() > 50
+    for dev, g in w7.groupby("device_id"):
+        d1 = g[g["event_time"] >= snap - pd.Timedelta(days=1)]
+        counts = g["wallet"].value_counts()
+        want = {
+            "dev_basket_mean_7d": g["basket_items"].mean(),  # NaN: skipped
+            "dev_basket_max_1d": d1["basket_items"].max(),
+            "dev_wallets_7d": g["wallet"].nunique(),
+            "dev_top_wallet_7d": sorted(counts[counts == counts.max()].index)[0]
+            if len(counts)
+            else None,
+            "dev_apple_count_7d": (g["wallet"] == "apple").sum(),
+        }
+        row = got.loc[dev]
+        for name, v in want.items():
+            if isinstance(v, str) or v is None:
+                assert row[name] == v, (dev, name)
+            else:
+                np.testing.assert_allclose(float(row[name]), float(v), rtol=2e-7, err_msg=name)
+    with pytest.raises(D.DeclarationError, match="needs a number column"):
+        bad = {**OWN_VIEW, "features": [{"name": "x", "agg": "sum", "value": "wallet"}]}
+        F.load_declarations(declare(with_views(bad) | {"fields": OWN_FIELDS}))  # type: ignore[operator]
