@@ -290,10 +290,11 @@ async def score(request: Request) -> Response:
     """
     check_scope(request, Scope.SCORE)
     record = _record(request)
+    body = await _json_body(request)  # a body that is not JSON: 415, before anything else
     res = resources(request)
     try:
         # The contract's fields and the declared ones (PII hashed here): res.door.
-        txn = res.door.model.model_validate_json(await _json_body(request))
+        txn = res.door.model.model_validate_json(body)
     except ValidationError as exc:
         raise Invalid.from_errors(exc.errors(include_url=False)) from None
     if record:
