@@ -43,7 +43,7 @@ from service.core.rule_log import (
     report_doc,
     report_text,
 )
-from service.core.rules import known_features, rules_path
+from service.core.rules import known_features, known_strings, rules_path
 
 
 def _positive(text: str) -> int:
@@ -117,7 +117,9 @@ def rules_report(
     """The report of ``rules test`` (its data, its text, its JSON), with the rows behind
     it (the evaluation, the log's table, the rules) for ``--out``."""
     path = args.rules if args.rules is not None else rules_path(settings)
-    ruleset = R.load(path, set(known_features()))  # RulesError (exit 2) names the field
+    ruleset = R.load(
+        path, set(known_features()), known_strings()
+    )  # RulesError (exit 2) names the field
     raw = settings.data_dir / "raw"
     days = day_range(raw, args.since, args.until, args.days)
     as_of = args.as_of or datetime.now(UTC)

@@ -408,17 +408,20 @@ def _member(members: Mapping[str, np.ndarray], col: str, list_name: str, n: int)
     return got if got.dtype == bool else np.asarray(got, dtype=np.float64) != 0
 
 
-def load(path: Path, known: set[str]) -> RuleSet:
-    """The rules file at ``path``, checked against ``known`` (the served number features)."""
+def load(path: Path, known: set[str], strings: Sequence[str] = ()) -> RuleSet:
+    """The rules file at ``path``, checked against ``known`` (the served number features)
+    and ``strings`` (a team's declared string and category fields, which a string test
+    may name beside :data:`STRING_FIELDS`)."""
     try:
         raw_bytes = path.read_bytes()
     except OSError as exc:
         raise RulesError(f"{path}: cannot read: {exc.strerror}") from None
-    return parse(raw_bytes, str(path), known)
+    return parse(raw_bytes, str(path), known, strings)
 
 
-def parse(raw_bytes: bytes, source: str, known: set[str]) -> RuleSet:
-    """A rules document (YAML bytes) named ``source`` in messages."""
+def parse(raw_bytes: bytes, source: str, known: set[str], strings: Sequence[str] = ()) -> RuleSet:
+    """A rules document (YAML bytes) named ``source`` in messages; ``strings``: the
+    declared string fields a string test may name (:func:`load`)."""
     try:
         raw = yaml.safe_load(raw_bytes)
     except yaml.YAMLError as exc:
@@ -440,7 +443,7 @@ def parse(raw_bytes: bytes, source: str, known: set[str]) -> RuleSet:
             raise RulesError(f"{where}.code: {d.code!r} is used by an earlier rule")
         codes.add(d.code)
         try:
-            expr, tests = _rewrite(d.when, doc.lists, i)
+            expr, tests = _rewrite(d.when, doc.lists, i, (*STRING_FIELDS, *strings))
             _check_expr(expr, numbers | {t.name for t in tests})
         except ValueError as exc:
             raise RulesError(f"{where}.when: {exc}") from None
@@ -486,7 +489,7 @@ def _check_message(message: str, known: set[str]) -> tuple[str, ...]:
 
 
 def _rewrite(
-    when: str, lists: Mapping[str, ListDecl], index: int
+    when: str, lists: Mapping[str, ListDecl], index: int, fields: Sequence[str] = STRING_FIELDS
 ) -> tuple[str, tuple[StringTest, ...]]:
     """``when`` with its conditions (``and``/``or``/``not``, string tests, list
     membership) rewritten into the declared features' language, and the string tests
@@ -495,7 +498,7 @@ def _rewrite(
         tree = ast.parse(when, mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not an expression: {exc.msg}") from None
-    r = _Rewrite(lists, index)
+    r = _Rewrite(lists, index, fields)
     if not _is_condition(tree.body):
         raise ValueError(
             "not a condition: write a comparison (score >= 0.5), a membership "
@@ -523,8 +526,10 @@ def _flag(node: ast.expr) -> ast.expr:
 
 
 class _Rewrite(ast.NodeTransformer):
-    def __init__(self, lists: Mapping[str, ListDecl], index: int) -> None:
-        self.lists, self.index = lists, index
+    def __init__(
+        self, lists: Mapping[str, ListDecl], index: int, fields: Sequence[str] = STRING_FIELDS
+    ) -> None:
+        self.lists, self.index, self.fields = lists, index, tuple(fields)
         self.tests: list[StringTest] = []
 
     def _test(
@@ -550,8 +555,8 @@ class _Rewrite(ast.NodeTransformer):
         if not node.args or not isinstance(node.args[0], ast.Name):
             raise ValueError(f"{fn}(field, 'text', ...): a string field first")
         fld = node.args[0].id
-        if fld not in STRING_FIELDS:
-            raise ValueError(f"{fn}: {fld!r} is not one of {', '.join(STRING_FIELDS)}")
+        if fld not in self.fields:
+            raise ValueError(f"{fn}: {fld!r} is not one of {', '.join(self.fields)}")
         texts = node.args[1:]
         if (
             not texts
@@ -582,8 +587,7 @@ class _Rewrite(ast.NodeTransformer):
 
     def visit_Compare(self, node: ast.Compare) -> ast.AST:
         strings = [
-            isinstance(x, ast.Name) and x.id in STRING_FIELDS
-            for x in (node.left, *node.comparators)
+            isinstance(x, ast.Name) and x.id in self.fields for x in (node.left, *node.comparators)
         ]
         membership = any(isinstance(op, ast.In | ast.NotIn) for op in node.ops)
         if not any(strings) and not membership:
@@ -594,10 +598,10 @@ class _Rewrite(ast.NodeTransformer):
                 "country == 'US', card_id in blocked_cards"
             )
         fld, op, right = node.left.id, node.ops[0], node.comparators[0]
-        if fld not in STRING_FIELDS:
+        if fld not in self.fields:
             raise ValueError(
                 f"{fld!r} is not a transaction field a list or string can hold; "
-                f"one of {', '.join(STRING_FIELDS)}"
+                f"one of {', '.join(self.fields)}"
             )
         negate = isinstance(op, ast.NotEq | ast.NotIn)
         if isinstance(op, ast.Eq | ast.NotEq):

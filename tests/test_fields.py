@@ -670,3 +670,35 @@ def test_a_field_taken_from_another_at_the_door_is_clear_where_its_source_is_has
     assert spec.fields == (("email_domain", "string"),)
     with pytest.raises(F.FieldError, match=r"fields\.6 \(email_domain\)\.from: 'three_ds'"):
         F.parse(yaml.safe_load(FIELDS + DERIVED.replace("from: email", "from: three_ds")), "f")
+
+
+def test_a_rule_tests_a_declared_string_field(declared: F.Door) -> None:
+    """A string test (==, in, starts_with) may name a declared string or category field
+    (its value as the door left it: a PII field's hash); an undeclared name is refused
+    naming the fields a test may read."""
+    from fraud_scoring import rules as R
+    from service.core.rules import known_features, known_strings
+
+    known_strings.cache_clear()  # the fixture's declarations
+    assert known_strings() == ("email", "three_ds", "bin")
+    doc = b"""
+rules:
+  - {code: THREE_DS_FAILED, action: review, when: "three_ds == 'failed' and amount > 100",
+     message: 3-D Secure failed}
+  - {code: TEST_BIN, action: decline, when: "starts_with(bin, '4000')", message: a test BIN}
+"""
+    rs = R.parse(doc, "rules.yaml", set(known_features()), known_strings())
+    txns = [
+        declared.model.model_validate(BODY | {"amount": a, "three_ds": t, "bin": b})
+        for a, t, b in [
+            (500.0, "failed", "411111"),
+            (50.0, "failed", "400012"),
+            (500.0, "passed", None),
+        ]
+    ]
+    strings = R.string_columns(txns, rs.string_fields)
+    masks = rs.masks({"amount": np.array([t.amount for t in txns])}, strings, {}, len(txns))
+    assert masks.tolist() == [[True, False, False], [False, True, False]]
+    with pytest.raises(R.RulesError, match=r"starts_with: 'ip' is not one of card_id, .*, bin"):
+        R.parse(doc.replace(b"(bin,", b"(ip,"), "rules.yaml", set(), known_strings())
+    known_strings.cache_clear()

@@ -29,6 +29,13 @@ def known_features() -> frozenset[str]:
     return frozenset(F.producible_features())
 
 
+@functools.cache
+def known_strings() -> tuple[str, ...]:
+    """A team's declared string and category fields, which a string test may name beside
+    the contract's (the declarations, once per process)."""
+    return tuple(n for n, t in F.declarations().fields if t in ("string", "category"))
+
+
 def rules_path(settings: ServiceSettings) -> Path:
     return settings.rules_file if settings.rules_file is not None else R.DEFAULT_PATH
 
@@ -38,7 +45,7 @@ class RulesHolder:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.current: R.RuleSet = R.load(path, set(known_features()))
+        self.current: R.RuleSet = R.load(path, set(known_features()), known_strings())
         self.problem: str | None = None  # why the file as it is now was refused
         self._seen = _signature(path)
         self._settling: tuple[float, int] | None = None  # a change seen once, not loaded yet
@@ -61,7 +68,7 @@ class RulesHolder:
             return False
         self._seen, self._settling = seen, None
         try:
-            new = R.load(self.path, set(known_features()))
+            new = R.load(self.path, set(known_features()), known_strings())
         except R.RulesError as exc:
             self.problem = f"{exc}; still serving rules {self.current.version}"
             log.error("rules refused: %s", self.problem)

@@ -34,7 +34,7 @@ from service.core.rule_log import (
     logged_columns,
     report_doc,
 )
-from service.core.rules import known_features
+from service.core.rules import known_features, known_strings
 from service.edge.lists_api import _body
 from service.edge.routes import json_model
 from service.errors import Invalid, NotAvailable, error_responses
@@ -94,7 +94,7 @@ def _checked(body: RulesTestIn, serving: R.RuleSet) -> R.RuleSet:
     )
     doc = json.dumps({"lists": declared, "rules": body.rules}, sort_keys=True).encode()
     try:
-        return R.parse(doc, SOURCE, set(known_features()))
+        return R.parse(doc, SOURCE, set(known_features()), known_strings())
     except R.RulesError as exc:
         where, _, why = str(exc).removeprefix(f"{SOURCE}: ").partition(": ")
         raise Invalid(why or str(exc), where if why else None) from None
