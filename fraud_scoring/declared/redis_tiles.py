@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -255,21 +256,22 @@ class BatchColumns:
         elif spec.categorical:
             out = [0.0 if _empty(v) else value_code(v) for v in self.column(vc)]
         elif spec.value_expr:  # evaluated column-wise, as every engine does
-            cols = {
-                c: [self._number(c, i, v, spec.required) for i, v in enumerate(self.column(c))]
-                for c in value_names(vc)
-            }
+            cols = {c: self._numbers(c, spec.required) for c in value_names(vc)}
             out = evaluate(vc, cols).tolist()
         else:
-            out = [self._number(vc, i, v, spec.required) for i, v in enumerate(self.column(vc))]
+            out = self._numbers(vc, spec.required)
         self._values[vc] = out
         return out
 
-    def _number(self, column: str, i: int, v: Any, optional: Sequence[str] = ()) -> float:
+    def _numbers(self, column: str, optional: Sequence[str]) -> list[float]:
+        """A number column; a declared field's absent value (``optional``) is NaN (such a
+        row is not recorded: :meth:`mask`), a contract column's is refused."""
+        if column in optional:
+            return [math.nan if v is None else float(v) for v in self.column(column)]
+        return [self._number(column, i, v) for i, v in enumerate(self.column(column))]
+
+    def _number(self, column: str, i: int, v: Any) -> float:
         if v is None:
-            # A declared field may be absent: such a row is not recorded (mask).
-            if column in optional:
-                return float("nan")
             raise ValueError(f"{column}: missing in transaction {self.ids[i]!r}")
         return float(v)
 
