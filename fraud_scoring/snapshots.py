@@ -50,7 +50,12 @@ from fraud_scoring.declared import (
     known_filter,
     parse_window,
 )
-from fraud_scoring.declared.language import FIELD_KEY_TYPES, FIELD_VALUE_TYPES, field_types
+from fraud_scoring.declared.language import (
+    FIELD_KEY_TYPES,
+    FIELD_VALUE_TYPES,
+    field_types,
+    field_values,
+)
 from fraud_scoring.feature_specs import BatchView, Feature, SnapshotAgg
 
 SnapshotAggName = Literal[
@@ -106,7 +111,7 @@ class SnapshotFeatureDecl(_Strict):
         cls, v: dict[str, tuple[str, ...]], info: ValidationInfo
     ) -> dict[str, tuple[str, ...]]:
         ctx = info.context if isinstance(info.context, dict) else {}
-        return known_filter(v, ctx.get("fields", {}))
+        return known_filter(v, ctx.get("fields", {}), ctx.get("values", {}))
 
     @field_validator("window")
     @classmethod
@@ -175,7 +180,10 @@ def parse(raw: object, source: str) -> tuple[BatchView, ...]:
     numbers = (*VALUE_COLUMNS, *(n for n, t in fields.items() if t in FIELD_VALUE_TYPES))
     categories = (*KEY_COLUMNS, *(n for n, t in fields.items() if t in FIELD_KEY_TYPES))
     try:
-        doc = SnapshotsFile.model_validate({"snapshots": section or ()}, context={"fields": fields})
+        doc = SnapshotsFile.model_validate(
+            {"snapshots": section or ()},
+            context={"fields": fields, "values": field_values(raw)},
+        )
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

@@ -366,6 +366,15 @@ def test_the_language_names_the_field_it_refuses() -> None:
         ),
         fields + "aggregations: [{source: labels, entity: ip, windows: [1h], "
         "features: {count: x}}]": ("aggregations.0", "ip: a declared field is read by"),
+        "fields: [{name: tds, type: category, values: [passed, failed]}]\n"
+        "aggregations: [{entity: card_id, filter: {tds: [faild]}, windows: [1h], "
+        "features: {count: x}}]": (
+            "aggregations.0.filter",
+            "tds: 'faild' is not one of its values (passed, failed)",
+        ),
+        "fields: [{name: pre, type: bool}]\n"
+        "aggregations: [{entity: card_id, filter: {pre: [maybe]}, windows: [1h], "
+        "features: {count: x}}]": ("aggregations.0.filter", "'maybe' is not one of its values"),
     }
     for text, (where, what) in cases.items():
         with pytest.raises(D.DeclarationError) as err:

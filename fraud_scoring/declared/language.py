@@ -106,6 +106,17 @@ def field_types(raw: object) -> dict[str, str]:
     return out
 
 
+def field_values(raw: object) -> dict[str, tuple[str, ...]]:
+    """The declared category fields of ``raw`` by name, their values (a filter on one
+    names some of them)."""
+    section = raw.get("fields") if isinstance(raw, dict) else None
+    out: dict[str, tuple[str, ...]] = {}
+    for f in section if isinstance(section, list) else ():
+        if isinstance(f, dict) and f.get("type") == "category" and isinstance(f.get("name"), str):
+            out[f["name"]] = tuple(map(str, f.get("values") or ()))
+    return out
+
+
 def _fields(info: ValidationInfo | None) -> Mapping[str, str]:
     """The declared fields a validation was given (:func:`field_types`; none: {})."""
     ctx = info.context if info is not None else None
@@ -125,16 +136,23 @@ def _field_use(name: str, types: Mapping[str, str], allowed: Sequence[str], what
 
 
 def known_filter(
-    v: dict[str, tuple[str, ...]], fields: Mapping[str, str] | None = None
+    v: dict[str, tuple[str, ...]],
+    fields: Mapping[str, str] | None = None,
+    values: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """A declaration's ``filter``, refused when it names a column that is not a key
     column, a declared string/category/bool field (``fields``: name -> type) or a
-    decision's own (``source: decisions`` is checked by :func:`parse`)."""
+    decision's own (``source: decisions`` is checked by :func:`parse`), or a value a
+    category field (``values``: its values) or a bool field (true, false) cannot hold."""
     known = (*KEY_COLUMNS, *ARRIVAL_FILTER_COLUMNS)
-    for c in v:
+    for c, allowed in v.items():
         if c not in known and not _field_use(c, fields or {}, FIELD_KEY_TYPES, "a filter"):
             extra = f", or a declared {'/'.join(FIELD_KEY_TYPES)} field" if fields else ""
             raise ValueError(f"unknown column {c!r}; one of {', '.join(known)}{extra}")
+        kind = (fields or {}).get(c)
+        can = ("true", "false") if kind == "bool" else (values or {}).get(c, ())
+        if kind in ("bool", "category") and (bad := [x for x in allowed if x not in can]):
+            raise ValueError(f"{c}: {bad[0]!r} is not one of its values ({', '.join(can)})")
     return v
 
 
@@ -252,7 +270,8 @@ class AggregationDecl(_Strict):
     def _known_filter(
         cls, v: dict[str, tuple[str, ...]], info: ValidationInfo
     ) -> dict[str, tuple[str, ...]]:
-        return known_filter(v, _fields(info))
+        ctx = info.context if isinstance(info.context, dict) else {}
+        return known_filter(v, _fields(info), ctx.get("values", {}))
 
     @field_validator("value")
     @classmethod

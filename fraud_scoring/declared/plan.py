@@ -67,6 +67,7 @@ from fraud_scoring.declared.language import (
     DerivedDecl,
     ReasonDecl,
     field_types,
+    field_values,
     parse_window,
     read,
     tile_width,
@@ -445,7 +446,8 @@ def parse(raw: object, source: str, taken: Sequence[str] = ()) -> Declarations:
     fields = field_types(raw)
     try:
         doc = DeclarationsFile.model_validate(
-            raw if raw is not None else {}, context={"fields": fields}
+            raw if raw is not None else {},
+            context={"fields": fields, "values": field_values(raw)},
         )
     except ValidationError as exc:
         first = exc.errors()[0]
