@@ -436,13 +436,28 @@ def test_pii_is_in_clear_nowhere_after_ingest_and_scoring(
     rows = pq.read_table(partition_file(world.data_dir / "raw", "transactions", day)).to_pylist()
     bodies = [raw_row_to_event(r) | {"email": CLEAR, "three_ds": "passed"} for r in rows[:40]]
     spool = tmp_path / "spool"
-    srv = start_server(world, tmp_path, **env, FRAUD_DECISION_SPOOL_DIR=str(spool))
+    # A rule over a declared number field (NaN, so never matching, where a body has none).
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n  - {code: NEW_ACCOUNT, action: review, when: 'account_age_days < 7',\n"
+        "     message: 'An account of {account_age_days:.0f} days.'}\n"
+    )
+    bodies[0] |= {"account_age_days": 2}
+    srv = start_server(
+        world, tmp_path, **env, FRAUD_DECISION_SPOOL_DIR=str(spool), FRAUD_RULES_FILE=str(rules)
+    )
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             r = http.post("/v1/score", json=bodies[0])
             assert r.status_code == 200, r.text
+            assert r.json()["decided_by"] == "rule", r.text
+            assert r.json()["reasons"][0] == {
+                "code": "RULE_NEW_ACCOUNT",
+                "message": "An account of 2 days.",
+            }
             r = http.post("/v1/score/batch", json={"transactions": bodies[1:]})
             assert r.status_code == 200, r.text
+            assert all(d["decided_by"] != "rule" for d in r.json()["results"]), r.text
             bad = bodies[0] | {"transaction_id": "t-bad", "three_ds": "maybe"}
             r = http.post("/v1/score/batch", json={"transactions": [bad]})
             assert r.status_code == 422, r.text

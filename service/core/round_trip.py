@@ -348,11 +348,21 @@ class StoreRoundTrip:
             country=[t.country for t in txns],
             channel=[t.channel for t in txns],
             has_device=[t.device_id is not None for t in txns],
-            fields={n: [getattr(t, n, None) for t in txns] for n in F.declarations().field_reads},
+            fields={n: [getattr(t, n, None) for t in txns] for n in self._field_reads()},
         )
         cols = F.build_features(rows.columns, request, read.columns)
         cols.update(lists.members(lay.list_reads, head[lay.reader : lay.declared_start]))
         return (cols, rows.missing, rows.stale, read.inexact), pending, claims
+
+    def _field_reads(self) -> tuple[str, ...]:
+        """The declared number fields the derived features, the reasons and the serving
+        rules read: the request columns passed beside the contract's (none unless the
+        declarations have number fields)."""
+        decl = F.declarations()
+        if not decl.number_fields:
+            return ()
+        ruled = self.rules.current.features.intersection(decl.number_fields)
+        return (*decl.field_reads, *sorted(ruled.difference(decl.field_reads)))
 
     async def _written(self, pending: Pending) -> list[Any]:
         """Wait for a round trip's writes (bounded by what is left of its deadline), check

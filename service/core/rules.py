@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def known_features() -> frozenset[str]:
-    """The served number features a rule may read (the declarations, once per process)."""
-    return frozenset(F.producible_features())
+    """The served number features a rule may read, and a team's declared number fields
+    (NaN where a transaction has none; the declarations, once per process)."""
+    return frozenset(F.producible_features()) | frozenset(F.declarations().number_fields)
 
 
 @functools.cache
