@@ -571,7 +571,7 @@ def test_the_detail_shows_declared_fields_and_a_pii_hash_by_its_prefix_only() ->
     from types import SimpleNamespace
 
     from fraud_scoring.fields import FieldDecl, door
-    from service.edge.review import PII_SHOWN, declared_fields
+    from service.edge.review import PII_SHOWN, shown_fields
 
     d = door(
         [
@@ -583,7 +583,7 @@ def test_the_detail_shows_declared_fields_and_a_pii_hash_by_its_prefix_only() ->
     )
     hashed = d.pii("ana@example.com")
     logged = {"email": hashed, "three_ds": "failed", "card_id": "c1"}
-    shown = declared_fields(SimpleNamespace(door=d), logged)  # type: ignore[arg-type]
+    shown = shown_fields(SimpleNamespace(door=d), logged)  # type: ignore[arg-type]
     assert list(shown) == ["email", "three_ds", "account_age_days"]
     assert shown["email"] == hashed[:PII_SHOWN] + "…" and hashed.startswith("pii:")
     assert "ana" not in str(shown) and hashed not in str(shown)

@@ -212,7 +212,7 @@ def _summary(entry: dict[str, Any], importance: dict[str, float]) -> dict[str, A
 PII_SHOWN = 12  # characters of a PII field's stored hash the page shows: "pii:" and 8 hex
 
 
-def declared_fields(res: Resources, t: dict[str, Any]) -> dict[str, str | float | bool | None]:
+def shown_fields(res: Resources, t: dict[str, Any]) -> dict[str, str | float | bool | None]:
     """The transaction's declared fields as logged; a PII field's hash cut to its
     prefix (enough to tell two values apart on the page, too little to look one up)."""
     out: dict[str, str | float | bool | None] = {}
@@ -299,7 +299,7 @@ async def get_item(request: Request, transaction_id: TransactionId) -> ReviewDet
                 "key_id": label.get("key_id"),
             },
             "device_id": t.get("device_id"),
-            "fields": declared_fields(res, t),
+            "fields": shown_fields(res, t),
             "features": entry["features"],
             "missing": entry["missing"],
             "stale": entry["stale"],
