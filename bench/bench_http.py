@@ -147,9 +147,11 @@ def served_all(r: Result) -> bool:
 
 
 def held_rate(rows: Sequence[Result]) -> float:
-    """The highest ladder rate among ``rows`` that held (0 if none): what the summary and
-    the goal lines call a server's held rate, read from the very rows printed."""
-    return max((r.offered for r in rows if r.step == "ladder" and held(r)), default=0.0)
+    """The highest offered rate among ``rows`` that held (0 if none), whichever step it
+    was (the ladder, half, 2x, recovery): what the summary and the goal lines call a
+    server's held rate, read from the very rows printed. A ladder that stops below a
+    server's capacity (short ``--fractions``) thus still counts a 2x step it held."""
+    return max((r.offered for r in rows if held(r)), default=0.0)
 
 
 T = TypeVar("T")

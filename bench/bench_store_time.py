@@ -7,8 +7,9 @@ core 1; then the store's ``INFO commandstats`` over the same calls, per command.
 
 Per micro-batch: wall and CPU time of this process (the difference is mostly waiting
 for the store); per transaction: the store's time by command (the recording script is
-the largest ``evalsha``: the mean of a batch's three is printed; the commands a script
-runs are counted in their own rows too). What bench/README.md's
+the largest ``evalsha``; the commands a script runs are counted in their own rows too),
+then each script's own time per call and per transaction (the ``SLOWLOG``, every command
+logged during the measured batches). What bench/README.md's
 "the recording script" figures were measured with (2026-12-07).
 """
 
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import uvloop
 
 from bench.world import BenchWorld, pinned_world, world_scorer
+from fraud_scoring import declared as D
+from fraud_scoring import session
 from fraud_scoring.events import Transaction
+from service.core import online_features
 
 
 async def run(world: BenchWorld, batch: int, batches: int) -> None:
@@ -35,12 +40,16 @@ async def run(world: BenchWorld, batch: int, batches: int) -> None:
         await scorer.score_batch(g)
     measured = groups[warm:]
     await client.config_resetstat()
+    await client.config_set("slowlog-log-slower-than", 0)
+    await client.config_set("slowlog-max-len", 200_000)
+    await client.slowlog_reset()
     c0, t0 = time.process_time(), time.perf_counter()
     for g in measured:
         await scorer.score_batch(g)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = len(measured)
     stats = await client.info("commandstats")
+    scripts = await script_times(client)
     await client.aclose()
     each = f"wall {wall / n * 1e3:.2f} ms, CPU {cpu / n * 1e3:.2f} ms each"
     print(f"{n} micro-batches of {batch}: {each}")
@@ -60,6 +69,35 @@ async def run(world: BenchWorld, batch: int, batches: int) -> None:
         "(commands a script runs are counted in their own rows and in its evalsha's time: "
         "the sum counts them twice; evalsha alone is the scripts with what they call)"
     )
+    print(f"\n{'script (SLOWLOG)':<24}{'calls/txn':>10}{'µs/call':>10}{'µs/txn':>10}")
+    for name, (calls, usec) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
+        print(
+            f"{name:<24}{calls / (n * batch):>10.2f}{usec / calls:>10.1f}"
+            f"{usec / (n * batch):>10.1f}"
+        )
+
+
+async def script_times(client: Any) -> dict[str, tuple[int, float]]:
+    """Calls and µs per script of the measured batches, from the SLOWLOG (every command
+    logged, threshold 0): each EVALSHA by its script's file."""
+    names = {
+        D.APPLY_STATES_SHA: "apply_states.lua",
+        D.APPLY_SHA: "apply.lua",
+        session.APPLY_SHA: "card history (one)",
+        session.APPLY_MANY_SHA: "card history",
+        online_features.HMGET_SHA: "feast rows (HMGET_LUA)",
+    }
+    out: dict[str, tuple[int, float]] = {}
+    for entry in await client.slowlog_get(200_000):
+        args = entry["command"].split()
+        if len(args) < 2 or args[0].upper() != b"EVALSHA":
+            continue
+        name = names.get(args[1].decode(), args[1].decode()[:12])
+        calls, usec = out.get(name, (0, 0.0))
+        out[name] = (calls + 1, usec + entry["duration"])
+    await client.config_set("slowlog-log-slower-than", 10_000)
+    await client.config_set("slowlog-max-len", 128)
+    return out
 
 
 def main() -> None:
