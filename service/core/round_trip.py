@@ -32,7 +32,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,16 +45,11 @@ from fraud_scoring import rules as R
 from fraud_scoring import session
 from fraud_scoring.declared import columnar as C
 from fraud_scoring.events import Transaction
-from fraud_scoring.redis_clients import (
-    STORE_ERRORS,
-    HeldConnections,
-    Rest,
-    drain_in_background,
-    is_cluster_pipeline,
-)
+from fraud_scoring.redis_clients import STORE_ERRORS, HeldConnections, Rest, is_cluster_pipeline
 from service.core import idempotency, lists
 from service.core.challenger import Challenger
 from service.core.decision import features_read
+from service.core.in_flight import Batch, Commands, Layout, Pending, PipelineRest
 from service.core.model import LoadedModel, ModelHolder
 from service.core.online_features import OnlineFeatureReader
 from service.core.rules import RulesHolder
@@ -110,105 +104,9 @@ def id_reused() -> Counter:
     )
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """A micro-batch's transactions as the round trip reads and records them (their
-    times: effective, :func:`fraud_scoring.session.effective_times`)."""
-
-    txns: Sequence[Transaction]
-    recorded: list[bool]
-    ts_us: list[int]
-    by_card: dict[str, list[session.SessionEvent]]
-    rows: list[dict[str, Any]]  # the fields declared features read ([]: none is read)
-
-    @classmethod
-    def of(
-        cls, txns: Sequence[Transaction], recorded: list[bool], rows: list[dict[str, Any]]
-    ) -> _Batch:
-        by_card: dict[str, list[session.SessionEvent]] = {}
-        for t, r in zip(txns, recorded, strict=True):
-            if r:
-                by_card.setdefault(t.card_id, []).append(session.to_session_event(t))
-        return cls(txns, recorded, [session.to_us(t.event_time) for t in txns], by_card, rows)
-
-
 # A micro-batch's features: the columns, per row the missing and stale batch features,
 # and per row with any the declared features not read exactly.
 _Features = tuple[dict[str, np.ndarray], list[list[str]], list[list[str]], dict[int, list[str]]]
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where each part of a round trip's replies lies: the reader's reads, then the
-    declared reads (to ``reads_end``), the session writes (to ``session_end``), then the
-    declared writes."""
-
-    markers: int  # the batch views' markers, then the read declared states'
-    reader: int
-    reads_end: int
-    session_end: int
-    plan: C.Plan  # what the declared reads and writes were queued for
-    states: list[tuple[str, str]]  # the declared states' markers read (StoreHealth)
-    list_reads: lists.ListReads = lists.NO_READS  # the rules' list lookups, after the reader's
-
-    @property
-    def declared_start(self) -> int:
-        return self.reader + len(self.list_reads)
-
-    def declared_writes(self, replies: list[Any]) -> list[Any]:
-        return replies[self.session_end :]
-
-
-@dataclass
-class Pending:
-    """A micro-batch's round trip whose reads are in (``head``) and whose writes' replies
-    are still to come (``tail``); ``replies``: all of them, once checked. The turn passes
-    on when the writes are done (:meth:`release`), so the next batch's reads see them."""
-
-    lay: _Layout
-    head: list[Any]
-    tail: Rest | _PipelineRest  # the writes' replies, read once (Scorer._settled)
-    deadline: float  # the event loop's time the whole round trip is bounded by
-    turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
-    batch: _Batch  # what the round trip read and recorded
-    replies: list[Any] | None = None
-    read: bool = False  # the tail was read (or its reading failed)
-    released: bool = False
-
-    def release(self) -> None:
-        """Pass the turn on: now if the writes' replies were read; a batch that failed
-        before reading them leaves them to be read in the background, by the round
-        trip's deadline, and the turn passes then."""
-        if self.released:
-            return
-        self.released = True
-        if self.read:
-            Turns.done(self.turn)
-        else:
-            left = self.deadline - asyncio.get_running_loop().time()
-            self.tail.abandon(left, lambda: Turns.done(self.turn))
-
-
-class _PipelineRest:
-    """The writes of a micro-batch on a Redis Cluster: redis-py's pipeline, sent when
-    read (:class:`fraud_scoring.redis_clients.Rest`'s interface)."""
-
-    def __init__(self, pipe: Any) -> None:
-        self._pipe = pipe
-
-    async def replies(self) -> list[Any]:
-        return list(await self._pipe.execute(raise_on_error=False)) if len(self._pipe) else []
-
-    def abandon(self, timeout_s: float, then: Callable[[], None]) -> None:
-        drain_in_background(self.replies, timeout_s, then)
-
-
-class _Commands(list[tuple[Any, ...]]):
-    """A micro-batch's commands as the queueing helpers add them (``execute_command``,
-    as on a pipeline), for :meth:`HeldConnections.round_trip`."""
-
-    def execute_command(self, *args: Any, **options: Any) -> None:
-        self.append(args)
 
 
 def declared_reads(
@@ -511,7 +409,7 @@ class StoreRoundTrip:
                 if moved := sum(a is not b for a, b in zip(timed, txns, strict=True)):
                     _backdated().inc(moved)
                 recorded = self._to_record(timed, recorded)  # moved: still within the bound
-            batch = _Batch.of(timed, recorded, rows)
+            batch = Batch.of(timed, recorded, rows)
             writes, n_session = self._queue_writes(batch, plan, decl)
         except BaseException:
             then(self._pipeline()).abandon(0.0, lambda: None)  # the connection goes back
@@ -520,7 +418,7 @@ class StoreRoundTrip:
         if Turns.sent(turn, tail):  # the next batch may send its round trip behind them:
             await asyncio.sleep(0)  # let it, before this one parses and decides
         states = list(self.health.states) if self.health is not None else []
-        lay = _Layout(
+        lay = Layout(
             len(markers), n_reader, reads_end, reads_end + n_session, plan, states, list_reads
         )
         return Pending(lay, head[:reads_end], tail, deadline, turn, batch), claims
@@ -543,14 +441,14 @@ class StoreRoundTrip:
     # keep their connections out of the client's pool); a cluster: redis-py's pipeline,
     # split by node, and its script loading on every primary.
     def _pipeline(self) -> Any:
-        return _Commands() if self._held is not None else self.redis.pipeline(transaction=False)
+        return Commands() if self._held is not None else self.redis.pipeline(transaction=False)
 
     async def _execute(self, pipe: Any) -> list[Any]:
         if self._held is not None:
             return await self._held.round_trip(pipe)
         return list(await pipe.execute(raise_on_error=False))
 
-    def _queue_writes(self, batch: _Batch, plan: C.Plan, decl: D.Declarations) -> tuple[Any, int]:
+    def _queue_writes(self, batch: Batch, plan: C.Plan, decl: D.Declarations) -> tuple[Any, int]:
         """A pipeline of the batch's writes: its cards' histories (how many commands:
         returned), then the declared states (``plan``'s writes)."""
         writes = self._pipeline()
@@ -573,7 +471,7 @@ class StoreRoundTrip:
         pipe: Any,
         follow: Rest | None = None,
         prev: asyncio.Future[None] | None = None,
-    ) -> tuple[list[Any], Callable[[Any], Rest | _PipelineRest]]:
+    ) -> tuple[list[Any], Callable[[Any], Rest | PipelineRest]]:
         """:meth:`_execute`, and a function that sends more commands after these (on the
         same held connection, at once; on a Cluster, a pipeline of its own, sent when
         read) and returns their replies to come. It is called once on every path, and
@@ -589,7 +487,7 @@ class StoreRoundTrip:
                 await Turns.passed(prev)
             replies, then = await self._held.round_trip_then(pipe)
             return replies, then.send
-        return list(await pipe.execute(raise_on_error=False)), _PipelineRest
+        return list(await pipe.execute(raise_on_error=False)), PipelineRest
 
     async def _load(self, scripts: Sequence[str]) -> None:
         if self._held is None:
