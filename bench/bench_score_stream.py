@@ -14,8 +14,9 @@ core 1; the candidate and the baseline to core 0 with ``taskset``):
    re-batches them up to B): the API a payment system calls, HTTP in the way per event;
 2. **candidate**: ``fraud-scoring score-stream`` (the same B and max wait) on a Redis
    stream holding the same N transactions as a backlog: it is started, warmed on
-   ``--warm`` transactions, stopped (SIGSTOP) while the backlog is appended, and let go;
-   the time and the process's CPU until the N-th decision is in the output stream;
+   ``--warm`` transactions, stopped (SIGSTOP) while a backlog is appended, and let go;
+   the time and the process's CPU until the backlog's last decision is in the output
+   stream (then stopped again until its next measure);
 3. **event-time lag** at 50 % and 90 % of the candidate's backlog rate: the same process
    then gets transactions appended at a fixed rate for ``--seconds`` each, their
    ``event_time`` stamped at the append (the world's own lie in January; only here is
@@ -25,13 +26,21 @@ core 1; the candidate and the baseline to core 0 with ``taskset``):
    own exit summary printed: event-time lag, queueing delay, commits and their interval,
    the oldest uncommitted age, the in-flight high-water mark.
 
-Every transaction carries an id of its own per step (a repeated id is answered from its
-claim and costs less). Both record into the same world, so later steps see cards with a
-few more transactions in their history. The machine is a shared 2-core VM: compare the
-ratios within one run.
+Each contender is started and warmed once per B; then each is measured ``--rounds`` times
+(default 3), one after another in an order that rotates each round, and before every
+measure the store is put back as it was before the first (every key but the streams:
+DUMP once, then RESTORE; :func:`restore`). So every measure records the same
+transactions, with ids of their own, into the same state: the live path (each event
+after its keys' newest), as in production. (Until 2026-12-07 one measure each ran in a
+row on the store the previous ones had recorded into: the first took the live path and
+the later ones replayed behind its events, the exactness corrections' costlier path, and
+one noisy measure each swung the ratios between 0.8x and 1.5x.) The rows print medians
+and the range of CPU per decision; the ratios are per round (the two measured minutes
+apart at most) and their median. The machine is a shared 2-core VM: compare the ratios
+within one run.
 
 Usage: ``python -m bench.bench_score_stream [--events 5000] [--max-batch 32,128]
-[--seconds 5] [--no-pin]``
+[--rounds 3] [--seconds 5] [--no-pin]``
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import secrets
@@ -115,49 +125,55 @@ async def post_all(url: str, txns: Sequence[dict[str, Any]], batch: int, concurr
     return errors
 
 
-def api_step(
-    world: BenchWorld,
-    txns: Sequence[dict[str, Any]],
-    b: int,
-    a: argparse.Namespace,
-    pin: bool,
-    single: bool = False,
-) -> dict[str, float]:
+class Api:
     """The service with max batch ``b``: calls of ``b`` transactions, two in flight, or
-    (``single``) one transaction per call, ``2b`` in flight."""
-    per_call, callers = (0, 2 * b) if single else (b, 2)
-    spool = tempfile.mkdtemp(prefix="bench-api-spool-")
-    svc = start(
-        world,
-        True,
-        {
-            "FRAUD_MAX_BATCH_SIZE": str(b),
-            "FRAUD_PREFERRED_BATCH_SIZES": json.dumps([b]),
-            "FRAUD_MAX_BATCH_REQUEST": str(b),
-            "FRAUD_MAX_QUEUE_DELAY_MS": str(a.max_wait_ms),
-            "FRAUD_REQUEST_TIMEOUT_MS": "30000",
-            "FRAUD_DECISION_SPOOL_DIR": spool,
-            # single calls: room for 2B callers (admission refuses the calls past the
-            # two micro-batches it holds while a caller's next call is already in)
-            **({"FRAUD_MAX_INFLIGHT": str(4 * b)} if single else {}),
-        },
-        cpus="0" if pin else None,
-    )
-    try:
-        proc = psutil.Process(svc.proc.pid)
-        store = redis.Redis.from_url(world.redis_url)
-        tag = f"api{'1' if single else ''}{b}"
-        warm = fresh(txns[: a.warm], f"{tag}w")
-        assert asyncio.run(post_all(svc.url, warm, per_call, callers)) == 0, "warm-up failed"
-        run = fresh(txns, tag)
-        c0, r0, t0 = cpu_s(proc), redis_cpu_s(store), time.perf_counter()
-        errors = asyncio.run(post_all(svc.url, run, per_call, callers))
+    (``single``) one transaction per call, ``2b`` in flight; started and warmed once,
+    then measured once per round (:meth:`measure`)."""
+
+    def __init__(
+        self,
+        world: BenchWorld,
+        txns: Sequence[dict[str, Any]],
+        b: int,
+        a: argparse.Namespace,
+        pin: bool,
+        single: bool = False,
+    ) -> None:
+        self.per_call, self.callers = (0, 2 * b) if single else (b, 2)
+        self.tag = f"api{'1' if single else ''}{b}"
+        spool = tempfile.mkdtemp(prefix="bench-api-spool-")
+        self.svc = start(
+            world,
+            True,
+            {
+                "FRAUD_MAX_BATCH_SIZE": str(b),
+                "FRAUD_PREFERRED_BATCH_SIZES": json.dumps([b]),
+                "FRAUD_MAX_BATCH_REQUEST": str(b),
+                "FRAUD_MAX_QUEUE_DELAY_MS": str(a.max_wait_ms),
+                "FRAUD_REQUEST_TIMEOUT_MS": "30000",
+                "FRAUD_DECISION_SPOOL_DIR": spool,
+                # single calls: room for 2B callers (admission refuses the calls past the
+                # two micro-batches it holds while a caller's next call is already in)
+                **({"FRAUD_MAX_INFLIGHT": str(4 * b)} if single else {}),
+            },
+            cpus="0" if pin else None,
+        )
+        self.proc = psutil.Process(self.svc.proc.pid)
+        self.store = redis.Redis.from_url(world.redis_url)
+        warm = fresh(txns[: a.warm], f"{self.tag}w")
+        assert asyncio.run(post_all(self.svc.url, warm, self.per_call, self.callers)) == 0, (
+            "warm-up failed"
+        )
+
+    def measure(self, run: Sequence[dict[str, Any]]) -> dict[str, float]:
+        c0, r0, t0 = cpu_s(self.proc), redis_cpu_s(self.store), time.perf_counter()
+        errors = asyncio.run(post_all(self.svc.url, run, self.per_call, self.callers))
         wall = time.perf_counter() - t0
-        cpu, rcpu = cpu_s(proc) - c0, redis_cpu_s(store) - r0
-    finally:
-        svc.stop()
-    n = len(run)
-    return {"n": n, "errors": errors, "wall": wall, "cpu": cpu, "redis_cpu": rcpu}
+        cpu, rcpu = cpu_s(self.proc) - c0, redis_cpu_s(self.store) - r0
+        return {"n": len(run), "errors": errors, "wall": wall, "cpu": cpu, "redis_cpu": rcpu}
+
+    def stop(self) -> None:
+        self.svc.stop()
 
 
 # -- the candidate: score-stream -------------------------------------------------------
@@ -217,82 +233,177 @@ def read_back(
     return np.asarray(lags), np.asarray(queue)
 
 
-def stream_step(
-    world: BenchWorld, txns: Sequence[dict[str, Any]], b: int, a: argparse.Namespace, pin: bool
-) -> dict[str, Any]:
-    stream, output = f"bench-txns-{RUN}-{b}", f"bench-decisions-{RUN}-{b}"
-    client: Any = redis.Redis.from_url(world.redis_url)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-score-stream-"))
-    log = tmp / "score-stream.log"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")},
-        "REDIS_URL": world.redis_url,
-        "FRAUD_DATA_DIR": str(world.data_dir),
-        "FRAUD_MODEL_REPO": str(world.model_repo),
-        "FRAUD_MAX_EVENT_SKEW_S": "0",  # the simulated world lies in the past
-        "FRAUD_DECISION_SPOOL_DIR": str(tmp / "spool"),
-        "FRAUD_STREAM_NAME": stream,
-        "FRAUD_SCORE_STREAM_OUTPUT": output,
-    }
-    argv = [sys.executable, "-m", "cli", "score-stream", "--consumer", "bench"]
-    argv += ["--max-batch", str(b), "--max-wait-ms", str(a.max_wait_ms)]
-    argv += ["--commit-interval-ms", str(a.commit_interval_ms), "--metrics-port", "0"]
-    if pin:
-        argv = ["taskset", "-c", "0", *argv]
-    warm = fresh(txns[: a.warm], f"ss{b}w")
-    xadd(client, stream, warm)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    out_d: dict[str, Any] = {}
-    try:
-        ps = psutil.Process(proc.pid)
-        wait_for(client, output, len(warm), proc, log)
+class Stream:
+    """``fraud-scoring score-stream`` with max batch ``b``: started, warmed on ``--warm``
+    transactions, then stopped (SIGSTOP) but while it is measured: each
+    :meth:`measure` appends a backlog and lets it go until the backlog's last decision
+    is in the output stream."""
+
+    def __init__(
+        self,
+        world: BenchWorld,
+        txns: Sequence[dict[str, Any]],
+        b: int,
+        a: argparse.Namespace,
+        pin: bool,
+    ) -> None:
+        self.stream, self.output = f"bench-txns-{RUN}-{b}", f"bench-decisions-{RUN}-{b}"
+        self.client: Any = redis.Redis.from_url(world.redis_url)
+        tmp = Path(tempfile.mkdtemp(prefix="bench-score-stream-"))
+        self.log = tmp / "score-stream.log"
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_MULTIPROC")},
+            "REDIS_URL": world.redis_url,
+            "FRAUD_DATA_DIR": str(world.data_dir),
+            "FRAUD_MODEL_REPO": str(world.model_repo),
+            "FRAUD_MAX_EVENT_SKEW_S": "0",  # the simulated world lies in the past
+            "FRAUD_DECISION_SPOOL_DIR": str(tmp / "spool"),
+            "FRAUD_STREAM_NAME": self.stream,
+            "FRAUD_SCORE_STREAM_OUTPUT": self.output,
+        }
+        argv = [sys.executable, "-m", "cli", "score-stream", "--consumer", "bench"]
+        argv += ["--max-batch", str(b), "--max-wait-ms", str(a.max_wait_ms)]
+        argv += ["--commit-interval-ms", str(a.commit_interval_ms), "--metrics-port", "0"]
+        if pin:
+            argv = ["taskset", "-c", "0", *argv]
+        warm = fresh(txns[: a.warm], f"ss{b}w")
+        xadd(self.client, self.stream, warm)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.ps = psutil.Process(self.proc.pid)
+        self.written = len(warm)
+        self.wait(self.written)
         time.sleep(0.5)  # its commit
-        os.kill(proc.pid, signal.SIGSTOP)
-        run = fresh(txns, f"ss{b}")
-        xadd(client, stream, run)
-        c0, r0, t0 = cpu_s(ps), redis_cpu_s(client), time.perf_counter()
-        os.kill(proc.pid, signal.SIGCONT)
-        wait_for(client, output, len(warm) + len(run), proc, log)
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def wait(self, n: int) -> None:
+        wait_for(self.client, self.output, n, self.proc, self.log)
+
+    def measure(self, run: Sequence[dict[str, Any]]) -> dict[str, float]:
+        xadd(self.client, self.stream, run)
+        c0, r0, t0 = cpu_s(self.ps), redis_cpu_s(self.client), time.perf_counter()
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.written += len(run)
+        self.wait(self.written)
         wall = time.perf_counter() - t0
-        cpu, rcpu = cpu_s(ps) - c0, redis_cpu_s(client) - r0
-        out_d.update(n=len(run), errors=0, wall=wall, cpu=cpu, redis_cpu=rcpu)
-        capacity = len(run) / wall
-        written = len(warm) + len(run)
+        cpu, rcpu = cpu_s(self.ps) - c0, redis_cpu_s(self.client) - r0
+        time.sleep(0.2)  # its commit, outside the next contender's measure
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        return {"n": len(run), "errors": 0, "wall": wall, "cpu": cpu, "redis_cpu": rcpu}
+
+    def lag_steps(
+        self, txns: Sequence[dict[str, Any]], capacity: float, b: int, seconds: float
+    ) -> list[tuple[float, float, int, np.ndarray, np.ndarray]]:
+        """Event-time lag and queueing delay at 50 % and 90 % of ``capacity``."""
+        os.kill(self.proc.pid, signal.SIGCONT)
         steps = []
         for frac in (0.5, 0.9):
-            last = client.xrevrange(output, count=1)[0][0]
+            last = self.client.xrevrange(self.output, count=1)[0][0]
             live = fresh(txns, f"ss{b}p{int(frac * 100)}")
-            stamped = paced(client, stream, live, frac * capacity, a.seconds)
-            written += len(stamped)
-            wait_for(client, output, written, proc, log)
-            lag, queue = read_back(client, output, last, stamped)
+            stamped = paced(self.client, self.stream, live, frac * capacity, seconds)
+            self.written += len(stamped)
+            self.wait(self.written)
+            lag, queue = read_back(self.client, self.output, last, stamped)
             steps.append((frac, frac * capacity, len(stamped), lag, queue))
-        out_d["paced"] = steps
         time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-    summary = [ln for ln in log.read_text().splitlines() if "score-stream stopping" in ln]
-    out_d["summary"] = summary[-1].split("score-stream stopping: ", 1)[-1] if summary else "?"
-    return out_d
+        return steps
+
+    def stop(self) -> str:
+        """Stop it (SIGTERM); its exit summary."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        summary = [ln for ln in self.log.read_text().splitlines() if "score-stream stopping" in ln]
+        return summary[-1].split("score-stream stopping: ", 1)[-1] if summary else "?"
 
 
-def line(name: str, r: dict[str, Any], base: dict[str, Any] | None) -> str:
-    rate, per_cpu = r["n"] / r["wall"], r["n"] / max(r["cpu"], 1e-9)
-    vs = ""
-    if base is not None:
-        vs = (
-            f"  ({rate / (base['n'] / base['wall']):.2f}x decisions/s, "
-            f"{per_cpu / (base['n'] / max(base['cpu'], 1e-9)):.2f}x per CPU-second)"
-        )
+# -- the store as each measure finds it --------------------------------------------------
+
+
+def snapshot(client: Any) -> dict[bytes, bytes]:
+    """Every key's serialized value but the streams' (the event logs the contenders read
+    and write stay as they are)."""
+    keys = [k for k in client.scan_iter(count=5000) if client.type(k) != b"stream"]
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.dump(k)
+    return {k: v for k, v in zip(keys, pipe.execute(), strict=True) if v is not None}
+
+
+def restore(client: Any, snap: dict[bytes, bytes]) -> None:
+    """The store as at :func:`snapshot` (streams aside): each measure records the same
+    transactions into the same state, so every one takes the live path (events after
+    their keys' newest) rather than a replay behind an earlier measure's events."""
+    pipe = client.pipeline(transaction=False)
+    for k in client.scan_iter(count=5000):
+        if k not in snap and client.type(k) != b"stream":
+            pipe.delete(k)
+    for k, v in snap.items():
+        pipe.restore(k, 0, v, replace=True)
+    pipe.execute()
+
+
+NAMES = ("API /v1/score/batch", "API /v1/score, one per call", "score-stream (Redis Streams)")
+
+
+def line(name: str, runs: Sequence[dict[str, Any]]) -> str:
+    """One contender's measures: medians, and the range of CPU per decision."""
+    rate = float(np.median([r["n"] / r["wall"] for r in runs]))
+    us = [r["cpu"] / r["n"] * 1e6 for r in runs]
+    redis_us = float(np.median([r["redis_cpu"] / r["n"] * 1e6 for r in runs]))
+    errors = sum(r["errors"] for r in runs)
     return (
-        f"  {name:<28} {r['n']:>6} in {r['wall']:6.2f} s  {rate:7.0f} decisions/s  "
-        f"{per_cpu:7.0f} per CPU-s  ({r['cpu'] / r['n'] * 1e6:5.0f} us CPU, Redis "
-        f"{r['redis_cpu'] / r['n'] * 1e6:4.0f} us each; errors {r['errors']}){vs}"
+        f"  {name:<30} {rate:7.0f} decisions/s  {1e6 / float(np.median(us)):6.0f} per CPU-s  "
+        f"({np.median(us):4.0f} us CPU each, {min(us):.0f}-{max(us):.0f} over {len(us)}; "
+        f"Redis {redis_us:4.0f} us; errors {errors})"
     )
+
+
+def ratios(runs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> str:
+    """Decisions per CPU-second against ``base``, round by round (the two measured in the
+    same round, minutes apart at most), and their median."""
+    per = [(b["cpu"] / b["n"]) / (r["cpu"] / r["n"]) for r, b in zip(runs, base, strict=True)]
+    each = ", ".join(f"{x:.2f}x" for x in per)
+    return f"{float(np.median(per)):.2f}x per CPU-second (rounds: {each})"
+
+
+def measure_size(
+    world: BenchWorld, txns: Sequence[dict[str, Any]], b: int, a: argparse.Namespace, pin: bool
+) -> None:
+    """The three contenders at max batch ``b``, each measured once per round on the store
+    as it was before the first measure (:func:`restore`), in an order that rotates each
+    round; then score-stream's event-time lag."""
+    client = redis.Redis.from_url(world.redis_url)
+    with contextlib.ExitStack() as stack:
+        batch = Api(world, txns, b, a, pin)
+        stack.callback(batch.stop)
+        single = Api(world, txns, b, a, pin, single=True)
+        stack.callback(single.stop)
+        stream = Stream(world, txns, b, a, pin)
+        summary: list[str] = []
+        stack.callback(lambda: summary.append(stream.stop()))
+        contenders: tuple[Any, ...] = (batch, single, stream)
+        snap = snapshot(client)
+        runs: list[list[dict[str, Any]]] = [[], [], []]
+        for r in range(a.rounds):
+            for i in [(r + k) % 3 for k in range(3)]:
+                restore(client, snap)
+                runs[i].append(contenders[i].measure(fresh(txns, f"b{b}r{r}c{i}")))
+        for name, got in zip(NAMES, runs, strict=True):
+            print(line(name, got), flush=True)
+        print(f"    score-stream against /v1/score/batch: {ratios(runs[2], runs[0])}", flush=True)
+        print(f"    score-stream against /v1/score:       {ratios(runs[2], runs[1])}", flush=True)
+        capacity = float(np.median([r["n"] / r["wall"] for r in runs[2]]))
+        for frac, rate, sent, lag, queue in stream.lag_steps(txns, capacity, b, a.seconds):
+            print(
+                f"    at {frac:.0%} of its rate ({rate:.0f}/s, {sent} events): event-time lag "
+                f"p50 {np.percentile(lag, 50):.1f} ms p99 {np.percentile(lag, 99):.1f} ms; "
+                f"queueing delay at the boundary mean {queue.mean():.2f} ms p99 "
+                f"{np.percentile(queue, 99):.2f} ms",
+                flush=True,
+            )
+    print(f"    its exit summary: {summary[0] if summary else '?'}", flush=True)
 
 
 def main() -> None:
@@ -302,6 +413,7 @@ def main() -> None:
     p.add_argument("--max-batch", default="32,128", help="micro-batch sizes, comma-separated")
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--commit-interval-ms", type=float, default=1000.0)
+    p.add_argument("--rounds", type=int, default=3, help="measures of each contender per size")
     p.add_argument("--seconds", type=float, default=5.0, help="length of each paced step")
     p.add_argument("--no-pin", action="store_true", help="let everything share the cores")
     a = p.parse_args()
@@ -311,31 +423,16 @@ def main() -> None:
     with bench_world(os.environ.get("REDIS_URL")) as world:
         txns = sorted(world.held_out(limit=a.events), key=lambda t: t["event_time"])
         print(
-            f"{len(txns)} held-out transactions per step; score-stream and the API pinned to "
-            f"core {'0' if pin else 'any'}, Redis and this generator to core "
-            f"{'1' if pin else 'any'}; max wait {a.max_wait_ms:g} ms, commit interval "
-            f"{a.commit_interval_ms:g} ms; baselines: POST /v1/score/batch, B per call, "
-            "2 calls in flight; POST /v1/score, one per call, 2B in flight",
+            f"{len(txns)} held-out transactions per measure, {a.rounds} rounds; score-stream "
+            f"and the API pinned to core {'0' if pin else 'any'}, Redis and this generator "
+            f"to core {'1' if pin else 'any'}; max wait {a.max_wait_ms:g} ms, commit "
+            f"interval {a.commit_interval_ms:g} ms; baselines: POST /v1/score/batch, B per "
+            "call, 2 calls in flight; POST /v1/score, one per call, 2B in flight",
             flush=True,
         )
         for b in (int(x) for x in a.max_batch.split(",")):
             print(f"max batch {b}:", flush=True)
-            base = api_step(world, txns, b, a, pin)
-            print(line("API /v1/score/batch", base, None), flush=True)
-            single = api_step(world, txns, b, a, pin, single=True)
-            print(line("API /v1/score, one per call", single, None), flush=True)
-            cand = stream_step(world, txns, b, a, pin)
-            print(line("score-stream (Redis Streams)", cand, base), flush=True)
-            print(line("  the same, against /v1/score", cand, single), flush=True)
-            for frac, rate, sent, lag, queue in cand["paced"]:
-                print(
-                    f"    at {frac:.0%} of its rate ({rate:.0f}/s, {sent} events): event-time lag "
-                    f"p50 {np.percentile(lag, 50):.1f} ms p99 {np.percentile(lag, 99):.1f} ms; "
-                    f"queueing delay at the boundary mean {queue.mean():.2f} ms p99 "
-                    f"{np.percentile(queue, 99):.2f} ms",
-                    flush=True,
-                )
-            print(f"    its exit summary: {cand['summary']}", flush=True)
+            measure_size(world, txns, b, a, pin)
 
 
 if __name__ == "__main__":
