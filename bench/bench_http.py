@@ -27,7 +27,13 @@ the rows, each standing goal is printed as a line, met or NOT MET.
 
 Every request carries a transaction id of its own: the service claims each id it records
 (one id, one transaction), so a body sent twice would be answered as a retry (nothing
-recorded, the kept answer), a cheaper path than a new decision.
+recorded, the kept answer), a cheaper path than a new decision. And before every step of
+a scoring service the store is put back as it was before the first
+(``bench.world.StoreState``: every key but the streams): the transactions are the world's
+held-out ones at their own times, so without it every step after the first replayed
+behind the events the earlier steps recorded at the same times (the exactness
+corrections' path, ~20 % more CPU for a micro-batch of one) instead of the live path
+production takes. (Until 2026-12-07 it did: every service row was a replay.)
 
 ``--baseline REF`` runs the service modes of an earlier commit beside this checkout's,
 step by step at the same offered rates (REF checked out in a temporary git worktree, its
@@ -62,7 +68,7 @@ import numpy as np
 import psutil
 import uvloop
 
-from bench.world import BenchWorld, bench_world
+from bench.world import BenchWorld, StoreState, bench_world
 from service.edge.server import ServiceProcess, ServiceStartError, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +77,10 @@ HELD_P99_MS = 10.0
 HELD_MAX_SHED = 0.001
 HELD_MIN_ACHIEVED = 0.95  # of the offered rate
 LIGHT_RATE = 50.0
+# Every held-out transaction of the world's last day (~5,900): a step cycles through them
+# (with fresh ids), so only a step of more than ~1,900 req/s for 3 s sends some of them
+# twice, the second time a replay behind the first's recording.
+HELD_OUT = 10**6
 CEILINGS = ("typical", "bare")  # the first of these in --modes is the goals' ceiling
 APPS = {"typical": "bench.typical_app", "bare": "bench.bare_app"}
 FRACTIONS = "0.05,0.1,0.15,0.2,0.25,0.3,0.35,0.4,0.5,0.6,0.7,0.8,0.9,1.0"
@@ -372,9 +382,10 @@ class Server:
         connections: int = 64,
         name: str = "",
         bodies: Sequence[bytes] | None = None,
+        store: StoreState | None = None,
     ) -> None:
         self.service, self.connections = service, connections
-        self.name, self.bodies = name, bodies
+        self.name, self.bodies, self.store = name, bodies, store
         self.proc = psutil.Process(service.proc.pid)
 
     def cpu_s(self) -> float:
@@ -430,6 +441,9 @@ class Server:
     def step(
         self, bodies: Sequence[bytes], rate: float, seconds: float, mode: str, step: str = ""
     ) -> Result:
+        if self.store is not None:  # every step on the live path (bench.world.StoreState)
+            self.store.restore()
+            time.sleep(0.3)  # the server frees the replaced values in the background
         batches0 = self.batches()
         cpu0, rq0 = self.cpu_s(), self.runqueue_s()
         res = run(
@@ -701,7 +715,7 @@ OLD_WORLD = """
 import json, sys
 from bench.world import bench_world
 with bench_world(sys.argv[1]) as w:
-    out = {"data": str(w.data_dir), "models": str(w.model_repo), "bodies": w.held_out(5000)}
+    out = {"data": str(w.data_dir), "models": str(w.model_repo), "bodies": w.held_out(10**6)}
     with open(sys.argv[2], "w") as f:
         json.dump(out, f, default=str)
 """
@@ -715,6 +729,7 @@ class Baseline:
     def __init__(self, ref: str, tree: Path, stack: contextlib.ExitStack, logs: Path) -> None:
         self.ref, self.tree, self.stack, self.logs = ref, tree, stack, logs
         self.own_world: tuple[BenchWorld, list[bytes]] | None = None
+        self.own_state: StoreState | None = None
         self.own_world_error: str | None = None
         self.label = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", ref],
@@ -736,6 +751,7 @@ class Baseline:
         connections: int,
         bodies: Sequence[bytes],
         own: list[bytes] | None,
+        store: StoreState | None,
     ) -> tuple[Server | None, str]:
         log = self.logs / f"{mode}-{'own' if own else 'this'}-world.log"
         with log.open("wb") as out:
@@ -750,7 +766,7 @@ class Baseline:
                 )
             except ServiceStartError as exc:
                 return None, f"{exc}; its output:\n{_tail(log)}"
-        server = Server(svc, connections, f"{mode}@{self.label}", own)
+        server = Server(svc, connections, f"{mode}@{self.label}", own, store)
         probe = run(open_loop(svc.url, own or bodies, 50, 1, "probe", connections))
         if probe.achieved < 0.5 * probe.offered:
             svc.stop()
@@ -770,10 +786,12 @@ class Baseline:
         cpus: str | None,
         connections: int,
         bodies: Sequence[bytes],
+        store: StoreState | None = None,
     ) -> Server | None:
-        """The baseline's service for ``mode``, or None (said why) when it cannot serve."""
+        """The baseline's service for ``mode``, or None (said why) when it cannot serve;
+        ``store``: the state of ``world``'s store to restore before each step."""
         if self.own_world is None:
-            server, why = self._try(world, mode, extra, cpus, connections, bodies, None)
+            server, why = self._try(world, mode, extra, cpus, connections, bodies, None, store)
             if server is not None:
                 print(f"baseline {self.label} ({mode}): serves this checkout's world", flush=True)
                 return server
@@ -799,7 +817,9 @@ class Baseline:
             )
             return None
         own_world, own_bodies = self.own_world
-        server, why = self._try(own_world, mode, extra, cpus, connections, bodies, own_bodies)
+        server, why = self._try(
+            own_world, mode, extra, cpus, connections, bodies, own_bodies, self.own_state
+        )
         if server is None:
             print(
                 f"BASELINE {self.label} NOT MEASURED ({mode}): it cannot serve its own bench "
@@ -838,6 +858,7 @@ class Baseline:
         got = json.loads(out.read_text())
         own = BenchWorld(Path(got["data"]), Path(got["models"]), url)
         self.own_world = (own, [json.dumps(b).encode() for b in got["bodies"]])
+        self.own_state = StoreState(url)
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -913,7 +934,8 @@ def main() -> None:
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-logs-")))
             baseline = Baseline(a.baseline, tree, stack, logs)
             print(f"baseline {baseline.label} checked out in {tree}", flush=True)
-        bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
+        bodies = [json.dumps(r).encode() for r in world.held_out(HELD_OUT)]
+        state = StoreState(world.redis_url)  # before any service has recorded into it
         print(HEADER, flush=True)
         ceiling_held = ceiling_ladder[-1]  # no ceiling measured: the ladder's top
         for mode in CEILINGS[::-1]:  # bare first, then the typical endpoint
@@ -947,11 +969,18 @@ def main() -> None:
             if mode not in modes:
                 continue
             servers = [
-                Server(start(world, mode == "batched", extra, server_cpus), a.connections, mode)
+                Server(
+                    start(world, mode == "batched", extra, server_cpus),
+                    a.connections,
+                    mode,
+                    store=state,
+                )
             ]
             try:
                 if baseline is not None:
-                    old = baseline.start(world, mode, extra, server_cpus, a.connections, bodies)
+                    old = baseline.start(
+                        world, mode, extra, server_cpus, a.connections, bodies, state
+                    )
                     if old is not None:
                         servers.append(old)
                 measure(

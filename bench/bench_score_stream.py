@@ -29,7 +29,7 @@ core 1; the candidate and the baseline to core 0 with ``taskset``):
 Each contender is started and warmed once per B; then each is measured ``--rounds`` times
 (default 3), one after another in an order that rotates each round, and before every
 measure the store is put back as it was before the first (every key but the streams:
-DUMP once, then RESTORE; :func:`restore`). So every measure records the same
+DUMP once, then RESTORE: ``bench.world.StoreState``). So every measure records the same
 transactions, with ids of their own, into the same state: the live path (each event
 after its keys' newest), as in production. (Until 2026-12-07 one measure each ran in a
 row on the store the previous ones had recorded into: the first took the live path and
@@ -67,7 +67,7 @@ import psutil
 import redis
 
 from bench.bench_http import Conn, start
-from bench.world import BenchWorld, bench_world
+from bench.world import BenchWorld, StoreState, bench_world
 
 RUN = "s" + secrets.token_hex(3)
 
@@ -318,32 +318,6 @@ class Stream:
         return summary[-1].split("score-stream stopping: ", 1)[-1] if summary else "?"
 
 
-# -- the store as each measure finds it --------------------------------------------------
-
-
-def snapshot(client: Any) -> dict[bytes, bytes]:
-    """Every key's serialized value but the streams' (the event logs the contenders read
-    and write stay as they are)."""
-    keys = [k for k in client.scan_iter(count=5000) if client.type(k) != b"stream"]
-    pipe = client.pipeline(transaction=False)
-    for k in keys:
-        pipe.dump(k)
-    return {k: v for k, v in zip(keys, pipe.execute(), strict=True) if v is not None}
-
-
-def restore(client: Any, snap: dict[bytes, bytes]) -> None:
-    """The store as at :func:`snapshot` (streams aside): each measure records the same
-    transactions into the same state, so every one takes the live path (events after
-    their keys' newest) rather than a replay behind an earlier measure's events."""
-    pipe = client.pipeline(transaction=False)
-    for k in client.scan_iter(count=5000):
-        if k not in snap and client.type(k) != b"stream":
-            pipe.delete(k)
-    for k, v in snap.items():
-        pipe.restore(k, 0, v, replace=True)
-    pipe.execute()
-
-
 NAMES = ("API /v1/score/batch", "API /v1/score, one per call", "score-stream (Redis Streams)")
 
 
@@ -372,9 +346,8 @@ def measure_size(
     world: BenchWorld, txns: Sequence[dict[str, Any]], b: int, a: argparse.Namespace, pin: bool
 ) -> None:
     """The three contenders at max batch ``b``, each measured once per round on the store
-    as it was before the first measure (:func:`restore`), in an order that rotates each
+    as it was before the first measure (``bench.world.StoreState``), in an order that rotates each
     round; then score-stream's event-time lag."""
-    client = redis.Redis.from_url(world.redis_url)
     with contextlib.ExitStack() as stack:
         batch = Api(world, txns, b, a, pin)
         stack.callback(batch.stop)
@@ -384,11 +357,11 @@ def measure_size(
         summary: list[str] = []
         stack.callback(lambda: summary.append(stream.stop()))
         contenders: tuple[Any, ...] = (batch, single, stream)
-        snap = snapshot(client)
+        state = StoreState(world.redis_url)
         runs: list[list[dict[str, Any]]] = [[], [], []]
         for r in range(a.rounds):
             for i in [(r + k) % 3 for k in range(3)]:
-                restore(client, snap)
+                state.restore()
                 runs[i].append(contenders[i].measure(fresh(txns, f"b{b}r{r}c{i}")))
         for name, got in zip(NAMES, runs, strict=True):
             print(line(name, got), flush=True)
