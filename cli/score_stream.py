@@ -25,7 +25,6 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fraud_scoring.commands import Command, UsageError, add_embedded_redis
@@ -95,20 +94,7 @@ def run_score_stream(args: argparse.Namespace, settings: ScoreStreamSettings) ->
     with redis_url(settings.redis_url, allow_embedded=settings.embedded_redis) as url:
         # The resources connect to this one server (an embedded one is started once).
         settings = settings.model_copy(update={"redis_url": url, "embedded_redis": False})
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(_score_stream(args, settings))
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where it is installed (``uvicorn[standard]`` brings it on Linux
-    and macOS; the service runs on it under uvicorn), else asyncio's own. Each event is
-    a task, a future and a deadline timer at the boundary: on asyncio's loop they cost
-    score-stream more per decision than the API's batch calls paid for HTTP."""
-    try:
-        import uvloop
-    except ImportError:  # e.g. Windows: asyncio's loop
-        return None
-    return uvloop.new_event_loop
+        asyncio.run(_score_stream(args, settings))
 
 
 async def _score_stream(args: argparse.Namespace, settings: ScoreStreamSettings) -> None:
