@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -68,6 +69,33 @@ def test_headers_must_arrive_in_time(guarded: Server) -> None:
         assert _read_to_close(silent) == b""
     with guarded.client() as c:  # and the service goes on answering
         assert c.post("/v1/score", json={**TXN, "transaction_id": "conn-1"}).status_code == 200
+
+
+def _score_slowly(url: str, txn_id: str, timeout_ms: int, pause_s: float) -> bytes:
+    """POST /v1/score with ``X-Request-Timeout-Ms``: the headers and half the body, a
+    pause, then the rest; the answer's status line and body."""
+    body = json.dumps({**TXN, "transaction_id": txn_id}).encode()
+    head = (
+        f"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"X-Request-Timeout-Ms: {timeout_ms}\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    with _connect(url) as s:
+        s.sendall(head + body[: len(body) // 2])
+        time.sleep(pause_s)
+        s.sendall(body[len(body) // 2 :])
+        return _read_to_close(s)
+
+
+def test_a_deadline_counts_from_the_requests_first_byte(guarded: Server) -> None:
+    """X-Request-Timeout-Ms is the client's budget from when its request arrived: time
+    spent before the handler runs (here a body sent slowly; under load, the event loop's
+    backlog) counts. 400 ms past arrival the request is refused at once (503), not
+    scored as if it had just come; with the budget left, the same upload is scored."""
+    late = _score_slowly(guarded.url, "conn-late", 300, 0.6)
+    assert late.startswith(b"HTTP/1.1 503"), late[:300]
+    on_time = _score_slowly(guarded.url, "conn-on-time", 5000, 0.6)
+    assert on_time.startswith(b"HTTP/1.1 200"), on_time[:300]
 
 
 def _refuses_connections(url: str) -> bool:

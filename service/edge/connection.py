@@ -13,6 +13,10 @@
   ``FRAUD_HEADER_TIMEOUT_S`` of the connection opening or of a request's first byte on a
   kept-alive connection, else ``408`` (or, for a connection that sent nothing, a plain
   close). The body has its own bound (``FRAUD_BODY_TIMEOUT_S``, ``service.edge.admission``).
+* **The request's arrival.** The time its first byte was parsed (``time.monotonic()``)
+  goes into the ASGI scope (:data:`ARRIVED`): a request's deadline counts from there, not
+  from when its handler first runs, which under load is a loop iteration or more later
+  (service/edge/routes.py ``arrived``).
 * **A drain that answers.** On SIGTERM uvicorn closes idle keep-alive connections at
   once, so a request a client sends on one at that moment meets a closed socket. Here an
   idle connection stays open while uvicorn waits for connections to finish (at most
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -38,6 +43,8 @@ from service.settings import get_settings
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 16 * 1024
+# Scope key: when the request's first byte was parsed (time.monotonic()).
+ARRIVED = "fraud_scoring.arrived"
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -109,6 +116,10 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._refuse(431, f"request headers larger than {MAX_HEADER_BYTES} bytes")
         elif self._raw:
             self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[ARRIVED] = time.monotonic()  # type: ignore[literal-required]
 
     def on_headers_complete(self) -> None:
         self._in_headers = False

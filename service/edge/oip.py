@@ -68,7 +68,7 @@ from service.edge.oip_model import (
     predict,
     served,
 )
-from service.edge.routes import MAX_TIMEOUT_MS, TIMEOUT_HEADER, header
+from service.edge.routes import MAX_TIMEOUT_MS, TIMEOUT_HEADER, arrived, header
 from service.errors import BadRequest, Rejected, UnsupportedMediaType
 from service.resources import Resources, resources
 from service.settings import ServiceSettings
@@ -389,7 +389,7 @@ async def infer_version(request: Request, name: str, version: str) -> Response:
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     res, model = _model(request, name, version)
     _check_media(request)
-    until = deadline(header(request, _TIMEOUT_KEY), res)
+    until = deadline(header(request, _TIMEOUT_KEY), res, start=arrived(request))
     x, req, binary_out = _decode(await request.body(), request, model, res.settings)
     scores = await predict(res, model, x, until)
     if not binary_out:

@@ -44,12 +44,17 @@ def served(res: Resources, name: str, version: str | None) -> LoadedModel:
     return model
 
 
-def deadline(raw_ms: str | None, res: Resources, header: str = TIMEOUT_HEADER) -> float:
-    """The call's deadline (``time.monotonic()``): ``raw_ms`` milliseconds from now (the
-    ``X-Request-Timeout-Ms`` header or metadata, in (0, 60000]), else the configured
-    default; :class:`~service.errors.BadRequest` naming ``header`` for another value."""
+def deadline(
+    raw_ms: str | None, res: Resources, header: str = TIMEOUT_HEADER, start: float | None = None
+) -> float:
+    """The call's deadline (``time.monotonic()``): ``raw_ms`` milliseconds from ``start``
+    (the request's arrival; None: now) (the ``X-Request-Timeout-Ms`` header or metadata,
+    in (0, 60000]), else the configured default; :class:`~service.errors.BadRequest`
+    naming ``header`` for another value."""
+    if start is None:
+        start = time.monotonic()
     if raw_ms is None:
-        return time.monotonic() + res.settings.request_timeout_ms / 1e3
+        return start + res.settings.request_timeout_ms / 1e3
     try:
         ms = float(raw_ms)
     except ValueError:
@@ -58,7 +63,7 @@ def deadline(raw_ms: str | None, res: Resources, header: str = TIMEOUT_HEADER) -
         raise BadRequest(
             f"{header}: must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], got {raw_ms!r}"
         )
-    return time.monotonic() + ms / 1e3
+    return start + ms / 1e3
 
 
 def check_input(

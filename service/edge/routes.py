@@ -40,6 +40,7 @@ from service.core.challenger import LineupChange
 from service.core.scoring import ScoreRequest, ScoreResult
 from service.edge.admission import PARSED_BODY, RECEIVED_NS
 from service.edge.auth import Scope, check_scope, require_scope
+from service.edge.connection import ARRIVED
 from service.edge.schemas import (
     TXN_EXAMPLE,
     BatchOut,
@@ -163,12 +164,21 @@ def _check_clock(txn: Transaction, settings: ServiceSettings, *loc: str | int) -
         )
 
 
+def arrived(request: Request) -> float:
+    """When the request's first byte was parsed (``time.monotonic()``, the connection's
+    stamp: service/edge/connection.py), else now (another ASGI server)."""
+    at = request.scope.get(ARRIVED)
+    return time.monotonic() if at is None else float(at)
+
+
 def request_deadline(request: Request, res: Resources) -> float:
     """The request's deadline (``time.monotonic()``) from the timeout header, else the
-    configured default; a header that is not a number of ms in (0, 60000] is a 422."""
+    configured default, counted from its arrival (:func:`arrived`: the client's budget
+    includes the time it waited for the event loop); a header that is not a number of ms
+    in (0, 60000] is a 422."""
     raw = header(request, _TIMEOUT_KEY)
     if raw is None:
-        return time.monotonic() + res.settings.request_timeout_ms / 1e3
+        return arrived(request) + res.settings.request_timeout_ms / 1e3
     try:
         ms = float(raw)
     except ValueError:
@@ -178,7 +188,7 @@ def request_deadline(request: Request, res: Resources) -> float:
             f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], got {raw!r}",
             f"header.{TIMEOUT_HEADER}",
         )
-    return time.monotonic() + ms / 1e3
+    return arrived(request) + ms / 1e3
 
 
 def _record(request: Request) -> bool:
