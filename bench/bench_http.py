@@ -157,11 +157,12 @@ def served_all(r: Result) -> bool:
 
 
 def held_rate(rows: Sequence[Result]) -> float:
-    """The highest offered rate among ``rows`` that held (0 if none), whichever step it
-    was (the ladder, half, 2x, recovery): what the summary and the goal lines call a
-    server's held rate, read from the very rows printed. A ladder that stops below a
-    server's capacity (short ``--fractions``) thus still counts a 2x step it held."""
-    return max((r.offered for r in rows if held(r)), default=0.0)
+    """The highest offered rate among ``rows`` that held (0 if none), whichever load step
+    it was (the ladder, half, 2x, recovery; not the light step at 50 req/s, which measures
+    the p50): what the summary and the goal lines call a server's held rate, read from the
+    very rows printed. A ladder that stops below a server's capacity (short
+    ``--fractions``) thus still counts a 2x step it held."""
+    return max((r.offered for r in rows if r.step != "light" and held(r)), default=0.0)
 
 
 T = TypeVar("T")
@@ -543,7 +544,9 @@ def measure(
         climbing = still
         if not climbing:
             break
-    first = held_rate(table.of(servers[0].name))
+    # The half and 2x steps' rates come from the ladder alone (the light step at 50 req/s
+    # holds for every server: a 2x step at 100 req/s would test no overload).
+    first = held_rate([r for r in table.of(servers[0].name) if r.step == "ladder"])
     # CPU at half the ceiling's held rate (its own, for the ceiling itself).
     half = half_rate or (first / 2 if first else ladder[0] / 2)
     pair([step(srv, half, "half") for srv in servers])
