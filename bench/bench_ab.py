@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-from bench.bench_http import HEADER, Server, open_loop, run, start
+from bench.bench_http import HEADER, HELD_OUT, Server, open_loop, run, start
 from bench.bench_overload import checkout
-from bench.world import bench_world
+from bench.world import StoreState, bench_world
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
         checkout(a.baseline) as before,
         tempfile.TemporaryDirectory() as own_models,
     ):
-        bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
+        bodies = [json.dumps(r).encode() for r in world.held_out(HELD_OUT)]
         before_env: dict[str, str] = {}
         if a.baseline_own_model:
             before_env = {"FRAUD_MODEL_REPO": own_models}
@@ -78,10 +78,14 @@ def main() -> None:
             ):
                 print(f"baseline: fraud-scoring {' '.join(cmd)}", flush=True)
                 subprocess.run([sys.executable, "-m", "cli", *cmd], cwd=before, env=env, check=True)
+        # Every step on the live path: the store put back before each (bench.world.StoreState).
+        state = StoreState(world.redis_url)
         servers: dict[str, Server] = {}
         try:
             for name, cwd, env in (("before", before, before_env), ("after", None, after_env)):
-                servers[name] = Server(start(world, True, env, "0" if pin else None, cwd), 256)
+                servers[name] = Server(
+                    start(world, True, env, "0" if pin else None, cwd), 256, store=state
+                )
                 run(open_loop(servers[name].service.url, bodies, 200, 2, "warm"))
             print(HEADER)
             for _ in range(a.rounds):

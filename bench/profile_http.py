@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_http import open_loop, run, start
-from bench.world import bench_world
+from bench.bench_http import HELD_OUT, open_loop, run, start
+from bench.world import StoreState, bench_world
 
 # Stages of the request path, innermost first: a sample counts for the first of these
 # found walking its stack from the leaf up ("function (file" prefixes of py-spy frames).
@@ -70,11 +70,13 @@ def main() -> None:
     if pin:
         os.sched_setaffinity(0, {1})
     with bench_world() as world:
-        bodies = [json.dumps(r).encode() for r in world.held_out(5000)]
+        bodies = [json.dumps(r).encode() for r in world.held_out(HELD_OUT)]
+        state = StoreState(world.redis_url)
         service = start(world, not a.naive, {}, "0" if pin else None)
         proc, url = service.proc, service.url
         try:
             run(open_loop(url, bodies, 200, 1, "warm"))
+            state.restore()  # the profiled run on the live path, not behind the warm-up's
             rec = subprocess.Popen(
                 [
                     spy,
