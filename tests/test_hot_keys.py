@@ -149,6 +149,8 @@ def test_a_card_with_10000_events_scores_without_a_refusal(world: World, tmp_pat
     recorded by the updater's own script) is scored like any other, and so are the
     transactions that share its micro-batches."""
     client = connect(world.redis_url)
+    for script in D.SCRIPTS:  # the world's server may not hold them (a test flushed them)
+        client.script_load(script)
     specs = [s for s in F.declarations().specs if s.entity == ("card_id",)]
     hist = heavy_card(10_000).assign(card_id="c-hot-http")
     rows = hist.to_dict("records")

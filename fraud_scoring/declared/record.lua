@@ -1,27 +1,28 @@
--- A state's settings from ARGV[pos]: horizon_us, newest, ttl_ms, backfill (1/0), dcap,
--- dback_us, extremes (1/0), nwidths, (u, slots)*, nhalf, half_life_us*, mark_ttl_ms (0:
--- the ids are the key's sorted set; > 0: per-transaction markers that live this long).
--- Returns them (record's c) and the position after.
+-- A state's settings: ARGV[pos] packs them as little-endian doubles (horizon_us, newest,
+-- ttl_ms, backfill (1/0), dcap, dback_us, extremes (1/0), nwidths, (u, slots)*, nhalf,
+-- half_life_us*, mark_ttl_ms (0: the ids are the key's sorted set; > 0: per-transaction
+-- markers that live this long)), one struct.unpack instead of a tonumber per setting;
+-- ARGV[pos + 1 ..] each width's field name (its u as text). Returns them (record's c)
+-- and the position after.
 local function config(pos)
-  local nw = tonumber(ARGV[pos + 7])
+  local head = ARGV[pos]
+  local v = {struct.unpack('<' .. string.rep('d', #head / 8), head)}
+  local nw = v[8]
   local widths, fields = {}, {}
   for w = 1, nw do
-    local u = ARGV[pos + 6 + 2*w]
     -- per width (flat, no table each): its µs and its slots; its field: fields[w]
-    widths[2*w - 1], widths[2*w] = tonumber(u), tonumber(ARGV[pos + 7 + 2*w])
-    fields[w] = u
+    widths[2*w - 1], widths[2*w] = v[7 + 2*w], v[8 + 2*w]
+    fields[w] = ARGV[pos + w]
   end
   fields[nw + 1], fields[nw + 2], fields[nw + 3], fields[nw + 4] = 'n', 'f', 'b', 'd'
-  local hp = pos + 8 + 2 * nw
+  local hp = 9 + 2 * nw
   local halves = {}
-  for h = 1, tonumber(ARGV[hp]) do halves[h] = tonumber(ARGV[hp + h]) end
+  for h = 1, v[hp] do halves[h] = v[hp + h] end
   -- a tile's record: index, count, sum, squares; min and max; a decayed sum per half-life
-  local ext = ARGV[pos + 6] == '1'
+  local ext = v[7] == 1
   local nf = 4 + (ext and 2 or 0) + #halves
-  return {tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2]),
-    ARGV[pos + 3] == '1', tonumber(ARGV[pos + 4]), tonumber(ARGV[pos + 5]), nw, widths,
-    fields, 8 * nf, ext, halves, '<' .. string.rep('d', nf),
-    tonumber(ARGV[hp + 1 + #halves])}, hp + 2 + #halves
+  return {v[1], v[2], v[3], v[4] == 1, v[5], v[6], nw, widths, fields, 8 * nf, ext, halves,
+    '<' .. string.rep('d', nf), v[hp + 1 + #halves]}, pos + 1 + nw
 end
 
 -- A tile's record from its sums t = {idx, count, sum, squares, min, max, decayed*}.
@@ -125,6 +126,17 @@ end
 local function record(kt, kid, c, nev, ev, seen, mark, out)
   local horizon, keep, ttl, backfill, dcap, dback, nw, widths, fields, rs, ext, halves, fmt =
     unpack(c)
+  out = out or {}
+  if not kid then
+    -- Every event's transaction recorded here already (a second recorder: the streaming
+    -- updater after the service's read-your-writes): nothing to read or write.
+    local e = 1
+    while e <= nev and seen(e) do e = e + 1 end
+    if e > nev then
+      for k = 1, nev do out[k] = 0 end
+      return out
+    end
+  end
   local held = redis.call('HMGET', kt, unpack(fields))
   local recent = held[nw + 1] or ''
   -- f: the oldest event recorded live; b: the newest recorded by a backfill
@@ -139,7 +151,6 @@ local function record(kt, kid, c, nev, ev, seen, mark, out)
   -- one event per key and call, recorded by add_one); tiles: the sums per width and tile
   -- of this call's events, built from the second one on (the first's added first)
   local tiles, added, ts1, x1 = nil, false, nil, nil
-  out = out or {}
   for e = 1, nev do
     local id, ts, x = ev(e)
     if backfill and ((back0 and ts <= back0) or (first and ts >= first)) then

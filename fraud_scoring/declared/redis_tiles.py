@@ -63,18 +63,19 @@ def _lua(name: str) -> str:
 
 
 # KEYS: t, ids of one or more keys of one spec (mark_ttl_ms 0); or (mark_ttl_ms > 0)
-# t of each key, then each event's marker (in order). ARGV: horizon_us, newest, ttl_ms,
+# t of each key, then each event's marker (in order). ARGV: the settings packed in one
+# argument as little-endian doubles (:func:`pack_settings`): horizon_us, newest, ttl_ms,
 # backfill (1/0), dcap, dback_us, extremes (1/0: tiles of six doubles, with min and
 # max), nwidths, (u, slots)*, nhalf, half_life_us* (a decayed sum per tile each, after
-# the rest), mark_ttl_ms, the state's id, the number of markers, then per key: nev,
-# (id, ts, value)*. dcap > 0 (a state that keeps values): the events pushed out of the
-# newest list update field "d" (per value code its newest time among them; values older
-# than the key's newest by more than dback_us are dropped, then all but the dcap
-# newest). Returns
-# per key a list, per event 1 (added), 0 (duplicate, or a backfill's event the key
-# holds already) or -1 (older than the key's newest by more than the horizon: dropped,
-# as nothing live reads that far back). A key's events in one call are summed per tile
-# first, and its hash read and written once.
+# the rest), mark_ttl_ms; then each width's u as text (its field); the state's id, the
+# number of markers, then per key: nev, (id, ts, value)*. dcap > 0 (a state that keeps
+# values): the events pushed out of the newest list update field "d" (per value code its
+# newest time among them; values older than the key's newest by more than dback_us are
+# dropped, then all but the dcap newest). Returns per key a list, per event 1 (added),
+# 0 (duplicate, or a backfill's event the key holds already) or -1 (older than the
+# key's newest by more than the horizon: dropped, as nothing live reads that far back).
+# A key's events in one call are summed per tile first, and its hash read and written
+# once; a key whose events are all duplicates is not read.
 _RECORD_FN = "\n" + _lua("record.lua")
 APPLY_LUA = _RECORD_FN + "\n" + _lua("apply.lua")
 
@@ -83,11 +84,12 @@ APPLY_LUA = _RECORD_FN + "\n" + _lua("apply.lua")
 # followed by its separator): [1] n (rows), [2] the rows' transaction ids (each + "\x1f"),
 # [3] their times in µs (each + ","), [4] ncols, then per value column the rows' values
 # (each + ",", empty where a row has none), then nstates and per state: its settings
-# (APPLY_LUA's, up to mark_ttl_ms), delay_us, its value column (1..ncols; 0: each event
-# counts 1.0), its keys' rows (1-based; per key "i,j,...;", in key order), its id. Each
-# key's events are recorded exactly as APPLY_LUA records them (id, ts + delay, value).
-# Returns per state a string, one character per event of its keys in order: "1"
-# (added), "0" (duplicate, or held by a backfill already) or "-" (dropped).
+# (APPLY_LUA's: the packed numbers, then the widths' fields), delay_us, its value
+# column (1..ncols; 0: each event counts 1.0), its keys' rows (1-based; per key
+# "i,j,...;", in key order), its id. Each key's events are recorded exactly as
+# APPLY_LUA records them (id, ts + delay, value). Returns per state a string, one
+# character per event of its keys in order: "1" (added), "0" (duplicate, or held by a
+# backfill already) or "-" (dropped).
 APPLY_STATES_LUA = _RECORD_FN + "\n" + _lua("apply_states.lua")
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 APPLY_STATES_SHA = hashlib.sha1(APPLY_STATES_LUA.encode()).hexdigest()
@@ -379,15 +381,22 @@ MARKER_PREFIX = "fraud:seen:{"
 
 
 def _apply_head(spec: Spec, limits: Limits, mark_ttl_ms: int) -> list[Any]:
-    """A state's settings in an APPLY or APPLY_STATES call (ARGV up to mark_ttl_ms)."""
-    head: list[Any] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
+    """A state's settings in an APPLY or APPLY_STATES call: the numbers (up to
+    mark_ttl_ms) packed as little-endian doubles in one argument (record.lua's config()
+    reads them with one ``struct.unpack``), then each width's field name."""
+    nums: list[float] = [limits.horizon_us, NEWEST, limits.ttl_ms, int(limits.backfill)]
     dcap = DISTINCT_CAP if spec.keeps_values else 0
-    head += [dcap, spec.distinct_back_us(limits.horizon_us), int(spec.keeps_extremes)]
-    head.append(len(spec.widths))
+    nums += [dcap, spec.distinct_back_us(limits.horizon_us), int(spec.keeps_extremes)]
+    nums.append(len(spec.widths))
     for u, slots in spec.widths.items():
-        head += (u, slots)
-    head += (len(spec.half_lives), *spec.half_lives, mark_ttl_ms)
-    return head
+        nums += (u, slots)
+    nums += (len(spec.half_lives), *spec.half_lives, mark_ttl_ms)
+    return [pack_settings(nums), *map(str, spec.widths)]
+
+
+def pack_settings(numbers: Sequence[float]) -> bytes:
+    """record.lua's settings as config() reads them (every one exact in a double)."""
+    return struct.pack(f"<{len(numbers)}d", *numbers)
 
 
 _HEADS: dict[tuple[str, float], tuple[tuple[Any, ...], str]] = {}
@@ -412,11 +421,12 @@ def _queue_call(
     head: list[Any],
     events: Sequence[Any],
     ids: Sequence[str] | None,
+    marks: int,
 ) -> None:
     """One APPLY call for ``keys`` (``head``: :func:`_apply_head`; ``events``: the keys'
     part of ARGV; ``ids``: each event's transaction id in order, whose markers it
-    reads and writes, or None: the keys' id sets)."""
-    if head[-1] == 0:  # the keys' id sets
+    reads and writes, or None: the keys' id sets; ``marks``: the head's mark_ttl_ms)."""
+    if marks == 0:  # the keys' id sets
         names = [n for k in keys for p in (spec.prefix(k),) for n in (p + ":t", p + ":ids")]
     else:  # markers (ids), or none (-1)
         names = [spec.prefix(k) + ":t" for k in keys] + [marker(i) for i in ids or ()]
@@ -446,7 +456,7 @@ def queue_apply(
             for e in by_key[key]:
                 args += (e.transaction_id, e.ts_us, repr(float(e.value)))
         ids = [e.transaction_id for k in keys for e in by_key[k]] if marks > 0 else None
-        _queue_call(pipe, spec, keys, head, args, ids)
+        _queue_call(pipe, spec, keys, head, args, ids, marks)
     return list(by_key)
 
 
@@ -475,10 +485,10 @@ def queue_record(
     keys = list(groups)
     if per_key:
         for key, part in zip(keys, per, strict=True):
-            _queue_call(pipe, spec, [key], head, part, None)
+            _queue_call(pipe, spec, [key], head, part, None, marks)
     else:
         ids = [cols.ids[i] for i in flat(groups.values())] if marks > 0 else None
-        _queue_call(pipe, spec, keys, head, list(flat(per)), ids)
+        _queue_call(pipe, spec, keys, head, list(flat(per)), ids, marks)
     return keys
 
 
