@@ -185,6 +185,12 @@ class Spec:
         numbers = {n for n, t in self.fields if t in FIELD_VALUE_TYPES}
         return tuple(sorted(value_names(self.value_column) & numbers))
 
+    @cached_property  # read per state and micro-batch: derived once
+    def filter_signature(self) -> tuple[Any, ...]:
+        """What decides which rows this state records: the columns it requires and its
+        filter (states that share it share their rows' mask)."""
+        return (self.required, tuple(sorted(self.row_filter)))
+
     @cached_property
     def row_filter(self) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """The filter as the row engines compare it: a bool field's ``true``/``false``

@@ -203,7 +203,7 @@ class BatchColumns:
 
     @staticmethod
     def _filter_sig(spec: Spec) -> tuple[Any, ...]:
-        return (spec.required, tuple(sorted(spec.row_filter)))
+        return spec.filter_signature
 
     def mask(self, spec: Spec) -> list[bool] | None:
         """Which rows pass ``spec``'s filter and have the columns it requires
