@@ -9,8 +9,10 @@ Per micro-batch: wall and CPU time of this process (the difference is mostly wai
 for the store); per transaction: the store's time by command (the recording script is
 the largest ``evalsha``; the commands a script runs are counted in their own rows too),
 then each script's own time per call and per transaction (the ``SLOWLOG``, every command
-logged during the measured batches). What bench/README.md's
-"the recording script" figures were measured with (2026-12-07).
+logged during the measured batches); then the streaming updater's recording of the same
+transactions after the service's (its pipeline: the card history, every declared state),
+each script's time: what the second recorder of every transaction costs the store. What
+bench/README.md's "the recording script" figures were measured with (2026-12-07).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uvloop
 
 from bench.world import BenchWorld, pinned_world, world_scorer
 from fraud_scoring import declared as D
+from fraud_scoring import features as F
 from fraud_scoring import session
 from fraud_scoring.events import Transaction
 from service.core import online_features
@@ -50,18 +53,52 @@ async def run(world: BenchWorld, batch: int, batches: int) -> None:
     n = len(measured)
     stats = await client.info("commandstats")
     scripts = await script_times(client)
-    await client.aclose()
     each = f"wall {wall / n * 1e3:.2f} ms, CPU {cpu / n * 1e3:.2f} ms each"
     print(f"{n} micro-batches of {batch}: {each}")
+    report(stats, scripts, n * batch)
+    # The streaming updater records every transaction too, after the service did: its
+    # pipeline (the card history, then every declared state) over the same micro-batches.
+    # The scripting engine starts afresh first: its collector would otherwise charge the
+    # garbage the service's recording left to the first script that allocates (here the
+    # card history: ~4x its own time in a trial).
+    await client.script_flush()
+    for script in (*D.SCRIPTS, session.APPLY_LUA, session.APPLY_MANY_LUA):
+        await client.script_load(script)
+    await client.config_set("slowlog-log-slower-than", 0)
+    await client.config_set("slowlog-max-len", 200_000)
+    await client.slowlog_reset()
+    horizon_s = scorer.settings.allowed_lateness_s + D.HORIZON_S
+    decl = F.declarations()
+    for g in measured:
+        pipe = client.pipeline(transaction=False)
+        by_card: dict[str, list[session.SessionEvent]] = {}
+        for t in g:
+            by_card.setdefault(t.card_id, []).append(session.to_session_event(t))
+        session.queue_apply_many(pipe, by_card, scorer.limits)
+        ts_us = [session.to_us(t.event_time) for t in g]
+        rows = D.transaction_rows(g)
+        D.queue_batch(pipe, decl, rows, ts_us, [True] * len(g), horizon_s, read=False)
+        await pipe.execute()
+    again = await script_times(client)
+    await client.aclose()
+    print(
+        f"\nthe streaming updater's recording of the same {n * batch} transactions after "
+        "the service's (duplicates: the markers and ids name them)"
+    )
+    print_scripts(again, n * batch)
+
+
+def report(stats: dict[str, Any], scripts: dict[str, tuple[int, float]], txns: int) -> None:
+    """The store's time per transaction by command, then by script."""
     print(f"{'command':<24}{'calls/txn':>10}{'µs/call':>10}{'µs/txn':>10}")
     total = 0.0
     for name, v in sorted(stats.items(), key=lambda kv: -float(kv[1]["usec"])):
         if name == "cmdstat_config|resetstat":
             continue
-        per_txn = float(v["usec"]) / (n * batch)
+        per_txn = float(v["usec"]) / txns
         total += per_txn
         print(
-            f"{name.removeprefix('cmdstat_'):<24}{v['calls'] / (n * batch):>10.2f}"
+            f"{name.removeprefix('cmdstat_'):<24}{v['calls'] / txns:>10.2f}"
             f"{float(v['usec_per_call']):>10.1f}{per_txn:>10.1f}"
         )
     print(f"{'sum of the rows':<24}{'':>10}{'':>10}{total:>10.1f}")
@@ -69,12 +106,14 @@ async def run(world: BenchWorld, batch: int, batches: int) -> None:
         "(commands a script runs are counted in their own rows and in its evalsha's time: "
         "the sum counts them twice; evalsha alone is the scripts with what they call)"
     )
-    print(f"\n{'script (SLOWLOG)':<24}{'calls/txn':>10}{'µs/call':>10}{'µs/txn':>10}")
+    print()
+    print_scripts(scripts, txns)
+
+
+def print_scripts(scripts: dict[str, tuple[int, float]], txns: int) -> None:
+    print(f"{'script (SLOWLOG)':<24}{'calls/txn':>10}{'µs/call':>10}{'µs/txn':>10}")
     for name, (calls, usec) in sorted(scripts.items(), key=lambda kv: -kv[1][1]):
-        print(
-            f"{name:<24}{calls / (n * batch):>10.2f}{usec / calls:>10.1f}"
-            f"{usec / (n * batch):>10.1f}"
-        )
+        print(f"{name:<24}{calls / txns:>10.2f}{usec / calls:>10.1f}{usec / txns:>10.1f}")
 
 
 async def script_times(client: Any) -> dict[str, tuple[int, float]]:
