@@ -402,10 +402,33 @@ def _setup_traces() -> None:
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    _namespace_inside_pipelines()  # before instrumenting: its span wraps this
     RedisInstrumentor().instrument(
         tracer_provider=provider, request_hook=_redis_namespace, response_hook=_redis_namespace
     )
     _provider = provider
+
+
+@cache  # once per process
+def _namespace_inside_pipelines() -> None:
+    """``db.namespace`` on a pipeline's span before it runs, so that one that fails or
+    times out carries it too: the instrumentation calls the response hook only after a
+    pipeline returned. Wrapped before the instrumentation wraps the same methods, this
+    runs inside its span."""
+    import redis.asyncio.client
+    import redis.client
+    from wrapt import wrap_function_wrapper
+
+    def sync(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        _redis_namespace(trace.get_current_span(), instance)
+        return wrapped(*args, **kwargs)
+
+    async def asynchronous(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        _redis_namespace(trace.get_current_span(), instance)
+        return await wrapped(*args, **kwargs)
+
+    wrap_function_wrapper(redis.client, "Pipeline.execute", sync)
+    wrap_function_wrapper(redis.asyncio.client, "Pipeline.execute", asynchronous)
 
 
 SEMCONV_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
@@ -432,8 +455,9 @@ def _redis_namespace(span: trace.Span, instance: Any, *_: Any) -> None:
     """``db.namespace`` on a Redis span: the connection's database index, as the current
     conventions put it. opentelemetry-instrumentation-redis (0.66b2) only sets the old
     ``db.redis.database_index``, and only under the old names; everything else comes from
-    the library's switch. The request hook (commands; also when the command fails) and
-    the response hook (pipelines, which get no request hook) both call it. A Redis
+    the library's switch. The request hook (commands; also when the command fails), the
+    response hook (pipelines, which get no request hook) and, for a pipeline that fails
+    or times out, :func:`_namespace_inside_pipelines` call it. A Redis
     Cluster client has no pool's ``db`` (always 0): nothing is set."""
     if not span.is_recording():
         return

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -402,3 +404,59 @@ def test_http_metrics_layer_counts_failures_and_bounds_methods() -> None:
 
     assert count("_OTHER", "/layer-test/ok", "204") == 1
     assert count("GET", "/layer-test/boom", "500") == 1
+
+
+# Run in a process of its own: the instrumentation patches redis-py for the whole process.
+_FAILING_PIPELINES = """
+import asyncio, sys
+import redis, redis.asyncio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from service import telemetry
+
+exported = InMemorySpanExporter()
+telemetry._exporter = lambda: exported  # the service's tracing, exported in memory
+telemetry._setup_traces()
+url = sys.argv[1]
+
+async def failing() -> None:
+    client = redis.asyncio.Redis.from_url(url)
+    pipe = client.pipeline(transaction=False)
+    pipe.execute_command("EVALSHA", "0" * 40, 0)  # no such script: the pipeline raises
+    try:
+        await pipe.execute()
+    except redis.exceptions.NoScriptError:
+        pass
+    pipe = client.pipeline(transaction=False)
+    pipe.get("x")
+    try:
+        async with asyncio.timeout(0):  # cancelled inside: times out
+            await pipe.execute()
+    except TimeoutError:
+        pass
+    await client.aclose()
+
+asyncio.run(failing())
+pipe = redis.Redis.from_url(url).pipeline(transaction=False)
+pipe.execute_command("EVALSHA", "0" * 40, 0)
+try:
+    pipe.execute()
+except redis.exceptions.NoScriptError:
+    pass
+telemetry._provider.force_flush()
+for span in exported.get_finished_spans():
+    print(span.name, span.attributes.get("db.namespace"))
+"""
+
+
+def test_a_failed_or_timed_out_pipeline_span_names_its_database(redis_server: str) -> None:
+    """The instrumentation calls the response hook only after a pipeline returned: a
+    pipeline that fails (a script the server lost) or times out carries db.namespace
+    all the same (on a slow machine, the one span without it failed the test above)."""
+    url = redis_server.rsplit("/", 1)[0] + "/5"
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILING_PIPELINES, url],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    spans = [line.split() for line in out.splitlines() if line.startswith(("EVALSHA", "GET"))]
+    assert len(spans) == 3, out
+    assert all(ns == "5" for _, ns in spans), out
