@@ -189,30 +189,24 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     per_state[:] = np.asarray(ts_us, dtype=np.float64)
     t = per_state.ravel()
     pairs = len(t)
-    # The replies, per state and field: its rings (per width), newest events, kept values.
-    ring_blobs: dict[tuple[bool, tuple[int, ...]], list[Sequence[bytes]]] = {}
-    newest: list[Sequence[bytes]] = []
-    kept: dict[int, Sequence[bytes]] = {}
-    pos = 0
-    for s, spec in enumerate(comp.specs):
-        rows = plan.rows[s]
-        chunk: Sequence[Any] = reads[pos : pos + len(rows)]
-        pos += len(rows)
-        nw = len(spec.widths)
-        nf = nw + 1 + spec.keeps_values
-        chunk = [[x or b"" for x in r] for r in chunk]  # HMGET: None for an absent field
-        if len(rows) < n:  # rows without a key: nothing stored
-            full: list[Any] = [(b"",) * nf] * n
-            for at, i in enumerate(rows.tolist()):
-                full[i] = chunk[at]
-            chunk = full
-        fields = list(zip(*chunk, strict=True)) if n else [()] * nf
-        ring_blobs.setdefault(spec.tile_shape, []).extend(fields[:nw])
-        newest.append(fields[nw])
-        if spec.keeps_values:
-            kept[s] = fields[nw + 1]
+    # The replies' fields in one list (state, row, field), a row without a key as
+    # absent fields (None); the index picks each kind of field from it.
+    if sum(map(len, plan.rows)) == pairs:  # every row has every state's key
+        fields: list[bytes | None] = list(itertools.chain.from_iterable(reads))
+    else:
+        fields = []
+        pos = 0
+        for s, rows in enumerate(plan.rows):
+            chunk: Sequence[Any] = reads[pos : pos + len(rows)]
+            pos += len(rows)
+            if len(rows) < n:
+                full: list[Any] = [(None,) * len(comp.fields[s])] * n
+                for at, i in enumerate(rows.tolist()):
+                    full[i] = chunk[at]
+                chunk = full
+            fields.extend(itertools.chain.from_iterable(chunk))
     # Stored; whole tiles end before the tile holding t: what lies ahead is never read.
-    ts_s, vs_s, ahead, n_ahead = W.newest_events(_flat(newest), t, ix.pair_whole)
+    ts_s, vs_s, ahead, n_ahead = W.newest_events(ix.newest(fields), t, ix.pair_whole)
     exact = n_ahead < NEWEST
     # The events this micro-batch recorded in the key before t (a burst): with the
     # stored ones for the newest event and the values, added to the windows below.
@@ -226,7 +220,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
     fix: set[tuple[int, int]] = set()  # (state, pair): by the row-by-row definition
     counts: dict[tuple[int, int], np.ndarray] = {}  # (state, window): a values state's counts
     for tab in ix.tables:
-        win = W.sum_windows(tab, _flat(ring_blobs[tab.shape]), t)
+        win = W.sum_windows(tab, ix.rings[tab.shape](fields), t)
         wp = tab.win_pair
         exact &= win.uncovered == 0
         c, s_, q = win.c, win.s, win.q
@@ -264,7 +258,7 @@ def _parse(plan: Plan, reads: Sequence[Any], writes: Sequence[Any], ts_us: Seque
             if s in ix.values:
                 counts[(s, j)] = c[at : at + n]
     if ix.values:
-        _values(comp, ix, plan, kept, (ts_n, vs_n, t, since), counts, cols)
+        _values(comp, ix, plan, ix.kept(fields), (ts_n, vs_n, t, since), counts, cols)
     for st, i in sorted(fix):
         exact[st * n + i] = _by_row(plan, writes, reads, ts_us, st, i, cols)
     inexact: dict[int, list[str]] = {}
@@ -288,10 +282,6 @@ def warm(decl: Declarations) -> None:
     cols = BatchColumns([{"transaction_id": "warm-up"}], [0])
     plan = queue_reads(_Nothing(), decl, cols)
     parse_batch(plan, [], None, cols.ts_us)
-
-
-def _flat(fields: Sequence[Sequence[bytes]]) -> list[bytes]:
-    return list(itertools.chain.from_iterable(fields))
 
 
 def _column(
@@ -320,7 +310,7 @@ def _values(
     comp: W.Compiled,
     ix: W.Index,
     plan: Plan,
-    kept: Mapping[int, Sequence[bytes]],
+    kept: Sequence[bytes | None],
     pairs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     counts: Mapping[tuple[int, int], np.ndarray],
     cols: dict[str, np.ndarray],
@@ -331,7 +321,7 @@ def _values(
     pushed out of them (``kept``)."""
     ts_n, vs_n, t, since_p = pairs
     n = len(plan.cols.ts_us)
-    codes_k, ts_k = W.kept_values(_flat([kept[s] for s in ix.values]))
+    codes_k, ts_k = W.kept_values(kept)
     mine_by: dict[str | None, np.ndarray] = {}
     for s in ix.values:  # each value column's codes once
         vc = comp.specs[s].value_column

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,12 @@ class Table:
 @dataclass(frozen=True)
 class Index:
     pair_whole: np.ndarray  # per pair: bool, the state reads whole tiles
+    # From the replies' fields flattened (state, row, field: every state's HMGET of
+    # each row, in order): each record size's rings (state, width, row), the newest
+    # events (state, row) and the kept values of the states that keep them (state, row).
+    rings: dict[tuple[bool, tuple[int, ...]], Callable[[Sequence[Any]], tuple[Any, ...]]]
+    newest: Callable[[Sequence[Any]], tuple[Any, ...]]
+    kept: Callable[[Sequence[Any]], tuple[Any, ...]]
     tables: tuple[Table, ...]  # one per tile record shape
     values: tuple[int, ...]  # the states that keep values
     # Their window rows (state, window, row): pair, row of the kept values, window.
@@ -213,6 +220,7 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
         kept_at += n
     return Index(
         whole,
+        *_pickers(comp, ns),
         tuple(tables),
         values,
         np.asarray(vcols["pair"], dtype=np.intp),
@@ -224,11 +232,39 @@ def index(comp: Compiled, ns: tuple[int, ...]) -> Index:
     )
 
 
-def records(blobs: list[bytes], doubles: int) -> tuple[np.ndarray, np.ndarray]:
+def _pickers(comp: Compiled, ns: Sequence[int]) -> tuple[Any, Any, Any]:
+    """Index's rings, newest and kept: where each field lies in the flattened replies."""
+    base, newest, kept = 0, list[int](), list[int]()
+    rings: dict[tuple[bool, tuple[int, ...]], list[int]] = {}
+    for s, spec in enumerate(comp.specs):
+        nf, nw = len(comp.fields[s]), len(spec.widths)
+        starts = [base + i * nf for i in range(ns[s])]
+        for f in range(nw):
+            rings.setdefault(spec.tile_shape, []).extend(a + f for a in starts)
+        newest += (a + nw for a in starts)
+        if spec.keeps_values:
+            kept += (a + nw + 1 for a in starts)
+        base += nf * ns[s]
+    return {shape: _picker(idx) for shape, idx in rings.items()}, _picker(newest), _picker(kept)
+
+
+def _picker(idx: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """The items at ``idx`` of a sequence, as a tuple, in one C call."""
+    if len(idx) == 1:
+        (i,) = idx
+        return lambda seq: (seq[i],)
+    if not idx:
+        return lambda seq: ()
+    return operator.itemgetter(*idx)
+
+
+def records(blobs: Sequence[bytes | None], doubles: int) -> tuple[np.ndarray, np.ndarray]:
     """Records of ``doubles`` float64 each from ``blobs`` (one per ring, possibly
-    empty): all records as one (records, doubles) array and each blob's record count."""
-    lens = np.fromiter(map(len, blobs), dtype=np.intp, count=len(blobs))
-    flat = np.frombuffer(b"".join(blobs), dtype="<f8").reshape(-1, doubles)
+    empty; None, an absent field, is empty): all records as one (records, doubles) array
+    and each blob's record count."""
+    # length_hint(None) is 0 and filter(None, ...) drops it: no Python per blob
+    lens = np.fromiter(map(operator.length_hint, blobs), dtype=np.intp, count=len(blobs))
+    flat = np.frombuffer(b"".join(filter(None, blobs)), dtype="<f8").reshape(-1, doubles)
     return flat, lens // (8 * doubles)
 
 
@@ -248,7 +284,7 @@ def expand(counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def newest_events(
-    blobs: list[bytes], t: np.ndarray, whole: np.ndarray
+    blobs: Sequence[bytes | None], t: np.ndarray, whole: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The newest events of each pair as (pairs, NEWEST) arrays of times (µs; -inf:
     none) and values, left-aligned in time order (a blob holds at most NEWEST), which
@@ -258,7 +294,7 @@ def newest_events(
     return K.newest_events(flat, counts, NEWEST, t, whole)  # type: ignore[no-any-return]
 
 
-def kept_values(blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+def kept_values(blobs: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
     """The values pushed out of each pair's newest events (field "d": code, newest
     time) as (pairs, most held) arrays of codes and times (-inf: none)."""
     flat, counts = records(blobs, 2)
@@ -278,7 +314,7 @@ class Windows:
     uncovered: np.ndarray  # per pair: its window rows the rings no longer cover
 
 
-def sum_windows(tab: Table, blobs: list[bytes], t: np.ndarray) -> Windows:
+def sum_windows(tab: Table, blobs: Sequence[bytes | None], t: np.ndarray) -> Windows:
     """The window rows of ``tab`` summed over their rings (``blobs``, one per ring) as
     of each pair's t (``t``): :func:`fraud_scoring.declared.kernels.sum_windows`."""
     flat, counts = records(blobs, tile_doubles(tab.shape))
