@@ -20,7 +20,7 @@ per command.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -45,6 +45,9 @@ CLUSTER_RETRYABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.TryAgainError,
     redis.exceptions.SlotNotCoveredError,
 )
+
+# A command as a queueing helper gives it: its arguments, or bytes already in the protocol.
+Command = tuple[Any, ...] | bytes
 
 
 # What a failed store command raises: redis-py's errors, and its cluster client's own
@@ -219,7 +222,7 @@ class HeldConnections:
         # past the bound waits for a free connection (bounded by the caller's timeout).
         self._slots = asyncio.Semaphore(self.pool.max_connections)
 
-    async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def round_trip(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` at once and return their replies in order, a Redis error
         reply in place as its ``ResponseError``. A held connection that turns out broken
         (the server restarted or closed it while idle) is replaced once, sending the
@@ -236,7 +239,7 @@ class HeldConnections:
                     pass  # gone while idle: once more on a connection the pool checks
             return await self._exchange(await self.pool.get_connection(), commands)
 
-    async def round_trip_then(self, commands: list[tuple[Any, ...]]) -> tuple[list[Any], Then]:
+    async def round_trip_then(self, commands: Sequence[Command]) -> tuple[list[Any], Then]:
         """:meth:`round_trip`, keeping the connection for more: returns the replies and a
         :class:`Then`, whose ``send`` (called once, on every path) sends more commands on
         the same connection, after these, and gives back their :class:`Rest`.
@@ -261,12 +264,12 @@ class HeldConnections:
         assert replies is not None
         return replies, Then(self, conn)
 
-    async def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def _exchange(self, conn: Any, commands: Sequence[Command]) -> list[Any]:
         replies = await self._send(conn, commands, len(commands))
         self._idle.append(conn)
         return replies
 
-    async def _send(self, conn: Any, commands: list[tuple[Any, ...]], n: int) -> list[Any]:
+    async def _send(self, conn: Any, commands: Sequence[Command], n: int) -> list[Any]:
         """Send ``commands`` on ``conn`` and read the first ``n`` replies; any failure
         drops the connection."""
         try:
@@ -287,7 +290,7 @@ class Then:
     def __init__(self, held: HeldConnections, conn: Any) -> None:
         self._held, self._conn = held, conn
 
-    def send(self, commands: list[tuple[Any, ...]]) -> Rest:
+    def send(self, commands: Sequence[Command]) -> Rest:
         """Send ``commands`` now (none: nothing more) and return their :class:`Rest`."""
         conn, self._conn = self._conn, None
         if conn is None:
@@ -362,7 +365,7 @@ class Rest:
             held._slots.release()
         return out
 
-    def follow(self, commands: list[tuple[Any, ...]]) -> Followed | None:
+    def follow(self, commands: Sequence[Command]) -> Followed | None:
         """Send ``commands`` now on this connection, behind these replies' commands, and
         pass the connection on to them (:class:`Followed`); None: it cannot be (these
         replies were read already, the send failed, or it was followed before). While
@@ -452,11 +455,15 @@ async def _read(conn: Any, n: int) -> list[Any]:
     return replies
 
 
-def _pack(commands: list[tuple[Any, ...]]) -> list[bytes]:
+def _pack(commands: Sequence[Command]) -> list[bytes]:
     """The commands in the protocol, packed by hiredis in C (a command name holding a
-    space, as "SCRIPT LOAD", split as redis-py splits it)."""
+    space, as "SCRIPT LOAD", split as redis-py splits it); bytes: one command packed
+    already."""
     out = []
     for c in commands:
+        if isinstance(c, bytes):
+            out.append(c)
+            continue
         name = c[0]
         if isinstance(name, str) and " " in name:
             c = (*name.split(), *c[1:])

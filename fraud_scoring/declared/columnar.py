@@ -92,7 +92,11 @@ def queue_reads(pipe: Any, decl: Declarations, cols: BatchColumns) -> Plan:
     comp = W.compiled(decl.specs)
     keyed: dict[tuple[str, ...], tuple[np.ndarray, list[str]]] = {}
     plan = Plan(comp, [], [], cols, [], [])
-    for spec, fields, head in zip(comp.specs, comp.fields, comp.heads, strict=True):
+    # A pipe that takes commands already in the protocol (the service's one server):
+    # each HMGET from its state's fixed parts, not packed argument by argument.
+    packed: Callable[[bytes], None] | None = getattr(pipe, "packed", None)
+    for s, spec in enumerate(comp.specs):
+        fields, head = comp.fields[s], comp.heads[s]
         got = keyed.get(spec.entity)
         if got is None:
             all_keys = cols.keys(spec.entity)
@@ -100,8 +104,12 @@ def queue_reads(pipe: Any, decl: Declarations, cols: BatchColumns) -> Plan:
             present: list[str] = [k for k in all_keys if k is not None]
             got = keyed[spec.entity] = (np.asarray(idx, dtype=np.intp), present)
         rows, keys = got
-        for key in keys:
-            pipe.execute_command("HMGET", head + key + "}:t", *fields)
+        if packed is not None:
+            for key in keys:
+                packed(W.hmget(comp.packed[s], head + key + "}:t"))
+        else:
+            for key in keys:
+                pipe.execute_command("HMGET", head + key + "}:t", *fields)
         plan.rows.append(rows)
         plan.keys.append(keys)
     return plan

@@ -41,6 +41,9 @@ class Compiled:
     specs: tuple[Spec, ...]
     fields: tuple[tuple[bytes, ...], ...]  # per state: its HMGET fields
     heads: tuple[str, ...]  # per state: its key names' start ("{agg:<id>:")
+    # per state: its HMGET in the protocol, around the key: (head, fields), for
+    # callers that send commands packed (:func:`hmget`)
+    packed: tuple[tuple[bytes, bytes], ...]
     features: tuple[Feature, ...]
     by_window: dict[tuple[int, int], tuple[Feature, ...]]  # (state, window) -> its features
 
@@ -68,13 +71,28 @@ def _compile(specs: tuple[Spec, ...]) -> Compiled:
     by_window: dict[tuple[int, int], list[Feature]] = {}
     for f in feats:
         by_window.setdefault((f.spec, f.window), []).append(f)
+    packed = tuple(
+        (
+            b"*%d\r\n$5\r\nHMGET\r\n" % (2 + len(fs)),
+            b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in fs),
+        )
+        for fs in fields
+    )
     return Compiled(
         specs,
         tuple(fields),
         tuple(heads),
+        packed,
         tuple(feats),
         {k: tuple(v) for k, v in by_window.items()},
     )
+
+
+def hmget(packed: tuple[bytes, bytes], key: str) -> bytes:
+    """A state's HMGET of ``key`` (its hash's name) in the protocol, as hiredis packs
+    it (the name UTF-8)."""
+    k = key.encode()
+    return b"%b$%d\r\n%b\r\n%b" % (packed[0], len(k), k, packed[1])
 
 
 class _Specs(tuple[Spec, ...]):

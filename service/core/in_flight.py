@@ -106,9 +106,13 @@ class PipelineRest:
         drain_in_background(self.replies, timeout_s, then)
 
 
-class Commands(list[tuple[Any, ...]]):
+class Commands(list[tuple[Any, ...] | bytes]):
     """A micro-batch's commands as the queueing helpers add them (``execute_command``,
-    as on a pipeline), for :meth:`HeldConnections.round_trip`."""
+    as on a pipeline, or ``packed``: one command already in the protocol), for
+    :meth:`HeldConnections.round_trip`."""
 
     def execute_command(self, *args: Any, **options: Any) -> None:
         self.append(args)
+
+    def packed(self, command: bytes) -> None:
+        self.append(command)
