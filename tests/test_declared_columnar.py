@@ -212,3 +212,31 @@ def test_the_warm_up_compiles_what_serving_runs(store: Any) -> None:
         for seed, n in ((1, 1), (2, 8), (3, 64)):
             _both(store, decl, 12_000 + seed, n)
         assert [len(k.signatures) for k in kernels] == compiled
+
+
+def test_packed_reads_are_the_commands_hiredis_packs(store: Any) -> None:
+    """On the service's one-server round trip each declared read goes out packed from its
+    state's fixed parts (``Commands.packed``): the same bytes as hiredis packs from the
+    arguments (keys with non-ASCII values too), and the same replies."""
+    import hiredis
+
+    from fraud_scoring.redis_clients import _pack
+    from service.core.in_flight import Commands
+
+    decl = F.declarations()
+    rows, ts, _ = _batch(21, 8)
+    rows[0]["card_id"], rows[1]["merchant_id"] = "carte-é-☃", "商户"
+
+    class ByArguments(Commands):
+        packed = None  # type: ignore[assignment]  # as a pipe without packed commands
+
+    fast, slow = Commands(), ByArguments()
+    C.queue_reads(fast, decl, D.BatchColumns(rows, ts))
+    C.queue_reads(slow, decl, D.BatchColumns(rows, ts))
+    assert all(isinstance(c, bytes) for c in fast)
+    assert all(isinstance(c, tuple) and c[0] == "HMGET" for c in slow)
+    assert _pack(fast) == [hiredis.pack_command(c) for c in slow]
+    pipe = store.pipeline(transaction=False)
+    for c in slow:
+        pipe.execute_command(*c)
+    assert pipe.execute() == [store.execute_command(*c) for c in slow]
