@@ -106,6 +106,12 @@ class Result:
     # Requests per executed micro-batch in the step (the service's fraud_batch_size
     # histogram read before and after it; nan for a server without one, or naive).
     batch: float = float("nan")
+    # CPU per offered request of the Redis-protocol server (when it runs on this machine:
+    # nan otherwise, and for servers that do not use it) and of this process, the load
+    # generator: beside ``cpu_ms`` they say which core ran out first (the store shares
+    # the generator's core).
+    store_ms: float = float("nan")
+    gen_ms: float = float("nan")
     # What the errors were: HTTP status, or "conn" for a connection the server dropped.
     error_kinds: dict[str, int] = field(default_factory=dict)
     server: str = ""  # which server (a mode, or mode@REF)
@@ -118,6 +124,7 @@ class Result:
             f"{self.mode:<22} {self.offered:>8,.0f} {self.achieved:>9,.0f} "
             f"{self.p50:>8.2f} {self.p99:>8.2f} {self.p999:>8.2f} {self.p99_sent:>8.2f} "
             f"{self.shed:>7.2%} {self.errors:>7.2%} {self.cpu_ms:>7.3f} {self.rq_ms:>6.2f} "
+            f"{self.store_ms:>8.3f} {self.gen_ms:>6.3f} "
             f"{self.batch:>6.1f} {self.gen_lag_p99:>8.2f}  {'yes' if not why else 'no: ' + why}"
             + (f"  ({kinds})" if kinds else "")
         )
@@ -126,7 +133,7 @@ class Result:
 HEADER = (
     f"{'mode':<22} {'offered':>8} {'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} "
     f"{'p99.9 ms':>8} {'p99 sent':>8} {'shed':>7} {'errors':>7} {'cpu ms':>7} {'rq ms':>6} "
-    f"{'batch':>6} {'gen lag':>8}  held"
+    f"{'store ms':>8} {'gen ms':>6} {'batch':>6} {'gen lag':>8}  held"
 )
 
 
@@ -373,6 +380,37 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
+GENERATOR = psutil.Process()  # this process
+
+
+def store_process(store: StoreState | None) -> psutil.Process | None:
+    """The Redis-protocol server behind ``store`` when it runs on this machine (a
+    redis-server or valkey-server process listening on its port), else None."""
+    if store is None:
+        return None
+    kw = store.client.connection_pool.connection_kwargs
+    port = kw.get("port")
+    if kw.get("host") not in ("127.0.0.1", "localhost", "::1") or port is None:
+        return None
+    for p in psutil.process_iter(["name", "cmdline"]):
+        name, cmdline = p.info["name"] or "", p.info["cmdline"] or []
+        if name.startswith(("redis-server", "valkey-server")) and any(
+            a.endswith(f":{port}") for a in cmdline
+        ):
+            return p
+    return None
+
+
+def _cpu(proc: psutil.Process | None) -> float:
+    """A process's CPU seconds so far (user + system); nan without one."""
+    if proc is None:
+        return float("nan")
+    try:
+        return float(sum(proc.cpu_times()[:2]))
+    except psutil.NoSuchProcess:
+        return float("nan")
+
+
 class Server:
     """One server under test: its process (and worker children), CPU accounting, and
     the bodies it is sent (None: the caller's)."""
@@ -388,6 +426,7 @@ class Server:
         self.service, self.connections = service, connections
         self.name, self.bodies, self.store = name, bodies, store
         self.proc = psutil.Process(service.proc.pid)
+        self.store_proc = store_process(store)
 
     def cpu_s(self) -> float:
         procs = [self.proc, *self.proc.children(recursive=True)]
@@ -446,6 +485,7 @@ class Server:
             self.store.restore()
             time.sleep(0.3)  # the server frees the replaced values in the background
         batches0 = self.batches()
+        store0, gen0 = _cpu(self.store_proc), _cpu(GENERATOR)
         cpu0, rq0 = self.cpu_s(), self.runqueue_s()
         res = run(
             open_loop(
@@ -454,6 +494,8 @@ class Server:
         )
         res.cpu_ms = (self.cpu_s() - cpu0) * 1e3 / (rate * seconds)
         res.rq_ms = (self.runqueue_s() - rq0) * 1e3 / (rate * seconds)
+        res.store_ms = (_cpu(self.store_proc) - store0) * 1e3 / (rate * seconds)
+        res.gen_ms = (_cpu(GENERATOR) - gen0) * 1e3 / (rate * seconds)
         batches1 = self.batches()  # read outside the CPU window
         if batches1[0] > batches0[0]:
             res.batch = (batches1[1] - batches0[1]) / (batches1[0] - batches0[0])
