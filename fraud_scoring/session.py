@@ -186,7 +186,8 @@ def decode_member(member: bytes | str, score: float) -> SessionEvent:
 # an event already behind the retention horizon, or older than the oldest of a card that
 # holds ``cap`` events, is dropped without touching state; one that falls behind it, or
 # out of the newest ``cap``, within the same call (newer events came along) is added,
-# then trimmed, and also counted as dropped.
+# then trimmed, and also counted as dropped. A call that adds nothing changes nothing (no
+# trim, no expiry refresh: a card expires ``ttl`` after the call that last added to it).
 # Scores are formatted with %d: Lua's default number format (%.14g) would round µs.
 _APPLY_FN = """
 local function apply(ev, ids, retention, lateness, ttl, cap, a, lo, hi)
@@ -219,7 +220,10 @@ local function apply(ev, ids, retention, lateness, ttl, cap, a, lo, hi)
       dup = dup + 1
     end
   end
-  if maxts then
+  -- A call that added nothing (a second recorder's duplicates, late or dropped events)
+  -- leaves the card as the call that added its newest left it: already trimmed, its
+  -- expiry set then.
+  if maxts and added > 0 then
     local horizon = maxts - retention
     local old = redis.call('ZRANGEBYSCORE', ev, '-inf', '(' .. string.format('%d', horizon))
     if #old > 0 then

@@ -75,3 +75,23 @@ def test_a_card_keeps_its_newest_events_up_to_the_cap(stream_redis: str) -> None
         int(client.memory_usage(events_key("c2"))) + int(client.memory_usage(ids_key("c2")))
         < 64 * 1024
     )
+
+
+def test_a_call_that_adds_nothing_changes_nothing(stream_redis: str) -> None:
+    """The second recorder of every transaction (the updater after the service's
+    read-your-writes) finds only duplicates: the card is left as it was, its expiry
+    included (set by the call that last added to it)."""
+    client = connect(stream_redis)
+    writer = SessionWriter(client, allowed_lateness_s=60)
+    evs = [ev(60 * i, f"d{i}") for i in range(5)]
+    assert writer.apply([("c3", e) for e in evs]).added == 5
+    client.pexpire(events_key("c3"), 50_000)
+    client.pexpire(ids_key("c3"), 50_000)
+    before = client.zrange(events_key("c3"), 0, -1, withscores=True)
+    r = writer.apply([("c3", e) for e in evs[2:]] + [("c3", ev(-3 * 86_400, "old"))])
+    assert (r.added, r.duplicates, r.dropped) == (0, 3, 1)
+    assert client.zrange(events_key("c3"), 0, -1, withscores=True) == before
+    assert 0 < client.pttl(events_key("c3")) <= 50_000
+    assert 0 < client.pttl(ids_key("c3")) <= 50_000
+    assert writer.apply([("c3", ev(600, "d-new"))]).added == 1  # an addition sets it again
+    assert client.pttl(events_key("c3")) > 50_000
