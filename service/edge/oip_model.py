@@ -22,7 +22,7 @@ import numpy as np
 
 from service.core.batching import TimedOut
 from service.core.model import LoadedModel
-from service.edge.routes import MAX_TIMEOUT_MS, TIMEOUT_HEADER
+from service.edge.routes import TIMEOUT_HEADER, TIMEOUT_PROBLEM, timeout_ms
 from service.errors import BadRequest, NotFound
 from service.resources import Resources
 
@@ -55,14 +55,9 @@ def deadline(
         start = time.monotonic()
     if raw_ms is None:
         return start + res.settings.request_timeout_ms / 1e3
-    try:
-        ms = float(raw_ms)
-    except ValueError:
-        ms = -1.0
-    if not 0 < ms <= MAX_TIMEOUT_MS:
-        raise BadRequest(
-            f"{header}: must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], got {raw_ms!r}"
-        )
+    ms = timeout_ms(raw_ms)
+    if ms is None:
+        raise BadRequest(f"{header}: " + TIMEOUT_PROBLEM.format(raw=raw_ms))
     return start + ms / 1e3
 
 

@@ -179,16 +179,23 @@ def request_deadline(request: Request, res: Resources) -> float:
     raw = header(request, _TIMEOUT_KEY)
     if raw is None:
         return arrived(request) + res.settings.request_timeout_ms / 1e3
+    ms = timeout_ms(raw)
+    if ms is None:
+        raise Invalid(TIMEOUT_PROBLEM.format(raw=raw), f"header.{TIMEOUT_HEADER}")
+    return arrived(request) + ms / 1e3
+
+
+TIMEOUT_PROBLEM = f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], got {{raw!r}}"
+
+
+def timeout_ms(raw: str) -> float | None:
+    """A timeout header's (or metadata's) milliseconds; None: not a number in (0,
+    MAX_TIMEOUT_MS] (each protocol answers that its own way: TIMEOUT_PROBLEM)."""
     try:
         ms = float(raw)
     except ValueError:
-        ms = -1.0
-    if not 0 < ms <= MAX_TIMEOUT_MS:
-        raise Invalid(
-            f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}], got {raw!r}",
-            f"header.{TIMEOUT_HEADER}",
-        )
-    return arrived(request) + ms / 1e3
+        return None
+    return ms if 0 < ms <= MAX_TIMEOUT_MS else None
 
 
 def _record(request: Request) -> bool:
