@@ -237,7 +237,13 @@ def batch_time(raw: Path, last: date, spark: bool) -> dict[str, Any]:
 
 # --- the derived sheet (docs/scale-sheet.md); each assumption is a named constant ----------
 # Figures measured elsewhere in this repository, cited rather than re-run:
-SCORING_HELD_PER_CORE = 2_100  # bench/README.md: bench_http, batched, one pinned core, quiet run
+# bench/README.md: bench_http, batched, one pinned core (2026-12-07, the declared features;
+# the typical endpoint held 4,000 in the same run, the hand-written features of 811ee54 1,600)
+SCORING_HELD_PER_CORE = 800
+# The store's CPU per decision on the scoring path (bench_http's store ms: 206-358 us at
+# micro-batches of 2-28, 2026-12-07) plus the updater's second recording of it (~35 us:
+# bench_store_time's last table): what a shard's one core spends per decision.
+STORE_CPU_US_PER_DECISION = 340
 MATERIALIZE_ROWS_PER_S = 43_000  # docs/scale-out.md: bench_materialize, direct writer, low end
 HEADROOM = 1.5  # Redis memory: fragmentation, replication buffers, fork copy-on-write on save
 SHARD_GB = 25.0  # usable memory per Redis Cluster master
@@ -270,9 +276,9 @@ def sheet(res: dict[str, Any]) -> str:
     lines = [
         "| cards | decisions/s (peak) | batch features GB | session + declared GB | "
         f"online store GB x{HEADROOM} | shards @ {SHARD_GB:.0f} GB | decision log GB (Redis, "
-        f"{LOG_RETENTION_DAYS} d) | scoring cores | updaters | nightly Spark min "
-        f"({EXECUTOR_CORES} cores) | materialize min |",
-        "|" + "---:|" * 11,
+        f"{LOG_RETENTION_DAYS} d) | store cores (CPU) | scoring cores | updaters | nightly "
+        f"Spark min ({EXECUTOR_CORES} cores) | materialize min |",
+        "|" + "---:|" * 12,
     ]
     for n in CARDS:
         for r in RATES:
@@ -282,12 +288,15 @@ def sheet(res: dict[str, Any]) -> str:
             store = (feast + sess) * HEADROOM
             dlog = events_day * LOG_RETENTION_DAYS * dl["bytes_per_entry"] / gb
             cores = math.ceil(r / (SCORING_HELD_PER_CORE * UTILIZATION))
+            # Each shard serves on one core: the shards are at least these.
+            store_cores = math.ceil(r * STORE_CPU_US_PER_DECISION / 1e6 / UTILIZATION)
             updaters = math.ceil(r / updater)
             spark_min = events_day * HISTORY_DAYS * core_us / 1e6 / EXECUTOR_CORES / 60
             mat_min = n * (1 + MERCHANTS_PER_CARD) / MATERIALIZE_ROWS_PER_S / 60
             lines.append(
                 f"| {n / 1e6:,.0f}M | {r:,} | {feast:,.1f} | {sess:,.1f} | {store:,.1f} | "
-                f"{math.ceil(store / SHARD_GB)} | {dlog:,.0f} | {cores} | {updaters} | "
+                f"{math.ceil(store / SHARD_GB)} | {dlog:,.0f} | {store_cores} | {cores} | "
+                f"{updaters} | "
                 f"{spark_min:,.0f} | {mat_min:,.1f} |"
             )
     return "\n".join(lines)
