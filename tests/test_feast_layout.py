@@ -16,7 +16,9 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
+import hiredis
 import mmh3
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import redis
@@ -38,6 +40,7 @@ from fraud_scoring.feast_store import (
 from fraud_scoring.features import batch_features, view_features, views
 from fraud_scoring.redis_server import embedded_redis
 from fraud_scoring.storage import partition_dir
+from service.core.in_flight import Commands
 from service.core.online_features import OnlineFeatureReader
 
 
@@ -100,7 +103,27 @@ def test_reader_returns_what_get_online_features_returns(materialized: Materiali
             client.script_load(script)
         pipe = client.pipeline(transaction=False)
         reader.queue(pipe, txns)
-        ours = reader.parse(pipe.execute(), txns)
+        ours = reader.parse(pipe.execute(), txns)  # one HMGET_LUA call
+        # The service's held connection: one HMGET per transaction and view, packed
+        # already (as hiredis packs them), sent as they are: the same rows.
+        commands = Commands()
+        reader.queue(commands, txns)
+        assert commands == [
+            hiredis.pack_command(("HMGET", reader.key(v, getattr(t, v.join_key)), *fields))
+            for t in txns
+            for v, fields in zip(reader.views, reader._fields.values(), strict=True)
+        ]
+        conn = client.connection_pool.get_connection()
+        try:
+            conn.send_packed_command([b"".join(commands)])
+            replies = [conn.read_response() for _ in commands]
+        finally:
+            client.connection_pool.release(conn)
+        held = reader.parse(replies, txns)
+        assert (held.missing, held.stale) == (ours.missing, ours.stale)
+        assert held.columns.keys() == ours.columns.keys()
+        for name, column in ours.columns.items():
+            np.testing.assert_array_equal(held.columns[name], column)
     finally:
         client.close()
 

@@ -62,12 +62,15 @@ def _decode_row(stored: tuple[bytes | None, ...]) -> tuple[tuple[Any, ...], tupl
 # caching; 2^16 keys are a few MB.
 _online_key = functools.lru_cache(maxsize=1 << 16)(online_key)
 
-# The batch features of a whole micro-batch in one command (one server, not a Cluster:
-# Feast's keys carry no hash tag, so a Cluster needs one HMGET per key). KEYS: per
-# transaction, one key per view in views() order; ARGV: the number of views, then per view
-# its field count and fields. The reply is what the HMGETs would have answered, in order.
-# redis-py packs each command in Python (~10 us plus each argument), so 2 x n HMGETs of
-# ~20 fields cost the event loop far more than one call.
+# The batch features of a whole micro-batch in one command, for a redis-py pipeline on one
+# server (not a Cluster: Feast's keys carry no hash tag, so a Cluster needs one HMGET per
+# key). KEYS: per transaction, one key per view in views() order; ARGV: the number of
+# views, then per view its field count and fields. The reply is what the HMGETs would have
+# answered, in order. redis-py packs each command in Python (~10 us plus each argument),
+# so 2 x n HMGETs of ~20 fields cost its event loop far more than one call. The service's
+# held connections take commands packed already (``packed``): there plain HMGETs cost the
+# client no more, and the server a fraction of the script (which copies every reply
+# through Lua: ~30 us a call and ~15 us a transaction more, bench/README.md).
 HMGET_LUA = """
 local nv, pos, fields = tonumber(ARGV[1]), 2, {}
 for v = 1, nv do
@@ -82,6 +85,13 @@ end
 return out
 """
 HMGET_SHA = hashlib.sha1(HMGET_LUA.encode()).hexdigest()
+
+
+def _hmget_parts(fields: Sequence[bytes]) -> tuple[bytes, bytes]:
+    """An HMGET of ``fields`` in the protocol, as hiredis packs it, without its key: the
+    command's head (the array's length and name) and its fields' bulk strings."""
+    head = b"*%d\r\n$5\r\nHMGET\r\n" % (2 + len(fields))
+    return head, b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in fields)
 
 
 class OnlineFeatureReader:
@@ -103,6 +113,9 @@ class OnlineFeatureReader:
         self._hmget_args: list[Any] = [len(self.views)]
         for v in self.views:
             self._hmget_args += [len(self._fields[v.name]), *self._fields[v.name]]
+        # Per view (in order), its HMGET in the protocol around the key: the command's
+        # head and its fields (as hiredis packs them).
+        self._packed = [_hmget_parts(self._fields[v.name]) for v in self.views]
         # Scripts a server must have loaded for :meth:`queue` (SCRIPT LOAD each).
         self.scripts = (HMGET_LUA,)
 
@@ -110,19 +123,26 @@ class OnlineFeatureReader:
         return _online_key(self.project, view.join_key, entity_id, self.eksv)
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
-        """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline):
-        the batch features (one :data:`HMGET_LUA` call for the batch; on a Redis Cluster
-        one HMGET per transaction and view). Needs :attr:`scripts` loaded
-        (``SCRIPT LOAD``); otherwise the replies are ``NoScriptError``."""
-        cluster = is_cluster_pipeline(pipe)
+        """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline, or
+        the scorer's :class:`service.core.in_flight.Commands`): one HMGET per transaction
+        and view, packed already where the pipe takes that (``packed``: the service's held
+        connections) and on a Redis Cluster; else one :data:`HMGET_LUA` call for the batch,
+        which needs :attr:`scripts` loaded (``SCRIPT LOAD``; otherwise the reply is
+        ``NoScriptError``)."""
         # A transaction without the key (no device id) reads the empty key's: never written.
         keys = [
             self.key(view, getattr(t, view.join_key, None) or "")
             for t in txns
             for view in self.views
         ]
-        if cluster:
+        packed = getattr(pipe, "packed", None)
+        if packed is not None:
+            parts = self._packed
             for k, key in enumerate(keys):  # per transaction: one per view, in order
+                head, fields = parts[k % len(parts)]
+                packed(b"%b$%d\r\n%b\r\n%b" % (head, len(key), key, fields))
+        elif is_cluster_pipeline(pipe):
+            for k, key in enumerate(keys):
                 pipe.hmget(key, self._fields[self.views[k % len(self.views)].name])
         elif keys:
             pipe.execute_command("EVALSHA", HMGET_SHA, len(keys), *keys, *self._hmget_args)
@@ -131,9 +151,9 @@ class OnlineFeatureReader:
         """Turn the pipeline's replies (in queue order, exactly those :meth:`queue` queued)
         into defaulted feature columns."""
         n = len(txns)
-        if n and len(replies) == 1:
-            # One server: HMGET_LUA's one reply (the HMGETs' replies, in order). (Per-key
-            # HMGETs on a Cluster are 2 x n replies, so never 1.)
+        if n and len(replies) == 1 and replies[0] and isinstance(replies[0][0], list):
+            # HMGET_LUA's one reply: the HMGETs' replies, in order (an HMGET's own reply
+            # holds values, never lists).
             replies = replies[0]
         event_ts = [t.event_ts for t in txns]  # a property that converts: once per row
         raw: dict[str, list[Any]] = {}
