@@ -455,6 +455,20 @@ async def _read(conn: Any, n: int) -> list[Any]:
     return replies
 
 
+def hmget_parts(fields: Sequence[bytes]) -> tuple[bytes, bytes]:
+    """An ``HMGET`` of ``fields`` in the protocol as hiredis packs it, less its key: the
+    command's head (the array's length and name) and the fields' bulk strings; put
+    around a key by :func:`hmget_packed`. For callers that send one command many times,
+    key by key, packed once (``Commands.packed`` on a held connection)."""
+    head = b"*%d\r\n$5\r\nHMGET\r\n" % (2 + len(fields))
+    return head, b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in fields)
+
+
+def hmget_packed(parts: tuple[bytes, bytes], key: bytes) -> bytes:
+    """The ``HMGET`` of :func:`hmget_parts` for ``key``, as hiredis packs it."""
+    return b"%b$%d\r\n%b\r\n%b" % (parts[0], len(key), key, parts[1])
+
+
 def _pack(commands: Sequence[Command]) -> list[bytes]:
     """The commands in the protocol, packed by hiredis in C (a command name holding a
     space, as "SCRIPT LOAD", split as redis-py splits it); bytes: one command packed

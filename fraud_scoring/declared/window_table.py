@@ -21,6 +21,7 @@ from fraud_scoring.declared import kinds
 from fraud_scoring.declared.kinds import Sums
 from fraud_scoring.declared.language import NEWEST, US
 from fraud_scoring.declared.plan import Spec, tile_doubles
+from fraud_scoring.redis_clients import hmget_packed, hmget_parts
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,7 @@ def _compile(specs: tuple[Spec, ...]) -> Compiled:
     by_window: dict[tuple[int, int], list[Feature]] = {}
     for f in feats:
         by_window.setdefault((f.spec, f.window), []).append(f)
-    packed = tuple(
-        (
-            b"*%d\r\n$5\r\nHMGET\r\n" % (2 + len(fs)),
-            b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in fs),
-        )
-        for fs in fields
-    )
+    packed = tuple(hmget_parts(fs) for fs in fields)
     return Compiled(
         specs,
         tuple(fields),
@@ -91,8 +86,7 @@ def _compile(specs: tuple[Spec, ...]) -> Compiled:
 def hmget(packed: tuple[bytes, bytes], key: str) -> bytes:
     """A state's HMGET of ``key`` (its hash's name) in the protocol, as hiredis packs
     it (the name UTF-8)."""
-    k = key.encode()
-    return b"%b$%d\r\n%b\r\n%b" % (packed[0], len(k), k, packed[1])
+    return hmget_packed(packed, key.encode())
 
 
 class _Specs(tuple[Spec, ...]):

@@ -26,7 +26,7 @@ from feast.protos.feast.types.Value_pb2 import Value
 from fraud_scoring.events import Transaction
 from fraud_scoring.feast_store import online_field, online_key, stored_time
 from fraud_scoring.features import BatchView, apply_defaults, view_features, views
-from fraud_scoring.redis_clients import is_cluster_pipeline
+from fraud_scoring.redis_clients import hmget_packed, hmget_parts, is_cluster_pipeline
 
 
 @dataclass
@@ -87,13 +87,6 @@ return out
 HMGET_SHA = hashlib.sha1(HMGET_LUA.encode()).hexdigest()
 
 
-def _hmget_parts(fields: Sequence[bytes]) -> tuple[bytes, bytes]:
-    """An HMGET of ``fields`` in the protocol, as hiredis packs it, without its key: the
-    command's head (the array's length and name) and its fields' bulk strings."""
-    head = b"*%d\r\n$5\r\nHMGET\r\n" % (2 + len(fields))
-    return head, b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in fields)
-
-
 class OnlineFeatureReader:
     """Reads the batch (Feast) features of many transactions at once."""
 
@@ -115,7 +108,7 @@ class OnlineFeatureReader:
             self._hmget_args += [len(self._fields[v.name]), *self._fields[v.name]]
         # Per view (in order), its HMGET in the protocol around the key: the command's
         # head and its fields (as hiredis packs them).
-        self._packed = [_hmget_parts(self._fields[v.name]) for v in self.views]
+        self._packed = [hmget_parts(self._fields[v.name]) for v in self.views]
         # Scripts a server must have loaded for :meth:`queue` (SCRIPT LOAD each).
         self.scripts = (HMGET_LUA,)
 
@@ -139,8 +132,7 @@ class OnlineFeatureReader:
         if packed is not None:
             parts = self._packed
             for k, key in enumerate(keys):  # per transaction: one per view, in order
-                head, fields = parts[k % len(parts)]
-                packed(b"%b$%d\r\n%b\r\n%b" % (head, len(key), key, fields))
+                packed(hmget_packed(parts[k % len(parts)], key))
         elif is_cluster_pipeline(pipe):
             for k, key in enumerate(keys):
                 pipe.hmget(key, self._fields[self.views[k % len(self.views)].name])
