@@ -358,15 +358,22 @@ class StoreRoundTrip:
         # The markers first: an emptied store is refused on this very read, not a
         # watcher's check later. One GET each (on a Cluster they lie in other slots).
         markers = self.health.all_markers() if self.health is not None else []
-        for m in markers:
-            pipe.execute_command("GET", m)
+        # On one server one MGET (its reply spliced back below); on a Cluster they lie in
+        # other slots: one GET each.
+        together = len(markers) > 1 and not is_cluster_pipeline(pipe)
+        if together:
+            pipe.execute_command("MGET", *markers)
+        else:
+            for m in markers:
+                pipe.execute_command("GET", m)
+        spliced = len(markers) - 1 if together else 0  # replies the MGET's one stands for
         self.reader.queue(pipe, txns)
-        n_reader = len(pipe)
+        n_reader = len(pipe) + spliced
         list_reads = lists.queue_reads(pipe, self.rules.current, txns)
         rows = D.transaction_rows(txns) if decl.specs else []
         ts_us = [session.to_us(t.event_time) for t in txns]
         plan = C.queue_reads(pipe, decl, D.BatchColumns(rows, ts_us if decl.specs else []))
-        reads_end = len(pipe)
+        reads_end = len(pipe) + spliced
         recorded = self._to_record(txns, record)
         claiming = None
         if claim and again is None:
@@ -387,6 +394,9 @@ class StoreRoundTrip:
             if self.health is not None:
                 self.health.failed()
             raise FeatureStoreUnavailable("feature store unavailable") from exc
+        if together:  # the markers' values where their GETs' replies would lie
+            got = head[0]
+            head[:1] = [got] * len(markers) if isinstance(got, Exception) else got
         try:
             claims, newest = again, dict[str, int]()
             if claiming is not None:
