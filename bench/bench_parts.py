@@ -1,9 +1,9 @@
 """Where a micro-batch's CPU goes, step by step: ``Scorer.score_batch`` on the bench
 world's held-out transactions, ``--sizes`` at a time, one after another (no HTTP, no
-batcher; uvloop, as the service runs), this process pinned to core 0 and the
-Redis-protocol server it starts to core 1, back to back and after each ``--pauses``
-(what a request finds after an idle gap: on a VM the code and data a batch touches go
-cold within a millisecond or two, bench/README.md "bench_cold").
+batcher; uvloop and the store health's markers, as the service runs), this process
+pinned to core 0 and the Redis-protocol server it starts to core 1, back to back and
+after each ``--pauses-ms`` (what a request finds after an idle gap: on a VM the code and
+data a batch touches go cold within a millisecond or two, bench/README.md "bench_cold").
 
     python -m bench.bench_parts [--sizes 1,16] [--pauses-ms 0,20] [--batches 300]
 
@@ -32,6 +32,9 @@ import uvloop
 
 from bench.world import BenchWorld, StoreState, pinned_world, world_scorer
 from fraud_scoring.events import Transaction
+from fraud_scoring.feast_store import open_store
+from fraud_scoring.features import views
+from service.core.store_health import StoreHealth
 
 # (label, module, attribute path, depth): the steps of Scorer.score_batch in the order
 # they run; depth nests a step under the one above it.
@@ -113,6 +116,11 @@ async def measure(
     world: BenchWorld, store: StoreState, size: int, batches: int, pause_s: float
 ) -> None:
     scorer, client, _ = world_scorer(world)
+    # The service's store health: its markers ride on every micro-batch's read.
+    project = open_store(world.data_dir, world.redis_url).project
+    scorer.health = StoreHealth(
+        client, project, [v.name for v in views()], failures=3, open_s=5.0, check_s=5.0
+    )
     rows = world.held_out((batches + 20) * size)
     txns = [Transaction.model_validate(r) for r in rows]
     groups = [txns[i : i + size] for i in range(0, len(txns) - size + 1, size)]
