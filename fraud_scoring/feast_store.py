@@ -14,6 +14,7 @@ Feast's internal one, so ``pyproject.toml`` pins Feast's minor version and
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +92,29 @@ def open_store(data_dir: Path, redis_url: str, yaml_path: Path | None = None) ->
 
 def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3) -> bytes:
     """The Redis key under which Feast's Redis online store keeps one entity's features
-    (all views of that entity share the hash; ``_ts:<view>`` holds each view's time)."""
+    (all views of that entity share the hash; ``_ts:<view>`` holds each view's time).
+    Entity key serialization v3: Feast's own bytes for the empty id, then ``<u32
+    length><value>`` in place of its value (as :func:`online_key_column`): a protobuf per
+    key cost ~8 us, a micro-batch's two views a transaction."""
+    if key_version != 3:
+        return feast_online_key(project, join_key, entity_id, key_version)
+    head, tail = _key_parts(project, join_key)
+    value = entity_id.encode()
+    return b"%b%b%b%b" % (head, len(value).to_bytes(4, "little"), value, tail)
+
+
+def feast_online_key(project: str, join_key: str, entity_id: str, key_version: int = 3) -> bytes:
+    """:func:`online_key` by Feast's own serializer (one protobuf per key)."""
     ek = EntityKey(join_keys=[join_key], entity_values=[Value(string_val=entity_id)])
     return _redis_key(project, ek, key_version)
+
+
+@functools.cache
+def _key_parts(project: str, join_key: str) -> tuple[bytes, bytes]:
+    """What comes before an entity value's length in a v3 key, and after its value."""
+    tail = project.encode()
+    probe = feast_online_key(project, join_key, "", 3)
+    return probe[: len(probe) - len(tail) - 4], tail
 
 
 def online_keys(
@@ -118,8 +139,7 @@ def online_key_column(
     if key_version != 3:
         ids = entity_ids.to_pylist()
         return pa.array([online_key(project, join_key, e, key_version) for e in ids], pa.binary())
-    probe = online_key(project, join_key, "", key_version)
-    prefix = probe[: len(probe) - len(project) - 4]
+    prefix = _key_parts(project, join_key)[0]
     utf8 = entity_ids.cast(pa.binary())
     lengths = pc.binary_length(utf8).to_numpy(zero_copy_only=False).astype("<u4")
     length_bytes = pa.FixedSizeBinaryArray.from_buffers(

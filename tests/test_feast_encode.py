@@ -19,7 +19,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from batch_jobs import resp
 from batch_jobs.feast_encode import timestamp_column, timestamp_nanos, value_column
-from fraud_scoring.feast_store import online_key, online_key_column, online_keys
+from fraud_scoring.feast_store import (
+    feast_online_key,
+    online_key,
+    online_key_column,
+    online_keys,
+)
 from fraud_scoring.redis_server import embedded_redis
 
 _TYPES = {"float32": ValueType.FLOAT, "int64": ValueType.INT64, "string": ValueType.STRING}
@@ -134,7 +139,13 @@ def test_round_trip_returns_replies_and_raises_a_redis_error() -> None:
 
 def test_online_key_column_equals_feasts_key() -> None:
     ids = ["c0000001", "", "é-日本", "m" * 300]
-    want = [online_key("fraud_scoring", "card_id", e) for e in ids]
+    want = [feast_online_key("fraud_scoring", "card_id", e) for e in ids]
+    # One key at a time without Feast's protobuf: the same bytes, for every join key.
+    for join_key in ("card_id", "merchant_id", "device_id"):
+        for e in [*ids, "a\x00b"]:
+            assert online_key("fraud_scoring", join_key, e) == feast_online_key(
+                "fraud_scoring", join_key, e
+            )
     got = online_key_column("fraud_scoring", "card_id", pa.array(ids, pa.string()))
     assert got.to_pylist() == want
     assert online_keys("fraud_scoring", "card_id", ids) == want

@@ -58,10 +58,6 @@ def _decode_row(stored: tuple[bytes | None, ...]) -> tuple[tuple[Any, ...], tupl
     return values, tuple(j for j, x in enumerate(values) if x is None or x != x)
 
 
-# Cards and merchants recur: Feast's key serialisation (a protobuf per key) is worth
-# caching; 2^16 keys are a few MB.
-_online_key = functools.lru_cache(maxsize=1 << 16)(online_key)
-
 # The batch features of a whole micro-batch in one command, for a redis-py pipeline on one
 # server (not a Cluster: Feast's keys carry no hash tag, so a Cluster needs one HMGET per
 # key). KEYS: per transaction, one key per view in views() order; ARGV: the number of
@@ -113,7 +109,7 @@ class OnlineFeatureReader:
         self.scripts = (HMGET_LUA,)
 
     def key(self, view: BatchView, entity_id: str) -> bytes:
-        return _online_key(self.project, view.join_key, entity_id, self.eksv)
+        return online_key(self.project, view.join_key, entity_id, self.eksv)
 
     def queue(self, pipe: Any, txns: Sequence[Transaction]) -> None:
         """Queue every command the batch needs on ``pipe`` (sync or asyncio pipeline, or
