@@ -10,10 +10,11 @@ data a batch touches go cold within a millisecond or two, bench/README.md "bench
 Each step below is timed by a wrapper around the function (process CPU time, so the
 store's own work and the wait for it are outside every figure except where a step awaits
 the store: ``round trip: send and read``). A step's figure includes the steps listed
-under it. Each wrapped call costs ~1 us, so the steps' sum reads a little high. The store
-is put back before each measure (``bench.world.StoreState``): every measure is the live
-path. Profilers that trace every call (cProfile, line_profiler) inflate a micro-batch's
-small calls several times over; these wrappers time a handful of steps only.
+under it. Each wrapped call costs ~1.5 us (its two CPU-clock reads are system calls), so
+the steps' sum reads a little high. The store is put back before each measure
+(``bench.world.StoreState``): every measure is the live path. Profilers that trace every
+call (cProfile, line_profiler) inflate a micro-batch's small calls several times over;
+these wrappers time a handful of steps only.
 """
 
 from __future__ import annotations
