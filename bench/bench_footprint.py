@@ -237,9 +237,10 @@ def batch_time(raw: Path, last: date, spark: bool) -> dict[str, Any]:
 
 # --- the derived sheet (docs/scale-sheet.md); each assumption is a named constant ----------
 # Figures measured elsewhere in this repository, cited rather than re-run:
-# bench/README.md: bench_http, batched, one pinned core (2026-12-07, the declared features;
-# the typical endpoint held 4,000 in the same run, the hand-written features of 811ee54 1,600)
-SCORING_HELD_PER_CORE = 800
+# bench/README.md: bench_http, batched, one pinned core (2026-12-08: 300 and 200 in two runs,
+# the typical endpoint 3,000 and 4,000, the hand-written features of 811ee54 1,500 and 1,200;
+# 800 - 1,200 in the better runs of 2026-12-07)
+SCORING_HELD_PER_CORE = 300
 # The store's CPU per decision on the scoring path (bench_http's store ms: 206-358 us at
 # micro-batches of 2-28, 2026-12-07) plus the updater's second recording of it (~35 us:
 # bench_store_time's last table): what a shard's one core spends per decision.
