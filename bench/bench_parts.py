@@ -24,9 +24,8 @@ import functools
 import importlib
 import inspect
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import uvloop
@@ -84,32 +83,24 @@ def _timed(label: str, fn: Callable[..., Any], spent: dict[str, float]) -> Calla
     return timed
 
 
-def _holders(module: str, path: str) -> Iterator[tuple[Any, str]]:
-    """Where ``module.path`` is bound: its own module or class, and every loaded module
-    of the project that imported the function under the same name."""
+def _owner(module: str, path: str) -> tuple[Any, str]:
+    """The module or class that binds ``module.path``, and the name (every wrapped step
+    is called through its module or class, never imported by name elsewhere)."""
     owner: Any = importlib.import_module(module)
     *outer, name = path.split(".")
     for part in outer:
         owner = getattr(owner, part)
-    yield owner, name
-    if outer:  # a method: its class is the one place
-        return
-    fn = getattr(owner, name)
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").split(".")[0] in ("service", "fraud_scoring"):
-            for attr, value in list(vars(mod).items()):
-                if value is fn and mod is not owner:
-                    yield mod, attr
+    return owner, name
 
 
 def instrument(spent: dict[str, float]) -> list[tuple[Any, str, Any]]:
     """Wrap every step; returns what to put back."""
     undo = []
     for label, module, path, _ in STEPS:
-        for owner, name in list(_holders(module, path)):
-            original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
-            undo.append((owner, name, original))
-            setattr(owner, name, _timed(label, original, spent))
+        owner, name = _owner(module, path)
+        original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        undo.append((owner, name, original))
+        setattr(owner, name, _timed(label, original, spent))
     return undo
 
 

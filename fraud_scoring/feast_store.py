@@ -94,8 +94,8 @@ def online_key(project: str, join_key: str, entity_id: str, key_version: int = 3
     """The Redis key under which Feast's Redis online store keeps one entity's features
     (all views of that entity share the hash; ``_ts:<view>`` holds each view's time).
     Entity key serialization v3: Feast's own bytes for the empty id, then ``<u32
-    length><value>`` in place of its value (as :func:`online_key_column`): a protobuf per
-    key cost ~8 us, a micro-batch's two views a transaction."""
+    length><value>`` in place of its value (as :func:`online_key_column`): ~0.6 us a key,
+    where Feast's protobuf costs ~4 us, twice a transaction (two views)."""
     if key_version != 3:
         return feast_online_key(project, join_key, entity_id, key_version)
     head, tail = _key_parts(project, join_key)

@@ -356,10 +356,9 @@ class StoreRoundTrip:
         pipe = self._pipeline()
         decl = self._declared_read()
         # The markers first: an emptied store is refused on this very read, not a
-        # watcher's check later. One GET each (on a Cluster they lie in other slots).
+        # watcher's check later. On one server one MGET (its reply spliced back below);
+        # on a Cluster they lie in other slots: one GET each.
         markers = self.health.all_markers() if self.health is not None else []
-        # On one server one MGET (its reply spliced back below); on a Cluster they lie in
-        # other slots: one GET each.
         together = len(markers) > 1 and not is_cluster_pipeline(pipe)
         if together:
             pipe.execute_command("MGET", *markers)
